@@ -1,0 +1,1 @@
+"""Shared libraries every Sluice service stands on: one home per concern."""

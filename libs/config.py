@@ -1,0 +1,62 @@
+"""All Sluice settings, read from the environment with the ``SLUICE_`` prefix.
+
+Every field here is listed in the README's settings table; ``tests/test_config.py`` fails when
+one is missing there, so the documentation cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from functools import lru_cache
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore")
+
+    # NATS
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated.")
+    nats_user: str | None = Field(None, description="NATS user name.")
+    nats_password: str | None = Field(None, description="NATS password.")
+    nats_token: str | None = Field(None, description="NATS auth token.")
+    nats_creds_file: str | None = Field(None, description="Path of a NATS .creds file.")
+    stream_replicas: int = Field(1, ge=1, le=5, description="JetStream replicas of every Sluice stream.")
+    dedup_window_s: float = Field(120.0, gt=0, description="JetStream Nats-Msg-Id duplicate window.")
+
+    # Process identity and HTTP
+    instance_id: str = Field(default_factory=_default_instance_id, description="This process' id.")
+    http_host: str = Field("127.0.0.1", description="Bind address of the health/metrics/API server.")
+    http_port: int = Field(0, ge=0, le=65535, description="HTTP port; 0 means the service's default.")
+    log_level: str = Field("INFO", description="Python log level.")
+    log_json: bool = Field(True, description="Structured JSON logs with trace ids.")
+
+    # Leadership
+    lease_ttl_s: float = Field(3.0, gt=0.2, description="Leader lease TTL in seconds.")
+    member_ttl_s: float = Field(5.0, gt=0.2, description="A sink-worker is gone after this silence.")
+
+    # Spark
+    spark_master: str = Field("local[*]", description="Spark master URL for the data path jobs.")
+    spark_connect_url: str | None = Field(None, description="Spark Connect URL; wins over spark_master.")
+    spark_shuffle_partitions: int = Field(8, ge=1, description="spark.sql.shuffle.partitions.")
+    spark_driver_memory: str = Field("2g", description="spark.driver.memory of the local driver.")
+
+    # Databases
+    downstream_url: str = Field(
+        "sqlite:///.sluice/downstream.db", description="Default downstream (sink) database URL."
+    )
+    state_db_url: str = Field("sqlite:///.sluice/state.db", description="The api's read-model database.")
+    source_id: str = Field("src1", description="capture: id of the source this process reads.")
+    source_url: str = Field("mysql://root@127.0.0.1:3306/", description="capture: the source's URL.")
+    source_server_id: int = Field(4101, ge=1, description="capture: replica server id for the binlog.")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,152 @@
+"""The runtime every Sluice service shares: FastAPI health/metrics, uvicorn, NATS, SIGTERM.
+
+A service is a ``main(runtime)`` coroutine that does its work until ``runtime.stopping`` is set.
+``run_service`` serves ``/healthz``, ``/readyz`` and ``/metrics`` beside it and shuts down
+cleanly on SIGTERM or SIGINT: it sets ``stopping``, gives ``main`` time to finish, stops uvicorn
+and drains the NATS connection, then exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
+from nats.aio.client import Client
+
+from libs.config import Settings, get_settings
+from libs.nats_client import connect
+from libs.telemetry.logs import setup_logging
+from libs.telemetry.metrics import render_latest
+from libs.telemetry.tracing import setup_tracing, shutdown_tracing
+
+log = logging.getLogger(__name__)
+
+# Default HTTP ports, one per service, so a whole system can run on one host.
+DEFAULT_PORTS = {
+    "api": 8100,
+    "capture": 8101,
+    "member": 8102,
+    "scheduler": 8103,
+    "replication-manager": 8104,
+    "ddl-lock": 8105,
+    "sink-worker": 8106,
+}
+
+ReadyCheck = Callable[[], bool]
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the runtime owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class ServiceRuntime:
+    def __init__(self, name: str, settings: Settings | None = None, app: FastAPI | None = None) -> None:
+        self.name = name
+        self.settings = settings or get_settings()
+        self.app = app or FastAPI(title=f"sluice-{name}")
+        self.stopping = asyncio.Event()
+        self.status: dict[str, Any] = {}
+        self._ready_checks: dict[str, ReadyCheck] = {}
+        self._nc: Client | None = None
+        self.port = self.settings.http_port or DEFAULT_PORTS.get(name, 8199)
+        self._add_routes()
+
+    @property
+    def producer(self) -> str:
+        return f"{self.name}/{self.settings.instance_id}"
+
+    @property
+    def nc(self) -> Client:
+        if self._nc is None:
+            raise RuntimeError("NATS is not connected yet")
+        return self._nc
+
+    def add_ready_check(self, name: str, check: ReadyCheck) -> None:
+        self._ready_checks[name] = check
+
+    def _add_routes(self) -> None:
+        @self.app.get("/healthz", tags=["ops"])
+        async def healthz() -> dict[str, Any]:
+            return {"status": "ok", "service": self.name, "instance": self.settings.instance_id,
+                    **self.status}
+
+        @self.app.get("/readyz", tags=["ops"])
+        async def readyz() -> JSONResponse:
+            failing = [n for n, check in self._ready_checks.items() if not check()]
+            if self._nc is None or not self._nc.is_connected:
+                failing.append("nats")
+            body = {"ready": not failing, "failing": failing}
+            return JSONResponse(body, status_code=200 if not failing else 503)
+
+        @self.app.get("/metrics", tags=["ops"])
+        async def metrics() -> Response:
+            payload, content_type = render_latest()
+            return Response(payload, media_type=content_type)
+
+    async def run(self, main: Callable[[ServiceRuntime], Awaitable[None]]) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        self._nc = await connect(self.settings, name=self.producer)
+        server = _Server(uvicorn.Config(self.app, host=self.settings.http_host, port=self.port,
+                                        log_config=None, access_log=False, lifespan="off"))
+        server_task = asyncio.create_task(server.serve(), name="uvicorn")
+        main_task = asyncio.create_task(main(self), name=f"{self.name}-main")
+        log.info("service started", extra={"service": self.name, "port": self.port})
+        stop_wait = asyncio.create_task(self.stopping.wait())
+        done, _ = await asyncio.wait({main_task, server_task, stop_wait},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        failure: BaseException | None = None
+        for task in (main_task, server_task):
+            if task in done and not task.cancelled() and task.exception() is not None:
+                failure = task.exception()
+                log.error("%s exited with an error", task.get_name(), exc_info=failure)
+        self.stopping.set()
+        # main gets a grace period to finish its work (drain, resign) before it is cancelled.
+        if not main_task.done():
+            try:
+                await asyncio.wait_for(main_task, timeout=10)
+            except (TimeoutError, asyncio.CancelledError):
+                pass
+            except Exception as exc:  # already logged by the task itself where it matters
+                failure = failure or exc
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server_task, timeout=5)
+        stop_wait.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._nc.drain(), timeout=5)
+        shutdown_tracing()
+        log.info("service stopped", extra={"service": self.name})
+        if failure is not None:
+            raise failure
+
+
+async def idle_until_stopped(runtime: ServiceRuntime) -> None:
+    """The main of a service whose work arrives in a later release: health only."""
+    await runtime.stopping.wait()
+
+
+def run_service(name: str, main: Callable[[ServiceRuntime], Awaitable[None]],
+                app: FastAPI | None = None) -> None:
+    settings = get_settings()
+    setup_logging(name, settings)
+    setup_tracing(name)
+    runtime = ServiceRuntime(name, settings, app=app)
+    try:
+        asyncio.run(runtime.run(main))
+    except Exception:
+        log.exception("service %s failed", name)
+        sys.exit(1)

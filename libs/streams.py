@@ -1,0 +1,68 @@
+"""Stream, subject and bucket names: the one place that spells them."""
+
+from __future__ import annotations
+
+import re
+
+ROWS_STREAM = "SLUICE_ROWS"
+DEADLETTER_STREAM = "SLUICE_DEADLETTER"
+LEADER_BUCKET = "sluice-leaders"
+
+# One event-sourced stream per control domain; its leader is the only writer.
+DOMAINS = ("members", "schedule", "replication", "ddl", "changefeeds")
+
+_TOKEN = re.compile(r"[^A-Za-z0-9_\-]")
+
+
+def token(value: str) -> str:
+    """Make a value safe as one NATS subject token (no dots, spaces or wildcards)."""
+    cleaned = _TOKEN.sub("_", value)
+    if not cleaned:
+        raise ValueError("empty subject token")
+    return cleaned
+
+
+def domain_stream(domain: str) -> str:
+    return f"SLUICE_{domain.upper()}"
+
+
+def domain_events_subject(domain: str) -> str:
+    return f"sluice.{domain}.events"
+
+
+def domain_snapshot_subject(domain: str) -> str:
+    return f"sluice.{domain}.snapshot"
+
+
+def domain_subjects(domain: str) -> list[str]:
+    return [f"sluice.{domain}.>"]
+
+
+def rows_subject(source: str, schema: str, table: str) -> str:
+    return f"sluice.rows.{token(source)}.{token(schema)}.{token(table)}"
+
+
+def ddl_subject(source: str, schema: str, table: str) -> str:
+    return f"sluice.ddl.{token(source)}.{token(schema)}.{token(table)}"
+
+
+def resolved_subject(source: str) -> str:
+    return f"sluice.resolved.{token(source)}"
+
+
+ROWS_SUBJECTS = ["sluice.rows.>", "sluice.ddl.>", "sluice.resolved.>"]
+
+
+def deadletter_subject(origin_stream: str) -> str:
+    return f"sluice.deadletter.{token(origin_stream)}"
+
+
+DEADLETTER_SUBJECTS = ["sluice.deadletter.>"]
+
+
+def heartbeat_subject(member_id: str) -> str:
+    return f"sluice.hb.{token(member_id)}"
+
+
+def dispatch_subject(member_id: str) -> str:
+    return f"sluice.dispatch.{token(member_id)}"

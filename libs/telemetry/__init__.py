@@ -1,0 +1,1 @@
+"""Traces (OpenTelemetry over OTLP) and Prometheus metrics."""

@@ -1,0 +1,21 @@
+"""Prometheus metrics shared by every service; service-specific ones live beside the service."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, generate_latest
+
+NATS_RECONNECTS = Counter("sluice_nats_reconnects", "NATS reconnections of this process.")
+LEADER_EPOCH = Gauge("sluice_leader_epoch", "Epoch this process leads with; 0 when not leader.",
+                     ["service"])
+IS_LEADER = Gauge("sluice_is_leader", "1 while this process holds its service's lease.", ["service"])
+LEADER_STEPDOWNS = Counter("sluice_leader_stepdowns", "Times this process lost leadership.",
+                           ["service", "reason"])
+DEAD_LETTERS = Counter("sluice_dead_letters", "Messages moved to a dead-letter subject.",
+                       ["stream", "kind"])
+EVENTS_APPENDED = Counter("sluice_events_appended", "Events appended to domain streams.", ["stream"])
+APPEND_CONFLICTS = Counter("sluice_append_conflicts",
+                           "Appends refused by the expected-sequence check.", ["stream"])
+
+
+def render_latest() -> tuple[bytes, str]:
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

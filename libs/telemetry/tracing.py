@@ -1,0 +1,91 @@
+"""OpenTelemetry tracing: OTLP export when configured, W3C context carried in NATS headers.
+
+The exporter follows the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` (and the other ``OTEL_*``
+variables); with none set, spans are still created so trace ids reach logs and messages, but
+nothing is exported. Span names follow the messaging conventions: ``publish <subject>`` and
+``process <subject>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Span, SpanKind
+
+_provider: TracerProvider | None = None
+
+
+def setup_tracing(service_name: str, extra_processor: SpanProcessor | None = None) -> TracerProvider:
+    """Install the process' tracer provider once; later calls return the same provider."""
+    global _provider
+    if _provider is not None:
+        if extra_processor is not None:
+            _provider.add_span_processor(extra_processor)
+        return _provider
+    provider = TracerProvider(resource=Resource.create({"service.name": f"sluice-{service_name}"}))
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    ):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if extra_processor is not None:
+        provider.add_span_processor(extra_processor)
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    return provider
+
+
+def shutdown_tracing() -> None:
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer("sluice")
+
+
+def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
+    """Return ``headers`` plus the current W3C trace context (traceparent, tracestate)."""
+    carrier = dict(headers or {})
+    propagate.inject(carrier)
+    return carrier
+
+
+def extract_context(headers: Mapping[str, str] | None) -> otel_context.Context:
+    return propagate.extract(dict(headers or {}))
+
+
+@contextlib.contextmanager
+def publish_span(subject: str, headers: dict[str, str] | None = None) -> Iterator[tuple[Span, dict[str, str]]]:
+    """A PRODUCER span for one publish; yields the headers to send, with the context injected."""
+    with tracer().start_as_current_span(
+        f"publish {subject}", kind=SpanKind.PRODUCER,
+        attributes={"messaging.system": "nats", "messaging.destination.name": subject,
+                    "messaging.operation.type": "publish"},
+    ) as span:
+        yield span, inject_headers(headers)
+
+
+@contextlib.contextmanager
+def process_span(subject: str, headers: Mapping[str, str] | None) -> Iterator[Span]:
+    """A CONSUMER span for handling one message, child of the publisher's span."""
+    ctx = extract_context(headers)
+    with tracer().start_as_current_span(
+        f"process {subject}", context=ctx, kind=SpanKind.CONSUMER,
+        attributes={"messaging.system": "nats", "messaging.destination.name": subject,
+                    "messaging.operation.type": "process"},
+    ) as span:
+        yield span
+
+
+def current_trace_id() -> str | None:
+    span_ctx = trace.get_current_span().get_span_context()
+    return format(span_ctx.trace_id, "032x") if span_ctx.is_valid else None

@@ -1,0 +1,1 @@
+"""Sluice services: one package each, started with ``python -m services.<name>``."""

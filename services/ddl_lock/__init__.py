@@ -1,0 +1,1 @@
+"""The ddl-lock service."""

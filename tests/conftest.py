@@ -1,0 +1,44 @@
+"""Session fixtures: private servers on free ports with temp data dirs, never system services."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from libs.localservers.nats_server import NatsServer
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(data_dir=tmp_path_factory.mktemp("nats")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
+    client = await nats.connect(nats_server.url)
+    yield client
+    await client.drain()
+
+
+@pytest.fixture
+async def js(nc: Client) -> JetStreamContext:
+    return nc.jetstream()
+
+
+@pytest.fixture
+def service_env(nats_server: NatsServer, tmp_path: Path) -> dict[str, str]:
+    """Environment for a service subprocess pointed at the session's nats-server."""
+    return {
+        "SLUICE_NATS_URL": nats_server.url,
+        "SLUICE_LEASE_TTL_S": "1.5",
+        "SLUICE_STATE_DB_URL": f"sqlite:///{tmp_path / 'state.db'}",
+        "SLUICE_DOWNSTREAM_URL": f"sqlite:///{tmp_path / 'downstream.db'}",
+        "SLUICE_LOG_JSON": "true",
+    }
