@@ -10,7 +10,7 @@ import os
 import socket
 from functools import lru_cache
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -24,9 +24,12 @@ class Settings(BaseSettings):
     # NATS
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated.")
     nats_user: str | None = Field(None, description="NATS user name.")
-    nats_password: str | None = Field(None, description="NATS password.")
-    nats_token: str | None = Field(None, description="NATS auth token.")
+    nats_password: SecretStr | None = Field(None, description="NATS password.")
+    nats_token: SecretStr | None = Field(None, description="NATS auth token.")
     nats_creds_file: str | None = Field(None, description="Path of a NATS .creds file.")
+    nats_connect_timeout_s: float = Field(
+        30.0, gt=0, description="How long a starting service waits for NATS before it fails."
+    )
     stream_replicas: int = Field(1, ge=1, le=5, description="JetStream replicas of every Sluice stream.")
     dedup_window_s: float = Field(120.0, gt=0, description="JetStream Nats-Msg-Id duplicate window.")
 

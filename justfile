@@ -1,0 +1,25 @@
+# Shortcuts for people who have `just`; the README's commands do not need it.
+
+# Start the whole system and run the demo.
+demo *ARGS:
+    bash infra/dev.sh demo {{ARGS}}
+
+# Set everything up and run the whole test suite.
+test *ARGS:
+    bash infra/dev.sh test {{ARGS}}
+
+# Install what is missing (venv, Java, MariaDB, PostgreSQL) without running anything.
+setup:
+    bash infra/dev.sh setup
+
+lint:
+    .venv/bin/ruff check .
+    .venv/bin/mypy
+
+# Regenerate contracts/schemas/ after changing an event model.
+schemas:
+    .venv/bin/python -m contracts.generate
+
+# Benchmarks (not part of the test suite); see BENCHMARKS.md.
+bench:
+    .venv/bin/python -m benchmarks.run_all

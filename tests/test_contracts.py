@@ -1,0 +1,94 @@
+"""Contracts: old versions upcast to the newest, schemas match the models, bad input is typed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from contracts import REGISTRY, ContractError
+from contracts.events.members import MemberJoinedV1, MemberJoinedV2
+from contracts.generate import SCHEMA_DIR, render_schemas
+
+FIXTURES = Path(__file__).parent / "fixtures" / "contracts"
+
+
+def test_every_contract_version_has_a_fixture() -> None:
+    wanted = {f"{t}.v{v}.json" for t, v, _ in REGISTRY.contracts()}
+    present = {p.name for p in FIXTURES.glob("*.json")}
+    assert wanted <= present, f"fixtures missing for {sorted(wanted - present)}"
+
+
+@pytest.mark.parametrize("fixture", sorted(FIXTURES.glob("*.json")), ids=lambda p: p.stem)
+def test_fixture_decodes_to_newest_version(fixture: Path) -> None:
+    raw = fixture.read_bytes()
+    decoded = REGISTRY.decode(raw)
+    original = json.loads(raw)
+    assert decoded.original_version == original["version"]
+    assert decoded.envelope.version == REGISTRY.latest_version(original["type"])
+    newest_model = dict((( t, v), m) for t, v, m in REGISTRY.contracts())[
+        (original["type"], decoded.envelope.version)]
+    assert isinstance(decoded.event, newest_model)
+    assert decoded.envelope.id == original["id"]
+
+
+def test_member_joined_v1_upcasts_with_unknown_incarnation() -> None:
+    raw = REGISTRY.encode(MemberJoinedV1(member_id="w1", address="h:1"), producer="t")
+    decoded = REGISTRY.decode(raw)
+    assert isinstance(decoded.event, MemberJoinedV2)
+    assert decoded.event.incarnation == ""
+    assert decoded.event.member_id == "w1"
+    assert decoded.original_version == 1
+
+
+def test_round_trip_keeps_envelope_fields() -> None:
+    event = MemberJoinedV2(member_id="w2", incarnation="abc", address="h:2", labels={"z": "1"})
+    raw = REGISTRY.encode(event, producer="member/x", epoch=12, event_id="id-1")
+    decoded = REGISTRY.decode(raw)
+    assert decoded.event == event
+    assert (decoded.envelope.producer, decoded.envelope.epoch, decoded.envelope.id) == ("member/x", 12, "id-1")
+
+
+def test_checked_in_schemas_match_models() -> None:
+    rendered = render_schemas()
+    on_disk = {p.name: p.read_text() for p in SCHEMA_DIR.glob("*.json")}
+    assert set(on_disk) == set(rendered), "run `python -m contracts.generate`"
+    for name, text in rendered.items():
+        assert on_disk[name] == text, f"{name} drifted from its model; run `python -m contracts.generate`"
+
+
+def _envelope(**over: object) -> bytes:
+    body: dict[str, object] = {"type": "member.left", "version": 1, "id": "x", "time": "2026-01-01T00:00:00Z",
+                               "producer": "p", "epoch": 0,
+                               "data": {"member_id": "w", "incarnation": "i", "reason": "shutdown"}}
+    body.update(over)
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "kind"),
+    [
+        (b"\x00\xffnot json", "malformed"),
+        (b"[1,2,3]", "malformed"),
+        (b'{"type": "member.left"}', "malformed"),
+        (_envelope(type="no.such.type"), "unknown_type"),
+        (_envelope(version=99), "unknown_version"),
+        (_envelope(data={"member_id": ""}), "invalid_data"),
+        (_envelope(data={"member_id": "w", "incarnation": "i", "reason": "x", "extra": 1}), "invalid_data"),
+    ],
+)
+def test_bad_input_raises_one_typed_error(raw: bytes, kind: str) -> None:
+    with pytest.raises(ContractError) as err:
+        REGISTRY.decode(raw)
+    assert err.value.kind == kind
+    assert str(err.value).startswith(kind)
+
+
+def test_invalid_old_version_is_reported_against_its_own_version() -> None:
+    raw = _envelope(type="member.joined", version=1, data={"address": "x"})
+    with pytest.raises(ContractError) as err:
+        REGISTRY.decode(raw)
+    assert err.value.kind == "invalid_data"
+    assert err.value.version == 1
+    assert "member_id" in err.value.reason

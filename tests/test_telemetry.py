@@ -1,0 +1,72 @@
+"""Traces cross process boundaries through NATS headers; logs carry trace ids, never secrets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from libs.config import Settings
+from libs.localservers.nats_server import NatsServer
+from libs.telemetry.logs import JsonFormatter
+from libs.telemetry.tracing import process_span, setup_tracing, tracer
+
+EXPORTER = InMemorySpanExporter()
+setup_tracing("test", extra_processor=SimpleSpanProcessor(EXPORTER))
+
+
+async def test_trace_continues_in_consumer_of_another_process(nc: Client, nats_server: NatsServer) -> None:
+    subject = "test.trace.rows"
+    received: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def handler(msg: Msg) -> None:
+        await received.put(msg)
+
+    sub = await nc.subscribe(subject, cb=handler)
+    await nc.flush()
+    out = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "tests.helpers.traced_publisher", nats_server.url, subject],
+        capture_output=True, text=True, timeout=60, check=True)
+    ids = json.loads(out.stdout.strip().splitlines()[-1])
+    msg = await asyncio.wait_for(received.get(), timeout=10)
+    await sub.unsubscribe()
+
+    EXPORTER.clear()
+    with process_span(subject, msg.headers):
+        pass
+    spans = [s for s in EXPORTER.get_finished_spans() if s.name == f"process {subject}"]
+    assert len(spans) == 1
+    span = spans[0]
+    assert span.kind == SpanKind.CONSUMER
+    assert format(span.context.trace_id, "032x") == ids["trace_id"]
+    assert span.parent is not None
+    assert format(span.parent.span_id, "016x") == ids["span_id"]
+    assert span.attributes is not None and span.attributes["messaging.destination.name"] == subject
+
+
+def test_json_log_carries_trace_id_and_hides_secrets() -> None:
+    formatter = JsonFormatter("unit")
+    with tracer().start_as_current_span("op") as span:
+        record = logging.makeLogRecord({"msg": "connecting %s", "args": ("db",), "levelname": "INFO",
+                                        "name": "t", "nats_password": "hunter2", "table": "orders"})
+        line = json.loads(formatter.format(record))
+    assert line["msg"] == "connecting db"
+    assert line["trace_id"] == format(span.get_span_context().trace_id, "032x")
+    assert line["nats_password"] == "***"
+    assert line["table"] == "orders"
+    assert "hunter2" not in json.dumps(line)
+
+
+def test_settings_secrets_are_not_in_repr() -> None:
+    s = Settings(nats_password="hunter2", nats_token="tok-123")
+    assert s.nats_password is not None and s.nats_password.get_secret_value() == "hunter2"
+    assert "hunter2" not in repr(s) and "tok-123" not in repr(s)
+    assert "hunter2" not in s.model_dump_json()
