@@ -1,0 +1,111 @@
+"""Row-change, DDL and resolved-ts contracts published by capture on the ROWS stream.
+
+Values travel as JSON with one encoding per column kind (see ``ColumnV1.kind``) so every sink
+decodes them the same way:
+
+- ``int``: JSON integer; ``float``: JSON number; ``decimal``: string (exact digits);
+- ``string`` (char, varchar, text, enum): JSON string; ``set``: JSON string, comma separated,
+  as MySQL itself spells it;
+- ``bytes`` (binary, varbinary, blob): base64 string;
+- ``date``: ``YYYY-MM-DD``; ``datetime`` and ``timestamp``: ISO 8601 without zone, microseconds
+  kept (timestamps are UTC); ``time``: ``[-]HH:MM:SS[.ffffff]``;
+- ``json``: the JSON document as text; ``bit``: integer.
+
+``NULL`` is JSON ``null`` for every kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from contracts.registry import register
+
+ColumnKind = Literal["int", "float", "decimal", "string", "set", "bytes", "date", "datetime",
+                     "timestamp", "time", "json", "bit"]
+RowOp = Literal["insert", "update", "delete"]
+
+
+class ColumnV1(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    kind: ColumnKind
+    sql_type: str = Field(description="The source's column type, e.g. 'decimal(12,2)', for DDL.")
+    nullable: bool = True
+
+
+class RowImageV1(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    op: RowOp
+    before: dict[str, Any] | None = Field(None, description="Full image before (update, delete).")
+    after: dict[str, Any] | None = Field(None, description="Full image after (insert, update).")
+
+
+class TableMetaV1(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    columns: list[ColumnV1]
+    primary_key: list[str] = Field(description="Primary-key columns; empty when the table has none.")
+    unique_keys: list[list[str]] = Field(default_factory=list, description="Other unique keys.")
+
+
+class SourcePositionV1(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    binlog_file: str
+    binlog_pos: int = Field(ge=0, description="End position of the event in the binlog file.")
+    gtid: str | None = None
+
+
+@register("rows.changed", 1)
+class RowsChangedV1(BaseModel):
+    """Rows of one table changed by one transaction (or part of it, ``part`` counts from 0)."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(min_length=1)
+    database: str = Field(min_length=1)
+    table: str = Field(min_length=1)
+    ts: int = Field(ge=0, description="Commit ts of the transaction: physical_ms << 18 | logical.")
+    seq: int = Field(ge=0, description="Order of this message within the source's stream.")
+    part: int = Field(0, ge=0)
+    last_part: bool = Field(True, description="False while more messages of this txn/table follow.")
+    position: SourcePositionV1
+    meta: TableMetaV1
+    rows: list[RowImageV1] = Field(min_length=1)
+
+
+@register("ddl.executed", 1)
+class DdlExecutedV1(BaseModel):
+    """A schema change of one table, in stream order with its rows."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(min_length=1)
+    database: str = Field(min_length=1)
+    table: str = Field(min_length=1)
+    ts: int = Field(ge=0)
+    seq: int = Field(ge=0)
+    statement: str = Field(min_length=1)
+    position: SourcePositionV1
+    meta_after: TableMetaV1 | None = Field(None, description="Table metadata after the change.")
+
+
+@register("resolved.advanced", 1)
+class ResolvedAdvancedV1(BaseModel):
+    """Every change of ``source`` with ts <= ``ts`` has been published."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(min_length=1)
+    ts: int = Field(ge=0)
+    position: SourcePositionV1
+
+
+@register("capture.rejected", 1)
+class CaptureRejectedV1(BaseModel):
+    """Capture met something it will not replicate silently: the operator must act."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(min_length=1)
+    kind: Literal["no_primary_key", "unsupported_type", "binlog_not_row", "binlog_not_full_image"]
+    database: str = ""
+    table: str = ""
+    message: str = Field(min_length=1)
+    position: SourcePositionV1 | None = None
