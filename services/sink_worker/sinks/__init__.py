@@ -1,0 +1,1 @@
+"""Downstream sinks behind one interface: MySQL/MariaDB, PostgreSQL, SQLite."""

@@ -1,0 +1,88 @@
+"""The sink interface the apply job writes through.
+
+The apply job hands a sink the *final* image per key of one consistent batch, already split
+into partitions by a hash of (table, key). Each partition is written by one call of
+``apply_partition`` on a fresh connection, possibly in parallel with other partitions. The
+writes must be idempotent: re-applying the same or an older batch converges to the same state.
+
+- ``Delete(table, key)``: delete the row with this primary-key value (no error when absent).
+- ``Upsert(table, key, row)``: first delete rows that hold any of the row's unique-key values
+  under another primary key, then insert-or-replace the row by primary key (MySQL REPLACE /
+  ON DUPLICATE KEY semantics; PostgreSQL ON CONFLICT; SQLite INSERT OR REPLACE).
+
+Values in ``key`` and ``row`` are already decoded to Python values (int, float, Decimal, str,
+bytes, date, datetime, time as timedelta or str, JSON as str, None) by ``values.decode_row``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from contracts.events.rows import TableMetaV1
+
+
+@dataclass(frozen=True)
+class TargetTable:
+    """A downstream table: its name, its columns and the key the apply path uses."""
+
+    schema: str | None  # database (MySQL) or schema (PostgreSQL); None for SQLite / the default
+    name: str
+    meta: TableMetaV1
+    key: tuple[str, ...]  # primary key, or the unique key / all columns the changefeed chose
+    unique_keys: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Upsert:
+    key: tuple[Any, ...]
+    row: Mapping[str, Any]
+
+
+Change = Delete | Upsert
+
+
+@dataclass
+class PartitionResult:
+    deleted: int = 0
+    upserted: int = 0
+    conflicts_removed: int = 0
+
+
+class Sink(ABC):
+    """One downstream database. Instances are cheap and picklable (they hold a URL, not a socket)."""
+
+    dialect: str
+
+    @abstractmethod
+    def ensure_table(self, table: TargetTable) -> None:
+        """Create the target table from the source metadata when missing (idempotent)."""
+
+    @abstractmethod
+    def reconcile_schema(self, table: TargetTable) -> list[str]:
+        """Bring the target's columns to ``table.meta`` (add/drop columns); return the SQL run.
+
+        This is how a single-shard DDL reaches the target: idempotent, so a crash between
+        executing it and recording it re-runs it harmlessly.
+        """
+
+    @abstractmethod
+    def drop_table(self, table: TargetTable) -> None: ...
+
+    @abstractmethod
+    def truncate_table(self, table: TargetTable) -> None: ...
+
+    @abstractmethod
+    def apply_partition(self, table: TargetTable, changes: Iterable[Change]) -> PartitionResult:
+        """Write one partition's final images idempotently, in one transaction, retrying deadlocks."""
+
+    @abstractmethod
+    def fetch_rows(self, table: TargetTable) -> list[dict[str, Any]]:
+        """Every row of the table (for checksums and tests)."""
