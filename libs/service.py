@@ -13,7 +13,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
 import uvicorn
@@ -95,7 +95,7 @@ class ServiceRuntime:
             payload, content_type = render_latest()
             return Response(payload, media_type=content_type)
 
-    async def run(self, main: Callable[[ServiceRuntime], Awaitable[None]]) -> None:
+    async def run(self, main: Callable[[ServiceRuntime], Coroutine[Any, Any, None]]) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -139,7 +139,7 @@ async def idle_until_stopped(runtime: ServiceRuntime) -> None:
     await runtime.stopping.wait()
 
 
-def run_service(name: str, main: Callable[[ServiceRuntime], Awaitable[None]],
+def run_service(name: str, main: Callable[[ServiceRuntime], Coroutine[Any, Any, None]],
                 app: FastAPI | None = None) -> None:
     settings = get_settings()
     setup_logging(name, settings)

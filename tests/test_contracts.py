@@ -27,8 +27,8 @@ def test_fixture_decodes_to_newest_version(fixture: Path) -> None:
     original = json.loads(raw)
     assert decoded.original_version == original["version"]
     assert decoded.envelope.version == REGISTRY.latest_version(original["type"])
-    newest_model = dict((( t, v), m) for t, v, m in REGISTRY.contracts())[
-        (original["type"], decoded.envelope.version)]
+    models = {(t, v): m for t, v, m in REGISTRY.contracts()}
+    newest_model = models[(original["type"], decoded.envelope.version)]
     assert isinstance(decoded.event, newest_model)
     assert decoded.envelope.id == original["id"]
 
@@ -47,7 +47,8 @@ def test_round_trip_keeps_envelope_fields() -> None:
     raw = REGISTRY.encode(event, producer="member/x", epoch=12, event_id="id-1")
     decoded = REGISTRY.decode(raw)
     assert decoded.event == event
-    assert (decoded.envelope.producer, decoded.envelope.epoch, decoded.envelope.id) == ("member/x", 12, "id-1")
+    env = decoded.envelope
+    assert (env.producer, env.epoch, env.id) == ("member/x", 12, "id-1")
 
 
 def test_checked_in_schemas_match_models() -> None:

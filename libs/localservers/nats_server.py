@@ -23,12 +23,13 @@ class NatsServer:
         if not self.port:
             self.port = free_port()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.data_dir / "nats-server.log", "ab")  # noqa: SIM115 - lives with the process
-        self.proc = subprocess.Popen(
-            [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-             "-sd", str(self.data_dir / "js")],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
+        # The child keeps its own copy of the log descriptor; ours can close right away.
+        with open(self.data_dir / "nats-server.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+                 "-sd", str(self.data_dir / "js")],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
         wait_until(lambda: port_open(self.port) or self.proc is None or self.proc.poll() is not None,
                    15, f"nats-server on port {self.port}")
         if self.proc.poll() is not None:

@@ -43,9 +43,9 @@ class ServiceProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, "SLUICE_HTTP_PORT": str(self.port),
                "SLUICE_INSTANCE_ID": self.instance_id}
-        log = open(self.log_path, "ab")  # noqa: SIM115 - lives with the process
-        self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=env, stdout=log,
-                                     stderr=subprocess.STDOUT)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=env, stdout=log,
+                                         stderr=subprocess.STDOUT)
         return self
 
     def alive(self) -> bool:

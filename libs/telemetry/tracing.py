@@ -64,7 +64,9 @@ def extract_context(headers: Mapping[str, str] | None) -> otel_context.Context:
 
 
 @contextlib.contextmanager
-def publish_span(subject: str, headers: dict[str, str] | None = None) -> Iterator[tuple[Span, dict[str, str]]]:
+def publish_span(
+    subject: str, headers: dict[str, str] | None = None
+) -> Iterator[tuple[Span, dict[str, str]]]:
     """A PRODUCER span for one publish; yields the headers to send, with the context injected."""
     with tracer().start_as_current_span(
         f"publish {subject}", kind=SpanKind.PRODUCER,
