@@ -1,0 +1,209 @@
+"""MySQL / MariaDB sink (pymysql).
+
+Sessions are pinned to known settings rather than whatever the server defaults are:
+
+- ``utf8mb4`` connection and tables (4-byte characters such as emoji), ``utf8mb4_bin`` table
+  collation: a case- or accent-insensitive collation would make the unique-key conflict delete
+  remove rows that the (binary) source considers different;
+- ``sql_mode`` strict and without ``NO_BACKSLASH_ESCAPES`` / ``ANSI_QUOTES`` (pymysql's escaping
+  and our backtick quoting assume them), so an over-long value fails instead of being truncated;
+- ``time_zone = '+00:00'`` and ``READ COMMITTED``: partitions touch disjoint keys, so gap locks
+  buy nothing and only add deadlocks;
+- bytes are sent as ``_binary'...'`` so BLOB values are never checked as utf8mb4 text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import pymysql
+
+from contracts.events.rows import ColumnV1
+from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.sql_common import SqlSink
+from services.sink_worker.values import (
+    MYSQL_MAX_KEY_BYTES,
+    format_time,
+    fsp_of,
+    is_text_like_mysql,
+    mysql_key_bytes,
+    mysql_key_type,
+)
+
+_SESSION_INIT = (
+    "SET SESSION sql_mode = 'STRICT_TRANS_TABLES,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION',"
+    " time_zone = '+00:00',"
+    " SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
+)
+
+# ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT, "server has gone away", "lost connection",
+# "can't connect", ER_SERVER_SHUTDOWN, ER_CONNECTION_KILLED (server restart mid-partition).
+_RETRYABLE_CODES = frozenset({1213, 1205, 2006, 2013, 2003, 1053, 1927})
+
+
+class MySQLSink(SqlSink):
+    dialect = "mysql"
+    placeholder = "%s"
+    max_params = 1_000_000  # pymysql interpolates client side: only statement bytes matter
+
+    def _connect(self) -> Any:
+        params: dict[str, Any] = {
+            "host": self.db.host,
+            "port": self.db.port,
+            "user": self.db.user,
+            "password": self.db.password,
+            "charset": "utf8mb4",
+            "autocommit": False,
+            "binary_prefix": True,
+            "connect_timeout": 10,
+            "init_command": _SESSION_INIT,
+        }
+        socket = self.db.option("unix_socket")
+        if socket:
+            params["unix_socket"] = socket
+        return pymysql.connect(**params)
+
+    def _begin(self, conn: Any) -> None:
+        conn.begin()
+
+    def _retryable(self, exc: BaseException) -> bool:
+        if isinstance(exc, pymysql.err.InterfaceError):
+            return True  # the socket is already closed
+        if isinstance(exc, pymysql.err.MySQLError) and exc.args:
+            return exc.args[0] in _RETRYABLE_CODES
+        return isinstance(exc, ConnectionError)
+
+    def _database(self, table: TargetTable) -> str:
+        name = table.schema or self.db.database
+        if not name:
+            raise ValueError(f"no database for table {table.name!r}: set TargetTable.schema or the URL path")
+        return name
+
+    def _table_ref(self, table: TargetTable, *, for_params: bool = False) -> str:
+        q = self.pident if for_params else self.ident
+        return f"{q(self._database(table))}.{q(table.name)}"
+
+    def _adapt(self, column: ColumnV1 | None, value: Any) -> Any:
+        # pymysql renders a negative timedelta wrongly (-00:00:01 as '-1:59:59').
+        if isinstance(value, timedelta):
+            return format_time(value, fsp_of(column) if column is not None else 6)
+        return value
+
+    # ------------------------------------------------------------------ DDL
+
+    def column_type(self, table: TargetTable, column: ColumnV1) -> str:
+        keys = [table.key, *table.unique_keys]
+        if not is_text_like_mysql(column) or not any(column.name in k for k in keys):
+            return super().column_type(table, column)
+        colmap = self._columns(table)
+        budget = MYSQL_MAX_KEY_BYTES
+        for k in keys:
+            if column.name not in k:
+                continue
+            members = [colmap[c] for c in k if c in colmap]
+            fixed = sum(mysql_key_bytes(c) or 0 for c in members)
+            flexible = sum(1 for c in members if mysql_key_bytes(c) is None)
+            budget = min(budget, (MYSQL_MAX_KEY_BYTES - fixed) // max(flexible, 1) - 2)
+        if budget <= 0:
+            raise ValueError(f"key with column {column.name!r} of {table.name!r} is too wide for InnoDB")
+        return mysql_key_type(column, budget)
+
+    def create_statements(self, table: TargetTable) -> list[str]:
+        self._validate(table)
+        body = ",\n  ".join([*self._column_defs(table), *self._constraints(table)])
+        return [
+            f"CREATE DATABASE IF NOT EXISTS {self.ident(self._database(table))}"
+            " CHARACTER SET utf8mb4 COLLATE utf8mb4_bin",
+            f"CREATE TABLE IF NOT EXISTS {self._table_ref(table)} (\n  {body}\n)"
+            " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
+        ]
+
+    def ensure_table(self, table: TargetTable) -> None:
+        statements = self.create_statements(table)
+
+        def work(cur: Any) -> None:
+            for sql in statements:
+                cur.execute(sql)
+
+        self._run(work, f"create {table.name!r}")
+
+    def _current(self, cur: Any, table: TargetTable) -> list[str] | None:
+        cur.execute(
+            "SELECT COLUMN_NAME FROM information_schema.COLUMNS"
+            " WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s ORDER BY ORDINAL_POSITION",
+            (self._database(table), table.name),
+        )
+        names = [str(r[0]) for r in cur.fetchall()]
+        if names:
+            return names
+        cur.execute(
+            "SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s",
+            (self._database(table), table.name),
+        )
+        return [] if cur.fetchone() else None
+
+    def reconcile_schema(self, table: TargetTable) -> list[str]:
+        self._validate(table)
+
+        def work(cur: Any) -> list[str]:
+            current = self._current(cur, table)
+            if current is None:
+                statements = self.create_statements(table)
+                for sql in statements:
+                    cur.execute(sql)
+                return statements
+            # MySQL column names are case-insensitive: `Name` and `name` are one column.
+            have = {c.casefold(): c for c in current}
+            want = {c.name.casefold() for c in table.meta.columns}
+            keep = {k.casefold() for k in table.key}
+            actions: list[str] = []
+            drop = [c for f, c in have.items() if f not in want and f not in keep]
+            if drop:
+                # Unique indexes over a dropped column go first: MySQL would otherwise shrink
+                # them to the remaining columns, which can make existing rows collide.
+                cur.execute(
+                    "SELECT DISTINCT INDEX_NAME FROM information_schema.STATISTICS"
+                    " WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s AND NON_UNIQUE = 0"
+                    " AND INDEX_NAME <> 'PRIMARY' AND COLUMN_NAME IN ("
+                    + ", ".join(["%s"] * len(drop)) + ")",
+                    (self._database(table), table.name, *drop),
+                )
+                actions += [f"DROP INDEX {self.ident(str(r[0]))}" for r in cur.fetchall()]
+                actions += [f"DROP COLUMN {self.ident(c)}" for c in drop]
+            for column in table.meta.columns:
+                if column.name.casefold() not in have:
+                    actions.append(f"ADD COLUMN {self.ident(column.name)} "
+                                   f"{self.column_type(table, column)} NULL")
+            if not actions:
+                return []
+            # One ALTER: one table rebuild, and MySQL applies it all or nothing.
+            sql = f"ALTER TABLE {self._table_ref(table)} " + ", ".join(actions)
+            cur.execute(sql)
+            return [sql]
+
+        return self._run(work, f"reconcile {table.name!r}")
+
+    def drop_table(self, table: TargetTable) -> None:
+        sql = f"DROP TABLE IF EXISTS {self._table_ref(table)}"
+        self._run(lambda cur: cur.execute(sql), f"drop {table.name!r}")
+
+    def truncate_table(self, table: TargetTable) -> None:
+        sql = f"TRUNCATE TABLE {self._table_ref(table)}"
+        self._run(lambda cur: cur.execute(sql), f"truncate {table.name!r}")
+
+    # ------------------------------------------------------------------ DML
+
+    def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
+        cols = ", ".join(self.pident(c) for c in columns)
+        row = "(" + ", ".join(["%s"] * len(columns)) + ")"
+        values = ", ".join([row] * nrows)
+        key = set(table.key)
+        # VALUES(col) rather than the 8.0.19 row alias: MariaDB has no alias syntax.
+        updates = [f"{self.pident(c)} = VALUES({self.pident(c)})" for c in columns if c not in key]
+        if not updates:
+            first = self.pident(table.key[0])
+            updates = [f"{first} = {first}"]
+        return (f"INSERT INTO {self._table_ref(table, for_params=True)} ({cols}) VALUES {values}"
+                f" ON DUPLICATE KEY UPDATE {', '.join(updates)}")

@@ -1,0 +1,144 @@
+"""PostgreSQL sink (psycopg 3).
+
+Upserts are ``INSERT ... ON CONFLICT (key) DO UPDATE``; PostgreSQL has no REPLACE, so rows that
+hold the same unique-key values under another key are deleted first (``SqlSink._apply``).
+DDL is transactional here, so ``reconcile_schema`` changes the table all at once or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import errors as pgerrors
+
+from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.sql_common import SqlSink
+
+
+class PostgresSink(SqlSink):
+    dialect = "postgresql"
+    placeholder = "%s"
+    max_params = 60_000  # the protocol carries at most 65535 parameters per statement
+
+    def _connect(self) -> Any:
+        params: dict[str, Any] = {
+            "host": self.db.host,
+            "port": self.db.port,
+            "user": self.db.user or None,
+            "password": self.db.password or None,
+            "dbname": self.db.database or "postgres",
+            "autocommit": False,
+            "connect_timeout": 10,
+        }
+        # Other URL options (sslmode, application_name, ...) are libpq connection parameters.
+        params.update(dict(self.db.options))
+        params = {k: v for k, v in params.items() if v is not None}
+        # Statements differ per chunk size and table: server-side prepares would only pile up.
+        return psycopg.connect(**params, prepare_threshold=None)
+
+    def _begin(self, conn: Any) -> None:
+        # psycopg opens a transaction at the first statement when autocommit is off.
+        return None
+
+    def _retryable(self, exc: BaseException) -> bool:
+        if isinstance(exc, pgerrors.TransactionRollback | pgerrors.LockNotAvailable):
+            return True  # deadlock_detected, serialization_failure, lock timeouts
+        if isinstance(exc, pgerrors.AdminShutdown | pgerrors.CrashShutdown | pgerrors.CannotConnectNow):
+            return True  # a server restart mid-partition
+        if isinstance(exc, psycopg.OperationalError):
+            # No SQLSTATE, or class 08: the connection itself failed.
+            state = getattr(exc, "sqlstate", None)
+            return state is None or state.startswith("08")
+        return False
+
+    def _schema(self, table: TargetTable) -> str | None:
+        return table.schema
+
+    def _table_ref(self, table: TargetTable, *, for_params: bool = False) -> str:
+        q = self.pident if for_params else self.ident
+        return f"{q(table.schema)}.{q(table.name)}" if table.schema else q(table.name)
+
+    # ------------------------------------------------------------------ DDL
+
+    def create_statements(self, table: TargetTable) -> list[str]:
+        self._validate(table)
+        body = ",\n  ".join([*self._column_defs(table), *self._constraints(table)])
+        out = []
+        if table.schema:
+            out.append(f"CREATE SCHEMA IF NOT EXISTS {self.ident(table.schema)}")
+        out.append(f"CREATE TABLE IF NOT EXISTS {self._table_ref(table)} (\n  {body}\n)")
+        return out
+
+    def _create(self, cur: Any, table: TargetTable) -> list[str]:
+        statements = self.create_statements(table)
+        for sql in statements:
+            cur.execute(sql)
+        return statements
+
+    def _retryable_ddl(self, exc: BaseException) -> bool:
+        # Two callers creating the same table/schema at once: IF NOT EXISTS is not atomic in
+        # PostgreSQL, the loser gets a unique violation on the catalog; the retry finds it.
+        return isinstance(exc, pgerrors.UniqueViolation | pgerrors.DuplicateTable
+                          | pgerrors.DuplicateSchema | pgerrors.DuplicateObject) or self._retryable(exc)
+
+    def ensure_table(self, table: TargetTable) -> None:
+        self._run(lambda cur: self._create(cur, table), f"create {table.name!r}", self._retryable_ddl)
+
+    def _current(self, cur: Any, table: TargetTable) -> list[str] | None:
+        cur.execute(
+            "SELECT c.attname FROM pg_attribute c"
+            " WHERE c.attrelid = to_regclass(%s) AND c.attnum > 0 AND NOT c.attisdropped"
+            " ORDER BY c.attnum",
+            (self._table_ref(table),),
+        )
+        names = [str(r[0]) for r in cur.fetchall()]
+        if names:
+            return names
+        cur.execute("SELECT to_regclass(%s) IS NOT NULL", (self._table_ref(table),))
+        row = cur.fetchone()
+        return [] if row and row[0] else None
+
+    def reconcile_schema(self, table: TargetTable) -> list[str]:
+        self._validate(table)
+
+        def work(cur: Any) -> list[str]:
+            current = self._current(cur, table)
+            if current is None:
+                return self._create(cur, table)
+            want = {c.name for c in table.meta.columns}
+            keep = set(table.key)
+            # DROP COLUMN also drops the unique constraints that use it, as the source did.
+            actions = [f"DROP COLUMN {self.ident(c)}" for c in current if c not in want and c not in keep]
+            have = set(current)
+            actions += [f"ADD COLUMN {self.ident(c.name)} {self.column_type(table, c)}"
+                        for c in table.meta.columns if c.name not in have]
+            if not actions:
+                return []
+            sql = f"ALTER TABLE {self._table_ref(table)} " + ", ".join(actions)
+            cur.execute(sql)
+            return [sql]
+
+        return self._run(work, f"reconcile {table.name!r}", self._retryable_ddl)
+
+    def drop_table(self, table: TargetTable) -> None:
+        sql = f"DROP TABLE IF EXISTS {self._table_ref(table)}"
+        self._run(lambda cur: cur.execute(sql), f"drop {table.name!r}")
+
+    def truncate_table(self, table: TargetTable) -> None:
+        sql = f"TRUNCATE TABLE {self._table_ref(table)}"
+        self._run(lambda cur: cur.execute(sql), f"truncate {table.name!r}")
+
+    # ------------------------------------------------------------------ DML
+
+    def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
+        cols = ", ".join(self.pident(c) for c in columns)
+        row = "(" + ", ".join(["%s"] * len(columns)) + ")"
+        values = ", ".join([row] * nrows)
+        key = set(table.key)
+        conflict = ", ".join(self.pident(k) for k in table.key)
+        updates = [f"{self.pident(c)} = EXCLUDED.{self.pident(c)}" for c in columns if c not in key]
+        action = f"DO UPDATE SET {', '.join(updates)}" if updates else "DO NOTHING"
+        return (f"INSERT INTO {self._table_ref(table, for_params=True)} ({cols}) VALUES {values}"
+                f" ON CONFLICT ({conflict}) {action}")

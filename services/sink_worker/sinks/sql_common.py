@@ -1,0 +1,379 @@
+"""What the SQL sinks share: identifier quoting, statement building, the apply algorithm, retries.
+
+Rules every statement here follows:
+
+- Identifiers are always quoted by ``quote_ident`` (backticks for MySQL, double quotes
+  otherwise, the quote character doubled inside), so a table named ``select`` or a column named
+  ``we"ird`` is just a name. Values are always driver parameters, never text in the SQL.
+- pymysql and psycopg use ``%s`` placeholders and treat ``%`` as special *only when parameters
+  are passed*. Statements with parameters therefore quote identifiers with ``%`` doubled
+  (``pident``); statements without (DDL, SELECT *) run with no parameters at all (``ident``).
+
+The apply algorithm (``SqlSink.apply_partition``), one transaction per call:
+
+1. collapse the changes to the last one per key and sort them by key, so that partitions
+   running in parallel take row locks in the same order (fewer deadlocks);
+2. ``DELETE ... WHERE key IN (...)`` for the deletes, a chunk per statement;
+3. for every unique key: delete rows holding an upserted row's unique values under another key
+   (one statement per unique key per chunk; a unique key with a NULL value is skipped, because
+   NULLs never conflict in SQL). This is what makes the TDSQL "lucy" case commute: whichever
+   partition runs first, the row that holds ``lucy`` last is the one the batch says holds it;
+4. multi-row insert-or-update by key (dialect specific).
+
+The whole transaction is retried (bounded, exponential backoff with jitter) on deadlocks,
+serialization failures, lock timeouts, SQLITE_BUSY and lost connections: the writes are
+idempotent, so re-running a partition from the start is always safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+from contracts.events.rows import ColumnV1
+from libs.dburl import DatabaseUrl, parse_database_url
+from services.sink_worker.sinks.base import Change, Delete, PartitionResult, Sink, TargetTable, Upsert
+from services.sink_worker.values import normalize_fetched, sql_type_for
+
+log = logging.getLogger("sluice.sink")
+
+T = TypeVar("T")
+
+# Longest identifier each dialect keeps: PostgreSQL silently truncates past 63 bytes, which
+# would make reconcile_schema add the "missing" column forever; MySQL rejects past 64 chars.
+_MAX_IDENT = {"postgresql": 63, "mysql": 64, "sqlite": 1_000_000}
+
+
+class IdentifierError(ValueError):
+    """A table or column name no target can represent faithfully."""
+
+
+def quote_ident(dialect: str, name: str, *, for_params: bool = False) -> str:
+    """Quote one identifier for ``dialect``; ``for_params`` doubles ``%`` for %s-style drivers."""
+    if not name:
+        raise IdentifierError("empty identifier")
+    if "\x00" in name:
+        raise IdentifierError(f"identifier with a NUL character: {name!r}")
+    size = len(name.encode()) if dialect == "postgresql" else len(name)
+    if size > _MAX_IDENT[dialect]:
+        raise IdentifierError(f"identifier longer than {dialect} allows ({_MAX_IDENT[dialect]}): {name!r}")
+    if dialect == "mysql":
+        quoted = "`" + name.replace("`", "``") + "`"
+    else:
+        quoted = '"' + name.replace('"', '""') + '"'
+    if for_params and dialect in ("mysql", "postgresql"):
+        quoted = quoted.replace("%", "%%")
+    return quoted
+
+
+def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    size = max(1, size)
+    for start in range(0, len(items), size):
+        yield items[start: start + size]
+
+
+def _sort_token(value: Any) -> tuple[int, str, Any]:
+    # Values of one key column share a type, except NULL; the type name keeps mixed types
+    # (which should not happen) from raising TypeError instead of merely sorting oddly.
+    if value is None:
+        return (0, "", 0)
+    return (1, type(value).__name__, value)
+
+
+def sort_key(key: tuple[Any, ...]) -> tuple[tuple[int, str, Any], ...]:
+    return tuple(_sort_token(v) for v in key)
+
+
+def _size_of(value: Any) -> int:
+    if isinstance(value, str | bytes | bytearray):
+        return len(value) * 2 + 8  # escaped in the statement text by pymysql
+    return 24
+
+
+class SqlSink(Sink):
+    """The apply algorithm for any DB-API driver; subclasses supply the dialect details."""
+
+    dialect: str = ""
+    placeholder: str = "%s"
+    # Bind parameters one statement may carry (SQLite's compile-time default is 999 in old
+    # builds; PostgreSQL's protocol limit is 65535; pymysql interpolates client side).
+    max_params: int = 60_000
+    # Keep a multi-row statement well under MariaDB's default max_allowed_packet (16 MiB).
+    max_statement_bytes: int = 4 * 1024 * 1024
+
+    def __init__(self, url: str, *, max_attempts: int = 8, backoff_s: float = 0.05,
+                 max_backoff_s: float = 2.0, chunk_rows: int = 500) -> None:
+        self.url = url
+        self.db: DatabaseUrl = parse_database_url(url)
+        if self.db.dialect != self.dialect:
+            raise ValueError(f"{type(self).__name__} needs a {self.dialect} URL, got {self.db.redacted()}")
+        self.max_attempts = max_attempts
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.chunk_rows = chunk_rows
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.db.redacted()!r})"
+
+    # ------------------------------------------------------------------ dialect hooks
+
+    @abstractmethod
+    def _connect(self) -> Any:
+        """A new DB-API connection, not in autocommit mode."""
+
+    @abstractmethod
+    def _begin(self, conn: Any) -> None:
+        """Start the partition's transaction."""
+
+    @abstractmethod
+    def _retryable(self, exc: BaseException) -> bool:
+        """True for errors after which re-running the whole transaction may succeed."""
+
+    @abstractmethod
+    def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
+        """A multi-row insert-or-update by ``table.key`` of ``nrows`` rows of ``columns``."""
+
+    @abstractmethod
+    def _table_ref(self, table: TargetTable, *, for_params: bool = False) -> str:
+        """The quoted, qualified table name."""
+
+    def _adapt(self, column: ColumnV1 | None, value: Any) -> Any:
+        """A decoded value as this driver should bind it (identity unless a dialect says otherwise)."""
+        return value
+
+    # ------------------------------------------------------------------ helpers
+
+    def ident(self, name: str) -> str:
+        return quote_ident(self.dialect, name)
+
+    def pident(self, name: str) -> str:
+        return quote_ident(self.dialect, name, for_params=True)
+
+    def column_type(self, table: TargetTable, column: ColumnV1) -> str:
+        return sql_type_for(self.dialect, column)
+
+    @staticmethod
+    def _columns(table: TargetTable) -> dict[str, ColumnV1]:
+        return {c.name: c for c in table.meta.columns}
+
+    def _run(self, work: Callable[[Any], T], what: str,
+             retryable: Callable[[BaseException], bool] | None = None) -> T:
+        """Run ``work(cursor)`` in one transaction on a fresh connection, retrying the whole of it."""
+        retryable = retryable or self._retryable
+        attempt = 0
+        while True:
+            attempt += 1
+            conn = None
+            try:
+                conn = self._connect()
+                self._begin(conn)
+                cur = conn.cursor()
+                try:
+                    result = work(cur)
+                finally:
+                    cur.close()
+                conn.commit()
+                return result
+            except Exception as exc:
+                if conn is not None:
+                    try:
+                        conn.rollback()
+                    except Exception:  # the connection may be gone: the server rolls back anyway
+                        log.debug("rollback failed after %s", type(exc).__name__)
+                if attempt >= self.max_attempts or not retryable(exc):
+                    raise
+                delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+                delay *= 0.5 + random.random()  # jitter, so two victims do not collide again
+                log.warning("%s on %s: retrying (attempt %d/%d) in %.2fs after %s: %s", what,
+                            self.db.redacted(), attempt + 1, self.max_attempts, delay,
+                            type(exc).__name__, exc)
+                time.sleep(delay)
+            finally:
+                if conn is not None:
+                    try:
+                        conn.close()
+                    except Exception:
+                        log.debug("close failed")
+
+    # ------------------------------------------------------------------ statement building
+
+    def _match(self, columns: Sequence[str], values: Sequence[Any], colmap: Mapping[str, ColumnV1],
+               params: list[Any]) -> str:
+        """``a = %s AND b IS NULL``: NULL-safe and still index-friendly on every dialect."""
+        parts: list[str] = []
+        for name, value in zip(columns, values, strict=True):
+            if value is None:
+                parts.append(f"{self.pident(name)} IS NULL")
+            else:
+                parts.append(f"{self.pident(name)} = {self.placeholder}")
+                params.append(self._adapt(colmap.get(name), value))
+        return " AND ".join(parts)
+
+    def _where_keys(self, key: Sequence[str], keys: Sequence[tuple[Any, ...]],
+                    colmap: Mapping[str, ColumnV1]) -> tuple[str, list[Any]]:
+        params: list[Any] = []
+        if len(key) == 1:
+            col = colmap.get(key[0])
+            present = [k[0] for k in keys if k[0] is not None]
+            conds = []
+            if present:
+                marks = ", ".join([self.placeholder] * len(present))
+                conds.append(f"{self.pident(key[0])} IN ({marks})")
+                params.extend(self._adapt(col, v) for v in present)
+            if len(present) < len(keys):
+                conds.append(f"{self.pident(key[0])} IS NULL")
+            return " OR ".join(conds), params
+        conds = [f"({self._match(key, k, colmap, params)})" for k in keys]
+        return " OR ".join(conds), params
+
+    def _rows_per_statement(self, params_per_row: int) -> int:
+        return max(1, min(self.chunk_rows, self.max_params // max(1, params_per_row)))
+
+    def _size_chunks(self, rows: Sequence[T], per_row: int,
+                     size: Callable[[T], int]) -> Iterator[Sequence[T]]:
+        """Chunks bounded by row count, bind parameters and approximate statement bytes."""
+        limit = self._rows_per_statement(per_row)
+        start = 0
+        while start < len(rows):
+            end, total = start, 0
+            while end < len(rows) and end - start < limit:
+                total += size(rows[end])
+                if end > start and total > self.max_statement_bytes:
+                    break
+                end += 1
+            yield rows[start:end]
+            start = end
+
+    # ------------------------------------------------------------------ apply
+
+    def apply_partition(self, table: TargetTable, changes: Iterable[Change]) -> PartitionResult:
+        if not table.key:
+            raise ValueError(f"table {table.name!r} has no key: the apply path needs one")
+        colmap = self._columns(table)
+        missing = [c for c in table.key if c not in colmap]
+        if missing:
+            raise ValueError(f"key columns {missing} of {table.name!r} are not in its metadata")
+        last: dict[tuple[Any, ...], Change] = {}
+        for change in changes:
+            if len(change.key) != len(table.key):
+                raise ValueError(f"key {change.key!r} does not match key columns {table.key}")
+            last.pop(change.key, None)  # re-insert so "last" is also the latest position
+            last[change.key] = change
+        ordered = sorted(last.values(), key=lambda c: sort_key(c.key))
+        deletes = [c.key for c in ordered if isinstance(c, Delete)]
+        upserts: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        for c in ordered:
+            if isinstance(c, Upsert):
+                row = dict(c.row)
+                unknown = [name for name in row if name not in colmap]
+                if unknown:
+                    raise ValueError(f"row of {table.name!r} has columns not in its metadata: {unknown}")
+                for name, value in zip(table.key, c.key, strict=True):
+                    row.setdefault(name, value)
+                upserts.append((c.key, row))
+        if not deletes and not upserts:
+            return PartitionResult()
+
+        def work(cur: Any) -> PartitionResult:
+            return self._apply(cur, table, colmap, deletes, upserts)
+
+        return self._run(work, f"apply partition of {table.name!r}")
+
+    def _apply(self, cur: Any, table: TargetTable, colmap: Mapping[str, ColumnV1],
+               deletes: Sequence[tuple[Any, ...]],
+               upserts: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> PartitionResult:
+        result = PartitionResult()
+        ref = self._table_ref(table, for_params=True)
+        key = table.key
+        for key_chunk in chunks(deletes, self._rows_per_statement(len(key))):
+            cond, key_params = self._where_keys(key, key_chunk, colmap)
+            cur.execute(f"DELETE FROM {ref} WHERE {cond}", key_params)
+            result.deleted += max(cur.rowcount, 0)
+
+        for unique in table.unique_keys:
+            if not unique or set(unique) == set(key):
+                continue  # the key itself: the upsert handles it
+            holders = [(k, row) for k, row in upserts
+                       if all(row.get(c) is not None for c in unique)]
+            per_row = len(unique) + len(key)
+            for holder_chunk in chunks(holders, self._rows_per_statement(per_row)):
+                params: list[Any] = []
+                conds = []
+                for k, row in holder_chunk:
+                    same_unique = self._match(unique, [row[c] for c in unique], colmap, params)
+                    same_key = self._match(key, k, colmap, params)
+                    conds.append(f"({same_unique} AND NOT ({same_key}))")
+                cur.execute(f"DELETE FROM {ref} WHERE {' OR '.join(conds)}", params)
+                result.conflicts_removed += max(cur.rowcount, 0)
+
+        # Rows normally all carry every column; group anyway so one statement has one shape.
+        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        order = list(colmap)
+        for _, row in upserts:
+            cols = tuple(c for c in order if c in row)
+            groups.setdefault(cols, []).append(row)
+        for cols, rows in groups.items():
+            column_list = [colmap[c] for c in cols]
+
+            def row_size(row: dict[str, Any], cols: tuple[str, ...] = cols) -> int:
+                return sum(_size_of(row[c]) for c in cols)
+
+            for row_chunk in self._size_chunks(rows, len(cols), row_size):
+                row_params: list[Any] = []
+                for row in row_chunk:
+                    row_params.extend(self._adapt(col, row[col.name]) for col in column_list)
+                cur.execute(self._upsert_sql(table, cols, len(row_chunk)), row_params)
+                result.upserted += len(row_chunk)
+        return result
+
+    # ------------------------------------------------------------------ reading
+
+    def _select_sql(self, table: TargetTable) -> str:
+        cols = ", ".join(self.ident(c.name) for c in table.meta.columns)
+        order = ", ".join(self.ident(k) for k in table.key)
+        return f"SELECT {cols} FROM {self._table_ref(table)}" + (f" ORDER BY {order}" if order else "")
+
+    def fetch_rows(self, table: TargetTable) -> list[dict[str, Any]]:
+        columns = table.meta.columns
+        sql = self._select_sql(table)
+
+        def work(cur: Any) -> list[dict[str, Any]]:
+            cur.execute(sql)
+            return [{c.name: normalize_fetched(c, v) for c, v in zip(columns, raw, strict=True)}
+                    for raw in cur.fetchall()]
+
+        return self._run(work, f"fetch {table.name!r}")
+
+    # ------------------------------------------------------------------ DDL helpers
+
+    def _column_defs(self, table: TargetTable, types: Mapping[str, str] | None = None) -> list[str]:
+        key = set(table.key)
+        defs = []
+        for column in table.meta.columns:
+            sql_type = (types or {}).get(column.name) or self.column_type(table, column)
+            # Only key columns are NOT NULL: shards may reach a new NOT NULL column at different
+            # times, and the source already enforced it for the rows that arrive.
+            null = " NOT NULL" if column.name in key else (" NULL" if self.dialect == "mysql" else "")
+            defs.append(f"{self.ident(column.name)} {sql_type}{null}")
+        return defs
+
+    def _constraints(self, table: TargetTable) -> list[str]:
+        existing = {c.name for c in table.meta.columns}
+        out = [f"PRIMARY KEY ({', '.join(self.ident(k) for k in table.key)})"]
+        for unique in table.unique_keys:
+            if unique and set(unique) != set(table.key) and set(unique) <= existing:
+                out.append(f"UNIQUE ({', '.join(self.ident(c) for c in unique)})")
+        return out
+
+    @staticmethod
+    def _validate(table: TargetTable) -> None:
+        if not table.key:
+            raise ValueError(f"table {table.name!r} has no key: the apply path needs one")
+        names = {c.name for c in table.meta.columns}
+        missing = [k for k in table.key if k not in names]
+        if missing:
+            raise ValueError(f"key columns {missing} of {table.name!r} are not in its metadata")

@@ -1,0 +1,207 @@
+"""SQLite sink (sqlite3), the embedded default.
+
+Parallel partitions are serialised by SQLite itself: WAL (readers never block the writer), a
+busy timeout, and ``BEGIN IMMEDIATE`` so a transaction takes the write lock before its first
+statement. A deferred transaction would take it at the first write instead, and two of those
+upgrading at once fail with SQLITE_BUSY immediately (the busy handler cannot resolve that).
+
+SQLite has no exact wide number types, so some values are stored as canonical text, one
+spelling per value so that key lookups by equality still match (see ``values._sqlite_type``):
+decimals with exactly the column's scale, bigint unsigned / bit(64) as decimal digits, datetimes
+with the column's fractional digits, TIME as ``[-]HH:MM:SS[.f]``.
+
+``TargetTable.schema`` is ignored: one SQLite file is one namespace.
+"""
+
+from __future__ import annotations
+
+import functools
+import sqlite3
+from collections.abc import Callable, Sequence
+from datetime import date, datetime, timedelta
+from decimal import Decimal, localcontext
+from pathlib import Path
+from typing import Any
+
+from contracts.events.rows import ColumnV1
+from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.sql_common import SqlSink
+from services.sink_worker.values import (
+    SqlTypeError,
+    format_datetime,
+    format_time,
+    parse_sql_type,
+    parse_time,
+    sql_type_for,
+)
+
+_BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+@functools.lru_cache(maxsize=1024)
+def _adapter(kind: str, sql_type: str) -> Callable[[Any], Any]:
+    """How to bind a value of this column (cached: it runs for every value of every row)."""
+    column = ColumnV1(name="x", kind=kind, sql_type=sql_type)
+    try:
+        args = parse_sql_type(sql_type).args
+    except SqlTypeError:
+        args = ()
+    if kind in ("int", "bit"):
+        if sql_type_for("sqlite", column) == "TEXT":
+            return lambda v: str(int(v))
+        return int
+    if kind == "decimal":
+        scale = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+        quantum = Decimal(1).scaleb(-scale)
+
+        def decimal_text(v: Any) -> str:
+            with localcontext() as ctx:
+                ctx.prec = 200
+                return format(Decimal(str(v)).quantize(quantum), "f")
+
+        return decimal_text
+    fsp = min(args[0], 6) if args and isinstance(args[0], int) else 0
+    if kind in ("datetime", "timestamp"):
+        def datetime_text(v: Any) -> str:
+            value = v if isinstance(v, datetime) else datetime.fromisoformat(str(v))
+            return format_datetime(value, fsp)
+
+        return datetime_text
+    if kind == "date":
+        return lambda v: v.isoformat() if isinstance(v, date) else date.fromisoformat(str(v)).isoformat()
+    if kind == "time":
+        return lambda v: format_time(v if isinstance(v, timedelta) else parse_time(str(v)), fsp)
+    if kind == "float":
+        return float
+    return _identity
+
+
+class SQLiteSink(SqlSink):
+    dialect = "sqlite"
+    placeholder = "?"
+    max_params = 999  # SQLITE_MAX_VARIABLE_NUMBER of older builds
+
+    def __init__(self, url: str, *, busy_timeout_s: float = 30.0, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.busy_timeout_s = busy_timeout_s
+
+    def _connect(self) -> Any:
+        path = Path(self.db.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: we issue BEGIN IMMEDIATE ourselves (see the module docstring).
+        conn = sqlite3.connect(str(path), timeout=self.busy_timeout_s, isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.OperationalError:
+            conn.close()
+            raise
+        return conn
+
+    def _begin(self, conn: Any) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+
+    def _retryable(self, exc: BaseException) -> bool:
+        if not isinstance(exc, sqlite3.OperationalError):
+            return False
+        code = getattr(exc, "sqlite_errorcode", None)
+        if code is not None and (code & 0xFF) in _BUSY:
+            return True
+        return "locked" in str(exc) or "busy" in str(exc)
+
+    def _table_ref(self, table: TargetTable, *, for_params: bool = False) -> str:
+        return self.ident(table.name)
+
+    def _adapt(self, column: ColumnV1 | None, value: Any) -> Any:
+        if value is None or column is None:
+            return value
+        return _adapter(column.kind, column.sql_type)(value)
+
+    # ------------------------------------------------------------------ DDL
+
+    def create_statements(self, table: TargetTable, name: str | None = None) -> list[str]:
+        self._validate(table)
+        body = ",\n  ".join([*self._column_defs(table), *self._constraints(table)])
+        ref = self.ident(name) if name else self._table_ref(table)
+        return [f"CREATE TABLE IF NOT EXISTS {ref} (\n  {body}\n)"]
+
+    def ensure_table(self, table: TargetTable) -> None:
+        statements = self.create_statements(table)
+
+        def work(cur: Any) -> None:
+            for sql in statements:
+                cur.execute(sql)
+
+        self._run(work, f"create {table.name!r}")
+
+    def _current(self, cur: Any, table: TargetTable) -> list[str] | None:
+        cur.execute("SELECT name FROM pragma_table_info(?)", (table.name,))
+        names = [str(r[0]) for r in cur.fetchall()]
+        return names or None
+
+    def reconcile_schema(self, table: TargetTable) -> list[str]:
+        self._validate(table)
+
+        def work(cur: Any) -> list[str]:
+            current = self._current(cur, table)
+            if current is None:
+                statements = self.create_statements(table)
+                for sql in statements:
+                    cur.execute(sql)
+                return statements
+            # SQLite column names are case-insensitive, like MySQL's.
+            have = {c.casefold() for c in current}
+            want = {c.name.casefold() for c in table.meta.columns}
+            keep = {k.casefold() for k in table.key}
+            drop = [c for c in current if c.casefold() not in want and c.casefold() not in keep]
+            if drop:
+                return self._rebuild(cur, table, current)
+            statements = [f"ALTER TABLE {self._table_ref(table)} ADD COLUMN {self.ident(c.name)} "
+                          f"{self.column_type(table, c)}"
+                          for c in table.meta.columns if c.name.casefold() not in have]
+            for sql in statements:
+                cur.execute(sql)
+            return statements
+
+        return self._run(work, f"reconcile {table.name!r}")
+
+    def _rebuild(self, cur: Any, table: TargetTable, current: Sequence[str]) -> list[str]:
+        """Drop columns by copying into a new table: SQLite's DROP COLUMN refuses columns that an
+        index or UNIQUE constraint uses, and rewrites the whole table anyway."""
+        temp = f"{table.name}__sluice_rebuild"
+        have = {c.casefold() for c in current}
+        common = ", ".join(self.ident(c.name) for c in table.meta.columns if c.name.casefold() in have)
+        statements = [
+            f"DROP TABLE IF EXISTS {self.ident(temp)}",
+            *self.create_statements(table, name=temp),
+            f"INSERT INTO {self.ident(temp)} ({common}) SELECT {common} FROM {self._table_ref(table)}",
+            f"DROP TABLE {self._table_ref(table)}",
+            f"ALTER TABLE {self.ident(temp)} RENAME TO {self._table_ref(table)}",
+        ]
+        for sql in statements:
+            cur.execute(sql)
+        return statements
+
+    def drop_table(self, table: TargetTable) -> None:
+        sql = f"DROP TABLE IF EXISTS {self._table_ref(table)}"
+        self._run(lambda cur: cur.execute(sql), f"drop {table.name!r}")
+
+    def truncate_table(self, table: TargetTable) -> None:
+        sql = f"DELETE FROM {self._table_ref(table)}"
+        self._run(lambda cur: cur.execute(sql), f"truncate {table.name!r}")
+
+    # ------------------------------------------------------------------ DML
+
+    def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
+        cols = ", ".join(self.ident(c) for c in columns)
+        row = "(" + ", ".join(["?"] * len(columns)) + ")"
+        values = ", ".join([row] * nrows)
+        key = set(table.key)
+        conflict = ", ".join(self.ident(k) for k in table.key)
+        updates = [f"{self.ident(c)} = excluded.{self.ident(c)}" for c in columns if c not in key]
+        action = f"DO UPDATE SET {', '.join(updates)}" if updates else "DO NOTHING"
+        return (f"INSERT INTO {self._table_ref(table)} ({cols}) VALUES {values}"
+                f" ON CONFLICT ({conflict}) {action}")
