@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from libs.service import idle_until_stopped, run_service
+from libs.leader_service import leader_main
+from libs.service import run_service
 
 
 def main() -> None:
-    run_service("ddl-lock", idle_until_stopped)
+    # One leader at a time owns the "ddl" domain log; the others wait for its lease.
+    run_service("ddl-lock", leader_main("ddl"))
 
 
 if __name__ == "__main__":

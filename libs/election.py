@@ -1,0 +1,408 @@
+"""Leader election on a JetStream KV bucket, and the leader loop every leader service runs.
+
+The lease is one key per service in ``LEADER_BUCKET`` (history 1, TTL = the lease TTL, so a key
+nobody renews disappears on its own). ``create`` wins; the winner renews with
+``update(last=revision)`` every TTL/3; the revision it won at is its epoch, and a later win
+always gets a higher one. Followers poll every TTL/4 and try ``create`` once the key is gone.
+
+Safety does not rest on the TTL alone (Zeppelin's "simple lock" trusts timing; we do not):
+- The leader trusts its lease only until ``last successful renew *sent* + 0.8 * TTL`` on its own
+  monotonic clock. The server stamped that renew later than we sent it, so the key outlives our
+  deadline: a leader that cannot renew, or was stopped past its lease, stops acting before
+  anybody else can win.
+- Every append to the domain log is fenced on the last sequence (``DomainLog``), so even a
+  leader that acts late cannot write after its successor's ``LeaderElected``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from uuid import uuid4
+
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext, api
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from contracts.events.leadership import LeaderResignedV1
+from libs.eventstore.domain_log import DomainLog, Fenced
+from libs.streams import LEADER_BUCKET
+from libs.telemetry.metrics import IS_LEADER, LEADER_EPOCH, LEADER_STEPDOWNS
+
+log = logging.getLogger(__name__)
+
+# Fraction of the TTL a leader trusts its last renew for. The remaining 20% absorbs the time a
+# renew spends in flight and the difference between our clock's rate and the server's.
+TRUST_FRACTION = 0.8
+_STREAM_IN_USE = 10058
+
+
+@dataclass(frozen=True)
+class LeaderInfo:
+    """The lease holder as a follower sees it."""
+
+    candidate: str
+    epoch: int
+    revision: int
+
+
+class Leadership:
+    """One term of leadership. ``lost`` is set once, when this term is over for any reason."""
+
+    def __init__(self, service: str, candidate: str, epoch: int, revision: int, token: str,
+                 ttl: float, trusted_from: float) -> None:
+        self.service = service
+        self.candidate = candidate
+        self.epoch = epoch
+        self.revision = revision
+        self.token = token
+        self.ttl = ttl
+        self.lost = asyncio.Event()
+        self.lost_reason: str | None = None
+        self._deadline = trusted_from + ttl * TRUST_FRACTION
+
+    @property
+    def deadline(self) -> float:
+        """``time.monotonic()`` after which this process must not act as leader."""
+        return self._deadline
+
+    def renewed(self, sent_at: float, revision: int) -> None:
+        self.revision = revision
+        self._deadline = max(self._deadline, sent_at + self.ttl * TRUST_FRACTION)
+
+    def valid(self) -> bool:
+        """True while the lease can be trusted; checked before every leader action."""
+        if self.lost.is_set():
+            return False
+        if time.monotonic() >= self._deadline:
+            self.lose("lease-expired")
+            return False
+        return True
+
+    def lose(self, reason: str) -> None:
+        if not self.lost.is_set():
+            self.lost_reason = reason
+            self.lost.set()
+            # A resignation is planned; anything else is worth an operator's attention.
+            level = logging.INFO if reason == "resigned" else logging.WARNING
+            log.log(level, "leadership lost", extra={"service": self.service, "epoch": self.epoch,
+                                                     "reason": reason})
+
+
+class Election:
+    """Campaign for, hold and resign one service's lease."""
+
+    def __init__(self, js: JetStreamContext, service: str, candidate: str, ttl: float, *,
+                 bucket: str = LEADER_BUCKET, key: str | None = None, replicas: int = 1) -> None:
+        self.js = js
+        self.service = service
+        self.candidate = candidate
+        self.ttl = ttl
+        self.bucket = bucket
+        self.key = key or service
+        self.replicas = replicas
+        self.observed: LeaderInfo | None = None
+        self._kv: KeyValue | None = None
+
+    @property
+    def renew_interval(self) -> float:
+        return self.ttl / 3
+
+    @property
+    def poll_interval(self) -> float:
+        return self.ttl / 4
+
+    async def setup(self) -> KeyValue:
+        """Create the bucket, or bind to it and adopt its TTL when it exists with another one.
+
+        The key expires after the *bucket's* TTL whatever we were configured with, so our
+        timing must follow the bucket or a leader could trust a lease that already expired.
+        """
+        if self._kv is not None:
+            return self._kv
+        try:
+            kv = await self.js.create_key_value(api.KeyValueConfig(
+                bucket=self.bucket, history=1, ttl=self.ttl, storage=api.StorageType.FILE,
+                replicas=self.replicas, description="Sluice leader leases"))
+        except BadRequestError as exc:
+            if exc.err_code != _STREAM_IN_USE:
+                raise
+            kv = await self.js.key_value(self.bucket)
+            bucket_ttl = (await kv.status()).ttl
+            if not bucket_ttl:
+                raise RuntimeError(f"KV bucket {self.bucket} has no TTL: a dead leader's lease would "
+                                   "never expire") from None
+            if abs(bucket_ttl - self.ttl) > 1e-3:
+                log.warning("lease bucket has another TTL; using the bucket's",
+                            extra={"bucket": self.bucket, "configured_ttl": self.ttl,
+                                   "bucket_ttl": bucket_ttl})
+                self.ttl = bucket_ttl
+        self._kv = kv
+        return kv
+
+    async def current(self) -> LeaderInfo | None:
+        """The live lease holder, or None when the key is absent, deleted or expired."""
+        kv = await self.setup()
+        try:
+            entry = await kv.get(self.key)
+        except KeyNotFoundError:  # also raised for a deleted key
+            self.observed = None
+            return None
+        info = self._decode(entry.value or b"{}", int(entry.revision or 0))
+        self.observed = info
+        return info
+
+    @staticmethod
+    def _decode(value: bytes, revision: int) -> LeaderInfo:
+        try:
+            body: dict[str, Any] = json.loads(value)
+        except ValueError:
+            body = {}
+        # A lease written by `create` cannot know its own revision: epoch 0 means "this one".
+        epoch = int(body.get("epoch") or 0) or revision
+        return LeaderInfo(candidate=str(body.get("candidate", "?")), epoch=epoch, revision=revision)
+
+    def _value(self, token: str, epoch: int) -> bytes:
+        return json.dumps({"candidate": self.candidate, "epoch": epoch, "token": token}).encode()
+
+    async def try_acquire(self) -> Leadership | None:
+        """One attempt: returns a running Leadership when this candidate won, else None."""
+        if await self.current() is not None:
+            return None
+        kv = await self.setup()
+        token = uuid4().hex
+        sent_at = time.monotonic()
+        try:
+            revision = await kv.create(self.key, self._value(token, 0))
+        except KeyWrongLastSequenceError:
+            return None  # somebody else won this round
+        # A create whose ack is lost (timeout) is not adopted: the key then expires after one
+        # TTL and the election starts over, which is slower but never yields two leaders.
+        leadership = Leadership(self.service, self.candidate, epoch=revision, revision=revision,
+                                token=token, ttl=self.ttl, trusted_from=sent_at)
+        self.observed = LeaderInfo(self.candidate, revision, revision)
+        log.info("won the lease", extra={"service": self.service, "epoch": revision})
+        return leadership
+
+    async def campaign(self, stopping: asyncio.Event,
+                       on_poll: Callable[[], None] | None = None) -> Leadership | None:
+        """Poll until this candidate wins (returns the Leadership) or ``stopping`` is set (None)."""
+        while not stopping.is_set():
+            try:
+                won = await self.try_acquire()
+            except (NatsError, OSError) as exc:
+                log.warning("election poll failed: %s", exc)
+                won = None
+            if won is not None:
+                return won
+            if on_poll is not None:
+                on_poll()
+            await _wait_event(stopping, self.poll_interval)
+        return None
+
+    async def keep(self, leadership: Leadership) -> None:
+        """Renew the lease until it is lost; sets ``leadership.lost`` with the reason."""
+        kv = await self.setup()
+        value = self._value(leadership.token, leadership.epoch)
+        next_renew = time.monotonic() + self.renew_interval
+        while not leadership.lost.is_set():
+            now = time.monotonic()
+            await asyncio.sleep(max(0.0, min(next_renew, leadership.deadline) - now))
+            if not leadership.valid():
+                return
+            sent_at = time.monotonic()
+            try:
+                # Never wait for a renew past the deadline: by then the answer no longer matters.
+                revision = await asyncio.wait_for(
+                    kv.update(self.key, value, last=leadership.revision),
+                    timeout=max(0.01, leadership.deadline - sent_at))
+            except KeyWrongLastSequenceError:
+                try:
+                    ours = await self._still_ours(leadership)
+                except (TimeoutError, NatsError, OSError) as exc:
+                    log.warning("lease check failed: %s", exc, extra={"service": self.service})
+                    next_renew = time.monotonic() + self.ttl / 10
+                    continue
+                if ours:
+                    next_renew = time.monotonic()
+                    continue
+                leadership.lose("lease-taken")
+                return
+            except (TimeoutError, NatsError, OSError) as exc:
+                log.warning("lease renew failed: %s", exc, extra={"service": self.service})
+                next_renew = time.monotonic() + self.ttl / 10
+                continue
+            leadership.renewed(sent_at, revision)
+            next_renew = sent_at + self.renew_interval
+
+    async def _still_ours(self, leadership: Leadership) -> bool:
+        """After a refused renew: did an earlier renew whose answer we missed land after all?"""
+        kv = await self.setup()
+        try:
+            entry = await kv.get(self.key)
+        except KeyNotFoundError:
+            return False
+        try:
+            token = json.loads(entry.value or b"{}").get("token")
+        except ValueError:
+            return False
+        if token != leadership.token:
+            return False
+        # Adopt the revision but not a later deadline: we do not know when that renew was sent.
+        leadership.revision = int(entry.revision or 0)
+        return True
+
+    async def resign(self, leadership: Leadership) -> bool:
+        """Delete the key if it is still ours, so a follower takes over without waiting a TTL."""
+        leadership.lose("resigned")
+        kv = await self.setup()
+        try:
+            await kv.delete(self.key, last=leadership.revision)
+        except (BadRequestError, KeyWrongLastSequenceError):
+            return False  # not ours any more: nothing to hand over
+        except (TimeoutError, NatsError, OSError) as exc:
+            log.warning("resign failed; the lease will expire instead: %s", exc)
+            return False
+        log.info("resigned the lease", extra={"service": self.service, "epoch": leadership.epoch})
+        return True
+
+
+async def _wait_event(event: asyncio.Event, seconds: float) -> bool:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), seconds)
+    return event.is_set()
+
+
+Work = Callable[[Leadership, DomainLog[Any]], Awaitable[None]]
+LogFactory = Callable[[], DomainLog[Any]]
+
+
+async def hold_leadership(leadership: Leadership, domain_log: DomainLog[Any]) -> None:
+    """The work of a leader with nothing to do yet: hold the lease until told otherwise."""
+    await leadership.lost.wait()
+
+
+async def run_leader_loop(js: JetStreamContext, *, service: str, candidate: str, domain: str,
+                          producer: str, ttl: float, work: Work, stopping: asyncio.Event,
+                          status: dict[str, Any] | None = None, bucket: str = LEADER_BUCKET,
+                          log_factory: LogFactory | None = None, replicas: int = 1) -> None:
+    """Campaign; while leader, open the domain log and run ``work``; repeat until ``stopping``.
+
+    ``work(leadership, domain_log)`` is cancelled the moment the lease is lost, the log is
+    fenced or the process stops. On stop the leader appends ``LeaderResigned`` and deletes its
+    key, so a follower takes over within one poll instead of one TTL. ``status`` (the service's
+    /healthz dict) gets ``leader``, ``epoch`` and ``leader_id``: for a follower the epoch and id
+    of the leader it last saw.
+    """
+    election = Election(js, service, candidate, ttl, bucket=bucket, replicas=replicas)
+
+    def show(leader: bool, info: LeaderInfo | None) -> None:
+        if status is not None:
+            status.update({"leader": leader, "epoch": info.epoch if info else 0,
+                           "leader_id": info.candidate if info else None})
+
+    def make_log() -> DomainLog[Any]:
+        if log_factory is not None:
+            return log_factory()
+        return DomainLog(js, domain, producer=producer)
+
+    IS_LEADER.labels(service).set(0)
+    LEADER_EPOCH.labels(service).set(0)
+    show(False, None)
+    while not stopping.is_set():
+        try:
+            await election.setup()
+        except (NatsError, OSError) as exc:
+            log.warning("lease bucket not available yet: %s", exc)
+            await _wait_event(stopping, election.poll_interval)
+            continue
+        leadership = await election.campaign(stopping, on_poll=lambda: show(False, election.observed))
+        if leadership is None:
+            break
+        reason = await _lead(election, leadership, make_log(), work, stopping, show)
+        show(False, None)
+        if reason != "shutdown":
+            LEADER_STEPDOWNS.labels(service, reason).inc()
+        if reason == "error":
+            # Whatever broke may break again: give another replica the first chance.
+            await _wait_event(stopping, election.ttl)
+        elif reason == "fenced":
+            # Do not race straight back into a log somebody else is writing to.
+            await _wait_event(stopping, election.poll_interval)
+
+
+async def _lead(election: Election, leadership: Leadership, domain_log: DomainLog[Any], work: Work,
+                stopping: asyncio.Event, show: Callable[[bool, LeaderInfo | None], None]) -> str:
+    """One term. Returns why it ended: shutdown, lease-expired, lease-taken, fenced or error."""
+    service = election.service
+    keeper = asyncio.create_task(election.keep(leadership), name=f"{service}-lease")
+    body = asyncio.create_task(_open_and_work(leadership, domain_log, work), name=f"{service}-leader")
+    IS_LEADER.labels(service).set(1)
+    LEADER_EPOCH.labels(service).set(leadership.epoch)
+    show(True, LeaderInfo(election.candidate, leadership.epoch, leadership.revision))
+    lost_wait = asyncio.create_task(leadership.lost.wait())
+    stop_wait = asyncio.create_task(stopping.wait())
+    reason = "shutdown"
+    try:
+        while True:
+            # Wake at the deadline too: being late to notice an expired lease is acting on it.
+            timeout = max(0.0, leadership.deadline - time.monotonic())
+            await asyncio.wait({body, lost_wait, stop_wait}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not leadership.valid():
+                reason = leadership.lost_reason or "lease-expired"
+                break
+            if stopping.is_set():
+                reason = "shutdown"
+                break
+            if body.done():
+                exc = body.exception() if not body.cancelled() else None
+                if isinstance(exc, Fenced):
+                    log.warning("fenced: another writer appended to the domain log; stepping down",
+                                extra={"service": service, "epoch": leadership.epoch})
+                    reason = "fenced"
+                    break
+                if exc is not None:
+                    log.error("leader work failed; stepping down", exc_info=exc,
+                              extra={"service": service, "epoch": leadership.epoch})
+                    reason = "error"
+                    break
+                body = asyncio.create_task(_until_lost(leadership))  # work finished: keep the lease
+    finally:
+        for task in (body, lost_wait, stop_wait):
+            task.cancel()
+        # return_exceptions: the tasks' own cancellation is expected; ours still propagates.
+        await asyncio.gather(body, lost_wait, stop_wait, return_exceptions=True)
+        IS_LEADER.labels(service).set(0)
+        LEADER_EPOCH.labels(service).set(0)
+        if reason in ("shutdown", "fenced", "error") and leadership.valid():
+            if reason == "shutdown":
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(domain_log.append(LeaderResignedV1(
+                        service=service, candidate=election.candidate, epoch=leadership.epoch,
+                        reason=reason)), timeout=max(0.01, leadership.deadline - time.monotonic()))
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+            await election.resign(leadership)
+        else:
+            leadership.lose(reason)
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+    log.info("leader term ended", extra={"service": service, "epoch": leadership.epoch, "reason": reason})
+    return reason
+
+
+async def _until_lost(leadership: Leadership) -> None:
+    await leadership.lost.wait()
+
+
+async def _open_and_work(leadership: Leadership, domain_log: DomainLog[Any], work: Work) -> None:
+    await domain_log.open(leadership.service, leadership.candidate, leadership.epoch, leadership)
+    await work(leadership, domain_log)

@@ -1,0 +1,23 @@
+"""Event sourcing on JetStream: typed appends with fencing, replay, snapshots, dead letters."""
+
+from libs.eventstore.deadletter import dead_letter, ensure_deadletter_stream
+from libs.eventstore.domain_log import DomainLog, Fenced, LeaseLost, LeaseView
+from libs.eventstore.snapshots import Loaded, Snapshot, Snapshots
+from libs.eventstore.store import AppendConflict, EventStore, StoredEvent, consume, decode_message
+
+__all__ = [
+    "AppendConflict",
+    "DomainLog",
+    "EventStore",
+    "Fenced",
+    "LeaseLost",
+    "LeaseView",
+    "Loaded",
+    "Snapshot",
+    "Snapshots",
+    "StoredEvent",
+    "consume",
+    "dead_letter",
+    "decode_message",
+    "ensure_deadletter_stream",
+]
