@@ -1,0 +1,42 @@
+"""Prometheus metrics of the sink-worker's data path."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Counter, Gauge, Histogram
+
+ROWS_APPLIED = Counter("sluice_sink_rows_applied", "Final row images written downstream.",
+                       ["changefeed", "op"])
+UNIQUE_CONFLICTS = Counter("sluice_sink_unique_conflicts_removed",
+                           "Rows removed because an upserted row took their unique-key values.",
+                           ["changefeed"])
+BATCH_EVENTS = Histogram("sluice_sink_batch_events", "Events a round's sort job received (all spans).",
+                         buckets=(1, 10, 50, 100, 500, 1000, 2000, 5000, 10000, 50000))
+BATCH_ROWS = Histogram("sluice_sink_batch_rows", "Final row images one apply job wrote.",
+                       buckets=(1, 10, 50, 100, 500, 1000, 5000, 10000, 50000, 100000))
+SORT_SECONDS = Histogram("sluice_sink_sort_seconds", "Duration of a round's sort job.")
+APPLY_SECONDS = Histogram("sluice_sink_apply_seconds", "Duration of one apply job (one sink).")
+ROUND_SECONDS = Histogram("sluice_sink_round_seconds", "Duration of a whole round with work.")
+ROUND_ERRORS = Counter("sluice_sink_round_errors", "Failures of a stage of a round.", ["stage"])
+DDL_APPLIED = Counter("sluice_sink_ddl_applied", "DDL events applied to a target.", ["changefeed", "action"])
+CHECKPOINT_LAG = Gauge("sluice_sink_checkpoint_lag_seconds",
+                       "Wall clock minus the commit time of a span's checkpoint ts.", ["changefeed", "span"])
+RESOLVED_LAG = Gauge("sluice_sink_checkpoint_behind_resolved_seconds",
+                     "How far a span's checkpoint is behind its source's resolved ts.",
+                     ["changefeed", "span"])
+CHECKPOINT_TS = Gauge("sluice_sink_checkpoint_ts", "A span's checkpoint ts.", ["changefeed", "span"])
+SPANS = Gauge("sluice_sink_spans", "Spans this worker runs, by state.", ["state"])
+KEYLESS_REFUSED = Counter("sluice_sink_keyless_refusals",
+                          "Times a span was refused because its table has no usable key.", ["changefeed"])
+
+
+def ts_to_seconds(ts: int) -> float:
+    """A Sluice ts (``physical_ms << 18 | logical``) as Unix seconds."""
+    return (ts >> 18) / 1000.0
+
+
+def lag_seconds(ts: int, now: float | None = None) -> float:
+    if ts <= 0:
+        return 0.0
+    return max(0.0, (time.time() if now is None else now) - ts_to_seconds(ts))

@@ -1,0 +1,623 @@
+"""The table pipelines of one worker: rounds of pull, sort, apply, DDL and checkpoint.
+
+A round covers every span the worker runs, with one sort job for all of them:
+
+1. read each source's resolved ts *before* pulling, so that every event at or below it is
+   already in the stream when the pull runs;
+2. pull each span's events after its checkpoint (bounded: ``max_events_per_round`` split over
+   the spans, which bounds the driver's memory);
+3. in the driver, choose each span's target and key; a table without a usable key is refused
+   (clear error in the log, the health status and a metric) and the span stops there;
+4. in a worker thread (never on the event loop): the sort job, then per sink the apply job
+   and the DDL barriers the batches stopped at;
+5. advance each span's checkpoint, only for batches that were written in full. A span without
+   pending events follows its source's resolved ts.
+
+A failed round advances nothing for the spans it failed; they are read again next round, and
+re-applying is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from uuid import uuid4
+
+from nats.js import JetStreamContext
+from opentelemetry import trace
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from contracts.events.changefeeds import KeyPolicy
+from contracts.events.rows import DdlExecutedV1, RowsChangedV1, TableMetaV1
+from libs.config import Settings
+from libs.streams import ROWS_STREAM
+from libs.telemetry.tracing import extract_context, tracer
+from services.sink_worker import metrics as m
+from services.sink_worker.apply_job import ApplyResult, TargetPlan, run_apply
+from services.sink_worker.checkpoints import (
+    Checkpoint,
+    CheckpointMoved,
+    CheckpointRegression,
+    CheckpointStore,
+)
+from services.sink_worker.pull import PulledEvent, PullResult, SpanReader, latest_resolved
+from services.sink_worker.sinks.base import Sink, TargetTable
+from services.sink_worker.sinks.factory import open_sink
+from services.sink_worker.sort_job import SortResult, SpanCut, SpanInput, event_records, run_sort
+from services.sink_worker.span import KeylessTableError, Span, choose_key, target_for
+
+log = logging.getLogger(__name__)
+
+SpanState = Literal["starting", "replicating", "refused", "blocked", "error"]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    max_events_per_round: int = 2000
+    apply_partitions: int = 4
+    stop_grace_s: float = 6.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PipelineOptions:
+        # The SLUICE_SINK_* settings are read when libs/config.py defines them; until then the
+        # defaults here apply.
+        return cls(
+            max_events_per_round=int(getattr(settings, "sink_max_events_per_round",
+                                             cls.max_events_per_round)),
+            apply_partitions=int(getattr(settings, "sink_apply_partitions", cls.apply_partitions)),
+            stop_grace_s=float(getattr(settings, "sink_stop_grace_s", cls.stop_grace_s)),
+        )
+
+
+@dataclass(frozen=True)
+class SpanConfig:
+    """What the changefeed says about a span."""
+
+    sink_url: str
+    key_policy: KeyPolicy = "primary"
+    start: Literal["earliest", "latest"] = "earliest"
+
+
+@dataclass
+class SpanRuntime:
+    span: Span
+    config: SpanConfig
+    reader: SpanReader
+    checkpoint: Checkpoint | None = None
+    """The checkpoint the next round starts from; None until loaded."""
+    stored: Checkpoint | None = None
+    """What the bucket holds as far as we know (None: nothing yet): the compare-and-set base."""
+    resolved_ts: int | None = None
+    state: SpanState = "starting"
+    error: str | None = None
+    rows_written: int = 0
+    dead_lettered: int = 0
+    last_batch_events: int = 0
+    shards: int = 1
+
+    def status(self) -> dict[str, Any]:
+        cp = self.checkpoint
+        out: dict[str, Any] = {
+            "span": self.span.name, "changefeed": self.span.changefeed, "source": self.span.source,
+            "database": self.span.database, "table": self.span.table, "state": self.state,
+            "checkpoint_ts": cp.ts if cp else None, "stream_seq": cp.stream_seq if cp else None,
+            "resolved_ts": self.resolved_ts,
+            "lag_s": round(m.lag_seconds(cp.ts), 3) if cp and cp.ts else None,
+            "behind_resolved_s": (round(m.ts_to_seconds(self.resolved_ts) - m.ts_to_seconds(cp.ts), 3)
+                                  if cp and self.resolved_ts else None),
+            "rows_written": self.rows_written, "dead_lettered": self.dead_lettered,
+        }
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+@dataclass
+class _Work:
+    """One span's part of a round."""
+
+    rt: SpanRuntime
+    start: Checkpoint
+    pulled: PullResult
+    horizon: int
+    fresh: list[PulledEvent]
+    plan: TargetPlan | None = None
+    refused: str | None = None
+
+
+@dataclass
+class _Outcome:
+    written: bool = False
+    rows: int = 0
+    ddl_applied: bool = False
+    blocked: str | None = None
+    """Why the span stops at its DDL barrier: "blocked" (shard DDL) ..."""
+    refused: str | None = None
+    """... or "refused" (the DDL leaves the table without a usable key)."""
+    error: str | None = None
+
+
+@dataclass
+class RoundReport:
+    spans: int = 0
+    events: int = 0
+    batch_events: int = 0
+    rows_written: int = 0
+    ddl_applied: int = 0
+    advanced: int = 0
+    errors: list[str] = field(default_factory=list)
+    abandoned: bool = False
+    duration_s: float = 0.0
+
+
+class RoundAbandoned(Exception):
+    """The worker is stopping and the round did not finish within the grace period."""
+
+
+_DROP_RE = re.compile(r"^\s*DROP\s+(TEMPORARY\s+)?TABLE\b", re.IGNORECASE)
+_TRUNCATE_RE = re.compile(r"^\s*TRUNCATE\b", re.IGNORECASE)
+_COMMENT_RE = re.compile(r"^\s*(/\*.*?\*/|--[^\n]*\n|#[^\n]*\n)", re.DOTALL)
+
+
+def ddl_action(ddl: DdlExecutedV1) -> Literal["drop", "truncate", "reconcile", "ignore"]:
+    """What a DDL does to its target. Never the statement text itself: it is MySQL syntax, and
+    the target may be PostgreSQL or SQLite; the sink derives its own DDL from ``meta_after``."""
+    statement = ddl.statement
+    while (match := _COMMENT_RE.match(statement)) is not None:
+        statement = statement[match.end():]
+    if _DROP_RE.match(statement):
+        return "drop"
+    if _TRUNCATE_RE.match(statement):
+        return "truncate"
+    return "reconcile" if ddl.meta_after is not None else "ignore"
+
+
+def _missing_key_columns(event: RowsChangedV1, key: tuple[str, ...]) -> str | None:
+    for i, row in enumerate(event.rows):
+        for image in (row.before, row.after):
+            if image is not None:
+                missing = [c for c in key if c not in image]
+                if missing:
+                    return f"row {i} ({row.op}) lacks key columns {missing}"
+    return None
+
+
+class Pipeline:
+    def __init__(self, js: JetStreamContext, checkpoints: CheckpointStore,
+                 spark: Callable[[], SparkSession], options: PipelineOptions | None = None,
+                 rows_stream: str = ROWS_STREAM) -> None:
+        self.js = js
+        self.checkpoints = checkpoints
+        self._spark = spark
+        self.options = options or PipelineOptions()
+        self.rows_stream = rows_stream
+        self.spans: dict[Span, SpanRuntime] = {}
+        self.rounds = 0
+        self.last_report: RoundReport | None = None
+        # (sink url, schema, table) -> meta JSON the target was last brought to by this process.
+        self._schemas: dict[tuple[str, str | None, str], str] = {}
+
+    # ------------------------------------------------------------------ spans
+
+    async def set_spans(self, wanted: dict[Span, SpanConfig]) -> None:
+        """Run exactly ``wanted`` from the next round on (checkpoints stay in the bucket)."""
+        for span in [s for s in self.spans if s not in wanted]:
+            await self.spans.pop(span).reader.close()
+        for span, config in wanted.items():
+            rt = self.spans.get(span)
+            if rt is None:
+                self.spans[span] = SpanRuntime(span, config, SpanReader(self.js, span, self.rows_stream))
+            elif rt.config != config:
+                rt.config = config
+                if rt.state == "refused":  # a new key policy may allow the table now
+                    rt.state, rt.error = "replicating", None
+        # Several upstream shards in one target: their DDL needs the ddl-lock, not this path.
+        targets: dict[tuple[str, str, str], int] = {}
+        for span in self.spans:
+            k = (span.changefeed, span.database, span.table)
+            targets[k] = targets.get(k, 0) + 1
+        for span, rt in self.spans.items():
+            rt.shards = targets[(span.changefeed, span.database, span.table)]
+
+    async def close(self) -> None:
+        for rt in self.spans.values():
+            await rt.reader.close()
+
+    def status(self) -> list[dict[str, Any]]:
+        return [rt.status() for rt in sorted(self.spans.values(), key=lambda r: r.span)]
+
+    async def _load(self, rt: SpanRuntime) -> None:
+        stored = await self.checkpoints.get(rt.span)
+        rt.stored = stored
+        if stored is not None:
+            rt.checkpoint = stored
+            return
+        if rt.config.start == "latest":
+            # Start after the newest resolved mark: everything before it in the stream has
+            # ts <= its ts, everything after it a higher one (capture publishes in ts order).
+            mark = await latest_resolved(self.js, rt.span.source, self.rows_stream)
+            initial = Checkpoint(mark.stream_seq, mark.ts) if mark else Checkpoint()
+            await self.checkpoints.advance(rt.span, initial, expected=None)
+            rt.stored = initial
+            rt.checkpoint = initial
+            return
+        rt.checkpoint = Checkpoint()
+
+    # ------------------------------------------------------------------ round
+
+    async def round(self, stopping: asyncio.Event | None = None) -> RoundReport:
+        started = time.monotonic()
+        report = RoundReport(spans=len(self.spans))
+        runtimes = list(self.spans.values())
+        if not runtimes:
+            return report
+        self.rounds += 1
+        with tracer().start_as_current_span("sink round", attributes={"sluice.spans": len(runtimes)}):
+            works = await self._pull_all(runtimes, report)
+            outcomes: dict[str, _Outcome] = {}
+            cuts: dict[str, SpanCut] = {}
+            if any(w.fresh and not w.refused for w in works):
+                try:
+                    cuts, outcomes = await self._in_thread(works, stopping)
+                except RoundAbandoned:
+                    report.abandoned = True
+                    report.duration_s = time.monotonic() - started
+                    self.last_report = report
+                    return report
+                except Exception as exc:
+                    m.ROUND_ERRORS.labels("sort").inc()
+                    log.exception("sort job failed")
+                    report.errors.append(f"sort: {exc!r}")
+                    for w in works:
+                        if w.fresh and not w.refused:
+                            outcomes[w.rt.span.kv_key] = _Outcome(error=f"sort job failed: {exc!r}")
+            for w in works:
+                await self._finish(w, cuts.get(w.rt.span.kv_key), outcomes.get(w.rt.span.kv_key), report)
+        report.duration_s = time.monotonic() - started
+        if report.batch_events or report.ddl_applied:
+            m.ROUND_SECONDS.observe(report.duration_s)
+        self._count_states()
+        self.last_report = report
+        return report
+
+    async def _pull_all(self, runtimes: list[SpanRuntime], report: RoundReport) -> list[_Work]:
+        for rt in runtimes:
+            if rt.checkpoint is None:
+                await self._load(rt)
+        marks = {}
+        for source in sorted({rt.span.source for rt in runtimes}):
+            marks[source] = await latest_resolved(self.js, source, self.rows_stream)
+        limit = max(1, self.options.max_events_per_round // len(runtimes))
+        works: list[_Work] = []
+        for rt in runtimes:
+            assert rt.checkpoint is not None
+            start = rt.checkpoint
+            try:
+                pulled = await rt.reader.pull(start.stream_seq, limit)
+            except Exception as exc:
+                log.warning("pull failed", exc_info=True, extra={"span": rt.span.name})
+                rt.state, rt.error = "error", f"pull failed: {exc!r}"
+                report.errors.append(f"{rt.span.name}: pull: {exc!r}")
+                m.ROUND_ERRORS.labels("pull").inc()
+                continue
+            rt.dead_lettered += pulled.dead_lettered
+            mark = marks.get(rt.span.source)
+            rt.resolved_ts = mark.ts if mark else None
+            work = _Work(rt, start, pulled, self._horizon(start, pulled, rt.resolved_ts),
+                         [e for e in pulled.events if e.ts > start.ts])
+            await self._plan(work)
+            report.events += len(work.fresh)
+            works.append(work)
+        return works
+
+    @staticmethod
+    def _horizon(start: Checkpoint, pulled: PullResult, resolved: int | None) -> int:
+        """The highest ts up to which this span has read every event."""
+        if resolved is None:
+            return start.ts  # no resolved mark yet: nothing is known to be complete
+        if pulled.complete or not pulled.events:
+            return resolved
+        # Cut short by the batch size: events up to the resolved ts may still be unread.
+        return min(resolved, max(e.ts for e in pulled.events))
+
+    async def _plan(self, w: _Work) -> None:
+        """The span's target and key; refuse a keyless table, park rows without key values."""
+        span, policy = w.rt.span, w.rt.config.key_policy
+        last_meta: RowsChangedV1 | None = None
+        kept: list[PulledEvent] = []
+        barrier = False
+        for e in w.fresh:
+            if barrier or not isinstance(e.event, RowsChangedV1):
+                barrier = True
+                kept.append(e)
+                continue
+            try:
+                key = choose_key(e.event.meta, policy, database=e.event.database, table=e.event.table)
+            except KeylessTableError as exc:
+                self._refuse(w, str(exc))
+                return
+            problem = _missing_key_columns(e.event, key)
+            if problem is not None:
+                await w.rt.reader.dead_letter_event(e, "invalid_data", problem)
+                w.pulled.events = [x for x in w.pulled.events if x.stream_seq != e.stream_seq]
+                w.rt.dead_lettered += 1
+                continue
+            kept.append(e)
+            last_meta = e.event
+        w.fresh = kept
+        if last_meta is not None:
+            table = target_for(span, last_meta.database, last_meta.table, last_meta.meta, policy)
+            w.plan = TargetPlan(target_id=target_id(w.rt.config.sink_url, table),
+                                sink_url=w.rt.config.sink_url, table=table)
+        if w.rt.state == "refused":
+            w.rt.state, w.rt.error = "replicating", None
+
+    def _refuse(self, w: _Work, reason: str) -> None:
+        w.refused = reason
+        if w.rt.state != "refused" or w.rt.error != reason:
+            log.error("span refused: %s", reason, extra={"span": w.rt.span.name})
+            m.KEYLESS_REFUSED.labels(w.rt.span.changefeed).inc()
+        w.rt.state, w.rt.error = "refused", reason
+
+    # ------------------------------------------------------------------ Spark, in a thread
+
+    async def _in_thread(self, works: list[_Work],
+                         stopping: asyncio.Event | None) -> tuple[dict[str, SpanCut], dict[str, _Outcome]]:
+        group = f"sluice-round-{uuid4().hex[:12]}"
+        job = asyncio.ensure_future(asyncio.to_thread(self._spark_round, group, works))
+        if stopping is None:
+            return await job
+        stop_wait = asyncio.ensure_future(stopping.wait())
+        try:
+            await asyncio.wait({job, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+        if job.done():
+            return job.result()
+        # Stopping: let the round finish if it can (its batches are then checkpointed), else
+        # cancel its Spark jobs and advance nothing: the next owner re-applies from the
+        # checkpoints, which is idempotent.
+        try:
+            return await asyncio.wait_for(asyncio.shield(job), self.options.stop_grace_s)
+        except TimeoutError:
+            log.warning("stopping: abandoning the current round", extra={"group": group})
+            with contextlib.suppress(Exception):
+                self._spark().sparkContext.cancelJobGroup(group)
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(job, 5.0)
+            raise RoundAbandoned() from None
+
+    def _spark_round(self, group: str, works: list[_Work]) -> tuple[dict[str, SpanCut], dict[str, _Outcome]]:
+        spark = self._spark()
+        sc = spark.sparkContext
+        # Pinned thread mode (PySpark's default) makes the group stick to this thread's jobs.
+        sc.setJobGroup(group, "sluice sink round", interruptOnCancel=True)
+        return self._sort_and_apply(spark, works)
+
+    def _sort_and_apply(self, spark: SparkSession,
+                        works: list[_Work]) -> tuple[dict[str, SpanCut], dict[str, _Outcome]]:
+        active = [w for w in works if w.fresh and not w.refused]
+        by_key = {w.rt.span.kv_key: w for w in active}
+        records: list[tuple[object, ...]] = []
+        for w in active:
+            records.extend(event_records(w.rt.span.kv_key, w.fresh))
+        inputs = [SpanInput(w.rt.span.kv_key, w.start.ts, w.horizon) for w in active]
+        t0 = time.monotonic()
+        with tracer().start_as_current_span("sort", attributes={"sluice.events": len(records),
+                                                                "sluice.spans": len(active)}):
+            sort = run_sort(spark, records, inputs)
+        m.SORT_SECONDS.observe(time.monotonic() - t0)
+        m.BATCH_EVENTS.observe(len(records))
+
+        outcomes: dict[str, _Outcome] = {}
+        by_sink: dict[str, list[str]] = {}
+        for key, cut in sort.cuts.items():
+            if cut.batch_events or cut.ddl_id:
+                by_sink.setdefault(by_key[key].rt.config.sink_url, []).append(key)
+        for sink_url, keys in by_sink.items():
+            self._apply_sink(spark, sink_url, [by_key[k] for k in keys], sort, outcomes)
+        return sort.cuts, outcomes
+
+    def _apply_sink(self, spark: SparkSession, sink_url: str, works: list[_Work], sort: SortResult,
+                    outcomes: dict[str, _Outcome]) -> None:
+        sink = open_sink(sink_url)
+        batch_works = [w for w in works if sort.cuts[w.rt.span.kv_key].batch_events and w.plan]
+        try:
+            for w in batch_works:
+                assert w.plan is not None
+                self._ensure_schema(sink, sink_url, w.plan.table, reconcile=w.rt.shards == 1)
+            if batch_works:
+                keys = [w.rt.span.kv_key for w in batch_works]
+                plans = {w.rt.span.kv_key: w.plan for w in batch_works if w.plan is not None}
+                t0 = time.monotonic()
+                with tracer().start_as_current_span(
+                        "apply", links=_links(w.fresh[0] for w in batch_works),
+                        attributes={"sluice.sink": sink.__repr__(), "sluice.spans": len(keys)}):
+                    result = run_apply(spark, sort.batch.where(F.col("span").isin(keys)), plans,
+                                       self.options.apply_partitions)
+                m.APPLY_SECONDS.observe(time.monotonic() - t0)
+                self._count_written(batch_works, result, outcomes)
+        except Exception as exc:
+            m.ROUND_ERRORS.labels("apply").inc()
+            log.exception("apply job failed", extra={"sink": repr(sink)})
+            for w in works:
+                outcomes[w.rt.span.kv_key] = _Outcome(error=f"apply failed: {exc!r}")
+            return
+        for w in works:
+            outcome = outcomes.setdefault(w.rt.span.kv_key, _Outcome())
+            outcome.written = True
+            cut = sort.cuts[w.rt.span.kv_key]
+            if cut.ddl_id is None:
+                continue
+            ddl = next(e for e in w.fresh if e.event_id == cut.ddl_id)
+            assert isinstance(ddl.event, DdlExecutedV1)
+            if w.rt.shards > 1:
+                outcome.blocked = (f"DDL at ts {ddl.ts} on a target with {w.rt.shards} upstream shards "
+                                   "waits for shard DDL coordination")
+                continue
+            try:
+                self._apply_ddl(sink, sink_url, w, ddl.event)
+                outcome.ddl_applied = True
+            except KeylessTableError as exc:
+                outcome.refused = str(exc)
+            except Exception as exc:
+                m.ROUND_ERRORS.labels("ddl").inc()
+                log.exception("DDL failed", extra={"span": w.rt.span.name, "statement": ddl.event.statement})
+                outcome.error = f"DDL at ts {ddl.ts} failed: {exc!r}"
+
+    def _count_written(self, works: list[_Work], result: ApplyResult,
+                       outcomes: dict[str, _Outcome]) -> None:
+        rows = 0
+        for w in works:
+            assert w.plan is not None
+            counts = result.per_target.get(w.plan.target_id)
+            if counts is None:
+                continue
+            cf = w.rt.span.changefeed
+            m.ROWS_APPLIED.labels(cf, "upsert").inc(counts.upserted)
+            m.ROWS_APPLIED.labels(cf, "delete").inc(counts.deleted)
+            m.UNIQUE_CONFLICTS.labels(cf).inc(counts.conflicts_removed)
+            w.rt.rows_written += counts.upserted + counts.deleted
+            outcomes.setdefault(w.rt.span.kv_key, _Outcome()).rows += counts.upserted + counts.deleted
+            rows += counts.upserted + counts.deleted
+        m.BATCH_ROWS.observe(rows)
+
+    def _ensure_schema(self, sink: Sink, sink_url: str, table: TargetTable, *, reconcile: bool) -> None:
+        """Create the target from the source schema when missing, and bring its columns to the
+        batch's metadata (idempotent; skipped while this process knows it is done).
+
+        Reconciling to the batch's metadata makes a replay from an older checkpoint converge:
+        the target goes back to the schema those rows were written with, and the DDL after
+        them moves it forward again. Targets fed by several shards only get created here:
+        shards may be at different schema versions, and reconciling to each in turn would
+        flip columns back and forth (their DDL goes through the ddl-lock).
+        """
+        cache_key = (sink_url, table.schema, table.name)
+        meta_json = table.meta.model_dump_json()
+        if cache_key in self._schemas and (self._schemas[cache_key] == meta_json or not reconcile):
+            return
+        sink.ensure_table(table)
+        if reconcile:
+            sink.reconcile_schema(table)
+        self._schemas[cache_key] = meta_json
+
+    def _apply_ddl(self, sink: Sink, sink_url: str, w: _Work, ddl: DdlExecutedV1) -> None:
+        action = ddl_action(ddl)
+        policy = w.rt.config.key_policy
+        cache_key = (sink_url, ddl.database, ddl.table)
+        if action == "reconcile":
+            assert ddl.meta_after is not None
+            table = target_for(w.rt.span, ddl.database, ddl.table, ddl.meta_after, policy)
+            self._schemas.pop(cache_key, None)
+            sink.ensure_table(table)
+            sink.reconcile_schema(table)
+            self._schemas[cache_key] = table.meta.model_dump_json()
+        elif action in ("drop", "truncate"):
+            # Only the name matters to drop/truncate; the metadata may be gone with the table.
+            meta = ddl.meta_after or TableMetaV1(columns=[], primary_key=[])
+            table = TargetTable(schema=ddl.database, name=ddl.table, meta=meta, key=())
+            self._schemas.pop(cache_key, None)
+            if action == "drop":
+                sink.drop_table(table)
+            else:
+                sink.truncate_table(table)
+        else:
+            log.warning("DDL without table metadata: nothing to change downstream",
+                        extra={"span": w.rt.span.name, "statement": ddl.statement})
+        m.DDL_APPLIED.labels(w.rt.span.changefeed, action).inc()
+        log.info("DDL applied", extra={"span": w.rt.span.name, "action": action, "ts": ddl.ts,
+                                       "statement": ddl.statement})
+
+    # ------------------------------------------------------------------ checkpoint
+
+    async def _finish(self, w: _Work, cut: SpanCut | None, outcome: _Outcome | None,
+                      report: RoundReport) -> None:
+        rt = w.rt
+        if w.refused:
+            return
+        if outcome is not None and outcome.error:
+            rt.state, rt.error = "error", outcome.error
+            report.errors.append(f"{rt.span.name}: {outcome.error}")
+            return
+        if cut is None:
+            handled = w.horizon  # nothing fresh: everything up to the horizon is applied
+        else:
+            written = outcome is not None and outcome.written
+            if not written and (cut.batch_events or cut.ddl_id):
+                return  # not written: nothing to checkpoint
+            ddl_done = outcome is not None and outcome.ddl_applied and cut.ddl_ts is not None
+            handled = cut.ddl_ts if ddl_done and cut.ddl_ts is not None else cut.limit_ts
+            report.batch_events += cut.batch_events
+            rt.last_batch_events = cut.batch_events
+            if outcome is not None and outcome.ddl_applied:
+                report.ddl_applied += 1
+        new_ts = max(w.start.ts, handled)
+        pending = [e.stream_seq for e in w.pulled.events if e.ts > new_ts]
+        new_seq = max(w.start.stream_seq, (min(pending) - 1) if pending else w.pulled.read_upto)
+        proposed = Checkpoint(stream_seq=new_seq, ts=new_ts)
+        if outcome is not None:
+            report.rows_written += outcome.rows
+        if outcome is not None and outcome.refused:
+            if rt.state != "refused":
+                log.error("span refused at DDL: %s", outcome.refused, extra={"span": rt.span.name})
+                m.KEYLESS_REFUSED.labels(rt.span.changefeed).inc()
+            rt.state, rt.error = "refused", outcome.refused
+        elif outcome is not None and outcome.blocked:
+            rt.state, rt.error = "blocked", outcome.blocked
+        else:
+            rt.state, rt.error = "replicating", None
+        if proposed != w.start:
+            try:
+                await self.checkpoints.advance(rt.span, proposed, expected=rt.stored)
+            except CheckpointMoved as exc:
+                # Somebody rewound (or moved) it on purpose: start over from what they wrote.
+                log.warning("checkpoint moved under us; reloading", extra={"span": rt.span.name,
+                                                                           "found": str(exc.found)})
+                rt.checkpoint = None
+                return
+            except CheckpointRegression:
+                log.exception("refused to move a checkpoint backwards", extra={"span": rt.span.name})
+                rt.checkpoint = None
+                return
+            rt.checkpoint = rt.stored = proposed
+            report.advanced += 1
+        cf, name = rt.span.changefeed, rt.span.name
+        m.CHECKPOINT_TS.labels(cf, name).set(proposed.ts)
+        m.CHECKPOINT_LAG.labels(cf, name).set(m.lag_seconds(proposed.ts))
+        if rt.resolved_ts:
+            m.RESOLVED_LAG.labels(cf, name).set(
+                max(0.0, m.ts_to_seconds(rt.resolved_ts) - m.ts_to_seconds(proposed.ts)))
+
+    def _count_states(self) -> None:
+        counts: dict[str, int] = {s: 0 for s in ("starting", "replicating", "refused", "blocked", "error")}
+        for rt in self.spans.values():
+            counts[rt.state] += 1
+        for state, n in counts.items():
+            m.SPANS.labels(state).set(n)
+
+
+def target_id(sink_url: str, table: TargetTable) -> str:
+    """Identifies a target table across spans (shards of one target collapse together) without
+    carrying the sink URL, which may hold a password, into Spark's data."""
+    digest = hashlib.sha256(sink_url.encode()).hexdigest()[:12]
+    return f"{digest}:{table.schema or ''}.{table.name}"
+
+
+def _links(events: Any) -> list[trace.Link]:
+    """Links from a batch span to the publish spans of (the first event of) each span's batch."""
+    links: list[trace.Link] = []
+    for e in events:
+        ctx = trace.get_current_span(extract_context(e.headers)).get_span_context()
+        if ctx.is_valid:
+            links.append(trace.Link(ctx))
+        if len(links) >= 32:
+            break
+    return links

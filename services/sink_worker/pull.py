@@ -1,0 +1,290 @@
+"""Reading a span's events from the ROWS stream, from its checkpoint on.
+
+Each span has an ephemeral pull consumer on its two subjects (rows and DDL, ``filter_subjects``
+needs nats-server 2.10+) that starts at ``checkpoint.stream_seq + 1``. It acknowledges nothing:
+the checkpoint is the acknowledgement, so a crash simply re-reads from the checkpoint.
+
+Events pulled but not applied in a round (above the resolved ts, after a DDL barrier, part of
+an unfinished transaction) stay in the reader's buffer for the next round instead of being
+fetched again; the reader re-creates its consumer only when the checkpoint moves outside the
+range it has read (a rewind, or a checkpoint another process advanced).
+
+Anything on a span's subjects that is not a valid event of that span goes to the dead-letter
+subject with its reason, and the span carries on after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+from uuid import uuid4
+
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+from pydantic import BaseModel
+
+from contracts import REGISTRY, ContractError
+from contracts.events.rows import DdlExecutedV1, ResolvedAdvancedV1, RowsChangedV1
+from libs.eventstore.deadletter import dead_letter
+from libs.streams import ROWS_STREAM, resolved_subject, token
+from libs.telemetry.tracing import process_span
+from services.sink_worker.span import Span
+
+log = logging.getLogger(__name__)
+
+_FETCH_CHUNK = 256
+_FETCH_TIMEOUT_S = 2.0
+# An idle span's consumer must survive the pauses between rounds; a dead worker's vanishes.
+_CONSUMER_INACTIVE_S = 120.0
+
+
+class Garbage(Exception):
+    """A message on a span subject that is not a valid event of that span."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"{kind}: {reason}")
+        self.kind = kind
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class PulledEvent:
+    """One decoded row-change or DDL event of a span, with where it sits in the stream."""
+
+    stream_seq: int
+    subject: str
+    event_id: str
+    event: RowsChangedV1 | DdlExecutedV1
+    data: bytes = field(repr=False)
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def is_ddl(self) -> bool:
+        return isinstance(self.event, DdlExecutedV1)
+
+    @property
+    def ts(self) -> int:
+        return self.event.ts
+
+    @property
+    def seq(self) -> int:
+        return self.event.seq
+
+    @property
+    def part(self) -> int:
+        return self.event.part if isinstance(self.event, RowsChangedV1) else 0
+
+    @property
+    def last_part(self) -> bool:
+        return self.event.last_part if isinstance(self.event, RowsChangedV1) else True
+
+
+class _Message(Protocol):
+    @property
+    def subject(self) -> str: ...
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def headers(self) -> dict[str, str] | None: ...
+
+
+def validate_rows(event: RowsChangedV1) -> None:
+    """Structural checks the contract cannot express: the images an op needs, known columns."""
+    columns = {c.name for c in event.meta.columns}
+    if not columns:
+        raise Garbage("invalid_data", "rows.changed without columns in meta")
+    for col in [*event.meta.primary_key, *(c for uk in event.meta.unique_keys for c in uk)]:
+        if col not in columns:
+            raise Garbage("invalid_data", f"key column {col!r} is not a column of the table")
+    for i, row in enumerate(event.rows):
+        needs_before = row.op in ("update", "delete")
+        needs_after = row.op in ("insert", "update")
+        if needs_before and row.before is None:
+            raise Garbage("invalid_data", f"row {i}: {row.op} without a before image")
+        if needs_after and row.after is None:
+            raise Garbage("invalid_data", f"row {i}: {row.op} without an after image")
+        for image in (row.before, row.after):
+            if image is not None:
+                unknown = set(image) - columns
+                if unknown:
+                    raise Garbage("invalid_data", f"row {i}: columns not in meta: {sorted(unknown)}")
+
+
+def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
+    """Decode one message of ``span``'s subjects, or raise ``Garbage`` saying why it is not one."""
+    try:
+        decoded = REGISTRY.decode(msg.data or b"")
+    except ContractError as exc:
+        raise Garbage(exc.kind, exc.reason) from None
+    event: BaseModel = decoded.event
+    if msg.subject == span.rows_subject:
+        if not isinstance(event, RowsChangedV1):
+            raise Garbage("unexpected_type", f"{decoded.envelope.type} on a rows subject")
+        validate_rows(event)
+    elif msg.subject == span.ddl_subject:
+        if not isinstance(event, DdlExecutedV1):
+            raise Garbage("unexpected_type", f"{decoded.envelope.type} on a DDL subject")
+    else:
+        raise Garbage("unexpected_subject", f"{msg.subject} is not a subject of {span.name}")
+    assert isinstance(event, RowsChangedV1 | DdlExecutedV1)
+    if (token(event.source), token(event.database), token(event.table)) != (
+            span.source, span.database, span.table):
+        raise Garbage("invalid_data", f"event of {event.source}/{event.database}.{event.table} "
+                                      f"on {msg.subject}")
+    return PulledEvent(stream_seq=seq, subject=msg.subject, event_id=decoded.envelope.id, event=event,
+                       data=msg.data or b"", headers=dict(msg.headers or {}))
+
+
+@dataclass
+class PullResult:
+    events: list[PulledEvent]
+    read_upto: int
+    """Highest stream sequence read for the span (garbage included); the checkpoint's seq when
+    nothing was read."""
+    complete: bool
+    """True when every message of the span that existed when the pull ran has been read."""
+    dead_lettered: int = 0
+
+
+class SpanReader:
+    """The span's consumer plus its buffer: everything read after ``base`` up to ``read_upto``."""
+
+    def __init__(self, js: JetStreamContext, span: Span, rows_stream: str = ROWS_STREAM) -> None:
+        self.js = js
+        self.span = span
+        self.rows_stream = rows_stream
+        self.buffer: list[PulledEvent] = []
+        self.base = -1
+        self.read_upto = -1
+        self._consumer: str | None = None
+        self._sub: JetStreamContext.PullSubscription | None = None
+
+    async def _reset(self, checkpoint_seq: int) -> None:
+        await self.close()
+        name = f"sink_{uuid4().hex}"
+        await self.js.add_consumer(self.rows_stream, api.ConsumerConfig(
+            name=name, ack_policy=api.AckPolicy.NONE,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=checkpoint_seq + 1,
+            filter_subjects=[self.span.rows_subject, self.span.ddl_subject],
+            inactive_threshold=_CONSUMER_INACTIVE_S, mem_storage=True, num_replicas=1,
+        ))
+        self._consumer = name
+        self._sub = await self.js.pull_subscribe_bind(name, stream=self.rows_stream)
+        self.buffer = []
+        self.base = checkpoint_seq
+        self.read_upto = checkpoint_seq
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(self.rows_stream, self._consumer)
+        self._sub = None
+        self._consumer = None
+
+    async def pull(self, checkpoint_seq: int, limit: int) -> PullResult:
+        """Events of the span after ``checkpoint_seq``: the buffer topped up to ``limit``.
+
+        More than ``limit`` are returned when the last one is an unfinished transaction: the
+        batch can only end at a transaction boundary, so stopping there would never progress.
+        """
+        if self._sub is None or not (self.base <= checkpoint_seq <= self.read_upto):
+            await self._reset(checkpoint_seq)
+        else:
+            self.base = checkpoint_seq
+            self.buffer = [e for e in self.buffer if e.stream_seq > checkpoint_seq]
+        dead = 0
+        try:
+            complete, dead = await self._fill(limit)
+        except NotFoundError:
+            # The consumer is gone (server restart, inactivity): read again from the checkpoint.
+            await self._reset(checkpoint_seq)
+            complete, dead = await self._fill(limit)
+        return PullResult(events=list(self.buffer), read_upto=self.read_upto, complete=complete,
+                          dead_lettered=dead)
+
+    async def _pending(self) -> int:
+        assert self._consumer is not None
+        info = await self.js.consumer_info(self.rows_stream, self._consumer)
+        return int(info.num_pending or 0)
+
+    def _open_transaction(self) -> bool:
+        return bool(self.buffer) and not self.buffer[-1].last_part
+
+    async def _fill(self, limit: int) -> tuple[bool, int]:
+        assert self._sub is not None
+        dead = 0
+        # Asking the consumer first avoids a fetch that waits out its timeout on an idle span.
+        pending = await self._pending()
+        while pending > 0 and (len(self.buffer) < limit or self._open_transaction()):
+            want = max(1, min(_FETCH_CHUNK, pending, limit - len(self.buffer)))
+            try:
+                msgs = await self._sub.fetch(want, timeout=_FETCH_TIMEOUT_S)
+            except (TimeoutError, NatsTimeoutError):
+                pending = await self._pending()
+                continue
+            for msg in msgs:
+                if not await self._take(msg):
+                    dead += 1
+                pending = int(msg.metadata.num_pending or 0)
+        return pending == 0, dead
+
+    async def _take(self, msg: Msg) -> bool:
+        seq = int(msg.metadata.sequence.stream)
+        self.read_upto = max(self.read_upto, seq)
+        with process_span(msg.subject, msg.headers) as otel_span:
+            otel_span.set_attribute("messaging.nats.stream_sequence", seq)
+            try:
+                self.buffer.append(decode_for_span(self.span, msg, seq))
+                return True
+            except Garbage as exc:
+                otel_span.set_attribute("sluice.dead_letter.kind", exc.kind)
+                await dead_letter(self.js, msg, exc.reason, exc.kind, self.rows_stream, seq=seq,
+                                  ack=False)
+                return False
+
+    async def dead_letter_event(self, event: PulledEvent, kind: str, reason: str) -> None:
+        """Park an event the pipeline found unusable (e.g. a row without its key columns)."""
+        await dead_letter(self.js, _Parked(event.subject, event.data, event.headers), reason, kind,
+                          self.rows_stream, seq=event.stream_seq, ack=False)
+        self.buffer = [e for e in self.buffer if e.stream_seq != event.stream_seq]
+
+
+@dataclass(frozen=True)
+class _Parked:
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None
+
+
+@dataclass(frozen=True)
+class ResolvedMark:
+    ts: int
+    stream_seq: int
+
+
+async def latest_resolved(js: JetStreamContext, source: str,
+                          rows_stream: str = ROWS_STREAM) -> ResolvedMark | None:
+    """The source's newest resolved mark (capture rolls the subject up, so it is the only one)."""
+    try:
+        raw = await js.get_last_msg(rows_stream, resolved_subject(source))
+    except NotFoundError:
+        return None
+    try:
+        decoded = REGISTRY.decode(raw.data or b"")
+    except ContractError as exc:
+        log.warning("undecodable resolved mark", extra={"source": source, "reason": str(exc)})
+        return None
+    if not isinstance(decoded.event, ResolvedAdvancedV1):
+        log.warning("unexpected event on the resolved subject",
+                    extra={"source": source, "type": decoded.envelope.type})
+        return None
+    return ResolvedMark(ts=decoded.event.ts, stream_seq=int(raw.seq or 0))

@@ -1,0 +1,120 @@
+"""Spans, their target tables and the key the apply path writes by.
+
+A span is one upstream table of one changefeed: ``(changefeed, source, database, table)``. Its
+``source``/``database``/``table`` are the tokens of its ROWS-stream subjects (``libs.streams.token``),
+because that is how spans are discovered; the real database and table names, which can hold
+characters a subject token cannot, come from the events themselves.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from contracts.events.changefeeds import KeyPolicy, TableFilterV1
+from contracts.events.rows import TableMetaV1
+from libs.streams import ddl_subject, rows_subject, token
+from services.sink_worker.sinks.base import TargetTable
+
+
+@dataclass(frozen=True, order=True)
+class Span:
+    changefeed: str
+    source: str
+    database: str
+    table: str
+
+    @classmethod
+    def of(cls, changefeed: str, source: str, database: str, table: str) -> Span:
+        """A span from real names (tokenised the way capture names the subjects)."""
+        return cls(changefeed, token(source), token(database), token(table))
+
+    @property
+    def name(self) -> str:
+        """Human and label friendly: ``cf/source/db.table``."""
+        return f"{self.changefeed}/{self.source}/{self.database}.{self.table}"
+
+    @property
+    def rows_subject(self) -> str:
+        return rows_subject(self.source, self.database, self.table)
+
+    @property
+    def ddl_subject(self) -> str:
+        return ddl_subject(self.source, self.database, self.table)
+
+    @property
+    def kv_key(self) -> str:
+        """The span's key in the checkpoint bucket: injective, KV-safe (``[-/_=.A-Za-z0-9]``).
+
+        ``token`` alone is not injective (``a.b`` and ``a_b`` both give ``a_b``) and a checkpoint
+        must never be shared by two spans, so every other character is escaped as ``=XX``.
+        """
+        return ".".join(_kv_escape(part) for part in (self.changefeed, self.source, self.database,
+                                                       self.table))
+
+
+def _kv_escape(value: str) -> str:
+    out = []
+    for ch in value:
+        if ch.isascii() and (ch.isalnum() or ch in "-_"):
+            out.append(ch)
+        else:
+            out.extend(f"={b:02X}" for b in ch.encode())
+    return "".join(out) or "=00"
+
+
+def table_selected(flt: TableFilterV1, database: str, table: str) -> bool:
+    """A table is in when ``database.table`` matches an include glob and no exclude glob."""
+    name = f"{database}.{table}"
+    if not any(fnmatch.fnmatchcase(name, pattern) for pattern in flt.include):
+        return False
+    return not any(fnmatch.fnmatchcase(name, pattern) for pattern in flt.exclude)
+
+
+class KeylessTableError(ValueError):
+    """The table has no key the changefeed allows the apply path to use."""
+
+    def __init__(self, database: str, table: str, policy: KeyPolicy, detail: str) -> None:
+        super().__init__(
+            f"table {database}.{table} has no primary key{detail}; key_policy={policy!r} refuses "
+            "it (set the changefeed's key_policy to 'unique' to key it by a NOT NULL unique key, "
+            "or 'all_columns' to key it by every column)"
+        )
+        self.database = database
+        self.table = table
+        self.policy = policy
+
+
+def choose_key(meta: TableMetaV1, policy: KeyPolicy, *, database: str = "?",
+               table: str = "?") -> tuple[str, ...]:
+    """The columns rows are identified by: the primary key, else what ``policy`` allows.
+
+    A unique key qualifies only when all its columns are NOT NULL: a nullable unique key lets
+    several rows hold NULL there, so it does not identify a row.
+    """
+    if meta.primary_key:
+        return tuple(meta.primary_key)
+    if policy in ("unique", "all_columns"):
+        nullable = {c.name: c.nullable for c in meta.columns}
+        for uk in meta.unique_keys:
+            if uk and all(col in nullable and not nullable[col] for col in uk):
+                return tuple(uk)
+    if policy == "all_columns" and meta.columns:
+        return tuple(c.name for c in meta.columns)
+    detail = ""
+    if policy == "unique":
+        detail = " and no unique key with only NOT NULL columns"
+    raise KeylessTableError(database, table, policy, detail)
+
+
+def target_for(span: Span, database: str, table: str, meta: TableMetaV1, policy: KeyPolicy) -> TargetTable:
+    """The downstream table of a span: today the same database/table name in the sink.
+
+    This is the seam for shard routing (a later issue): several spans map to one target there.
+    The sink decides what ``schema`` means (MySQL database, PostgreSQL schema; SQLite has one
+    namespace and ignores it, so two databases with a same-named table share one table there).
+    """
+    del span  # routing rules will look at the changefeed and source
+    key = choose_key(meta, policy, database=database, table=table)
+    unique = tuple(tuple(uk) for uk in meta.unique_keys if tuple(uk) != key)
+    return TargetTable(schema=database, name=table, meta=meta, key=key, unique_keys=unique)
