@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from libs.service import idle_until_stopped, run_service
+from libs.service import run_service
+from services.capture.service import main as capture_main
 
 
 def main() -> None:
-    run_service("capture", idle_until_stopped)
+    run_service("capture", capture_main)
 
 
 if __name__ == "__main__":

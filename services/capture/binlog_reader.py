@@ -1,0 +1,294 @@
+"""The binlog reader: pymysqlreplication's blocking stream on a thread, as plain items.
+
+pymysqlreplication is synchronous, so it runs on its own thread and hands over immutable
+items through a bounded queue; the asyncio side takes them in batches (one executor hop per
+batch, not per event). The bound is the back-pressure: a slow NATS slows the binlog read.
+The thread checks its stop flag after every event, and the server's heartbeats (every
+``heartbeat_s`` while idle) bound how long that can take.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import queue
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pymysql
+from pymysqlreplication import BinLogStreamReader
+from pymysqlreplication.constants import FIELD_TYPE
+from pymysqlreplication.event import GtidEvent as MysqlGtidEvent
+from pymysqlreplication.event import (
+    HeartbeatLogEvent,
+    MariadbGtidEvent,
+    QueryEvent,
+    RotateEvent,
+    XidEvent,
+)
+from pymysqlreplication.row_event import DeleteRowsEvent, UpdateRowsEvent, WriteRowsEvent
+
+from contracts.events.rows import RowOp
+from services.capture.table_meta import BinlogColumn
+
+log = logging.getLogger(__name__)
+
+
+class ReaderStopped(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Position:
+    file: str
+    pos: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.pos}"
+
+
+@dataclass(frozen=True)
+class Begin:
+    """A transaction starts (GTID event, or a BEGIN query without GTIDs)."""
+
+    position: Position
+    timestamp: int
+    gtid: str | None
+
+
+@dataclass(frozen=True)
+class RowImage:
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    before_none: dict[str, str]
+    after_none: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Rows:
+    position: Position
+    timestamp: int
+    database: str
+    table: str
+    op: RowOp
+    columns: tuple[BinlogColumn, ...]
+    images: tuple[RowImage, ...]
+
+
+@dataclass(frozen=True)
+class Commit:
+    position: Position
+    timestamp: int
+
+
+@dataclass(frozen=True)
+class Query:
+    """A statement outside row events: DDL, BEGIN/COMMIT without Xid, or anything else."""
+
+    position: Position
+    timestamp: int
+    schema: str
+    query: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The server has nothing more to send: everything up to ``position`` has been read."""
+
+    position: Position
+
+
+@dataclass(frozen=True)
+class ReaderFailed:
+    error: BaseException
+
+
+Item = Begin | Rows | Commit | Query | Heartbeat | ReaderFailed
+
+_EVENTS = [WriteRowsEvent, UpdateRowsEvent, DeleteRowsEvent, QueryEvent, XidEvent, RotateEvent,
+           HeartbeatLogEvent, MariadbGtidEvent, MysqlGtidEvent]
+
+
+class BinlogReader:
+    def __init__(self, connection: dict[str, Any], server_id: int, start: Position, *,
+                 heartbeat_s: float = 1.0, max_items: int = 2000,
+                 only_schemas: list[str] | None = None) -> None:
+        self._connection = dict(connection)
+        # A dead server must surface as an error, not a read that blocks forever.
+        self._connection.setdefault("read_timeout", max(10.0, heartbeat_s * 4))
+        self._connection.setdefault("charset", "utf8mb4")
+        self._server_id = server_id
+        self._start = start
+        self._heartbeat_s = heartbeat_s
+        self._only_schemas = only_schemas
+        self._queue: queue.Queue[Item] = queue.Queue(maxsize=max_items)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conns: list[Any] = []
+        self._conns_lock = threading.Lock()
+        self.position = start
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"binlog-{self._start}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop now: the thread's blocking read is cut by shutting its socket down."""
+        self._stop.set()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            sock = getattr(conn, "_sock", None)
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _connect(self, **kwargs: Any) -> Any:
+        """pymysqlreplication's connection factory: refuses once stopped, so the library's own
+        reconnect-on-lost-connection cannot revive a reader that was told to stop."""
+        if self._stop.is_set():
+            raise ReaderStopped("binlog reader stopped")
+        if "db" in kwargs:  # pymysqlreplication still passes pymysql's deprecated spelling
+            kwargs["database"] = kwargs.pop("db")
+        conn = pymysql.connect(**kwargs)
+        with self._conns_lock:
+            self._conns = [c for c in self._conns if c.open] + [conn]
+        return conn
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def join(self, timeout: float) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def take(self, max_items: int = 500, wait: float = 0.5) -> list[Item]:
+        """Block up to ``wait`` for the first item, then take what is there (runs off-loop)."""
+        try:
+            items = [self._queue.get(timeout=wait)]
+        except queue.Empty:
+            return []
+        while len(items) < max_items:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return items
+
+    def _put(self, item: Item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        stream: BinLogStreamReader | None = None
+        try:
+            stream = BinLogStreamReader(
+                connection_settings=self._connection, server_id=self._server_id,
+                resume_stream=True, blocking=True, log_file=self._start.file,
+                log_pos=self._start.pos, only_events=_EVENTS, slave_heartbeat=self._heartbeat_s,
+                only_schemas=self._only_schemas, enable_logging=False, pymysql_wrapper=self._connect)
+            current_file = self._start.file
+            for event in stream:
+                if self._stop.is_set():
+                    break
+                if isinstance(event, RotateEvent):
+                    current_file = event.next_binlog
+                    continue
+                item = _convert(event, current_file)
+                if item is not None:
+                    if not isinstance(item, Heartbeat):
+                        self.position = _position_of(item)
+                    if not self._put(item):
+                        break
+        except BaseException as exc:  # handed to the asyncio side, which decides
+            if not self._stop.is_set():
+                self._put(ReaderFailed(exc))
+        finally:
+            if stream is not None:
+                try:
+                    stream.close()
+                except Exception:  # closing a broken connection may fail too
+                    log.debug("closing the binlog stream failed", exc_info=True)
+
+
+def _position_of(item: Item) -> Position:
+    assert not isinstance(item, ReaderFailed)
+    return item.position
+
+
+def _fix_negative_time2(value: Any) -> Any:
+    """pymysqlreplication 1.0.x reads the fraction of a negative TIME(n>0) as a signed number
+    without MySQL's "intpart + 1, frac - 1" step, so -12:34:56.78 comes out as -12:34:56.22.
+    It returns -(I + f) with I = the next whole second up and f = -(true fraction); the true
+    magnitude is I - 1 + |f| = 2I - 1 - |r|. A whole number of seconds is decoded correctly."""
+    if not isinstance(value, dt.timedelta) or value >= dt.timedelta(0):
+        return value
+    magnitude = -value
+    if magnitude.microseconds == 0:
+        return value
+    whole_up = dt.timedelta(days=magnitude.days, seconds=magnitude.seconds + 1)
+    return -(2 * whole_up - dt.timedelta(seconds=1) - magnitude)
+
+
+def _fix_row(values: dict[str, Any] | None, time2: tuple[str, ...]) -> dict[str, Any] | None:
+    if values is None or not time2:
+        return values
+    for name in time2:
+        values[name] = _fix_negative_time2(values.get(name))
+    return values
+
+
+def _columns(event: Any) -> tuple[BinlogColumn, ...]:
+    return tuple(
+        BinlogColumn(name=str(c.name), type_code=int(c.type), charset=c.character_set_name,
+                     unsigned=bool(c.unsigned), is_primary=bool(c.is_primary),
+                     set_values=tuple(c.set_values) if c.set_values is not None else None,
+                     enum_values=tuple(c.enum_values) if c.enum_values is not None else None)
+        for c in event.columns)
+
+
+def _convert(event: Any, current_file: str) -> Item | None:
+    position = Position(current_file, int(event.packet.log_pos))
+    timestamp = int(event.timestamp)
+    if isinstance(event, WriteRowsEvent | UpdateRowsEvent | DeleteRowsEvent):
+        columns = _columns(event)
+        t2 = tuple(c.name for c in columns if c.type_code == FIELD_TYPE.TIME2)
+        if isinstance(event, UpdateRowsEvent):
+            op: RowOp = "update"
+            images = tuple(RowImage(_fix_row(r["before_values"], t2), _fix_row(r["after_values"], t2),
+                                    r.get("before_none_sources", {}), r.get("after_none_sources", {}))
+                           for r in event.rows)
+        elif isinstance(event, WriteRowsEvent):
+            op = "insert"
+            images = tuple(RowImage(None, _fix_row(r["values"], t2), {}, r.get("none_sources", {}))
+                           for r in event.rows)
+        else:
+            op = "delete"
+            images = tuple(RowImage(_fix_row(r["values"], t2), None, r.get("none_sources", {}), {})
+                           for r in event.rows)
+        return Rows(position, timestamp, str(event.schema), str(event.table), op, columns, images)
+    if isinstance(event, XidEvent):
+        return Commit(position, timestamp)
+    if isinstance(event, MariadbGtidEvent | MysqlGtidEvent):
+        return Begin(position, timestamp, str(event.gtid))
+    if isinstance(event, QueryEvent):
+        schema = event.schema.decode("utf-8", "replace") if isinstance(event.schema, bytes) \
+            else str(event.schema)
+        return Query(position, timestamp, schema, event.query)
+    if isinstance(event, HeartbeatLogEvent):
+        name = event.ident.rstrip("\x00") or current_file
+        return Heartbeat(Position(name, int(event.packet.log_pos)))
+    return None
+

@@ -1,0 +1,419 @@
+"""From binlog items to ROWS messages: transactions, ts, seq, table metadata, rejections.
+
+One ``SourcePipeline`` lives for one reading session. Everything it publishes is a pure
+function of where it starts (the newest resolved mark: position, ts, next seq) and the binlog
+after it, so a session that restarts from the same mark republishes identical messages: same
+ids, ts and seq. The two things that read the outside world are kept out of that path:
+information_schema (only for the metadata that travels with rows) and the wall clock (only for
+the resolved marks of an idle source, which are published before anything after them).
+
+Transactions are published per table: one ``RowsChangedV1`` per (transaction, table), split
+into parts of at most ``part_rows`` rows / ``part_bytes`` bytes; a part is sent as soon as it
+is full, the last one at the commit, so a huge transaction never sits in memory whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from contracts.events.rows import (
+    CaptureRejectedV1,
+    DdlExecutedV1,
+    ResolvedAdvancedV1,
+    RowImageV1,
+    RowOp,
+    RowsChangedV1,
+    SourcePositionV1,
+)
+from libs.streams import ddl_subject, rows_subject
+from services.capture import metrics
+from services.capture.binlog_reader import Begin, Commit, Heartbeat, Item, Position, Query, ReaderFailed, Rows
+from services.capture.publisher import Publisher, rejected_subject
+from services.capture.statements import classify
+from services.capture.table_meta import BinlogColumn, TableInfo, binlog_table_info, load_table_info
+from services.capture.ts_clock import TsClock, wall_ms
+from services.capture.values import UnsupportedValue, encode_value
+
+log = logging.getLogger(__name__)
+
+SYSTEM_SCHEMAS = frozenset({"mysql", "sys", "performance_schema", "information_schema"})
+# Rejections that stop a table for good (until an operator clears them, see service.py).
+STOPPING_KINDS = frozenset({"unsupported_type", "binlog_not_row"})
+
+TableKey = tuple[str, str]
+RejectKind = Literal["no_primary_key", "unsupported_type", "binlog_not_row", "binlog_not_full_image"]
+
+
+class CaptureStopped(Exception):
+    """The source as a whole cannot be captured any further (e.g. statement-based DML on an
+    unknown table): a clear error beats a silent gap."""
+
+
+@dataclass(frozen=True)
+class StartState:
+    position: Position
+    ts: int
+    next_seq: int
+
+
+class MetaStore:
+    """Table metadata from the source's information_schema, cached until a DDL names the table.
+
+    ``connect`` returns a new pymysql connection; lookups run on a worker thread.
+    """
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect = connect
+        self._conn: Any = None
+        self._cache: dict[TableKey, TableInfo | None] = {}
+
+    def _load(self, key: TableKey) -> TableInfo | None:
+        for attempt in (1, 2):
+            try:
+                if self._conn is None:
+                    self._conn = self._connect()
+                return load_table_info(self._conn, *key)
+            except Exception:
+                self.close()
+                if attempt == 2:
+                    raise
+        return None
+
+    async def get(self, key: TableKey, *, fresh: bool = False) -> TableInfo | None:
+        if fresh or key not in self._cache:
+            self._cache[key] = await asyncio.to_thread(self._load, key)
+        return self._cache[key]
+
+    def forget(self, key: TableKey) -> None:
+        self._cache.pop(key, None)
+
+    def known_tables(self, database: str) -> list[TableKey]:
+        return [k for k, v in self._cache.items() if k[0] == database and v is not None]
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # a broken connection may fail to close
+                pass
+            self._conn = None
+
+
+@dataclass
+class _TableBuffer:
+    info: TableInfo
+    rows: list[RowImageV1] = field(default_factory=list)
+    size: int = 0
+    part: int = 0
+
+
+@dataclass
+class _Txn:
+    begin: Position
+    timestamp: int
+    gtid: str | None
+    ts: int | None = None
+    tables: dict[TableKey, _TableBuffer] = field(default_factory=dict)
+    had_rows: bool = False
+
+
+class SourcePipeline:
+    def __init__(self, source: str, publisher: Publisher, meta: MetaStore, start: StartState, *,
+                 databases: frozenset[str] | None = None,
+                 stopped: dict[TableKey, Position | None] | None = None,
+                 part_rows: int = 500, part_bytes: int = 256 * 1024,
+                 resolve_every_s: float = 0.2) -> None:
+        self.source = source
+        self.publisher = publisher
+        self.meta = meta
+        self.databases = databases
+        self.clock = TsClock(start.ts)
+        self.next_seq = start.next_seq
+        # State at the end of the last complete event group: what a resolved mark records. The
+        # clock and seq may run ahead of it while a transaction's parts are being published.
+        self.committed = start.position
+        self.committed_ts = start.ts
+        self.committed_seq = start.next_seq
+        self.resolved_ts = start.ts
+        self.resolved_position = start.position
+        # Table -> the position from which it is stopped (None: from anywhere).
+        self.stopped: dict[TableKey, Position | None] = dict(stopped or {})
+        self._warned_no_key: set[TableKey] = set()
+        self._infos: dict[TableKey, TableInfo] = {}  # what this session last described each table by
+        self._txn: _Txn | None = None
+        self._part_rows = part_rows
+        self._part_bytes = part_bytes
+        self._resolve_every_s = resolve_every_s
+        self._last_resolve = time.monotonic()
+        self.position = start.position  # newest position read, for /healthz
+
+    # ------------------------------------------------------------------ items
+
+    async def handle_batch(self, items: list[Item]) -> None:
+        for item in items:
+            await self.handle(item)
+            if time.monotonic() - self._last_resolve >= self._resolve_every_s:
+                await self.publish_resolved()
+        await self.publish_resolved()
+
+    async def handle(self, item: Item) -> None:
+        if isinstance(item, ReaderFailed):
+            raise item.error
+        if isinstance(item, Heartbeat):
+            await self._heartbeat(item)
+            return
+        self.position = item.position
+        if isinstance(item, Begin):
+            if self._txn is not None and self._txn.had_rows:
+                # A crash-truncated binlog may end a transaction without its commit; the server
+                # rolled it back, so it is dropped (its parts, if any, carry no last part).
+                log.warning("transaction without commit dropped", extra={
+                    "source": self.source, "begin": str(self._txn.begin)})
+            self._txn = _Txn(item.position, item.timestamp, item.gtid)
+        elif isinstance(item, Rows):
+            await self._rows(item)
+        elif isinstance(item, Commit):
+            await self._commit(item.position)
+        elif isinstance(item, Query):
+            await self._query(item)
+
+    def _wanted(self, database: str) -> bool:
+        if database in SYSTEM_SCHEMAS:
+            return False
+        return self.databases is None or database in self.databases
+
+    async def _rows(self, item: Rows) -> None:
+        key = (item.database, item.table)
+        if not self._wanted(item.database) or self._is_stopped(key, item.position):
+            return
+        txn = self._txn
+        if txn is None:  # no GTID/BEGIN seen (resumed inside a group): the rows event opens it
+            txn = self._txn = _Txn(item.position, item.timestamp, None)
+        txn.had_rows = True
+        buffer = txn.tables.get(key)
+        if buffer is None:
+            info = await self._table_info(key, item.columns, item.position)
+            if info is None:
+                return
+            buffer = txn.tables[key] = _TableBuffer(info)
+        try:
+            images = [self._image(item.op, buffer.info, item.columns, image) for image in item.images]
+        except UnsupportedValue as exc:
+            del txn.tables[key]
+            await self.reject("unsupported_type", key, f"{exc}; capture stopped for this table",
+                              item.position)
+            return
+        for image in images:
+            buffer.rows.append(image)
+            buffer.size += _approx_size(image)
+            # Keep one row back: the commit must always have a row left for the last part.
+            if len(buffer.rows) > self._part_rows or buffer.size > self._part_bytes:
+                await self._send_part(txn, key, buffer, last=False, keep=1)
+
+    def _image(self, op: RowOp, info: TableInfo, columns: tuple[BinlogColumn, ...], image: Any) -> RowImageV1:
+        before = None if image.before is None else _encode_row(info, columns, image.before,
+                                                                image.before_none)
+        after = None if image.after is None else _encode_row(info, columns, image.after, image.after_none)
+        return RowImageV1.model_construct(op=op, before=before, after=after)
+
+    async def _table_info(self, key: TableKey, columns: tuple[BinlogColumn, ...],
+                          position: Position) -> TableInfo | None:
+        names = tuple(c.name for c in columns)
+        known = self._infos.get(key)
+        if known is not None and known.names == names:
+            return known
+        info = await self.meta.get(key, fresh=known is not None)
+        if info is None or info.names != names:
+            # information_schema already shows a later shape (or no table): capture reads behind
+            # a DDL. The rows are what the binlog says they are.
+            log.info("table metadata merged from the binlog: information_schema differs", extra={
+                "source": self.source, "table": ".".join(key), "binlog_columns": names})
+            info = binlog_table_info(key[0], key[1], columns, info)
+        self._infos[key] = info
+        bad = info.unsupported()
+        if bad:
+            detail = ", ".join(f"{c.name} {c.sql_type}" for c in bad)
+            await self.reject("unsupported_type", key,
+                              f"unsupported column type(s): {detail}; capture stopped for this table",
+                              position)
+            return None
+        if not info.primary_key and key not in self._warned_no_key:
+            self._warned_no_key.add(key)
+            await self.reject("no_primary_key", key,
+                              "table has no primary key and no unique key over NOT NULL columns; its "
+                              "rows are published with primary_key [] and the sink decides",
+                              position)
+        return info
+
+    async def _send_part(self, txn: _Txn, key: TableKey, buffer: _TableBuffer, *, last: bool,
+                         keep: int = 0) -> None:
+        if txn.ts is None:
+            txn.ts = self.clock.commit(txn.timestamp * 1000)
+        rows = buffer.rows[:len(buffer.rows) - keep] if keep else buffer.rows
+        event = RowsChangedV1.model_construct(
+            source=self.source, database=key[0], table=key[1], ts=txn.ts, seq=self.next_seq,
+            part=buffer.part, last_part=last,
+            position=SourcePositionV1(binlog_file=txn.begin.file, binlog_pos=txn.begin.pos,
+                                      gtid=txn.gtid),
+            meta=buffer.info.meta(), rows=rows)
+        msg_id = f"{self.source}:{txn.begin.file}:{txn.begin.pos}:{key[0]}.{key[1]}:{buffer.part}"
+        await self.publisher.send(rows_subject(self.source, *key), event, msg_id, rows=len(rows))
+        self.next_seq += 1
+        buffer.part += 1
+        buffer.rows = buffer.rows[len(rows):]
+        buffer.size = sum(_approx_size(r) for r in buffer.rows)
+
+    def _is_stopped(self, key: TableKey, position: Position) -> bool:
+        if key not in self.stopped:
+            return False
+        since = self.stopped[key]
+        return since is None or (position.file, position.pos) >= (since.file, since.pos)
+
+    def _group_end(self, position: Position) -> None:
+        self.committed = position
+        self.committed_ts = self.clock.last
+        self.committed_seq = self.next_seq
+
+    async def _commit(self, position: Position) -> None:
+        txn, self._txn = self._txn, None
+        if txn is not None:
+            for key, buffer in txn.tables.items():
+                if buffer.rows:
+                    await self._send_part(txn, key, buffer, last=True)
+        self._group_end(position)
+
+    async def _query(self, item: Query) -> None:
+        stmt = classify(item.query, item.schema)
+        if stmt.kind == "begin":
+            if self._txn is None:
+                self._txn = _Txn(item.position, item.timestamp, None)
+            return
+        if stmt.kind == "commit":
+            await self._commit(item.position)
+            return
+        if stmt.kind == "dml":
+            await self._statement_dml(item, stmt.tables)
+            if self._txn is None or not self._txn.had_rows:
+                self._txn = None
+                self._group_end(item.position)
+            return
+        if stmt.kind in ("ddl", "drop_database"):
+            tables = list(stmt.tables) if stmt.kind == "ddl" else self.meta.known_tables(stmt.database)
+            await self._ddl(item, [t for t in tables if self._wanted(t[0])])
+            return
+        # Anything else (CREATE USER, GRANT, CREATE DATABASE, SAVEPOINT ...): a group of its own
+        # unless it sits inside a transaction that already has rows.
+        if self._txn is None or not self._txn.had_rows:
+            self._txn = None
+            self._group_end(item.position)
+
+    async def _statement_dml(self, item: Query, tables: tuple[TableKey, ...]) -> None:
+        message = (f"a DML statement was written to the binlog as a statement, not as rows "
+                   f"(session binlog_format is not ROW): {item.query[:200]!r}")
+        if not tables:
+            await self.reject("binlog_not_row", ("", ""), message + "; capture stopped", item.position)
+            raise CaptureStopped(message)
+        for key in tables:
+            if self._wanted(key[0]) and not self._is_stopped(key, item.position):
+                await self.reject("binlog_not_row", key, message + "; capture stopped for this table",
+                                  item.position)
+
+    async def _ddl(self, item: Query, tables: list[TableKey]) -> None:
+        txn, self._txn = self._txn, None
+        if txn is not None and txn.had_rows:
+            log.warning("DDL inside an open transaction; its rows are published first",
+                        extra={"source": self.source, "statement": item.query[:200]})
+            await self._commit(item.position)
+        ts: int | None = None
+        for key in tables:
+            self.meta.forget(key)
+            self._infos.pop(key, None)
+            self._warned_no_key.discard(key)
+            info = await self.meta.get(key, fresh=True)
+            if ts is None:
+                ts = self.clock.commit((txn.timestamp if txn else item.timestamp) * 1000)
+            event = DdlExecutedV1(
+                source=self.source, database=key[0], table=key[1], ts=ts, seq=self.next_seq,
+                statement=item.query,
+                position=SourcePositionV1(binlog_file=item.position.file, binlog_pos=item.position.pos,
+                                          gtid=txn.gtid if txn else None),
+                meta_after=info.meta() if info is not None else None)
+            msg_id = f"{self.source}:{item.position.file}:{item.position.pos}:{key[0]}.{key[1]}:ddl"
+            await self.publisher.send(ddl_subject(self.source, *key), event, msg_id)
+            self.next_seq += 1
+        self._group_end(item.position)
+
+    async def _heartbeat(self, item: Heartbeat) -> None:
+        if self._txn is not None:
+            return
+        # Nothing is open and the server has sent everything: the heartbeat's position is a
+        # group boundary, and the wall clock may move the resolved ts.
+        self.position = item.position
+        self.clock.resolve(wall_ms())
+        self._group_end(item.position)
+        await self.publish_resolved()
+
+    # --------------------------------------------------------------- resolved
+
+    async def publish_resolved(self) -> None:
+        """Publish the resolved mark for everything up to ``committed``, if it moved."""
+        self._last_resolve = time.monotonic()
+        ts, position = self.committed_ts, self.committed
+        if ts == self.resolved_ts and position == self.resolved_position:
+            return
+        event = ResolvedAdvancedV1(source=self.source, ts=ts, position=SourcePositionV1(
+            binlog_file=position.file, binlog_pos=position.pos))
+        msg_id = f"{self.source}:resolved:{position.file}:{position.pos}:{ts}"
+        await self.publisher.resolved(event, msg_id, self.committed_seq)
+        self.resolved_ts = ts
+        self.resolved_position = position
+
+    # -------------------------------------------------------------- rejections
+
+    async def reject(self, kind: RejectKind, key: TableKey, message: str, position: Position | None) -> None:
+        if kind in STOPPING_KINDS and key != ("", ""):
+            self.stopped.setdefault(key, position)
+        await publish_rejection(self.publisher, self.source, kind, key, message, position)
+
+
+async def publish_rejection(publisher: Publisher, source: str, kind: RejectKind, key: TableKey, message: str,
+                            position: Position | None) -> None:
+    log.error("capture rejected %s.%s: %s", key[0] or "-", key[1] or "-", message,
+              extra={"source": source, "kind": kind, "database": key[0], "table": key[1],
+                     "position": str(position) if position else None})
+    metrics.REJECTIONS.labels(source, kind).inc()
+    event = CaptureRejectedV1(
+        source=source, kind=kind,
+        database=key[0], table=key[1], message=message,
+        position=SourcePositionV1(binlog_file=position.file, binlog_pos=position.pos) if position else None)
+    where = f"{position.file}:{position.pos}" if position is not None and kind in STOPPING_KINDS else ""
+    msg_id = f"{source}:rejected:{kind}:{key[0]}.{key[1]}:{where}"
+    await publisher.send(rejected_subject(source), event, msg_id)
+
+
+def _encode_row(info: TableInfo, columns: tuple[BinlogColumn, ...], values: dict[str, Any],
+                none_sources: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for spec, col in zip(info.columns, columns, strict=True):
+        assert spec.kind is not None
+        try:
+            out[spec.name] = encode_value(spec.kind, values.get(spec.name),
+                                          none_source=none_sources.get(spec.name),
+                                          set_values=col.set_values)
+        except UnsupportedValue as exc:
+            raise UnsupportedValue(f"column {spec.name} ({spec.sql_type}): {exc}") from None
+    return out
+
+
+def _approx_size(image: RowImageV1) -> int:
+    size = 32
+    for row in (image.before, image.after):
+        if row:
+            for name, value in row.items():
+                size += len(name) + 6 + (len(value) if isinstance(value, str) else 8)
+    return size

@@ -1,0 +1,155 @@
+"""Publishing to the ROWS stream: deterministic ids, pipelined acks, fenced resolved marks.
+
+Every message carries ``Nats-Msg-Id`` = its envelope id, derived from the binlog position, so
+a re-read after a crash or failover publishes byte-for-byte the same ids and JetStream drops
+the copies inside its duplicate window (consumers drop the rest by id).
+
+Row and DDL messages are published without waiting for each ack (up to ``window`` in flight);
+a resolved mark first waits for every earlier ack, so "ts <= resolved is in the stream" holds.
+Resolved marks are also the fence between two captures of one source: each carries
+``Nats-Expected-Last-Subject-Sequence`` = the stream sequence of the mark it follows, so a
+capture that lost its lease and did not notice yet cannot publish a mark after its successor's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext, api
+from nats.js.errors import APIError
+from pydantic import BaseModel
+
+from contracts.events.rows import ResolvedAdvancedV1
+from contracts.registry import REGISTRY
+from libs.streams import ROWS_STREAM, resolved_subject, token
+from libs.telemetry.tracing import publish_span
+from services.capture import metrics
+
+log = logging.getLogger(__name__)
+
+# Header on resolved marks: the seq the next row/DDL message of the source gets. With the mark's
+# ts and position it is all the state a capture needs to continue exactly where it left off.
+NEXT_SEQ_HEADER = "Sluice-Next-Seq"
+_WRONG_LAST_SEQ = frozenset({10071})
+
+
+def rejected_subject(source: str) -> str:
+    """Capture's rejections for a source. Four tokens, so it never matches a table's subject
+    (``sluice.rows.<source>.<schema>.<table>``) yet sits in the ROWS stream beside them."""
+    return f"sluice.rows.{token(source)}.rejected"
+
+
+class LeaseLost(Exception):
+    """This capture no longer holds the source's lease: stop publishing at once."""
+
+
+class Fenced(Exception):
+    """Another capture published a resolved mark for this source after the one we followed."""
+
+
+class PublishFailed(Exception):
+    """A publish was not acknowledged; the session restarts from the last resolved mark."""
+
+
+@dataclass
+class _InFlight:
+    future: asyncio.Future[api.PubAck]
+    started: float
+    subject: str
+
+
+class Publisher:
+    def __init__(self, js: JetStreamContext, source: str, producer: str, *,
+                 is_valid: Callable[[], bool], epoch: int = 0, window: int = 256,
+                 ack_timeout: float = 10.0) -> None:
+        self.js = js
+        self.source = source
+        self.producer = producer
+        self.epoch = epoch
+        self._is_valid = is_valid
+        self._window = window
+        self._ack_timeout = ack_timeout
+        self._in_flight: deque[_InFlight] = deque()
+        self.resolved_stream_seq = 0  # stream sequence of the last resolved mark of the source
+        self._resolved_subject = resolved_subject(source)
+        self._latency = metrics.PUBLISH_LATENCY.labels(source)
+
+    def _check_lease(self) -> None:
+        if not self._is_valid():
+            raise LeaseLost(f"capture lease of source {self.source} lost")
+
+    def _encode(self, event: BaseModel, msg_id: str) -> tuple[bytes, str]:
+        data = REGISTRY.encode(event, producer=self.producer, epoch=self.epoch, event_id=msg_id)
+        return data, REGISTRY.key_of(type(event))[0]
+
+    async def send(self, subject: str, event: BaseModel, msg_id: str, *, rows: int = 0) -> None:
+        """Publish one row/DDL/rejection message; its ack is awaited by ``flush`` (or when the
+        window is full)."""
+        self._check_lease()
+        payload, type_ = self._encode(event, msg_id)
+        with publish_span(subject, {api.Header.MSG_ID.value: msg_id}) as (_span, headers):
+            future = await self.js.publish_async(subject, payload, headers=headers,
+                                                 stream=ROWS_STREAM, wait_stall=self._ack_timeout)
+        self._in_flight.append(_InFlight(future, time.perf_counter(), subject))
+        metrics.MESSAGES_PUBLISHED.labels(self.source, type_).inc()
+        if rows:
+            metrics.ROWS_PUBLISHED.labels(self.source).inc(rows)
+        while len(self._in_flight) > self._window:
+            await self._settle_one()
+
+    async def _settle_one(self) -> None:
+        item = self._in_flight.popleft()
+        try:
+            await asyncio.wait_for(asyncio.shield(item.future), self._ack_timeout)
+        except TimeoutError:
+            raise PublishFailed(f"no ack within {self._ack_timeout}s for {item.subject}") from None
+        except APIError as exc:
+            raise PublishFailed(f"publish to {item.subject} refused: {exc}") from exc
+        self._latency.observe(time.perf_counter() - item.started)
+
+    async def flush(self) -> None:
+        """Wait for every outstanding ack; raises ``PublishFailed`` for the first one missing."""
+        try:
+            while self._in_flight:
+                await self._settle_one()
+        finally:
+            self._in_flight.clear()
+
+    def discard(self) -> None:
+        """Forget outstanding acks (the session is over; its re-read will publish them again)."""
+        for item in self._in_flight:
+            item.future.cancel()
+        self._in_flight.clear()
+
+    async def resolved(self, event: ResolvedAdvancedV1, msg_id: str, next_seq: int) -> None:
+        """Publish a resolved mark once everything before it is acked; keeps one per source."""
+        await self.flush()
+        self._check_lease()
+        payload, type_ = self._encode(event, msg_id)
+        headers = {
+            api.Header.MSG_ID.value: msg_id,
+            api.Header.ROLLUP.value: "sub",
+            api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(self.resolved_stream_seq),
+            NEXT_SEQ_HEADER: str(next_seq),
+        }
+        started = time.perf_counter()
+        with publish_span(self._resolved_subject, headers) as (_span, traced):
+            try:
+                ack = await self.js.publish(self._resolved_subject, payload, headers=traced,
+                                            stream=ROWS_STREAM, timeout=self._ack_timeout)
+            except APIError as exc:
+                if exc.err_code in _WRONG_LAST_SEQ:
+                    raise Fenced(f"another capture advanced {self._resolved_subject}: {exc}") from exc
+                raise PublishFailed(f"resolved mark refused: {exc}") from exc
+            except TimeoutError:
+                raise PublishFailed("no ack for the resolved mark") from None
+        self._latency.observe(time.perf_counter() - started)
+        self.resolved_stream_seq = int(ack.seq)
+        metrics.MESSAGES_PUBLISHED.labels(self.source, type_).inc()
+        metrics.RESOLVED_TS.labels(self.source).set(event.ts)
+        metrics.RESOLVED_PHYSICAL_MS.labels(self.source).set(event.ts >> 18)

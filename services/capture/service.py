@@ -1,0 +1,300 @@
+"""The capture service: one active binlog reader per source, held by a lease.
+
+Replicas of one source campaign for the lease ``capture.<source>``. The holder runs reading
+sessions; each starts from the newest resolved mark of the source in the ROWS stream (its
+position, ts and next seq), so a restart or a successor continues exactly where the stream
+ends, and re-publishes whatever was in flight with the same ids. A session that fails
+(source down, NATS hiccup, fenced) is simply started again from the stream while the lease
+holds; the lease lost ends it at once.
+
+Rejected tables: a table stopped for an unsupported type or statement-based DML stays stopped
+across restarts (its rejection events are read back at every session start). To capture it
+again after fixing the cause, an operator purges the rejections of the source:
+``nats stream purge SLUICE_ROWS --subject sluice.rows.<source>.rejected``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from contracts.events.rows import CaptureRejectedV1, ResolvedAdvancedV1, SourcePositionV1
+from contracts.registry import REGISTRY, ContractError
+from libs.config import Settings
+from libs.election import Election, Leadership
+from libs.service import ServiceRuntime
+from libs.streams import ROWS_STREAM, resolved_subject, token
+from libs.streams_setup import ensure_rows_stream
+from services.capture import metrics
+from services.capture.binlog_reader import BinlogReader, Position
+from services.capture.pipeline import (
+    STOPPING_KINDS,
+    CaptureStopped,
+    MetaStore,
+    SourcePipeline,
+    StartState,
+    TableKey,
+    publish_rejection,
+)
+from services.capture.publisher import NEXT_SEQ_HEADER, Fenced, LeaseLost, Publisher, rejected_subject
+from services.capture.source import SourceOptions, check_source, connect, current_position, earliest_position
+from services.capture.ts_clock import TsClock, wall_ms
+
+log = logging.getLogger(__name__)
+
+RETRY_REFUSED_S = 5.0
+MAX_BACKOFF_S = 10.0
+
+
+class SourceRefused(Exception):
+    """The source is configured so that capture cannot read it correctly."""
+
+
+def lease_name(source: str) -> str:
+    return f"capture.{token(source)}"
+
+
+async def load_start(js: JetStreamContext, source: str) -> tuple[StartState, int] | None:
+    """The newest resolved mark of ``source`` as a start state, with its stream sequence."""
+    try:
+        raw = await js.get_last_msg(ROWS_STREAM, resolved_subject(source))
+    except NotFoundError:
+        return None
+    event = REGISTRY.decode(raw.data or b"").event
+    if not isinstance(event, ResolvedAdvancedV1):
+        raise ContractError("invalid_data", f"{resolved_subject(source)} holds a {type(event).__name__}")
+    next_seq = (raw.headers or {}).get(NEXT_SEQ_HEADER)
+    if next_seq is None:
+        raise ContractError("invalid_data", f"resolved mark at seq {raw.seq} has no {NEXT_SEQ_HEADER}")
+    position = Position(event.position.binlog_file, event.position.binlog_pos)
+    return StartState(position, event.ts, int(next_seq)), int(raw.seq or 0)
+
+
+async def load_stopped(js: JetStreamContext, source: str) -> dict[TableKey, Position | None]:
+    """Tables an earlier session stopped, from the source's rejection events."""
+    stopped: dict[TableKey, Position | None] = {}
+    seq = 1
+    subject = rejected_subject(source)
+    while True:
+        try:
+            raw = await js.get_msg(ROWS_STREAM, seq=seq, subject=subject, next=True)
+        except NotFoundError:
+            return stopped
+        seq = int(raw.seq or seq) + 1
+        try:
+            event = REGISTRY.decode(raw.data or b"").event
+        except ContractError as exc:
+            log.warning("undecodable rejection at seq %s: %s", raw.seq, exc)
+            continue
+        if isinstance(event, CaptureRejectedV1) and event.kind in STOPPING_KINDS and event.table:
+            pos = event.position
+            since = Position(pos.binlog_file, pos.binlog_pos) if pos is not None else None
+            stopped.setdefault((event.database, event.table), since)
+
+
+class Capture:
+    def __init__(self, settings: Settings, js: JetStreamContext, *, producer: str,
+                 status: dict[str, Any] | None = None, stopping: asyncio.Event | None = None) -> None:
+        self.settings = settings
+        self.js = js
+        self.source = settings.source_id
+        self.producer = producer
+        self.status = status if status is not None else {}
+        self.stopping = stopping or asyncio.Event()
+        self.options: SourceOptions | None = None
+        self._reported: set[tuple[str, str]] = set()
+        self._pipeline: SourcePipeline | None = None
+        self._show(state="starting", lease=False)
+
+    # ----------------------------------------------------------------- status
+
+    def _show(self, **fields: Any) -> None:
+        self.status.update({"source": self.source, **fields})
+
+    def ready(self) -> bool:
+        """Ready while standing by or reading; not while refused, failing or starting."""
+        return self.status.get("state") in ("standby", "reading")
+
+    def _show_progress(self, reader: BinlogReader, pipeline: SourcePipeline) -> None:
+        self._show(position=str(pipeline.position), read_position=str(reader.position),
+                   last_ts=pipeline.clock.last, resolved_ts=pipeline.resolved_ts,
+                   resolved_position=str(pipeline.resolved_position), next_seq=pipeline.next_seq)
+
+    # ------------------------------------------------------------------- run
+
+    async def run(self) -> None:
+        try:
+            self.options = SourceOptions.parse(self.settings.source_url)
+        except ValueError as exc:
+            log.error("capture cannot start: bad source URL: %s", exc, extra={"source": self.source})
+            self._show(state="refused", problem=f"bad source URL: {exc}")
+            await self.stopping.wait()
+            return
+        while not self.stopping.is_set():
+            try:
+                await ensure_rows_stream(self.js, self.settings)
+                break
+            except (NatsError, OSError) as exc:
+                log.warning("ROWS stream not available yet: %s", exc)
+                await self._sleep(1.0)
+        election = Election(self.js, lease_name(self.source), self.settings.instance_id,
+                            self.settings.lease_ttl_s, replicas=self.settings.stream_replicas)
+        while not self.stopping.is_set():
+            self._show(state="standby", lease=False)
+            try:
+                await election.setup()
+                leadership = await election.campaign(self.stopping)
+            except (NatsError, OSError) as exc:
+                log.warning("capture lease not available yet: %s", exc)
+                await self._sleep(election.poll_interval)
+                continue
+            if leadership is None:
+                break
+            await self._term(election, leadership)
+        self._show(state="stopped", lease=False)
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), seconds)
+
+    async def _term(self, election: Election, leadership: Leadership) -> None:
+        log.info("capture lease won", extra={"source": self.source, "epoch": leadership.epoch})
+        self._show(lease=True, epoch=leadership.epoch)
+        keeper = asyncio.create_task(election.keep(leadership), name=f"capture-{self.source}-lease")
+        work = asyncio.create_task(self._sessions(leadership), name=f"capture-{self.source}")
+        lost = asyncio.create_task(leadership.lost.wait())
+        stop = asyncio.create_task(self.stopping.wait())
+        try:
+            while True:
+                timeout = max(0.0, leadership.deadline - time.monotonic())
+                await asyncio.wait({work, lost, stop}, timeout=timeout,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not leadership.valid() or self.stopping.is_set() or work.done():
+                    break
+        finally:
+            for task in (work, lost, stop):
+                task.cancel()
+            await asyncio.gather(work, lost, stop, return_exceptions=True)
+            if leadership.valid():
+                keeper.cancel()
+                await asyncio.gather(keeper, return_exceptions=True)
+                await election.resign(leadership)
+            else:
+                keeper.cancel()
+                await asyncio.gather(keeper, return_exceptions=True)
+            self._show(lease=False)
+            log.info("capture lease released", extra={"source": self.source,
+                                                      "reason": leadership.lost_reason or "stopped"})
+
+    async def _sessions(self, leadership: Leadership) -> None:
+        backoff = 0.5
+        while leadership.valid() and not self.stopping.is_set():
+            outcome = "error"
+            try:
+                await self._session(leadership)
+                outcome = "ended"
+            except LeaseLost:
+                outcome = "lease-lost"
+                return
+            except SourceRefused as exc:
+                outcome = "refused"
+                self._show(state="refused", problem=str(exc))
+                await self._sleep(RETRY_REFUSED_S)
+                continue
+            except CaptureStopped as exc:
+                outcome = "stopped"
+                self._show(state="refused", problem=str(exc))
+                await self.stopping.wait()
+                return
+            except Fenced as exc:
+                outcome = "fenced"
+                log.warning("capture fenced, restarting from the stream: %s", exc,
+                            extra={"source": self.source})
+            except Exception as exc:  # every failure restarts from the stream
+                log.error("capture session failed: %r", exc, extra={"source": self.source},
+                          exc_info=not isinstance(exc, OSError | NatsError))
+                self._show(state="source-error", problem=repr(exc))
+                await self._sleep(backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+                continue
+            finally:
+                metrics.SESSIONS.labels(self.source, outcome).inc()
+            backoff = 0.5
+
+    async def _session(self, leadership: Leadership) -> None:
+        assert self.options is not None
+        options = self.options
+        publisher = Publisher(self.js, self.source, self.producer, is_valid=leadership.valid,
+                              epoch=leadership.epoch)
+        conn = await asyncio.to_thread(connect, options)
+        try:
+            problems = await asyncio.to_thread(check_source, conn)
+            if problems:
+                for kind, message in problems:
+                    if (kind, message) not in self._reported:
+                        self._reported.add((kind, message))
+                        await publish_rejection(publisher, self.source, kind, ("", ""),
+                                                message + "; capture does not read this source", None)
+                await publisher.flush()
+                raise SourceRefused("; ".join(m for _, m in problems))
+            self._reported.clear()
+            restored = await load_start(self.js, self.source)
+            if restored is None:
+                start = await self._first_start(conn, publisher)
+            else:
+                start, publisher.resolved_stream_seq = restored
+            stopped = await load_stopped(self.js, self.source)
+        finally:
+            await asyncio.to_thread(conn.close)
+        log.info("capture reading", extra={"source": self.source, "position": str(start.position),
+                                           "ts": start.ts, "next_seq": start.next_seq,
+                                           "stopped_tables": len(stopped)})
+        meta = MetaStore(lambda: connect(options))
+        pipeline = SourcePipeline(self.source, publisher, meta, start, databases=options.databases,
+                                  stopped=stopped)
+        reader = BinlogReader(options.connection_kwargs(), self.settings.source_server_id,
+                              start.position, heartbeat_s=options.heartbeat_s,
+                              only_schemas=sorted(options.databases) if options.databases else None)
+        self._pipeline = pipeline
+        reader.start()
+        self._show(state="reading", problem=None)
+        loop = asyncio.get_running_loop()
+        try:
+            while not self.stopping.is_set():
+                if not leadership.valid():
+                    raise LeaseLost(f"capture lease of {self.source} lost")
+                items = await loop.run_in_executor(None, reader.take)
+                await pipeline.handle_batch(items)
+                self._show_progress(reader, pipeline)
+        finally:
+            reader.stop()
+            publisher.discard()
+            await asyncio.to_thread(meta.close)
+
+    async def _first_start(self, conn: Any, publisher: Publisher) -> StartState:
+        """Nothing in the stream for this source: pin the start with a first resolved mark, so
+        a restart before any change cannot pick a later 'current' position and skip changes."""
+        assert self.options is not None
+        locate = earliest_position if self.options.start == "earliest" else current_position
+        position = await asyncio.to_thread(locate, conn)
+        ts = TsClock(0).resolve(wall_ms())
+        mark = ResolvedAdvancedV1(source=self.source, ts=ts, position=SourcePositionV1(
+            binlog_file=position.file, binlog_pos=position.pos))
+        await publisher.resolved(mark, f"{self.source}:resolved:{position.file}:{position.pos}:{ts}", 0)
+        log.info("capture starts a new source", extra={"source": self.source, "position": str(position),
+                                                       "start": self.options.start})
+        return StartState(position, ts, 0)
+
+
+async def main(runtime: ServiceRuntime) -> None:
+    capture = Capture(runtime.settings, runtime.nc.jetstream(), producer=runtime.producer,
+                      status=runtime.status, stopping=runtime.stopping)
+    runtime.add_ready_check("capture", capture.ready)
+    await capture.run()
