@@ -312,9 +312,11 @@ def _pg_type(column: ColumnV1, t: SqlType | None) -> str:
         # MySQL FLOAT is single precision: real keeps the same value, double would show its noise.
         return "real" if base == "float" and (t is None or t.int_arg(0, 0) <= 24) else "double precision"
     if kind == "decimal":
-        precision = t.int_arg(0, 10) if t else 65
-        scale = t.int_arg(1, 0) if t else 30
-        return f"numeric({precision},{scale})"
+        if t is None or not t.args:
+            # A bare "decimal" comes from capture's binlog fallback, where the declared
+            # precision is unknown: unconstrained numeric keeps whatever digits arrive.
+            return "numeric"
+        return f"numeric({t.int_arg(0, 10)},{t.int_arg(1, 0)})"
     if kind == "string":
         # char(n) -> varchar(n): MySQL strips CHAR padding on read, PostgreSQL's bpchar keeps it.
         if base in ("char", "varchar", "character", "nchar", "nvarchar") and t and t.args:
@@ -368,6 +370,8 @@ def sql_type_for(dialect: str, column: ColumnV1) -> str:
             # shift them by the session time zone and may auto-initialise/auto-update.
             fsp = fsp_of(column) if t is not None else 6
             return f"datetime({fsp})" if fsp else "datetime"
+        if column.kind == "decimal" and (t is None or not t.args):
+            return "decimal(65,30)"  # bare DECIMAL would mean decimal(10,0): see _pg_type
         if t is not None:
             return t.mysql()
         fallback = {

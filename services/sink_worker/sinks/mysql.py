@@ -34,8 +34,7 @@ from services.sink_worker.values import (
 
 _SESSION_INIT = (
     "SET SESSION sql_mode = 'STRICT_TRANS_TABLES,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION',"
-    " time_zone = '+00:00',"
-    " SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
+    " time_zone = '+00:00'"
 )
 
 # ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT, "server has gone away", "lost connection",
@@ -66,6 +65,10 @@ class MySQLSink(SqlSink):
         return pymysql.connect(**params)
 
     def _begin(self, conn: Any) -> None:
+        # Applies to the next transaction only; spelled this way for MySQL and MariaDB alike
+        # (the session variable is tx_isolation on one, transaction_isolation on the other).
+        with conn.cursor() as cur:
+            cur.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
         conn.begin()
 
     def _retryable(self, exc: BaseException) -> bool:

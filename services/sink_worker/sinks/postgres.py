@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import psycopg
-from psycopg import errors as pgerrors
+from psycopg.types.string import TextLoader
 
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.sql_common import SqlSink
@@ -36,22 +36,27 @@ class PostgresSink(SqlSink):
         params.update(dict(self.db.options))
         params = {k: v for k, v in params.items() if v is not None}
         # Statements differ per chunk size and table: server-side prepares would only pile up.
-        return psycopg.connect(**params, prepare_threshold=None)
+        conn = psycopg.connect(**params, prepare_threshold=None)
+        # jsonb as its text: the default loader would turn the document '"x"' into the str 'x',
+        # which is then indistinguishable from the text of a document.
+        for name in ("json", "jsonb"):
+            conn.adapters.register_loader(name, TextLoader)
+        return conn
 
     def _begin(self, conn: Any) -> None:
         # psycopg opens a transaction at the first statement when autocommit is off.
         return None
 
     def _retryable(self, exc: BaseException) -> bool:
-        if isinstance(exc, pgerrors.TransactionRollback | pgerrors.LockNotAvailable):
-            return True  # deadlock_detected, serialization_failure, lock timeouts
-        if isinstance(exc, pgerrors.AdminShutdown | pgerrors.CrashShutdown | pgerrors.CannotConnectNow):
-            return True  # a server restart mid-partition
-        if isinstance(exc, psycopg.OperationalError):
-            # No SQLSTATE, or class 08: the connection itself failed.
-            state = getattr(exc, "sqlstate", None)
-            return state is None or state.startswith("08")
-        return False
+        if not isinstance(exc, psycopg.Error):
+            return isinstance(exc, ConnectionError)
+        state = exc.sqlstate
+        if state is None:
+            # No SQLSTATE: the client lost or could not open the connection.
+            return isinstance(exc, psycopg.OperationalError)
+        # 40xxx: serialization_failure, deadlock_detected, ...; 55P03: lock_not_available;
+        # 57P01-03: the server is shutting down / restarting; 08xxx: connection failures.
+        return state.startswith(("40", "08")) or state in ("55P03", "57P01", "57P02", "57P03")
 
     def _schema(self, table: TargetTable) -> str | None:
         return table.schema
@@ -80,8 +85,9 @@ class PostgresSink(SqlSink):
     def _retryable_ddl(self, exc: BaseException) -> bool:
         # Two callers creating the same table/schema at once: IF NOT EXISTS is not atomic in
         # PostgreSQL, the loser gets a unique violation on the catalog; the retry finds it.
-        return isinstance(exc, pgerrors.UniqueViolation | pgerrors.DuplicateTable
-                          | pgerrors.DuplicateSchema | pgerrors.DuplicateObject) or self._retryable(exc)
+        if isinstance(exc, psycopg.Error) and exc.sqlstate in ("23505", "42P07", "42P06", "42710"):
+            return True  # unique_violation, duplicate_table/schema/object
+        return self._retryable(exc)
 
     def ensure_table(self, table: TargetTable) -> None:
         self._run(lambda cur: self._create(cur, table), f"create {table.name!r}", self._retryable_ddl)

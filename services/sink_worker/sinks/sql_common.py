@@ -334,10 +334,10 @@ class SqlSink(Sink):
 
     def _select_sql(self, table: TargetTable) -> str:
         cols = ", ".join(self.ident(c.name) for c in table.meta.columns)
-        order = ", ".join(self.ident(k) for k in table.key)
-        return f"SELECT {cols} FROM {self._table_ref(table)}" + (f" ORDER BY {order}" if order else "")
+        return f"SELECT {cols} FROM {self._table_ref(table)}"
 
     def fetch_rows(self, table: TargetTable) -> list[dict[str, Any]]:
+        """Every row, decoded by ``values.normalize_fetched`` and sorted by key."""
         columns = table.meta.columns
         sql = self._select_sql(table)
 
@@ -346,7 +346,10 @@ class SqlSink(Sink):
             return [{c.name: normalize_fetched(c, v) for c, v in zip(columns, raw, strict=True)}
                     for raw in cur.fetchall()]
 
-        return self._run(work, f"fetch {table.name!r}")
+        rows = self._run(work, f"fetch {table.name!r}")
+        # Sorted here, on the decoded values: SQLite's TEXT-stored numbers would sort as text.
+        rows.sort(key=lambda r: sort_key(tuple(r.get(k) for k in table.key)))
+        return rows
 
     # ------------------------------------------------------------------ DDL helpers
 

@@ -55,6 +55,13 @@ def _adapter(kind: str, sql_type: str) -> Callable[[Any], Any]:
             return lambda v: str(int(v))
         return int
     if kind == "decimal":
+        if not args:
+            # Scale unknown (capture's binlog fallback): one spelling per number still.
+            def decimal_plain(v: Any) -> str:
+                d = Decimal(str(v))
+                return "0" if d == 0 else format(d.normalize(), "f")
+
+            return decimal_plain
         scale = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
         quantum = Decimal(1).scaleb(-scale)
 

@@ -1,0 +1,83 @@
+"""libs.checksum: normalisation that makes the three databases' representations compare equal.
+
+The cross-database check against real servers is in tests/test_sinks.py
+(test_checksum_equal_across_databases); these are the pure rules.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, timedelta, timezone
+from datetime import time as dtime
+from decimal import Decimal
+
+import pytest
+
+from contracts.events.rows import ColumnV1
+from libs.checksum import compare_tables, normalize, table_checksum
+
+
+def col(name: str, kind: str, sql_type: str) -> ColumnV1:
+    return ColumnV1(name=name, kind=kind, sql_type=sql_type)
+
+
+@pytest.mark.parametrize(("a", "b", "column"), [
+    (18446744073709551615, Decimal("18446744073709551615"), None),
+    (18446744073709551615, "18446744073709551615", col("u", "int", "bigint unsigned")),
+    (Decimal("1.50"), Decimal("1.5"), None),
+    (Decimal("1.50"), "1.5000", col("d", "decimal", "decimal(10,4)")),
+    (Decimal("0.00"), Decimal("-0"), None),
+    (5, Decimal("5.000"), None),
+    (True, 1, None),
+    (1.5, Decimal("1.5"), None),
+    (b"\x05", 5, col("b", "bit", "bit(8)")),
+    (b"ab", memoryview(b"ab"), None),
+    (bytearray(b"ab"), b"ab", None),
+    ('{"b": 1, "a": [1, 2]}', {"a": [1, 2], "b": 1}, col("j", "json", "json")),
+    ('"x"', "\"x\"", col("j", "json", "json")),
+    (datetime(2024, 1, 1, 12), "2024-01-01 12:00:00.000000", col("t", "datetime", "datetime(6)")),
+    (datetime(2024, 1, 1, 12, tzinfo=UTC), datetime(2024, 1, 1, 14, tzinfo=timezone(timedelta(hours=2))),
+     None),
+    (date(2024, 1, 1), "2024-01-01", col("d", "date", "date")),
+    (timedelta(hours=-1, seconds=-1), "-01:00:01.000000", col("t", "time", "time(6)")),
+    (timedelta(hours=1, minutes=2), dtime(1, 2), None),
+    (3.140000104904175, 3.14, col("f", "float", "float")),  # float32 through the binlog vs text
+    ("😀", b"\xf0\x9f\x98\x80", col("s", "string", "varchar(4)")),
+])
+def test_same_data_normalises_equal(a: object, b: object, column: ColumnV1 | None) -> None:
+    assert normalize(a, column) == normalize(b, column)
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    (None, ""), (None, 0), (None, "null"), ("1", 1), (b"1", "1"), (Decimal("1.5"), Decimal("1.51")),
+    (datetime(2024, 1, 1), date(2024, 1, 1)), (3.140000104904175, 3.14),  # double: not equal
+])
+def test_different_data_normalises_different(a: object, b: object) -> None:
+    assert normalize(a) != normalize(b)
+
+
+def test_table_checksum_ignores_row_order_and_counts() -> None:
+    columns = ["id", "v"]
+    rows: list[dict[str, object]] = [{"id": 1, "v": Decimal("1.0")}, {"id": 2, "v": None}]
+    other: list[tuple[int, int | None]] = [(2, None), (1, 1)]  # sequences aligned to the columns are fine too
+    assert table_checksum(rows, columns, ["id"]) == table_checksum(other, columns, ["id"])
+    count, digest = table_checksum(rows, columns, ["id"])
+    assert count == 2 and len(digest) == 64
+    assert table_checksum(rows[:1], columns, ["id"])[1] != digest
+    assert table_checksum([{"id": 1, "v": 1}, {"id": 2, "v": ""}], columns, ["id"])[1] != digest
+    with pytest.raises(ValueError):
+        table_checksum(rows, columns, ["nope"])
+
+
+def test_compare_tables_reports_examples() -> None:
+    up = [{"id": i, "v": f"v{i}"} for i in range(10)]
+    down = [dict(r) for r in up if r["id"] not in (3, 4)] + [{"id": 42, "v": "x"}]
+    down[0]["v"] = "changed"
+    diff = compare_tables(up, down, ["id"], max_examples=1)
+    assert not diff.ok and diff
+    assert diff.missing == [(3,), (4,)] and diff.extra == [(42,)]
+    assert diff.different == [((0,), {"v": ("v0", "changed")})]
+    text = str(diff)
+    assert "2 missing, 1 extra, 1 different" in text and "[(3,)]" in text
+    assert compare_tables(up, list(reversed(up)), ["id"]).ok
+    dup = compare_tables(up, [*up, up[0]], ["id"])
+    assert dup.duplicate_keys == [("downstream", (0,))]
