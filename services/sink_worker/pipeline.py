@@ -292,6 +292,14 @@ class Pipeline:
         for rt in runtimes:
             if rt.checkpoint is None:
                 await self._load(rt)
+                continue
+            # One read per span and round: an operator's rewind (``CheckpointStore.reset``) or
+            # another process' write must be seen even by a span that has nothing to advance.
+            stored = await self.checkpoints.get(rt.span)
+            if stored != rt.stored:
+                log.warning("checkpoint changed outside this worker; reloading",
+                            extra={"span": rt.span.name, "found": str(stored), "had": str(rt.stored)})
+                await self._load(rt)
         marks = {}
         for source in sorted({rt.span.source for rt in runtimes}):
             marks[source] = await latest_resolved(self.js, source, self.rows_stream)

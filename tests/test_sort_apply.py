@@ -1,0 +1,404 @@
+"""The data path against the real things: nats-server, local Spark, SQLite / MariaDB / PostgreSQL.
+
+Events are published by hand here (the capture's own end-to-end tests come later), each test
+with its own source id, so tests share the ROWS stream without seeing each other's spans.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+import pytest
+from nats.js import JetStreamContext, api
+from pyspark.sql import SparkSession
+
+from contracts import REGISTRY
+from contracts.events.rows import (
+    ColumnV1,
+    DdlExecutedV1,
+    ResolvedAdvancedV1,
+    RowImageV1,
+    RowsChangedV1,
+    SourcePositionV1,
+    TableMetaV1,
+)
+from libs.eventstore import EventStore
+from libs.localservers.mariadb import MariaDB
+from libs.localservers.postgres import PostgreSQL
+from libs.streams import (
+    DEADLETTER_STREAM,
+    ROWS_STREAM,
+    ROWS_SUBJECTS,
+    ddl_subject,
+    resolved_subject,
+    rows_subject,
+)
+from services.sink_worker.checkpoints import Checkpoint, CheckpointRegression, CheckpointStore
+from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
+from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.factory import open_sink
+from services.sink_worker.span import Span, choose_key
+
+pytestmark = pytest.mark.integration
+
+_POS = SourcePositionV1(binlog_file="bin.000001", binlog_pos=4)
+_seq = itertools.count(1)
+
+
+def col(name: str, kind: str = "int", sql_type: str = "int(11)", nullable: bool = True) -> ColumnV1:
+    return ColumnV1(name=name, kind=kind, sql_type=sql_type, nullable=nullable)
+
+
+PEOPLE = TableMetaV1(
+    columns=[col("id", nullable=False), col("name", "string", "varchar(11)"), col("age")],
+    primary_key=["id"], unique_keys=[["name"]])
+
+
+class Source:
+    """Publishes a source's events like capture does: ts per transaction, seq per message."""
+
+    def __init__(self, js: JetStreamContext, name: str | None = None) -> None:
+        self.js = js
+        self.name = name or f"s{uuid4().hex[:10]}"
+        self.ts = int(time.time() * 1000) << 18
+        self.last_ts = 0
+
+    def next_ts(self) -> int:
+        self.ts += 1 << 18  # one millisecond per transaction
+        self.last_ts = self.ts
+        return self.ts
+
+    async def publish(self, subject: str, event: Any, msg_id: str | None = None) -> int:
+        data = REGISTRY.encode(event, producer="test-capture", event_id=msg_id)
+        ack = await self.js.publish(subject, data, stream=ROWS_STREAM)
+        return int(ack.seq)
+
+    async def txn(self, db: str, table: str, rows: list[RowImageV1], meta: TableMetaV1 = PEOPLE,
+                  parts: int = 1) -> int:
+        """One transaction on one table, its rows split over ``parts`` messages."""
+        ts = self.next_ts()
+        size = max(1, -(-len(rows) // parts))
+        chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
+        for part, chunk in enumerate(chunks):
+            await self.publish(rows_subject(self.name, db, table), RowsChangedV1(
+                source=self.name, database=db, table=table, ts=ts, seq=next(_seq), part=part,
+                last_part=part == len(chunks) - 1, position=_POS, meta=meta, rows=chunk))
+        return ts
+
+    async def ddl(self, db: str, table: str, statement: str, meta_after: TableMetaV1 | None) -> int:
+        ts = self.next_ts()
+        await self.publish(ddl_subject(self.name, db, table), DdlExecutedV1(
+            source=self.name, database=db, table=table, ts=ts, seq=next(_seq), statement=statement,
+            position=_POS, meta_after=meta_after))
+        return ts
+
+    async def resolve(self, ts: int | None = None) -> int:
+        ts = self.last_ts if ts is None else ts
+        data = REGISTRY.encode(ResolvedAdvancedV1(source=self.name, ts=ts, position=_POS), producer="t")
+        await self.js.publish(resolved_subject(self.name), data, stream=ROWS_STREAM,
+                              headers={api.Header.ROLLUP.value: "sub"})
+        return ts
+
+
+def ins(id_: int, name: str | None, age: int | None = None) -> RowImageV1:
+    return RowImageV1(op="insert", after={"id": id_, "name": name, "age": age})
+
+
+def upd(before: tuple[int, str | None, int | None], after: tuple[int, str | None, int | None]) -> RowImageV1:
+    b = dict(zip(("id", "name", "age"), before, strict=True))
+    a = dict(zip(("id", "name", "age"), after, strict=True))
+    return RowImageV1(op="update", before=b, after=a)
+
+
+def dele(id_: int, name: str | None, age: int | None = None) -> RowImageV1:
+    return RowImageV1(op="delete", before={"id": id_, "name": name, "age": age})
+
+
+@pytest.fixture
+async def rows_js(js: JetStreamContext) -> JetStreamContext:
+    # Capture owns the real stream set-up; this is the same shape (rolled-up resolved marks).
+    await EventStore(js, ROWS_STREAM, "test").ensure(ROWS_SUBJECTS, allow_rollup_hdrs=True)
+    return js
+
+
+@pytest.fixture
+async def checkpoints(rows_js: JetStreamContext) -> CheckpointStore:
+    return await CheckpointStore(rows_js).open()
+
+
+class Harness:
+    def __init__(self, js: JetStreamContext, checkpoints: CheckpointStore, spark: SparkSession,
+                 sink_url: str, db: str = "shop", key_policy: str = "primary",
+                 max_events: int = 2000) -> None:
+        self.js = js
+        self.source = Source(js)
+        self.db = db
+        self.checkpoints = checkpoints
+        self.sink_url = sink_url
+        self.key_policy = key_policy
+        self.pipeline = Pipeline(js, checkpoints, lambda: spark,
+                                 PipelineOptions(max_events_per_round=max_events, apply_partitions=3))
+        self.changefeed = f"cf{uuid4().hex[:6]}"
+
+    def span(self, table: str) -> Span:
+        return Span.of(self.changefeed, self.source.name, self.db, table)
+
+    async def run(self, *tables: str) -> None:
+        cfg = SpanConfig(sink_url=self.sink_url, key_policy=self.key_policy)  # type: ignore[arg-type]
+        await self.pipeline.set_spans({self.span(t): cfg for t in tables})
+
+    async def round(self) -> RoundReport:
+        report = await self.pipeline.round()
+        assert not report.errors, report.errors
+        return report
+
+    async def rounds_until(self, check: Callable[[], Awaitable[bool]], within_s: float = 60) -> None:
+        deadline = time.monotonic() + within_s
+        while True:
+            await self.round()
+            if await check():
+                return
+            assert time.monotonic() < deadline, "condition not reached in time"
+
+    def rows(self, table: str, meta: TableMetaV1 = PEOPLE) -> list[dict[str, Any]]:
+        target = TargetTable(schema=self.db, name=table, meta=meta,
+                             key=choose_key(meta, self.key_policy))  # type: ignore[arg-type]
+        return open_sink(self.sink_url).fetch_rows(target)
+
+    async def checkpoint(self, table: str) -> Checkpoint | None:
+        return await self.checkpoints.get(self.span(table))
+
+
+def people(*rows: tuple[int, str | None, int | None]) -> list[dict[str, Any]]:
+    return [{"id": i, "name": n, "age": a} for i, n, a in rows]
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'down.db'}"
+
+
+@pytest.fixture
+async def h(rows_js: JetStreamContext, checkpoints: CheckpointStore, spark: SparkSession,
+            sqlite_url: str) -> Harness:
+    return Harness(rows_js, checkpoints, spark, sqlite_url)
+
+
+async def test_orders_by_ts_and_cuts_at_the_resolved_ts(h: Harness) -> None:
+    await h.run("people")
+    src = h.source
+    t1 = await src.txn(h.db, "people", [ins(1, "ann", 30), ins(2, "bob", 40)])
+    # One transaction in three messages; inside it, row order decides the final image.
+    t2 = await src.txn(h.db, "people", [upd((1, "ann", 30), (1, "ann", 31)), ins(3, "cy", 50),
+                                        upd((1, "ann", 31), (1, "ann", 32))], parts=3)
+    await src.resolve(t2)
+    t3 = await src.txn(h.db, "people", [dele(2, "bob", 40)])  # above the resolved ts
+    report = await h.round()
+    assert report.batch_events == 4 and report.rows_written == 3
+    assert h.rows("people") == people((1, "ann", 32), (2, "bob", 40), (3, "cy", 50))
+    cp = await h.checkpoint("people")
+    assert cp is not None and cp.ts == t2 and t1 < cp.ts < t3
+    # The held-back delete is the next thing the span reads.
+    info = await h.js.get_msg(ROWS_STREAM, cp.stream_seq + 1)
+    assert json.loads(info.data or b"")["data"]["ts"] == t3
+
+    await src.resolve(t3)
+    await h.round()
+    assert h.rows("people") == people((1, "ann", 32), (3, "cy", 50))
+    cp = await h.checkpoint("people")
+    assert cp is not None and cp.ts == t3
+
+    # Nothing pending: the checkpoint follows the resolved ts.
+    idle = await src.resolve(src.next_ts())
+    report = await h.round()
+    assert report.batch_events == 0
+    assert (await h.checkpoint("people")) == Checkpoint(cp.stream_seq, idle)
+
+
+async def test_duplicates_and_replay_from_an_older_checkpoint_converge(h: Harness) -> None:
+    await h.run("people")
+    src = h.source
+    first = RowsChangedV1(source=src.name, database=h.db, table="people", ts=src.next_ts(), seq=next(_seq),
+                          position=_POS, meta=PEOPLE, rows=[ins(1, "ann", 1), ins(2, "bob", 2)])
+    # At-least-once: the same event (same id) lands twice, around a later change of its rows.
+    await src.publish(rows_subject(src.name, h.db, "people"), first, msg_id="dup-" + src.name)
+    await src.txn(h.db, "people", [upd((1, "ann", 1), (1, "ann", 10))])
+    await src.publish(rows_subject(src.name, h.db, "people"), first, msg_id="dup-" + src.name)
+    await src.txn(h.db, "people", [dele(2, "bob", 2), ins(4, "dee", 4)])
+    await src.resolve()
+    await h.round()
+    expected = people((1, "ann", 10), (4, "dee", 4))
+    assert h.rows("people") == expected
+    done = await h.checkpoint("people")
+    assert done is not None and done.ts == src.last_ts
+
+    # Rewind (operator reset to nothing): everything is read and applied again, same state.
+    await h.checkpoints.reset(h.span("people"))
+    await h.rounds_until(lambda: _at(h, "people", done))
+    assert h.rows("people") == expected
+
+
+async def _at(h: Harness, table: str, cp: Checkpoint) -> bool:
+    return await h.checkpoint(table) == cp
+
+
+@pytest.mark.parametrize("sink", ["sqlite", "mariadb", "postgres"])
+async def test_unique_key_lucy_case_in_one_batch(sink: str, rows_js: JetStreamContext,
+                                                 checkpoints: CheckpointStore, spark: SparkSession,
+                                                 sqlite_url: str, request: pytest.FixtureRequest) -> None:
+    url = sqlite_url
+    if sink == "mariadb":
+        url = request.getfixturevalue("mariadb").url
+    elif sink == "postgres":
+        url = request.getfixturevalue("postgres").url
+    h = Harness(rows_js, checkpoints, spark, url, db=f"lucy{uuid4().hex[:6]}")
+    await h.run("sync_table")
+    src = h.source
+    # TDSQL's case: three transactions; (1,lucy) and (2,lucy) hash to different partitions.
+    await src.txn(h.db, "sync_table", [ins(1, "lucy", 18)])
+    await src.txn(h.db, "sync_table", [dele(1, "lucy", 18)])
+    await src.txn(h.db, "sync_table", [ins(2, "lucy", 20)])
+    await src.resolve()
+    await h.round()
+    assert h.rows("sync_table") == people((2, "lucy", 20))
+
+
+async def test_unique_key_lucy_case_across_batches(mariadb: MariaDB, rows_js: JetStreamContext,
+                                                   checkpoints: CheckpointStore, spark: SparkSession) -> None:
+    h = Harness(rows_js, checkpoints, spark, mariadb.url, db=f"lucy{uuid4().hex[:6]}")
+    await h.run("sync_table")
+    src = h.source
+    a = await src.txn(h.db, "sync_table", [ins(1, "lucy", 18)])
+    b = await src.txn(h.db, "sync_table", [dele(1, "lucy", 18)])
+    c = await src.txn(h.db, "sync_table", [ins(2, "lucy", 20)])
+    for ts, state in ((a, people((1, "lucy", 18))), (b, []), (c, people((2, "lucy", 20)))):
+        await src.resolve(ts)
+        await h.round()
+        assert h.rows("sync_table") == state
+    # A replay of the last two batches at once from the first batch's checkpoint: same end.
+    await h.checkpoints.reset(h.span("sync_table"), Checkpoint(0, a))
+    await h.round()
+    assert h.rows("sync_table") == people((2, "lucy", 20))
+
+
+async def test_primary_key_change_and_batch_size_bound(
+        postgres: PostgreSQL, rows_js: JetStreamContext, checkpoints: CheckpointStore,
+        spark: SparkSession) -> None:
+    # max_events=2: batches end mid-stream, and the 3-part transaction still lands whole.
+    h = Harness(rows_js, checkpoints, spark, postgres.url, db=f"pk{uuid4().hex[:6]}", max_events=2)
+    await h.run("people")
+    src = h.source
+    await src.txn(h.db, "people", [ins(1, "ann", 1), ins(2, "bob", 2)])
+    await src.txn(h.db, "people", [upd((1, "ann", 1), (5, "ann", 1)), ins(1, "new", 9),
+                                   upd((2, "bob", 2), (6, "bob", 3))], parts=3)
+    await src.txn(h.db, "people", [upd((5, "ann", 1), (7, "ann", 1))])
+    await src.resolve()
+    await h.rounds_until(lambda: _at_ts(h, "people", src.last_ts))
+    assert h.rows("people") == people((1, "new", 9), (6, "bob", 3), (7, "ann", 1))
+
+
+async def _at_ts(h: Harness, table: str, ts: int) -> bool:
+    cp = await h.checkpoint(table)
+    return cp is not None and cp.ts >= ts
+
+
+async def test_ddl_is_a_barrier(h: Harness) -> None:
+    await h.run("people")
+    src = h.source
+    await src.txn(h.db, "people", [ins(1, "ann", 1)])
+    wider = TableMetaV1(columns=[*PEOPLE.columns, col("city", "string", "varchar(20)")],
+                        primary_key=["id"], unique_keys=[["name"]])
+    ddl_ts = await src.ddl(h.db, "people", "ALTER TABLE people ADD COLUMN city varchar(20)", wider)
+    await src.txn(h.db, "people", [RowImageV1(op="insert", after={"id": 2, "name": "bob", "age": 2,
+                                                                   "city": "Oslo"})], meta=wider)
+    await src.resolve()
+
+    report = await h.round()  # rows before the DDL, then the DDL alone
+    assert report.batch_events == 1 and report.ddl_applied == 1
+    cp = await h.checkpoint("people")
+    assert cp is not None and cp.ts == ddl_ts
+    assert h.rows("people", wider) == [{"id": 1, "name": "ann", "age": 1, "city": None}]
+
+    await h.round()  # the rows after it, with the new column
+    assert h.rows("people", wider) == [{"id": 1, "name": "ann", "age": 1, "city": None},
+                                       {"id": 2, "name": "bob", "age": 2, "city": "Oslo"}]
+
+    await src.ddl(h.db, "people", "TRUNCATE TABLE people", wider)
+    await src.txn(h.db, "people", [RowImageV1(op="insert", after={"id": 3, "name": "cy", "age": 3,
+                                                                   "city": None})], meta=wider)
+    await src.resolve()
+    await h.rounds_until(lambda: _at_ts(h, "people", src.last_ts))
+    assert h.rows("people", wider) == [{"id": 3, "name": "cy", "age": 3, "city": None}]
+
+
+async def test_keyless_table_is_refused_unless_the_key_policy_allows_it(
+        rows_js: JetStreamContext, checkpoints: CheckpointStore, spark: SparkSession,
+        sqlite_url: str) -> None:
+    logs = TableMetaV1(columns=[col("code", "string", "varchar(8)", nullable=False), col("n")],
+                       primary_key=[], unique_keys=[["code"]])
+    h = Harness(rows_js, checkpoints, spark, sqlite_url)
+    await h.run("logs")
+    src = h.source
+    await src.txn(h.db, "logs", [RowImageV1(op="insert", after={"code": "a", "n": 1})], meta=logs)
+    await src.txn(h.db, "logs", [RowImageV1(op="update", before={"code": "a", "n": 1},
+                                            after={"code": "a", "n": 2})], meta=logs)
+    await src.resolve()
+    report = await h.pipeline.round()
+    [status] = h.pipeline.status()
+    assert status["state"] == "refused" and "no primary key" in status["error"]
+    assert "key_policy" in status["error"] and report.batch_events == 0
+    assert await h.checkpoint("logs") is None  # nothing skipped past
+
+    # The changefeed now allows a NOT NULL unique key: the same span goes on from where it was.
+    h.key_policy = "unique"
+    await h.run("logs")
+    await h.round()
+    assert h.pipeline.status()[0]["state"] == "replicating"
+    assert h.rows("logs", logs) == [{"code": "a", "n": 2}]
+
+
+async def test_garbage_on_a_span_subject_goes_to_dead_letter(h: Harness) -> None:
+    await h.run("people")
+    src = h.source
+    subject = rows_subject(src.name, h.db, "people")
+    await src.txn(h.db, "people", [ins(1, "ann", 1)])
+    bad_json = await h.js.publish(subject, b"{not json", stream=ROWS_STREAM)
+    wrong_type = await src.publish(subject, ResolvedAdvancedV1(source=src.name, ts=1, position=_POS))
+    no_key = await src.publish(subject, RowsChangedV1(
+        source=src.name, database=h.db, table="people", ts=src.next_ts(), seq=next(_seq), position=_POS,
+        meta=PEOPLE, rows=[RowImageV1(op="insert", after={"name": "ghost"})]))
+    await src.txn(h.db, "people", [ins(2, "bob", 2)])
+    await src.resolve()
+    await h.round()
+    assert h.rows("people") == people((1, "ann", 1), (2, "bob", 2))
+    assert h.pipeline.status()[0]["dead_lettered"] == 3
+
+    parked: dict[int, tuple[str, str]] = {}
+    for seq in range(1, (await h.js.stream_info(DEADLETTER_STREAM)).state.last_seq + 1):
+        try:
+            msg = await h.js.get_msg(DEADLETTER_STREAM, seq)
+        except Exception:
+            continue
+        hdrs = msg.headers or {}
+        if hdrs.get("Sluice-Dead-Letter-Original-Subject") == subject:
+            parked[int(hdrs["Sluice-Dead-Letter-Original-Seq"])] = (
+                hdrs["Sluice-Dead-Letter-Kind"], hdrs["Sluice-Dead-Letter-Reason"])
+    assert parked[bad_json.seq][0] == "malformed"
+    assert parked[wrong_type][0] == "unexpected_type"
+    assert parked[no_key][0] == "invalid_data" and "id" in parked[no_key][1]
+
+
+async def test_checkpoint_never_goes_backwards(checkpoints: CheckpointStore) -> None:
+    span = Span.of("cf", f"s{uuid4().hex[:8]}", "db.with.dots", "t")
+    assert await checkpoints.advance(span, Checkpoint(10, 100)) == Checkpoint(10, 100)
+    assert await checkpoints.advance(span, Checkpoint(12, 150)) == Checkpoint(12, 150)
+    for behind in (Checkpoint(11, 200), Checkpoint(20, 149), Checkpoint(0, 0)):
+        with pytest.raises(CheckpointRegression):
+            await checkpoints.advance(span, behind)
+    assert await checkpoints.get(span) == Checkpoint(12, 150)
