@@ -187,3 +187,35 @@ async def test_table_without_key_and_unsupported_type_are_rejected(
     assert uk.meta.primary_key == ["a"] and uk.rows[0].after == {"a": 5, "b": None}
     assert all(isinstance(m.event, RowsChangedV1 | DdlExecutedV1) or m.subject.endswith(".rejected")
                for m in messages)
+
+
+async def test_huge_transaction_is_split_into_parts(mariadb: MariaDB, nats_server: NatsServer,
+                                                    js: JetStreamContext, replica_server_id: int) -> None:
+    source, name = "cap_parts", "cap_parts"
+    fresh_database(mariadb, name, "CREATE TABLE t (id INT PRIMARY KEY, v VARCHAR(10))",
+                   "CREATE TABLE big (id INT PRIMARY KEY, b LONGBLOB)",
+                   "CREATE TABLE small (id INT PRIMARY KEY)")
+    settings = capture_settings(nats_server.url, source, mariadb.url_for(name), replica_server_id)
+    async with running_capture(settings) as capture:
+        await wait_reading(capture)
+        conn = mariadb.connect(name)
+        with conn.cursor() as cur:
+            cur.execute("BEGIN")
+            cur.executemany("INSERT INTO t VALUES (%s, %s)", [(i, f"r{i}") for i in range(1201)])
+            cur.execute("COMMIT")
+            # A row over NATS' max_payload (1 MiB) cannot travel: reported, not truncated.
+            cur.execute("BEGIN")
+            cur.execute("INSERT INTO big VALUES (1, REPEAT('x', 1100000))")
+            cur.execute("INSERT INTO small VALUES (1)")
+            cur.execute("COMMIT")
+        conn.close()
+        await wait_resolved_past(js, source, binlog_position(mariadb))
+    rows = rows_of(await source_messages(js, source))
+    parts = [(e.part, e.last_part, len(e.rows)) for e in rows if e.table == "t"]
+    assert parts == [(0, False, 500), (1, False, 500), (2, True, 201)]
+    assert len({e.ts for e in rows if e.table == "t"}) == 1
+    assert [r.after["id"] for e in rows if e.table == "t" for r in e.rows if r.after] == list(range(1201))
+    assert [e.table for e in rows if e.table != "t"] == ["small"]
+    got = await rejections(js, source)
+    assert [(r.kind, r.table) for r in got] == [("unsupported_type", "big")]
+    assert "max_payload" in got[0].message

@@ -108,6 +108,7 @@ class Stored:
     headers: dict[str, str]
     id: str
     event: Any
+    producer: str = ""
 
 
 async def read_messages(js: JetStreamContext, subject: str) -> list[Stored]:
@@ -130,7 +131,7 @@ async def read_messages(js: JetStreamContext, subject: str) -> list[Stored]:
             for msg in msgs:
                 decoded = REGISTRY.decode(msg.data)
                 out.append(Stored(int(msg.metadata.sequence.stream), msg.subject, dict(msg.headers or {}),
-                                  decoded.envelope.id, decoded.event))
+                                  decoded.envelope.id, decoded.event, decoded.envelope.producer))
             if msgs and msgs[-1].metadata.num_pending == 0:
                 break
     finally:

@@ -36,6 +36,20 @@ from services.capture.table_meta import BinlogColumn
 log = logging.getLogger(__name__)
 
 
+class _QuietWhenStopped(logging.Filter):
+    """Stopping a reader cuts its socket; pymysqlreplication then logs a scary "re-request the
+    connection" warning before our factory refuses to reconnect. Drop it for stopped readers."""
+
+    stopped_threads: set[int] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread not in self.stopped_threads
+
+
+_quiet = _QuietWhenStopped()
+logging.getLogger("pymysqlreplication").addFilter(_quiet)
+
+
 class ReaderStopped(Exception):
     pass
 
@@ -137,6 +151,8 @@ class BinlogReader:
     def stop(self) -> None:
         """Stop now: the thread's blocking read is cut by shutting its socket down."""
         self._stop.set()
+        if self._thread is not None and self._thread.ident is not None:
+            _quiet.stopped_threads.add(self._thread.ident)
         with self._conns_lock:
             conns = list(self._conns)
         for conn in conns:
@@ -221,6 +237,7 @@ class BinlogReader:
                     stream.close()
                 except Exception:  # closing a broken connection may fail too
                     log.debug("closing the binlog stream failed", exc_info=True)
+            _quiet.stopped_threads.discard(threading.get_ident())
 
 
 def _position_of(item: Item) -> Position:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from nats.errors import MaxPayloadError
+
 from contracts.events.rows import (
     CaptureRejectedV1,
     DdlExecutedV1,
@@ -104,9 +106,14 @@ class MetaStore:
             self._conn = None
 
 
+class _RowTooLarge(Exception):
+    pass
+
+
 @dataclass
 class _TableBuffer:
     info: TableInfo
+    position: Position  # of the latest rows event buffered
     rows: list[RowImageV1] = field(default_factory=list)
     size: int = 0
     part: int = 0
@@ -200,7 +207,8 @@ class SourcePipeline:
             info = await self._table_info(key, item.columns, item.position)
             if info is None:
                 return
-            buffer = txn.tables[key] = _TableBuffer(info)
+            buffer = txn.tables[key] = _TableBuffer(info, item.position)
+        buffer.position = item.position
         try:
             images = [self._image(item.op, buffer.info, item.columns, image) for image in item.images]
         except UnsupportedValue as exc:
@@ -212,8 +220,13 @@ class SourcePipeline:
             buffer.rows.append(image)
             buffer.size += _approx_size(image)
             # Keep one row back: the commit must always have a row left for the last part.
-            if len(buffer.rows) > self._part_rows or buffer.size > self._part_bytes:
-                await self._send_part(txn, key, buffer, last=False, keep=1)
+            if len(buffer.rows) > 1 and (len(buffer.rows) > self._part_rows
+                                         or buffer.size > self._part_bytes):
+                try:
+                    await self._send_part(txn, key, buffer, last=False, keep=1)
+                except _RowTooLarge:
+                    await self._too_large(txn, key, buffer)
+                    return
 
     def _image(self, op: RowOp, info: TableInfo, columns: tuple[BinlogColumn, ...], image: Any) -> RowImageV1:
         before = None if image.before is None else _encode_row(info, columns, image.before,
@@ -255,6 +268,13 @@ class SourcePipeline:
         if txn.ts is None:
             txn.ts = self.clock.commit(txn.timestamp * 1000)
         rows = buffer.rows[:len(buffer.rows) - keep] if keep else buffer.rows
+        await self._publish_rows(txn, key, buffer, rows, last)
+        buffer.rows = buffer.rows[len(rows):]
+        buffer.size = sum(_approx_size(r) for r in buffer.rows)
+
+    async def _publish_rows(self, txn: _Txn, key: TableKey, buffer: _TableBuffer,
+                            rows: list[RowImageV1], last: bool) -> None:
+        assert txn.ts is not None
         event = RowsChangedV1.model_construct(
             source=self.source, database=key[0], table=key[1], ts=txn.ts, seq=self.next_seq,
             part=buffer.part, last_part=last,
@@ -262,11 +282,25 @@ class SourcePipeline:
                                       gtid=txn.gtid),
             meta=buffer.info.meta(), rows=rows)
         msg_id = f"{self.source}:{txn.begin.file}:{txn.begin.pos}:{key[0]}.{key[1]}:{buffer.part}"
-        await self.publisher.send(rows_subject(self.source, *key), event, msg_id, rows=len(rows))
+        try:
+            await self.publisher.send(rows_subject(self.source, *key), event, msg_id, rows=len(rows))
+        except MaxPayloadError:
+            # The size estimate missed (wide rows): halve the part. Same input, same split, so a
+            # re-read still publishes the same ids.
+            if len(rows) == 1:
+                raise _RowTooLarge from None
+            mid = len(rows) // 2
+            await self._publish_rows(txn, key, buffer, rows[:mid], last=False)
+            await self._publish_rows(txn, key, buffer, rows[mid:], last=last)
+            return
         self.next_seq += 1
         buffer.part += 1
-        buffer.rows = buffer.rows[len(rows):]
-        buffer.size = sum(_approx_size(r) for r in buffer.rows)
+
+    async def _too_large(self, txn: _Txn, key: TableKey, buffer: _TableBuffer) -> None:
+        txn.tables.pop(key, None)
+        await self.reject("unsupported_type", key,
+                          "a row is larger than the NATS max_payload even alone in a message; "
+                          "capture stopped for this table", buffer.position)
 
     def _is_stopped(self, key: TableKey, position: Position) -> bool:
         if key not in self.stopped:
@@ -282,9 +316,12 @@ class SourcePipeline:
     async def _commit(self, position: Position) -> None:
         txn, self._txn = self._txn, None
         if txn is not None:
-            for key, buffer in txn.tables.items():
+            for key, buffer in list(txn.tables.items()):
                 if buffer.rows:
-                    await self._send_part(txn, key, buffer, last=True)
+                    try:
+                        await self._send_part(txn, key, buffer, last=True)
+                    except _RowTooLarge:
+                        await self._too_large(txn, key, buffer)
         self._group_end(position)
 
     async def _query(self, item: Query) -> None:
