@@ -89,8 +89,12 @@ def sort_key(key: tuple[Any, ...]) -> tuple[tuple[int, str, Any], ...]:
 
 
 def _size_of(value: Any) -> int:
-    if isinstance(value, str | bytes | bytearray):
-        return len(value) * 2 + 8  # escaped in the statement text by pymysql
+    # Upper bounds of the value's size in pymysql's statement text: UTF-8 takes up to 4 bytes a
+    # character, escaping doubles at most a byte of binary.
+    if isinstance(value, str):
+        return len(value) * 4 + 8
+    if isinstance(value, bytes | bytearray):
+        return len(value) * 2 + 16
     return 24
 
 
@@ -102,8 +106,9 @@ class SqlSink(Sink):
     # Bind parameters one statement may carry (SQLite's compile-time default is 999 in old
     # builds; PostgreSQL's protocol limit is 65535; pymysql interpolates client side).
     max_params: int = 60_000
-    # Keep a multi-row statement well under MariaDB's default max_allowed_packet (16 MiB).
-    max_statement_bytes: int = 4 * 1024 * 1024
+    # Keep a multi-row statement under every default max_allowed_packet (MySQL 5.7: 4 MiB;
+    # MariaDB: 16 MiB; MySQL 8: 64 MiB). A single larger row still goes, alone.
+    max_statement_bytes: int = 2 * 1024 * 1024
 
     def __init__(self, url: str, *, max_attempts: int = 8, backoff_s: float = 0.05,
                  max_backoff_s: float = 2.0, chunk_rows: int = 500) -> None:
