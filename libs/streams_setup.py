@@ -24,7 +24,6 @@ def rows_stream_config(settings: Settings) -> api.StreamConfig:
         duplicate_window=settings.dedup_window_s,
         allow_rollup_hdrs=True,
         num_replicas=settings.stream_replicas,
-        description="Sluice row changes, DDL and resolved-ts marks of every source",
     )
 
 

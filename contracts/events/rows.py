@@ -3,15 +3,18 @@
 Values travel as JSON with one encoding per column kind (see ``ColumnV1.kind``) so every sink
 decodes them the same way:
 
-- ``int``: JSON integer; ``float``: JSON number; ``decimal``: string (exact digits);
+- ``int``: JSON integer (unsigned BIGINT included, up to 2**64-1); ``float``: JSON number;
+  ``decimal``: string (exact digits, the column's scale, never an exponent);
 - ``string`` (char, varchar, text, enum): JSON string; ``set``: JSON string, comma separated,
-  as MySQL itself spells it;
+  as MySQL itself spells it (definition order; the empty set is ``""``);
 - ``bytes`` (binary, varbinary, blob): base64 string;
-- ``date``: ``YYYY-MM-DD``; ``datetime`` and ``timestamp``: ISO 8601 without zone, microseconds
-  kept (timestamps are UTC); ``time``: ``[-]HH:MM:SS[.ffffff]``;
-- ``json``: the JSON document as text; ``bit``: integer.
+- ``date``: ``YYYY-MM-DD``; ``datetime`` and ``timestamp``: ISO 8601 without zone,
+  ``YYYY-MM-DDTHH:MM:SS.ffffff`` (always six fractional digits; timestamps are UTC);
+  ``time``: ``[-]HH:MM:SS.ffffff`` (hours may exceed 24);
+- ``json``: the JSON document as text (MariaDB: exactly as stored); ``bit``: integer.
 
-``NULL`` is JSON ``null`` for every kind.
+``NULL`` is JSON ``null`` for every kind. A value that has no faithful encoding (a zero date
+``0000-00-00``, a spatial column) is never sent: capture rejects the table instead.
 """
 
 from __future__ import annotations
