@@ -167,12 +167,17 @@ class Harness:
             assert time.monotonic() < deadline, "condition not reached in time"
 
     def rows(self, table: str, meta: TableMetaV1 = PEOPLE) -> list[dict[str, Any]]:
-        target = TargetTable(schema=self.db, name=table, meta=meta,
-                             key=choose_key(meta, self.key_policy))  # type: ignore[arg-type]
-        return open_sink(self.sink_url).fetch_rows(target)
+        return fetch_rows(self.sink_url, self.db, table, meta, self.key_policy)
 
     async def checkpoint(self, table: str) -> Checkpoint | None:
         return await self.checkpoints.get(self.span(table))
+
+
+def fetch_rows(sink_url: str, db: str, table: str, meta: TableMetaV1 = PEOPLE,
+               key_policy: str = "primary") -> list[dict[str, Any]]:
+    target = TargetTable(schema=db, name=table, meta=meta,
+                         key=choose_key(meta, key_policy))  # type: ignore[arg-type]
+    return open_sink(sink_url).fetch_rows(target)
 
 
 def people(*rows: tuple[int, str | None, int | None]) -> list[dict[str, Any]]:

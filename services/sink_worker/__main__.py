@@ -1,12 +1,39 @@
-"""Entry point: ``python -m services.sink_worker``."""
+"""Entry point: ``python -m services.sink_worker`` (the ``sluice-sink-worker`` script).
+
+The worker's state is in its health status (``GET /healthz``: changefeeds, spans with their
+checkpoint, resolved ts and lag, the last round) and its Prometheus metrics (``sluice_sink_*``).
+"""
 
 from __future__ import annotations
 
-from libs.service import idle_until_stopped, run_service
+import asyncio
+import logging
+
+from libs.service import ServiceRuntime, run_service
+from libs.spark import get_spark, stop_spark
+from services.sink_worker.worker import SinkWorker
+
+log = logging.getLogger(__name__)
+
+
+async def run(runtime: ServiceRuntime) -> None:
+    settings = runtime.settings
+    worker = SinkWorker(runtime.nc.jetstream(), settings, runtime.stopping,
+                        lambda: get_spark(settings), status=runtime.status)
+    runtime.add_ready_check("changefeeds", lambda: worker.changefeeds_replayed)
+    try:
+        await worker.run()
+    finally:
+        if worker.spark_started:
+            # Bounded: the runtime's grace period is shared with the round that just ended.
+            try:
+                await asyncio.wait_for(asyncio.to_thread(stop_spark), timeout=3.0)
+            except Exception:
+                log.warning("Spark did not stop in time; the JVM ends with the process")
 
 
 def main() -> None:
-    run_service("sink-worker", idle_until_stopped)
+    run_service("sink-worker", run)
 
 
 if __name__ == "__main__":

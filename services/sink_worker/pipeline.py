@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ SpanState = Literal["starting", "replicating", "refused", "blocked", "error"]
 class PipelineOptions:
     max_events_per_round: int = 2000
     apply_partitions: int = 4
-    stop_grace_s: float = 6.0
+    stop_grace_s: float = 4.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PipelineOptions:
@@ -380,7 +381,8 @@ class Pipeline:
     async def _in_thread(self, works: list[_Work],
                          stopping: asyncio.Event | None) -> tuple[dict[str, SpanCut], dict[str, _Outcome]]:
         group = f"sluice-round-{uuid4().hex[:12]}"
-        job = asyncio.ensure_future(asyncio.to_thread(self._spark_round, group, works))
+        abort = threading.Event()
+        job = asyncio.ensure_future(asyncio.to_thread(self._spark_round, group, works, abort))
         if stopping is None:
             return await job
         stop_wait = asyncio.ensure_future(stopping.wait())
@@ -397,21 +399,23 @@ class Pipeline:
             return await asyncio.wait_for(asyncio.shield(job), self.options.stop_grace_s)
         except TimeoutError:
             log.warning("stopping: abandoning the current round", extra={"group": group})
+            abort.set()  # no further stage starts (cancelJobGroup only reaches running jobs)
             with contextlib.suppress(Exception):
                 self._spark().sparkContext.cancelJobGroup(group)
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(job, 5.0)
+                await asyncio.wait_for(job, 2.0)
             raise RoundAbandoned() from None
 
-    def _spark_round(self, group: str, works: list[_Work]) -> tuple[dict[str, SpanCut], dict[str, _Outcome]]:
+    def _spark_round(self, group: str, works: list[_Work],
+                     abort: threading.Event) -> tuple[dict[str, SpanCut], dict[str, _Outcome]]:
         spark = self._spark()
         sc = spark.sparkContext
         # Pinned thread mode (PySpark's default) makes the group stick to this thread's jobs.
         sc.setJobGroup(group, "sluice sink round", interruptOnCancel=True)
-        return self._sort_and_apply(spark, works)
+        return self._sort_and_apply(spark, works, abort)
 
-    def _sort_and_apply(self, spark: SparkSession,
-                        works: list[_Work]) -> tuple[dict[str, SpanCut], dict[str, _Outcome]]:
+    def _sort_and_apply(self, spark: SparkSession, works: list[_Work],
+                        abort: threading.Event) -> tuple[dict[str, SpanCut], dict[str, _Outcome]]:
         active = [w for w in works if w.fresh and not w.refused]
         by_key = {w.rt.span.kv_key: w for w in active}
         records: list[tuple[object, ...]] = []
@@ -431,11 +435,13 @@ class Pipeline:
             if cut.batch_events or cut.ddl_id:
                 by_sink.setdefault(by_key[key].rt.config.sink_url, []).append(key)
         for sink_url, keys in by_sink.items():
-            self._apply_sink(spark, sink_url, [by_key[k] for k in keys], sort, outcomes)
+            if abort.is_set():
+                raise RoundAbandoned()
+            self._apply_sink(spark, sink_url, [by_key[k] for k in keys], sort, outcomes, abort)
         return sort.cuts, outcomes
 
     def _apply_sink(self, spark: SparkSession, sink_url: str, works: list[_Work], sort: SortResult,
-                    outcomes: dict[str, _Outcome]) -> None:
+                    outcomes: dict[str, _Outcome], abort: threading.Event) -> None:
         sink = open_sink(sink_url)
         batch_works = [w for w in works if sort.cuts[w.rt.span.kv_key].batch_events and w.plan]
         try:
@@ -467,6 +473,8 @@ class Pipeline:
                 continue
             ddl = next(e for e in w.fresh if e.event_id == cut.ddl_id)
             assert isinstance(ddl.event, DdlExecutedV1)
+            if abort.is_set():
+                continue  # written rows are checkpointed up to the barrier; the DDL waits
             if w.rt.shards > 1:
                 outcome.blocked = (f"DDL at ts {ddl.ts} on a target with {w.rt.shards} upstream shards "
                                    "waits for shard DDL coordination")
