@@ -12,6 +12,8 @@ from nats.js import JetStreamContext
 
 from libs.localservers.nats_server import NatsServer
 
+pytest_plugins = ["tests.fixtures_servers"]
+
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:

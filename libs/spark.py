@@ -1,0 +1,85 @@
+"""The one SparkSession of a process, built from Settings.
+
+``get_spark()`` returns the same session on every call in a process (Spark allows one active
+SparkContext per JVM, and starting one costs seconds); ``stop_spark()`` ends it so a later
+``get_spark()`` starts a fresh one. The settings of the first call win; later calls with other
+settings get the running session.
+
+Local mode (the default, ``spark_master=local[*]``) runs the driver and executors inside this
+process' JVM, bound to 127.0.0.1 (a machine with no network still works), without the web UI.
+``spark_connect_url`` (``sc://host:15002``) sends the same DataFrame jobs to a Spark Connect
+server instead; that needs ``pyspark[connect]`` (grpcio, pandas, pyarrow) installed and gives
+no ``sparkContext``, so RDD code paths need a classic session (``spark_master``).
+
+Executors import this project's modules (``libs``, ``services``): in local mode their Python
+workers get the project root on ``PYTHONPATH`` from here; on a cluster, install the project
+(``pip install .``) on every worker.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+from libs.config import Settings, get_settings
+
+_lock = threading.Lock()
+_session: SparkSession | None = None
+
+_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def _prepare_environment() -> None:
+    """Environment the JVM and the Python workers inherit; set before the JVM starts."""
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # Python workers must run the interpreter of this venv, not whatever `python3` is on PATH.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _PROJECT_ROOT not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([_PROJECT_ROOT, *paths])
+
+
+def _build(settings: Settings) -> SparkSession:
+    if settings.spark_connect_url:
+        return SparkSession.builder.remote(settings.spark_connect_url).getOrCreate()
+    _prepare_environment()
+    builder = (
+        SparkSession.builder.master(settings.spark_master)
+        .appName(f"sluice-{settings.instance_id}")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", str(settings.spark_shuffle_partitions))
+        .config("spark.driver.memory", settings.spark_driver_memory)
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        # No Hive metastore (metastore_db/, derby.log) in the working directory.
+        .config("spark.sql.catalogImplementation", "in-memory")
+        .config("spark.python.worker.reuse", "true")
+    )
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("WARN")
+    return session
+
+
+def get_spark(settings: Settings | None = None) -> SparkSession:
+    """The process' SparkSession, started on first use."""
+    global _session
+    with _lock:
+        if _session is None:
+            _session = _build(settings or get_settings())
+        return _session
+
+
+def stop_spark() -> None:
+    """Stop the process' SparkSession (if any); the next get_spark() starts a new one."""
+    global _session
+    with _lock:
+        if _session is not None:
+            _session.stop()
+            _session = None
