@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -183,3 +184,14 @@ async def test_two_captures_one_publishes_and_the_other_takes_over(
     assert replay(rows, "t", "id") == source_table(mariadb, database)
     assert {m.producer for m in messages} == {f"capture/{leader.instance_id}",
                                               f"capture/{standby.instance_id}"}
+    health = status(standby)
+    assert health["source"] == source and health["last_ts"] >= health["resolved_ts"] > 0
+    assert health["position"].startswith("binlog.")
+    metrics = await asyncio.to_thread(_get_text, standby.base_url + "/metrics")
+    assert f'sluice_capture_rows_published_total{{source="{source}"}}' in metrics
+    assert f'sluice_capture_resolved_ts{{source="{source}"}}' in metrics
+
+
+def _get_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return str(resp.read().decode())

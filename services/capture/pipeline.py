@@ -177,10 +177,13 @@ class SourcePipeline:
         self.position = item.position
         if isinstance(item, Begin):
             if self._txn is not None and self._txn.had_rows:
-                # A crash-truncated binlog may end a transaction without its commit; the server
-                # rolled it back, so it is dropped (its parts, if any, carry no last part).
-                log.warning("transaction without commit dropped", extra={
-                    "source": self.source, "begin": str(self._txn.begin)})
+                # A crash-truncated binlog may end a transaction without its commit (the server
+                # rolled it back on recovery), and so does an XA transaction at XA PREPARE, whose
+                # XA COMMIT comes later and which capture does not follow yet. Either way its rows
+                # are not published (parts already sent carry no last part): say so loudly.
+                log.error("transaction without commit dropped (crash-truncated binlog or XA)",
+                          extra={"source": self.source, "begin": str(self._txn.begin),
+                                 "gtid": self._txn.gtid})
             self._txn = _Txn(item.position, item.timestamp, item.gtid)
         elif isinstance(item, Rows):
             await self._rows(item)
