@@ -1,0 +1,373 @@
+"""Schedulers: decide what should run where, as schedule tasks for the replication manager.
+
+Run in priority order by ``Coordinator`` (as TiCDC v3's scheduler manager does): basic (add
+absent spans, remove unwanted ones), drain, operator moves, operator rebalance, automatic
+balance. Each is a plain class reading a ``SchedulingView``; none of them changes a set.
+
+Limits, and why:
+- adds and removes come in batches of ``add_batch_size`` per round and are not counted against
+  the move cap: they are how a changefeed starts or a dead member's spans come back, and
+  holding them behind balancing moves would stall replication;
+- moves (drain, operator, balance) are capped at ``max_task_concurrency`` in flight, since each
+  one doubles the work on the span for a while;
+- a span never gets a second task while one is running or its set is mid-transition.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+from libs.scheduling.model import InvalidTaskError, MemberId, MemberInfo, Span
+from libs.scheduling.replication_set import SetIndex, SetLike, SetState
+from libs.scheduling.tasks import AddTable, MoveTable, RemoveTable, ScheduleTask
+
+DEFAULT_ADD_BATCH_SIZE = 50
+DEFAULT_MAX_TASK_CONCURRENCY = 10
+DEFAULT_BALANCE_INTERVAL_S = 60.0
+
+
+class SchedulingView:
+    """What the schedulers may look at.
+
+    ``members``: live members that may receive work (the replication manager leaves out the
+    ones that have not reported their tables yet). ``wanted``: every span that should run, with
+    the checkpoint to start it from. ``sets``: the replication sets. ``running``: tasks in
+    flight. ``index``: incremental indexes over ``sets`` (built by scanning if not given).
+    """
+
+    def __init__(
+        self,
+        members: Mapping[MemberId, MemberInfo],
+        wanted: Mapping[Span, int],
+        sets: Mapping[Span, SetLike],
+        *,
+        running: Mapping[Span, ScheduleTask] | None = None,
+        index: SetIndex | None = None,
+        ready: bool = True,
+    ) -> None:
+        self.members = members
+        self.wanted = wanted
+        self.sets = sets
+        self.running: Mapping[Span, ScheduleTask] = running if running is not None else {}
+        self.index = index if index is not None else SetIndex.build(sets.values())
+        self.ready = ready
+
+    def eligible(self) -> list[MemberId]:
+        """Members that may take new spans, in a stable order."""
+        return sorted(m for m, info in self.members.items() if not info.draining)
+
+    def draining(self) -> list[MemberId]:
+        return sorted(m for m, info in self.members.items() if info.draining)
+
+    def load(self, member: MemberId) -> int:
+        return self.index.load(member)
+
+    def all_wanted_replicating(self) -> bool:
+        if self.index.unstable or self.index.absent:
+            return False
+        sets = self.sets
+        for span in self.wanted:
+            rs = sets.get(span)
+            if rs is None or rs.state is not SetState.REPLICATING or rs.error is not None:
+                return False
+        return True
+
+
+@dataclass
+class ScheduleContext:
+    """Shared by the schedulers of one round."""
+
+    taken: set[Span]
+    """Spans that already have a task (running or produced this round)."""
+    budget: int
+    """Moves that may still start this round."""
+    rng: random.Random
+    now: float = 0.0
+    rejected: list[tuple[ScheduleTask, str]] = field(default_factory=list)
+
+
+def _least_loaded(loads: Mapping[MemberId, int], rng: random.Random,
+                  capacity: int | None = None) -> MemberId | None:
+    if not loads:
+        return None
+    low = min(loads.values())
+    if capacity is not None and low >= capacity:
+        return None
+    ties = [m for m, load in loads.items() if load == low]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
+def _movable(view: SchedulingView, span: Span, member: MemberId, taken: Collection[Span]) -> bool:
+    if span in taken:
+        return False
+    rs = view.sets.get(span)
+    return (rs is not None and rs.error is None and rs.state is SetState.REPLICATING
+            and rs.primary == member)
+
+
+class BasicScheduler:
+    """Add wanted spans that nobody replicates; remove spans that are no longer wanted."""
+
+    def __init__(self, add_batch_size: int = DEFAULT_ADD_BATCH_SIZE) -> None:
+        if add_batch_size < 1:
+            raise ValueError("add_batch_size must be at least 1")
+        self.add_batch_size = add_batch_size
+
+    def schedule(self, view: SchedulingView, ctx: ScheduleContext) -> list[ScheduleTask]:
+        tasks: list[ScheduleTask] = []
+        sets, wanted, taken = view.sets, view.wanted, ctx.taken
+        # Key-view set algebra runs in C; a Python loop over 10,000 spans every round would not.
+        unwanted = sets.keys() - wanted.keys()
+        if unwanted:
+            removable = (s for s in unwanted if s not in taken and sets[s].error is None)
+            for span in heapq.nsmallest(self.add_batch_size, removable):
+                tasks.append(RemoveTable(span))
+                taken.add(span)
+        eligible = view.eligible()
+        if not eligible:
+            return tasks
+        missing = wanted.keys() - sets.keys()
+        absent = [s for s in view.index.absent if s in wanted and s not in taken]
+        candidates = (s for s in missing if s not in taken)
+        chosen = heapq.nsmallest(self.add_batch_size, [*absent, *candidates]) if (missing or absent) else []
+        if not chosen:
+            return tasks
+        # Least loaded first, ties at random: the random key is drawn once per member and
+        # re-drawn after each assignment.
+        heap = [(view.load(m), ctx.rng.random(), m) for m in eligible]
+        heapq.heapify(heap)
+        for span in chosen:
+            load, _, member = heapq.heappop(heap)
+            tasks.append(AddTable(span, member, wanted[span]))
+            taken.add(span)
+            heapq.heappush(heap, (load + 1, ctx.rng.random(), member))
+        return tasks
+
+
+class DrainScheduler:
+    """Move every span off draining members, to the least loaded members under capacity.
+
+    Capacity is ceil(all assigned spans / members that stay), so the spans that leave a
+    draining member spread out instead of piling onto one.
+    """
+
+    def schedule(self, view: SchedulingView, ctx: ScheduleContext) -> list[ScheduleTask]:
+        draining = view.draining()
+        if not draining or ctx.budget <= 0:
+            return []
+        eligible = view.eligible()
+        if not eligible:
+            return []
+        total = sum(view.load(m) for m in view.members)
+        capacity = math.ceil(total / len(eligible))
+        loads = {m: view.load(m) for m in eligible}
+        tasks: list[ScheduleTask] = []
+        for member in draining:
+            for span in view.index.assigned.get(member, {}):
+                if ctx.budget <= 0:
+                    return tasks
+                if not _movable(view, span, member, ctx.taken):
+                    continue
+                dest = _least_loaded(loads, ctx.rng, capacity)
+                if dest is None:
+                    return tasks
+                tasks.append(MoveTable(span, dest, "drain"))
+                ctx.taken.add(span)
+                ctx.budget -= 1
+                loads[dest] += 1
+        return tasks
+
+
+def validate_move(view: SchedulingView, span: Span, dest: MemberId) -> str | None:
+    """Why an operator move cannot happen now, or None."""
+    rs = view.sets.get(span)
+    if rs is None:
+        if span in view.wanted:
+            return f"span {span.key} is not scheduled yet"
+        return f"span {span.key} is unknown"
+    if rs.error is not None:
+        return f"span {span.key} is blocked by a conflict: {rs.error.detail}"
+    if rs.state is not SetState.REPLICATING:
+        return f"span {span.key} is {rs.state}; only a Replicating span can be moved"
+    if span in view.running:
+        return f"span {span.key} already has a task in flight"
+    info = view.members.get(dest)
+    if info is None:
+        return f"member {dest} is not alive (or has not reported its tables yet)"
+    if info.draining:
+        return f"member {dest} is draining"
+    if rs.primary == dest:
+        return f"span {span.key} already replicates on {dest}"
+    return None
+
+
+class OperatorMoveScheduler:
+    """Operator-requested moves: validated when asked, re-validated when carried out."""
+
+    def __init__(self) -> None:
+        self.pending: dict[Span, MoveTable] = {}
+        self.failed: list[tuple[MoveTable, str]] = []
+
+    def request(self, view: SchedulingView, span: Span, dest: MemberId) -> MoveTable:
+        reason = validate_move(view, span, dest)
+        if reason is not None:
+            raise InvalidTaskError(reason)
+        task = MoveTable(span, dest, "operator")
+        self.pending[span] = task
+        return task
+
+    def schedule(self, view: SchedulingView, ctx: ScheduleContext) -> list[ScheduleTask]:
+        tasks: list[ScheduleTask] = []
+        for span, task in list(self.pending.items()):
+            if ctx.budget <= 0:
+                break
+            if span in ctx.taken:
+                continue  # something else is happening to it; try next round
+            reason = validate_move(view, span, task.dest)
+            del self.pending[span]
+            if reason is not None:
+                self.failed.append((task, reason))
+                ctx.rejected.append((task, reason))
+                continue
+            tasks.append(task)
+            ctx.taken.add(span)
+            ctx.budget -= 1
+        return tasks
+
+
+def plan_balance_moves(
+    view: SchedulingView, ctx: ScheduleContext, reason: str,
+) -> tuple[list[MoveTable], bool]:
+    """Moves that bring every member to at most ceil(spans / members); and whether the
+    members are already within that limit.
+
+    Victims are random spans of overloaded members; each goes to the least loaded member, ties
+    broken at random. Capped by ``ctx.budget``.
+    """
+    eligible = view.eligible()
+    if len(eligible) < 2:
+        return [], True
+    loads = {m: view.load(m) for m in eligible}
+    upper = math.ceil(sum(loads.values()) / len(eligible))
+    balanced = all(load <= upper for load in loads.values())
+    if balanced or ctx.budget <= 0:
+        return [], balanced
+    victims: list[tuple[MemberId, Span]] = []
+    for member in eligible:
+        excess = loads[member] - upper
+        if excess <= 0:
+            continue
+        candidates = [s for s in view.index.assigned.get(member, {})
+                      if _movable(view, s, member, ctx.taken)]
+        victims.extend((member, s) for s in ctx.rng.sample(candidates, min(excess, len(candidates))))
+    ctx.rng.shuffle(victims)
+    moves: list[MoveTable] = []
+    for source, span in victims:
+        if ctx.budget <= 0:
+            break
+        dest = _least_loaded(loads, ctx.rng, upper)
+        if dest is None:
+            break
+        if dest == source:
+            continue
+        moves.append(MoveTable(span, dest, reason))
+        ctx.taken.add(span)
+        ctx.budget -= 1
+        loads[source] -= 1
+        loads[dest] += 1
+    return moves, False
+
+
+class RebalanceScheduler:
+    """Operator "rebalance now": balances, ignoring the interval, once every wanted span
+    replicates and nobody drains; stays requested until the members are balanced."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def request(self) -> None:
+        self.requested = True
+
+    def schedule(self, view: SchedulingView, ctx: ScheduleContext) -> list[ScheduleTask]:
+        if not self.requested or view.draining() or not view.all_wanted_replicating():
+            return []
+        moves, balanced = plan_balance_moves(view, ctx, "rebalance")
+        if balanced:
+            self.requested = False
+        return list(moves)
+
+
+class BalanceScheduler:
+    """Automatic balance every ``interval_s``; keeps going without waiting while the last round
+    found work (TiCDC's forceBalance). Pauses while a member drains."""
+
+    def __init__(self, interval_s: float = DEFAULT_BALANCE_INTERVAL_S, enabled: bool = True) -> None:
+        self.interval_s = interval_s
+        self.enabled = enabled
+        self._last = -math.inf
+        self._force = False
+
+    def schedule(self, view: SchedulingView, ctx: ScheduleContext) -> list[ScheduleTask]:
+        if not self.enabled:
+            return []
+        if not self._force and ctx.now - self._last < self.interval_s:
+            return []
+        self._last = ctx.now
+        if view.draining():
+            self._force = False
+            return []
+        moves, _ = plan_balance_moves(view, ctx, "balance")
+        self._force = bool(moves)
+        return list(moves)
+
+
+class Coordinator:
+    """Runs the schedulers in priority order for one round.
+
+    Never two tasks for one span (running tasks and mid-transition sets count); moves capped at
+    ``max_task_concurrency`` in flight. ``rng`` is injectable so tests are reproducible.
+    """
+
+    def __init__(
+        self,
+        *,
+        add_batch_size: int = DEFAULT_ADD_BATCH_SIZE,
+        max_task_concurrency: int = DEFAULT_MAX_TASK_CONCURRENCY,
+        balance_interval_s: float = DEFAULT_BALANCE_INTERVAL_S,
+        balance_enabled: bool = True,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.max_task_concurrency = max_task_concurrency
+        self.rng = rng if rng is not None else random.Random()
+        self.basic = BasicScheduler(add_batch_size)
+        self.drain = DrainScheduler()
+        self.operator = OperatorMoveScheduler()
+        self.rebalance = RebalanceScheduler()
+        self.balance = BalanceScheduler(balance_interval_s, balance_enabled)
+        self.last_rejected: list[tuple[ScheduleTask, str]] = []
+
+    def request_move(self, view: SchedulingView, span: Span, dest: MemberId) -> MoveTable:
+        """Queue an operator move; raises InvalidTaskError with the reason if it cannot be done."""
+        return self.operator.request(view, span, dest)
+
+    def request_rebalance(self) -> None:
+        self.rebalance.request()
+
+    def schedule(self, view: SchedulingView, now: float = 0.0) -> list[ScheduleTask]:
+        if not view.ready:
+            return []
+        taken = set(view.running)
+        taken.update(view.index.unstable)
+        moving = sum(1 for task in view.running.values() if isinstance(task, MoveTable))
+        ctx = ScheduleContext(taken, max(0, self.max_task_concurrency - moving), self.rng, now)
+        tasks = self.basic.schedule(view, ctx)
+        for scheduler in (self.drain, self.operator, self.rebalance, self.balance):
+            if ctx.budget <= 0:
+                break
+            tasks.extend(scheduler.schedule(view, ctx))
+        self.last_rejected = ctx.rejected
+        return tasks
