@@ -191,6 +191,24 @@ async def test_two_captures_one_publishes_and_the_other_takes_over(
     assert f'sluice_capture_rows_published_total{{source="{source}"}}' in metrics
     assert f'sluice_capture_resolved_ts{{source="{source}"}}' in metrics
 
+    # A leader frozen past its lease (SIGSTOP: a long GC pause, a stalled VM) must, once it runs
+    # again, stop instead of publishing next to its successor.
+    third = start_capture(processes, env, tmp_path / "logs", "cap-lease-c")
+    await wait_status(third, 30, "standing by", lease=False, state="standby")
+    standby.pause()
+    try:
+        Load(mariadb, database, txns=20, rows_per_txn=5, offset=2000).run()
+        await wait_status(third, 30, "taking over from a frozen leader", lease=True, state="reading")
+    finally:
+        standby.resume()
+    await wait_status(standby, 30, "stepping down after the freeze", lease=False)
+    Load(mariadb, database, txns=5, rows_per_txn=5, offset=3000).run()
+    await wait_resolved_past(js, source, binlog_position(mariadb))
+    messages = await source_messages(js, source)
+    rows = check_exactly_once(messages)
+    assert replay(rows, "t", "id") == source_table(mariadb, database)
+    assert status(third)["lease"] is True
+
 
 def _get_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as resp:

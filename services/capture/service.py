@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any
 
+import pymysql
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -219,7 +220,7 @@ class Capture:
                             extra={"source": self.source})
             except Exception as exc:  # every failure restarts from the stream
                 log.error("capture session failed: %r", exc, extra={"source": self.source},
-                          exc_info=not isinstance(exc, OSError | NatsError))
+                          exc_info=not isinstance(exc, OSError | NatsError | pymysql.err.MySQLError))
                 self._show(state="source-error", problem=repr(exc))
                 await self._sleep(backoff)
                 backoff = min(MAX_BACKOFF_S, backoff * 2)
