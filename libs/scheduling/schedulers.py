@@ -130,12 +130,13 @@ class BasicScheduler:
         eligible = view.eligible()
         if not eligible:
             return tasks
-        missing = wanted.keys() - sets.keys()
-        absent = [s for s in view.index.absent if s in wanted and s not in taken]
-        candidates = (s for s in missing if s not in taken)
-        chosen = heapq.nsmallest(self.add_batch_size, [*absent, *candidates]) if (missing or absent) else []
-        if not chosen:
+        candidates = wanted.keys() - sets.keys()
+        candidates.difference_update(taken)
+        candidates.update(s for s in view.index.absent if s in wanted and s not in taken)
+        if not candidates:
             return tasks
+        # Smallest spans first, so a round's picks do not depend on hash order.
+        chosen = heapq.nsmallest(self.add_batch_size, candidates)
         # Least loaded first, ties at random: the random key is drawn once per member and
         # re-drawn after each assignment.
         heap = [(view.load(m), ctx.rng.random(), m) for m in eligible]
