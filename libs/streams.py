@@ -26,20 +26,28 @@ def domain_stream(domain: str) -> str:
     return f"SLUICE_{domain.upper()}"
 
 
+# Control domains live under sluice.ctl.* so a domain named like a data subject (ddl) can
+# never overlap the ROWS stream's subjects.
 def domain_events_subject(domain: str) -> str:
-    return f"sluice.{domain}.events"
+    return f"sluice.ctl.{domain}.events"
 
 
 def domain_snapshot_subject(domain: str) -> str:
-    return f"sluice.{domain}.snapshot"
+    return f"sluice.ctl.{domain}.snapshot"
 
 
 def domain_subjects(domain: str) -> list[str]:
-    return [f"sluice.{domain}.>"]
+    return [f"sluice.ctl.{domain}.>"]
 
 
 def rows_subject(source: str, schema: str, table: str) -> str:
     return f"sluice.rows.{token(source)}.{token(schema)}.{token(table)}"
+
+
+def rejected_subject(source: str) -> str:
+    """Capture's rejections for a source. Four tokens, so it never matches a table's subject
+    (``sluice.rows.<source>.<schema>.<table>``) yet sits in the ROWS stream beside them."""
+    return f"sluice.rows.{token(source)}.rejected"
 
 
 def ddl_subject(source: str, schema: str, table: str) -> str:

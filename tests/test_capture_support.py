@@ -18,8 +18,7 @@ from contracts.events.rows import CaptureRejectedV1, DdlExecutedV1, ResolvedAdva
 from contracts.registry import REGISTRY
 from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
-from libs.streams import ROWS_STREAM, resolved_subject, token
-from services.capture.publisher import rejected_subject
+from libs.streams import ROWS_STREAM, rejected_subject, resolved_subject, token
 from services.capture.service import Capture
 
 

@@ -32,10 +32,10 @@ from contracts.events.rows import (
     RowsChangedV1,
     SourcePositionV1,
 )
-from libs.streams import ddl_subject, rows_subject
+from libs.streams import ddl_subject, rejected_subject, rows_subject
 from services.capture import metrics
 from services.capture.binlog_reader import Begin, Commit, Heartbeat, Item, Position, Query, ReaderFailed, Rows
-from services.capture.publisher import Publisher, rejected_subject
+from services.capture.publisher import Publisher
 from services.capture.statements import classify
 from services.capture.table_meta import BinlogColumn, TableInfo, binlog_table_info, load_table_info
 from services.capture.ts_clock import TsClock, wall_ms

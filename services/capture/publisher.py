@@ -26,7 +26,7 @@ from pydantic import BaseModel
 
 from contracts.events.rows import ResolvedAdvancedV1
 from contracts.registry import REGISTRY
-from libs.streams import ROWS_STREAM, resolved_subject, token
+from libs.streams import ROWS_STREAM, resolved_subject
 from libs.telemetry.tracing import publish_span
 from services.capture import metrics
 
@@ -36,12 +36,6 @@ log = logging.getLogger(__name__)
 # ts and position it is all the state a capture needs to continue exactly where it left off.
 NEXT_SEQ_HEADER = "Sluice-Next-Seq"
 _WRONG_LAST_SEQ = frozenset({10071})
-
-
-def rejected_subject(source: str) -> str:
-    """Capture's rejections for a source. Four tokens, so it never matches a table's subject
-    (``sluice.rows.<source>.<schema>.<table>``) yet sits in the ROWS stream beside them."""
-    return f"sluice.rows.{token(source)}.rejected"
 
 
 class LeaseLost(Exception):

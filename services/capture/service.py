@@ -31,7 +31,7 @@ from contracts.registry import REGISTRY, ContractError
 from libs.config import Settings
 from libs.election import Election, Leadership
 from libs.service import ServiceRuntime
-from libs.streams import ROWS_STREAM, resolved_subject, token
+from libs.streams import ROWS_STREAM, rejected_subject, resolved_subject, token
 from libs.streams_setup import ensure_rows_stream
 from services.capture import metrics
 from services.capture.binlog_reader import BinlogReader, Position
@@ -44,7 +44,7 @@ from services.capture.pipeline import (
     TableKey,
     publish_rejection,
 )
-from services.capture.publisher import NEXT_SEQ_HEADER, Fenced, LeaseLost, Publisher, rejected_subject
+from services.capture.publisher import NEXT_SEQ_HEADER, Fenced, LeaseLost, Publisher
 from services.capture.source import SourceOptions, check_source, connect, current_position, earliest_position
 from services.capture.ts_clock import TsClock, wall_ms
 

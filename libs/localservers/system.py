@@ -1,0 +1,138 @@
+"""A whole Sluice system on one machine: nats-server, MariaDB sources, a downstream and every
+service as real processes. The demo, the end-to-end tests and the benchmarks start it the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import nats
+
+from contracts.events.changefeeds import ChangefeedCreatedV1, ChangefeedSpecV1, SourceRefV1, TableFilterV1
+from libs.eventstore import EventStore
+from libs.localservers.mariadb import MariaDB
+from libs.localservers.nats_server import NatsServer
+from libs.localservers.postgres import PostgreSQL
+from libs.localservers.service_process import ServiceProcess
+from libs.streams import domain_events_subject, domain_stream, domain_subjects
+
+Downstream = Literal["sqlite", "postgres", "mariadb"]
+
+# Leader-elected control services; each runs `replicas` processes.
+CONTROL_SERVICES = ("member", "scheduler", "replication_manager", "ddl_lock")
+
+
+@dataclass
+class LocalSystem:
+    base_dir: Path
+    sources: int = 2
+    downstream: Downstream = "sqlite"
+    control_replicas: int = 2
+    workers: int = 1
+    lease_ttl_s: float = 3.0
+    with_api: bool = True
+    capture_start: Literal["earliest", "current"] = "current"
+    nats: NatsServer | None = None
+    source_dbs: list[MariaDB] = field(default_factory=list)
+    downstream_db: MariaDB | PostgreSQL | None = None
+    processes: dict[str, ServiceProcess] = field(default_factory=dict)
+    _server_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    # ------------------------------------------------------------------ infrastructure
+
+    def start_infra(self) -> None:
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        self.nats = NatsServer(data_dir=self.base_dir / "nats").start()
+        for i in range(self.sources):
+            db = MariaDB(data_dir=self.base_dir / f"source{i + 1}", server_id=next(self._server_ids))
+            self.source_dbs.append(db.start())
+        if self.downstream == "postgres":
+            self.downstream_db = PostgreSQL(data_dir=self.base_dir / "downstream-pg").start()
+        elif self.downstream == "mariadb":
+            self.downstream_db = MariaDB(data_dir=self.base_dir / "downstream-mariadb",
+                                         server_id=next(self._server_ids)).start()
+
+    @property
+    def sink_url(self) -> str:
+        if self.downstream_db is None:
+            return f"sqlite:///{self.base_dir / 'downstream.db'}"
+        return self.downstream_db.url
+
+    def source_id(self, index: int) -> str:
+        return f"src{index + 1}"
+
+    def env(self) -> dict[str, str]:
+        assert self.nats is not None
+        return {
+            "SLUICE_NATS_URL": self.nats.url,
+            "SLUICE_LEASE_TTL_S": str(self.lease_ttl_s),
+            "SLUICE_STATE_DB_URL": f"sqlite:///{self.base_dir / 'state.db'}",
+            "SLUICE_DOWNSTREAM_URL": self.sink_url,
+        }
+
+    # ------------------------------------------------------------------ services
+
+    def _start(self, name: str, module: str, extra: dict[str, str] | None = None) -> ServiceProcess:
+        proc = ServiceProcess(module, {**self.env(), **(extra or {})}, self.base_dir / "logs",
+                              instance_id=name).start()
+        self.processes[name] = proc
+        return proc
+
+    def start_services(self) -> None:
+        for i, db in enumerate(self.source_dbs):
+            sid = self.source_id(i)
+            self._start(f"capture-{sid}", "services.capture", {
+                "SLUICE_SOURCE_ID": sid,
+                "SLUICE_SOURCE_URL": f"{db.url}?start={self.capture_start}",
+                "SLUICE_SOURCE_SERVER_ID": str(4100 + i),
+            })
+        for service in CONTROL_SERVICES:
+            for r in range(self.control_replicas):
+                self._start(f"{service.replace('_', '-')}-{r + 1}", f"services.{service}")
+        for w in range(self.workers):
+            self._start(f"sink-worker-{w + 1}", "services.sink_worker")
+        if self.with_api:
+            self._start("api-1", "services.api")
+
+    def wait_healthy(self, timeout: float = 90) -> None:
+        for proc in self.processes.values():
+            proc.wait_healthy(timeout)
+
+    def stop(self) -> None:
+        for proc in self.processes.values():
+            if proc.alive():
+                try:
+                    proc.terminate(timeout=20)
+                except Exception:
+                    proc.kill()
+        for db in [*self.source_dbs, *([self.downstream_db] if self.downstream_db else [])]:
+            db.stop()
+        if self.nats is not None:
+            self.nats.stop()
+
+    # ------------------------------------------------------------------ changefeeds
+
+    def changefeed_spec(self, changefeed_id: str, include: list[str]) -> ChangefeedSpecV1:
+        return ChangefeedSpecV1(
+            id=changefeed_id,
+            sources=[SourceRefV1(id=self.source_id(i), url=db.url) for i, db in enumerate(self.source_dbs)],
+            filter=TableFilterV1(include=include),
+            sink_url=self.sink_url,
+        )
+
+    async def create_changefeed(self, spec: ChangefeedSpecV1, requested_by: str = "demo") -> int:
+        """Record the changefeed in its domain stream, as the api does for an operator."""
+        assert self.nats is not None
+        nc = await nats.connect(self.nats.url)
+        try:
+            store = EventStore(nc.jetstream(), domain_stream("changefeeds"), producer=requested_by)
+            await store.ensure(domain_subjects("changefeeds"))
+            return await store.append(domain_events_subject("changefeeds"),
+                                      ChangefeedCreatedV1(spec=spec, requested_by=requested_by))
+        finally:
+            await nc.close()
+
+
