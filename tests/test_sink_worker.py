@@ -11,6 +11,7 @@ from uuid import uuid4
 
 import pytest
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from pyspark.sql import SparkSession
 
 from contracts.events.changefeeds import (
@@ -39,8 +40,10 @@ sqlite_url = data_path.sqlite_url
 
 async def _changefeeds(js: JetStreamContext) -> EventStore:
     store = EventStore(js, domain_stream("changefeeds"), "test-api")
-    # The same shape DomainLog.ensure gives a domain stream.
-    await store.ensure(domain_subjects("changefeeds"), allow_rollup_hdrs=True, deny_delete=True)
+    try:
+        await js.stream_info(store.stream)  # whoever made it first (api, other tests) keeps its config
+    except NotFoundError:
+        await store.ensure(domain_subjects("changefeeds"))
     return store
 
 

@@ -16,6 +16,8 @@ from uuid import uuid4
 
 import pytest
 from nats.js import JetStreamContext, api
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pyspark.sql import SparkSession
 
 from contracts import REGISTRY
@@ -39,6 +41,7 @@ from libs.streams import (
     resolved_subject,
     rows_subject,
 )
+from libs.telemetry.tracing import publish_span, setup_tracing
 from services.sink_worker.checkpoints import Checkpoint, CheckpointRegression, CheckpointStore
 from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
 from services.sink_worker.sinks.base import TargetTable
@@ -46,6 +49,9 @@ from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.span import Span, choose_key
 
 pytestmark = pytest.mark.integration
+
+SPANS = InMemorySpanExporter()
+setup_tracing("test", extra_processor=SimpleSpanProcessor(SPANS))
 
 _POS = SourcePositionV1(binlog_file="bin.000001", binlog_pos=4)
 _seq = itertools.count(1)
@@ -76,7 +82,9 @@ class Source:
 
     async def publish(self, subject: str, event: Any, msg_id: str | None = None) -> int:
         data = REGISTRY.encode(event, producer="test-capture", event_id=msg_id)
-        ack = await self.js.publish(subject, data, stream=ROWS_STREAM)
+        # Like capture: the publish span's context travels in the message headers.
+        with publish_span(subject) as (_span, headers):
+            ack = await self.js.publish(subject, data, stream=ROWS_STREAM, headers=headers)
         return int(ack.seq)
 
     async def txn(self, db: str, table: str, rows: list[RowImageV1], meta: TableMetaV1 = PEOPLE,
@@ -397,6 +405,24 @@ async def test_garbage_on_a_span_subject_goes_to_dead_letter(h: Harness) -> None
     assert parked[bad_json.seq][0] == "malformed"
     assert parked[wrong_type][0] == "unexpected_type"
     assert parked[no_key][0] == "invalid_data" and "id" in parked[no_key][1]
+
+
+async def test_processing_continues_the_publish_trace(h: Harness) -> None:
+    await h.run("people")
+    SPANS.clear()
+    await h.source.txn(h.db, "people", [ins(1, "ann", 1)])
+    await h.source.resolve()
+    await h.round()
+    finished = SPANS.get_finished_spans()
+    subject = rows_subject(h.source.name, h.db, "people")
+    [published] = [s for s in finished if s.name == f"publish {subject}"]
+    [process] = [s for s in finished if s.name == f"process {subject}"]
+    assert process.parent is not None and published.context is not None
+    assert (process.parent.trace_id, process.parent.span_id) == (published.context.trace_id,
+                                                                 published.context.span_id)
+    [apply] = [s for s in finished if s.name == "apply"]
+    assert [link.context.span_id for link in apply.links] == [published.context.span_id]
+    assert {"sort", "sink round"} <= {s.name for s in finished}
 
 
 async def test_checkpoint_never_goes_backwards(checkpoints: CheckpointStore) -> None:

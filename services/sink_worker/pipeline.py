@@ -212,6 +212,9 @@ class Pipeline:
         """Run exactly ``wanted`` from the next round on (checkpoints stay in the bucket)."""
         for span in [s for s in self.spans if s not in wanted]:
             await self.spans.pop(span).reader.close()
+            for gauge in (m.CHECKPOINT_LAG, m.RESOLVED_LAG, m.CHECKPOINT_TS):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(span.changefeed, span.name)
         for span, config in wanted.items():
             rt = self.spans.get(span)
             if rt is None:
@@ -464,6 +467,10 @@ class Pipeline:
             log.exception("apply job failed", extra={"sink": repr(sink)})
             for w in works:
                 outcomes[w.rt.span.kv_key] = _Outcome(error=f"apply failed: {exc!r}")
+                if w.plan is not None:
+                    # The target may have been dropped or altered behind our back: check its
+                    # schema again before the retry instead of trusting this process' memory.
+                    self._schemas.pop((sink_url, w.plan.table.schema, w.plan.table.name), None)
             return
         for w in works:
             outcome = outcomes.setdefault(w.rt.span.kv_key, _Outcome())

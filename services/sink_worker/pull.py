@@ -225,7 +225,9 @@ class SpanReader:
         # Asking the consumer first avoids a fetch that waits out its timeout on an idle span.
         pending = await self._pending()
         while pending > 0 and (len(self.buffer) < limit or self._open_transaction()):
-            want = max(1, min(_FETCH_CHUNK, pending, limit - len(self.buffer)))
+            # Past the limit only to finish a transaction: small steps, a bounded overshoot.
+            room = limit - len(self.buffer)
+            want = min(_FETCH_CHUNK, pending, room) if room > 0 else min(16, pending)
             try:
                 msgs = await self._sub.fetch(want, timeout=_FETCH_TIMEOUT_S)
             except (TimeoutError, NatsTimeoutError):

@@ -23,7 +23,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from uuid import uuid4
 
+from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
@@ -112,6 +114,7 @@ class SinkWorker:
         self.options = options or WorkerOptions.from_settings(settings)
         self.view = ChangefeedView()
         self.changefeeds_replayed = False
+        self._folded_seq = 0
         self._view_changed = asyncio.Event()
         self.checkpoints = CheckpointStore(js, checkpoint_bucket, replicas=settings.stream_replicas)
         self.pipeline = Pipeline(js, self.checkpoints, self._spark,
@@ -193,6 +196,10 @@ class SinkWorker:
             await self._pause(1.0)
 
     async def _follow_once(self) -> None:
+        """Read the changefeed events after the last one folded, until stopped or an error.
+
+        A pull consumer without acks, re-created after the last folded sequence on any error:
+        every event is folded once and in order, whatever happens to the consumer meanwhile."""
         try:
             last = await self.js.get_last_msg(self.changefeeds_stream, self.changefeeds_subject)
             replay_end = int(last.seq or 0)
@@ -204,32 +211,48 @@ class SinkWorker:
             except NotFoundError:
                 self.changefeeds_replayed = True
                 return
-        if replay_end == 0:
+        if replay_end <= self._folded_seq:
             self.changefeeds_replayed = True
-        sub = await self.js.subscribe(self.changefeeds_subject, stream=self.changefeeds_stream,
-                                      ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL)
+        name = f"sink_cf_{uuid4().hex}"
+        await self.js.add_consumer(self.changefeeds_stream, api.ConsumerConfig(
+            name=name, ack_policy=api.AckPolicy.NONE, filter_subject=self.changefeeds_subject,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._folded_seq + 1,
+            inactive_threshold=60.0, mem_storage=True, num_replicas=1))
+        log.info("following the changefeeds", extra={"stream": self.changefeeds_stream,
+                                                     "from_seq": self._folded_seq + 1,
+                                                     "replay_end": replay_end})
+        sub = await self.js.pull_subscribe_bind(name, stream=self.changefeeds_stream)
         try:
             while not self.stopping.is_set():
                 try:
-                    msg = await sub.next_msg(timeout=1.0)
+                    msgs = await sub.fetch(64, timeout=1.0)
                 except (TimeoutError, NatsTimeoutError):
                     continue
-                seq = int(msg.metadata.sequence.stream)
-                try:
-                    decoded = REGISTRY.decode(msg.data)
-                except ContractError as exc:
-                    await dead_letter(self.js, msg, exc.reason, exc.kind, self.changefeeds_stream, seq=seq,
-                                      ack=False)
-                    continue
-                if self.view.apply(decoded.event):
-                    self._view_changed.set()
-                if seq >= replay_end and not self.changefeeds_replayed:
-                    self.changefeeds_replayed = True
-                    self._view_changed.set()
-                    log.info("changefeeds replayed", extra={"running": len(self.view.running())})
+                for msg in msgs:
+                    await self._fold(msg, replay_end)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(self.changefeeds_stream, name)
+
+    async def _fold(self, msg: Msg, replay_end: int) -> None:
+        seq = int(msg.metadata.sequence.stream)
+        if seq <= self._folded_seq:
+            return
+        try:
+            decoded = REGISTRY.decode(msg.data)
+        except ContractError as exc:
+            await dead_letter(self.js, msg, exc.reason, exc.kind, self.changefeeds_stream, seq=seq,
+                              ack=False)
+        else:
+            if self.view.apply(decoded.event):
+                self._view_changed.set()
+        self._folded_seq = seq
+        if seq >= replay_end and not self.changefeeds_replayed:
+            self.changefeeds_replayed = True
+            self._view_changed.set()
+            log.info("changefeeds replayed", extra={"running": len(self.view.running())})
 
     # ------------------------------------------------------------------ spans
 
