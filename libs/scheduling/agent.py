@@ -75,16 +75,23 @@ class MemberAgentState:
 
     ``min_epoch``: the current leader epoch read from the election bucket at startup. Without it
     a restarted member would accept a deposed leader's dispatches until it hears from the new
-    one.
+    one. ``seq_start``: where report sequence numbers start; a member restarting under the same
+    id must start above its previous life (wall-clock nanoseconds do), or the manager drops its
+    reports as overtaken ones.
     """
 
-    def __init__(self, member: MemberId, *, min_epoch: int = 0) -> None:
+    def __init__(self, member: MemberId, *, min_epoch: int = 0, seq_start: int = 0) -> None:
         self.member = member
         self.newest_epoch = min_epoch
         self.rejected_stale = 0
         self.rejected_busy = 0
         self._tables: dict[Span, AgentTable] = {}
-        self._seq = 0
+        self._seq = seq_start
+
+    @property
+    def seq(self) -> int:
+        """Sequence number of the last report produced."""
+        return self._seq
 
     @property
     def tables(self) -> Mapping[Span, AgentTable]:
@@ -207,6 +214,18 @@ class MemberAgentState:
         self._move(table, TableState.STOPPED, out)
         table.task = None
         table.wrote = False
+        return out
+
+    def abandon(self, span: Span) -> list[Transition]:
+        """The pipeline failed on its own (downstream error, bad event): stop the span without
+        being told. The leader sees Stopping, then Stopped, and schedules the span again."""
+        table = self._tables.get(span)
+        if table is None or table.state not in (
+                TableState.PREPARING, TableState.PREPARED, TableState.REPLICATING):
+            return []
+        out: list[Transition] = []
+        self._move(table, TableState.STOPPING, out)
+        table.task = None
         return out
 
     def update_progress(self, span: Span, checkpoint_ts: int, resolved_ts: int | None = None) -> None:

@@ -90,14 +90,17 @@ class ScheduleContext:
     rejected: list[tuple[ScheduleTask, str]] = field(default_factory=list)
 
 
-def _least_loaded(loads: Mapping[MemberId, int], rng: random.Random,
-                  capacity: int | None = None) -> MemberId | None:
-    if not loads:
+def _least_loaded(loads: Mapping[MemberId, int], rng: random.Random, capacity: int | None = None,
+                  exclude: Collection[MemberId] = ()) -> MemberId | None:
+    """Least loaded member under ``capacity``, ties at random; ``exclude``: members that still
+    hold the span (a set may keep an undetermined member while it replicates elsewhere)."""
+    candidates = {m: load for m, load in loads.items() if m not in exclude}
+    if not candidates:
         return None
-    low = min(loads.values())
+    low = min(candidates.values())
     if capacity is not None and low >= capacity:
         return None
-    ties = [m for m, load in loads.items() if load == low]
+    ties = [m for m, load in candidates.items() if load == low]
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
@@ -142,10 +145,19 @@ class BasicScheduler:
         heap = [(view.load(m), ctx.rng.random(), m) for m in eligible]
         heapq.heapify(heap)
         for span in chosen:
-            load, _, member = heapq.heappop(heap)
-            tasks.append(AddTable(span, member, wanted[span]))
-            taken.add(span)
-            heapq.heappush(heap, (load + 1, ctx.rng.random(), member))
+            rs = sets.get(span)
+            # A member still holding the span (undetermined) cannot be its new secondary.
+            holders = rs.members if rs is not None else {}
+            skipped = []
+            while heap and heap[0][2] in holders:
+                skipped.append(heapq.heappop(heap))
+            if heap:
+                load, _, member = heapq.heappop(heap)
+                tasks.append(AddTable(span, member, wanted[span]))
+                taken.add(span)
+                heapq.heappush(heap, (load + 1, ctx.rng.random(), member))
+            for entry in skipped:
+                heapq.heappush(heap, entry)
         return tasks
 
 
@@ -173,9 +185,9 @@ class DrainScheduler:
                     return tasks
                 if not _movable(view, span, member, ctx.taken):
                     continue
-                dest = _least_loaded(loads, ctx.rng, capacity)
+                dest = _least_loaded(loads, ctx.rng, capacity, view.sets[span].members)
                 if dest is None:
-                    return tasks
+                    continue
                 tasks.append(MoveTable(span, dest, "drain"))
                 ctx.taken.add(span)
                 ctx.budget -= 1
@@ -203,6 +215,8 @@ def validate_move(view: SchedulingView, span: Span, dest: MemberId) -> str | Non
         return f"member {dest} is draining"
     if rs.primary == dest:
         return f"span {span.key} already replicates on {dest}"
+    if dest in rs.members:
+        return f"member {dest} still holds span {span.key} (undetermined)"
     return None
 
 
@@ -270,10 +284,8 @@ def plan_balance_moves(
     for source, span in victims:
         if ctx.budget <= 0:
             break
-        dest = _least_loaded(loads, ctx.rng, upper)
-        if dest is None:
-            break
-        if dest == source:
+        dest = _least_loaded(loads, ctx.rng, upper, view.sets[span].members)
+        if dest is None or dest == source:
             continue
         moves.append(MoveTable(span, dest, reason))
         ctx.taken.add(span)
