@@ -406,6 +406,24 @@ def test_move_promotes_with_the_old_primarys_final_checkpoint() -> None:
     assert rs.checkpoint_ts == 175
 
 
+def test_only_the_primarys_progress_counts() -> None:
+    rs = f_prepare_move()
+    status(rs, "b", T.PREPARING, 999)  # a secondary writes nothing downstream
+    status(rs, "b", T.PREPARED, 999)
+    assert rs.checkpoint_ts == 100
+    status(rs, "a", T.REPLICATING, 130)
+    assert rs.checkpoint_ts == 130
+
+
+def test_secondary_lost_while_old_primary_already_stops() -> None:
+    rs = f_commit_move()
+    status(rs, "a", T.STOPPING)  # the remove reached a
+    assert rs.handle_member_shutdown("b") == []  # and then b died: nothing to promote
+    assert describe(rs, rs.tick()) == "commit [a=P] | -"
+    status(rs, "a", T.STOPPED, 140)
+    assert describe(rs, []) == "absent [] | -" and rs.checkpoint_ts == 140
+
+
 def test_checkpoint_never_goes_backwards() -> None:
     rs = f_replicating()
     status(rs, "a", T.REPLICATING, 300)
