@@ -11,13 +11,12 @@ from typing import Literal
 
 import nats
 
-from contracts.events.changefeeds import ChangefeedCreatedV1, ChangefeedSpecV1, SourceRefV1, TableFilterV1
-from libs.eventstore import EventStore
+from contracts.events.changefeeds import ChangefeedSpecV1, SourceRefV1, TableFilterV1
+from libs.changefeeds import record_changefeed
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
-from libs.streams import domain_events_subject, domain_stream, domain_subjects
 
 Downstream = Literal["sqlite", "postgres", "mariadb"]
 
@@ -128,10 +127,7 @@ class LocalSystem:
         assert self.nats is not None
         nc = await nats.connect(self.nats.url)
         try:
-            store = EventStore(nc.jetstream(), domain_stream("changefeeds"), producer=requested_by)
-            await store.ensure(domain_subjects("changefeeds"))
-            return await store.append(domain_events_subject("changefeeds"),
-                                      ChangefeedCreatedV1(spec=spec, requested_by=requested_by))
+            return await record_changefeed(nc.jetstream(), spec, requested_by)
         finally:
             await nc.close()
 

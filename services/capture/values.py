@@ -154,6 +154,9 @@ def _set(value: Any, set_values: Sequence[str] | None) -> str:
 
 
 def _bytes(value: Any, _: Sequence[str] | None) -> str:
+    if value == "":
+        # pymysqlreplication hands an empty BLOB/VARBINARY value over as '' rather than b''.
+        return ""
     _expect(value, (bytes, bytearray, memoryview), "bytes")
     return base64.b64encode(bytes(value)).decode("ascii")
 
