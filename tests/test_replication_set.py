@@ -757,3 +757,10 @@ def test_span_key_is_stable_and_reversible() -> None:
     assert Span.parse(span.key) == span
     with pytest.raises(ValueError, match="4 '/'-separated parts"):
         Span.parse("a/b")
+
+
+def test_leader_deposed_mid_rebuild_hands_on_what_it_replayed() -> None:
+    m = ReplicationManager(EPOCH, live_members=["a"], known_spans={S1: (70, 75)})
+    assert m.span_checkpoints() == {S1: (70, 75)}
+    m.handle_report(report("a", (S1, T.REPLICATING, 90)))
+    assert m.span_checkpoints() == {S1: (90, 90)}

@@ -300,6 +300,14 @@ class ReplicationManager:
         self._after(rs)
         return out
 
+    def span_checkpoints(self) -> dict[Span, tuple[int, int]]:
+        """Best known (checkpoint_ts, resolved_ts) per span: what to persist, and what the next
+        leader passes as ``known_spans``. While still rebuilding it is what was replayed, so a
+        leader deposed mid-rebuild hands on everything it was given."""
+        if self._ready:
+            return {span: (rs.checkpoint_ts, rs.resolved_ts) for span, rs in self.sets.items()}
+        return dict(self._known_spans)
+
     @property
     def errors(self) -> list[MultiplePrimaryError]:
         """Spans in conflict, for operators: several members may be writing them."""

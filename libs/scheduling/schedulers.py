@@ -133,7 +133,9 @@ class BasicScheduler:
         eligible = view.eligible()
         if not eligible:
             return tasks
-        candidates = wanted.keys() - sets.keys()
+        # Steady state (every wanted span has a set) costs one difference, not two.
+        with_sets = len(sets) - len(unwanted)
+        candidates = wanted.keys() - sets.keys() if len(wanted) > with_sets else set()
         candidates.difference_update(taken)
         candidates.update(s for s in view.index.absent if s in wanted and s not in taken)
         if not candidates:
