@@ -156,6 +156,7 @@ class RoundReport:
     advanced: int = 0
     errors: list[str] = field(default_factory=list)
     abandoned: bool = False
+    pull_s: float = 0.0
     duration_s: float = 0.0
 
 
@@ -266,6 +267,7 @@ class Pipeline:
         self.rounds += 1
         with tracer().start_as_current_span("sink round", attributes={"sluice.spans": len(runtimes)}):
             works = await self._pull_all(runtimes, report)
+            report.pull_s = time.monotonic() - started
             outcomes: dict[str, _Outcome] = {}
             cuts: dict[str, SpanCut] = {}
             if any(w.fresh and not w.refused for w in works):
@@ -288,6 +290,9 @@ class Pipeline:
         report.duration_s = time.monotonic() - started
         if report.batch_events or report.ddl_applied:
             m.ROUND_SECONDS.observe(report.duration_s)
+        log.debug("round done", extra={"events": report.events, "batch_events": report.batch_events,
+                                       "rows": report.rows_written, "pull_s": round(report.pull_s, 3),
+                                       "duration_s": round(report.duration_s, 3)})
         self._count_states()
         self.last_report = report
         return report
@@ -312,8 +317,10 @@ class Pipeline:
         for rt in runtimes:
             assert rt.checkpoint is not None
             start = rt.checkpoint
+            mark = marks.get(rt.span.source)
             try:
-                pulled = await rt.reader.pull(start.stream_seq, limit)
+                pulled = await rt.reader.pull((start.stream_seq, start.ts), limit,
+                                              mark.stream_seq if mark else None)
             except Exception as exc:
                 log.warning("pull failed", exc_info=True, extra={"span": rt.span.name})
                 rt.state, rt.error = "error", f"pull failed: {exc!r}"
@@ -321,24 +328,13 @@ class Pipeline:
                 m.ROUND_ERRORS.labels("pull").inc()
                 continue
             rt.dead_lettered += pulled.dead_lettered
-            mark = marks.get(rt.span.source)
             rt.resolved_ts = mark.ts if mark else None
-            work = _Work(rt, start, pulled, self._horizon(start, pulled, rt.resolved_ts),
+            work = _Work(rt, start, pulled, pulled.horizon(start.ts, rt.resolved_ts),
                          [e for e in pulled.events if e.ts > start.ts])
             await self._plan(work)
             report.events += len(work.fresh)
             works.append(work)
         return works
-
-    @staticmethod
-    def _horizon(start: Checkpoint, pulled: PullResult, resolved: int | None) -> int:
-        """The highest ts up to which this span has read every event."""
-        if resolved is None:
-            return start.ts  # no resolved mark yet: nothing is known to be complete
-        if pulled.complete or not pulled.events:
-            return resolved
-        # Cut short by the batch size: events up to the resolved ts may still be unread.
-        return min(resolved, max(e.ts for e in pulled.events))
 
     async def _plan(self, w: _Work) -> None:
         """The span's target and key; refuse a keyless table, park rows without key values."""
@@ -583,8 +579,9 @@ class Pipeline:
             if outcome is not None and outcome.ddl_applied:
                 report.ddl_applied += 1
         new_ts = max(w.start.ts, handled)
-        pending = [e.stream_seq for e in w.pulled.events if e.ts > new_ts]
-        new_seq = max(w.start.stream_seq, (min(pending) - 1) if pending else w.pulled.read_upto)
+        first_pending = w.pulled.first_seq_after(new_ts)
+        new_seq = max(w.start.stream_seq,
+                      first_pending - 1 if first_pending is not None else w.pulled.read_upto)
         proposed = Checkpoint(stream_seq=new_seq, ts=new_ts)
         if outcome is not None:
             report.rows_written += outcome.rows

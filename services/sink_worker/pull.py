@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 from uuid import uuid4
@@ -144,39 +145,107 @@ def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
 @dataclass
 class PullResult:
     events: list[PulledEvent]
+    """The buffer: every event of the span after the checkpoint up to some point, in stream order."""
+    ghosts: list[tuple[int, int]]
+    """``(stream_seq, ts)`` of the events read after the buffer, bodies dropped (memory bound)."""
     read_upto: int
     """Highest stream sequence read for the span (garbage included); the checkpoint's seq when
     nothing was read."""
-    complete: bool
-    """True when every message of the span that existed when the pull ran has been read."""
+    reached: bool
+    """Every message of the span up to the resolved mark's position (or all that exist) was read."""
     dead_lettered: int = 0
+
+    def horizon(self, checkpoint_ts: int, resolved: int | None) -> int:
+        """The highest ts at or below which every event of the span is in ``events``.
+
+        The resolved mark says every change with ts <= its ts is in the stream *before the
+        mark*; having read up to the mark, the only ones not in the buffer are the ghosts. The
+        stream is not always in ts order (after a lost publish, capture re-publishes from its
+        last mark, so an older transaction can land after newer ones), hence the ghosts' ts and
+        not their position decide.
+        """
+        if resolved is None or not self.reached:
+            return checkpoint_ts
+        later = [ts for _, ts in self.ghosts if ts > checkpoint_ts]
+        return min(resolved, min(later) - 1) if later else resolved
+
+    def first_seq_after(self, ts: int) -> int | None:
+        """Stream sequence of the first event read (buffer or ghost) with a ts above ``ts``."""
+        seqs = [e.stream_seq for e in self.events if e.ts > ts]
+        seqs += [seq for seq, g_ts in self.ghosts if g_ts > ts]
+        return min(seqs) if seqs else None
+
+
+class _Ghosts:
+    """``(stream_seq, ts)`` of events read past the buffer, oldest first, with their minimum ts
+    kept current as they are appended at the back and taken from the front (a monotonic queue)."""
+
+    def __init__(self) -> None:
+        self.items: deque[tuple[int, int]] = deque()
+        self._mins: deque[tuple[int, int]] = deque()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def append(self, seq: int, ts: int) -> None:
+        self.items.append((seq, ts))
+        while self._mins and self._mins[-1][1] >= ts:
+            self._mins.pop()
+        self._mins.append((seq, ts))
+
+    def popleft(self) -> tuple[int, int]:
+        item = self.items.popleft()
+        if self._mins and self._mins[0][0] == item[0]:
+            self._mins.popleft()
+        return item
+
+    def first_seq(self) -> int:
+        return self.items[0][0]
+
+    def min_ts(self) -> int | None:
+        return self._mins[0][1] if self._mins else None
 
 
 class SpanReader:
-    """The span's consumer plus its buffer: everything read after ``base`` up to ``read_upto``."""
+    """The span's read position: a buffer of events (bodies) right after ``base``, then ghosts
+    (only ``(stream_seq, ts)``) up to ``read_upto``, which the span's consumer has reached.
+
+    Bodies are kept for at most ``limit`` events, plus what finishes an open transaction or
+    belongs before the buffer's newest event in ts order; past that, reading goes on as far as
+    the resolved mark's position keeping only each event's ts, which is what the horizon needs.
+    Ghost bodies are read again (a short-lived consumer) once the buffer wants them. Events at
+    or below the checkpoint ts are applied already and not kept at all.
+    """
 
     def __init__(self, js: JetStreamContext, span: Span, rows_stream: str = ROWS_STREAM) -> None:
         self.js = js
         self.span = span
         self.rows_stream = rows_stream
         self.buffer: list[PulledEvent] = []
+        self.ghosts = _Ghosts()
         self.base = -1
         self.read_upto = -1
+        self._newest = -1  # highest ts in the buffer
         self._consumer: str | None = None
         self._sub: JetStreamContext.PullSubscription | None = None
+
+    def _config(self, name: str, start_seq: int) -> api.ConsumerConfig:
+        return api.ConsumerConfig(
+            name=name, ack_policy=api.AckPolicy.NONE,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq,
+            filter_subjects=[self.span.rows_subject, self.span.ddl_subject],
+            inactive_threshold=_CONSUMER_INACTIVE_S, mem_storage=True, num_replicas=1,
+        )
 
     async def _reset(self, checkpoint_seq: int) -> None:
         await self.close()
         name = f"sink_{uuid4().hex}"
-        await self.js.add_consumer(self.rows_stream, api.ConsumerConfig(
-            name=name, ack_policy=api.AckPolicy.NONE,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=checkpoint_seq + 1,
-            filter_subjects=[self.span.rows_subject, self.span.ddl_subject],
-            inactive_threshold=_CONSUMER_INACTIVE_S, mem_storage=True, num_replicas=1,
-        ))
+        await self.js.add_consumer(self.rows_stream, self._config(name, checkpoint_seq + 1))
         self._consumer = name
         self._sub = await self.js.pull_subscribe_bind(name, stream=self.rows_stream)
         self.buffer = []
+        self.ghosts = _Ghosts()
+        self._newest = -1
         self.base = checkpoint_seq
         self.read_upto = checkpoint_seq
 
@@ -190,68 +259,131 @@ class SpanReader:
         self._sub = None
         self._consumer = None
 
-    async def pull(self, checkpoint_seq: int, limit: int) -> PullResult:
-        """Events of the span after ``checkpoint_seq``: the buffer topped up to ``limit``.
-
-        More than ``limit`` are returned when the last one is an unfinished transaction: the
-        batch can only end at a transaction boundary, so stopping there would never progress.
-        """
+    async def pull(self, checkpoint: tuple[int, int], limit: int, until_seq: int | None) -> PullResult:
+        """The span's events after ``checkpoint`` (``(stream_seq, ts)``), read as far as the
+        stream sequence ``until_seq`` (the resolved mark's) or the end."""
+        checkpoint_seq, checkpoint_ts = checkpoint
         if self._sub is None or not (self.base <= checkpoint_seq <= self.read_upto):
             await self._reset(checkpoint_seq)
         else:
             self.base = checkpoint_seq
-            self.buffer = [e for e in self.buffer if e.stream_seq > checkpoint_seq]
-        dead = 0
+            self.buffer = [e for e in self.buffer if e.stream_seq > checkpoint_seq and e.ts > checkpoint_ts]
+            self._newest = max((e.ts for e in self.buffer), default=-1)
+            while self.ghosts and (self.ghosts.first_seq() <= checkpoint_seq):
+                self.ghosts.popleft()
         try:
-            complete, dead = await self._fill(limit)
+            await self._refill(limit)
+            reached, dead = await self._scan(limit, checkpoint_ts, until_seq)
+            await self._refill(limit)
         except NotFoundError:
             # The consumer is gone (server restart, inactivity): read again from the checkpoint.
             await self._reset(checkpoint_seq)
-            complete, dead = await self._fill(limit)
-        return PullResult(events=list(self.buffer), read_upto=self.read_upto, complete=complete,
-                          dead_lettered=dead)
+            reached, dead = await self._scan(limit, checkpoint_ts, until_seq)
+            await self._refill(limit)
+        return PullResult(events=list(self.buffer), ghosts=list(self.ghosts.items), read_upto=self.read_upto,
+                          reached=reached, dead_lettered=dead)
 
     async def _pending(self) -> int:
         assert self._consumer is not None
         info = await self.js.consumer_info(self.rows_stream, self._consumer)
         return int(info.num_pending or 0)
 
-    def _open_transaction(self) -> bool:
-        return bool(self.buffer) and not self.buffer[-1].last_part
+    def _wants_body(self, limit: int) -> bool:
+        """Whether the next event (in stream order) belongs in the buffer."""
+        if len(self.buffer) < limit:
+            return True
+        if self.buffer and not self.buffer[-1].last_part:
+            return True  # the batch can only end at a transaction boundary
+        # An event older (in ts) than the buffer's newest must be sorted together with it.
+        oldest_ghost = self.ghosts.min_ts()
+        return oldest_ghost is not None and oldest_ghost <= self._newest
 
-    async def _fill(self, limit: int) -> tuple[bool, int]:
+    def _keep(self, event: PulledEvent) -> None:
+        self.buffer.append(event)
+        self._newest = max(self._newest, event.ts)
+
+    async def _scan(self, limit: int, checkpoint_ts: int, until_seq: int | None) -> tuple[bool, int]:
         assert self._sub is not None
         dead = 0
         # Asking the consumer first avoids a fetch that waits out its timeout on an idle span.
         pending = await self._pending()
-        while pending > 0 and (len(self.buffer) < limit or self._open_transaction()):
-            # Past the limit only to finish a transaction: small steps, a bounded overshoot.
+        while pending > 0:
+            body = not self.ghosts and self._wants_body(limit)
+            if not body and (until_seq is None or self.read_upto >= until_seq):
+                break
             room = limit - len(self.buffer)
-            want = min(_FETCH_CHUNK, pending, room) if room > 0 else min(16, pending)
+            if not body:
+                want = min(_FETCH_CHUNK, pending)
+            else:  # past the limit only to finish a transaction: small steps
+                want = min(_FETCH_CHUNK, pending, room) if room > 0 else min(16, pending)
             try:
                 msgs = await self._sub.fetch(want, timeout=_FETCH_TIMEOUT_S)
             except (TimeoutError, NatsTimeoutError):
                 pending = await self._pending()
                 continue
             for msg in msgs:
-                if not await self._take(msg):
-                    dead += 1
                 pending = int(msg.metadata.num_pending or 0)
-        return pending == 0, dead
+                event = await self._take(msg)
+                if event is None:
+                    dead += 1
+                elif event.ts <= checkpoint_ts:
+                    continue  # a late copy of an applied event
+                elif not self.ghosts and self._wants_body(limit):
+                    self._keep(event)
+                else:
+                    self.ghosts.append(event.stream_seq, event.ts)
+        reached = pending == 0 or (until_seq is not None and self.read_upto >= until_seq)
+        return reached, dead
 
-    async def _take(self, msg: Msg) -> bool:
+    async def _take(self, msg: Msg) -> PulledEvent | None:
+        """Decode a freshly read message; garbage is dead-lettered (None)."""
         seq = int(msg.metadata.sequence.stream)
         self.read_upto = max(self.read_upto, seq)
         with process_span(msg.subject, msg.headers) as otel_span:
             otel_span.set_attribute("messaging.nats.stream_sequence", seq)
             try:
-                self.buffer.append(decode_for_span(self.span, msg, seq))
-                return True
+                return decode_for_span(self.span, msg, seq)
             except Garbage as exc:
                 otel_span.set_attribute("sluice.dead_letter.kind", exc.kind)
                 await dead_letter(self.js, msg, exc.reason, exc.kind, self.rows_stream, seq=seq,
                                   ack=False)
-                return False
+                return None
+
+    async def _refill(self, limit: int) -> None:
+        """Read the bodies of the first ghosts again while the buffer wants them."""
+        if not self.ghosts or not self._wants_body(limit):
+            return
+        name = f"sink_refill_{uuid4().hex}"
+        await self.js.add_consumer(self.rows_stream, self._config(name, self.ghosts.first_seq()))
+        try:
+            sub = await self.js.pull_subscribe_bind(name, stream=self.rows_stream)
+            try:
+                while self.ghosts and self._wants_body(limit):
+                    try:
+                        msgs = await sub.fetch(min(_FETCH_CHUNK, len(self.ghosts)), timeout=_FETCH_TIMEOUT_S)
+                    except (TimeoutError, NatsTimeoutError):
+                        log.warning("ghost events no longer readable", extra={
+                            "span": self.span.name, "from_seq": self.ghosts.first_seq()})
+                        return
+                    for msg in msgs:
+                        seq = int(msg.metadata.sequence.stream)
+                        while self.ghosts and self.ghosts.first_seq() < seq:
+                            self.ghosts.popleft()  # gone from the stream meanwhile (limits)
+                        if not self.ghosts or self.ghosts.first_seq() != seq:
+                            continue  # garbage or a late copy, handled when first read
+                        if not self._wants_body(limit):
+                            break
+                        self.ghosts.popleft()
+                        try:
+                            self._keep(decode_for_span(self.span, msg, seq))
+                        except Garbage:
+                            continue  # cannot happen for a ghost; never block on it
+            finally:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        finally:
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(self.rows_stream, name)
 
     async def dead_letter_event(self, event: PulledEvent, kind: str, reason: str) -> None:
         """Park an event the pipeline found unusable (e.g. a row without its key columns)."""

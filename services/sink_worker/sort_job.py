@@ -6,15 +6,15 @@ Per span (all spans in one job, never one job per table):
 1. drop events with ts <= the span's checkpoint ts (applied before; re-read after a restart or
    because they sit behind an event that was held back), then duplicates by event id (the
    producer is at-least-once);
-2. the *horizon*: the source's resolved ts, lowered to the newest pulled ts when the pull was cut
-   short by the batch size (events up to the resolved ts may still be unread);
-3. the batch ends at the last complete transaction (every part up to ``last_part`` present) at
-   or below the horizon, and before the span's first DDL: that DDL is a barrier, applied alone
-   after the batch, and the span continues after it in the next round.
+2. summarise each transaction (Spark: one row per span and ts: complete or not, DDL or not);
+3. walk the summary in ts order up to the span's *horizon* (``PullResult.horizon``: the
+   resolved ts, lowered to just below any event the pull has not buffered): the batch ends at
+   the last complete transaction, and before the span's first DDL, which is a barrier applied
+   alone after the batch; the span continues after it in the next round.
 
 The order of changes, ``(ts, seq, part)`` and then row order inside a message, is applied where
 it matters: the apply job's collapse window picks the last image per key by it, and the cut
-above only ever ends at a transaction boundary of that order.
+only ever ends at a transaction boundary of that order.
 """
 
 from __future__ import annotations
@@ -78,44 +78,65 @@ def event_records(span_key: str, events: Iterable[PulledEvent]) -> list[tuple[ob
              e.stream_seq, e.data.decode()) for e in events]
 
 
+@dataclass(frozen=True)
+class TxnSummary:
+    """One transaction (or DDL) of one span, as the sort job's aggregation sees it."""
+
+    ts: int
+    is_ddl: bool
+    complete: bool
+    events: int
+    ddl_id: str | None
+
+
+def cut_span(span: SpanInput, txns: list[TxnSummary]) -> SpanCut:
+    """The batch of one span from its transactions in ts order (see the module docstring)."""
+    limit = span.horizon_ts
+    ddl: TxnSummary | None = None
+    events = 0
+    max_ts: int | None = None
+    for txn in sorted(txns, key=lambda t: t.ts):
+        if txn.ts > span.horizon_ts:
+            break
+        if txn.is_ddl:
+            ddl = txn
+            limit = txn.ts - 1
+            break
+        if not txn.complete:
+            limit = txn.ts - 1
+            break
+        events += txn.events
+        max_ts = txn.ts
+    return SpanCut(span=span.span, limit_ts=limit, batch_events=events, batch_max_ts=max_ts,
+                   ddl_ts=ddl.ts if ddl else None, ddl_id=ddl.ddl_id if ddl else None)
+
+
 def run_sort(spark: SparkSession, records: list[tuple[object, ...]], spans: list[SpanInput]) -> SortResult:
     events = spark.createDataFrame(records, EVENT_SCHEMA)
     params = spark.createDataFrame([(s.span, s.checkpoint_ts, s.horizon_ts) for s in spans], SPAN_SCHEMA)
     fresh = (events.join(F.broadcast(params), "span")
              .where(F.col("ts") > F.col("checkpoint_ts"))
              .dropDuplicates(["span", "id"]))
-
-    # A transaction's rows of one table may span several messages (parts 0..n, the last one
-    # flagged): it is complete when the flagged part and every part before it are present.
-    incomplete = (fresh.where(F.col("kind") == "rows")
-                  .groupBy("span", "ts")
-                  .agg(F.max(F.col("last_part").cast("int")).alias("has_last"),
-                       F.countDistinct("part").alias("nparts"), F.max("part").alias("maxpart"))
-                  .where((F.col("has_last") == 0) | (F.col("nparts") != F.col("maxpart") + 1))
-                  .groupBy("span").agg(F.min("ts").alias("incomplete_ts")))
-    first_ddl = (fresh.where(F.col("kind") == "ddl")
-                 .groupBy("span").agg(F.min(F.struct("ts", "id")).alias("ddl")))
-    horizon = F.col("horizon_ts")
-    cuts = (params.join(incomplete, "span", "left").join(first_ddl, "span", "left")
-            .withColumn("limit_ts", F.least(
-                horizon,
-                F.coalesce(F.col("incomplete_ts") - 1, horizon),
-                F.coalesce(F.col("ddl.ts") - 1, horizon)))
-            .withColumn("ddl_applies", F.col("ddl").isNotNull() & (F.col("ddl.ts") <= horizon)
-                        & (F.col("incomplete_ts").isNull() | (F.col("ddl.ts") < F.col("incomplete_ts")))))
-    batch = (fresh.join(cuts.select("span", "limit_ts"), "span")
+    # One row per (span, ts): a transaction's rows of one table may span several messages
+    # (parts 0..n, the last one flagged); it is complete when the flagged part and every part
+    # before it are present. A DDL is a transaction of its own. The summary is at most one row
+    # per event of the round, so the driver orders it and walks it to find each span's cut.
+    is_ddl = F.col("kind") == "ddl"
+    summary = (fresh.groupBy("span", "ts")
+               .agg(F.max(is_ddl.cast("int")).alias("ddl"),
+                    F.max(F.col("last_part").cast("int")).alias("has_last"),
+                    F.countDistinct("part").alias("nparts"), F.max("part").alias("maxpart"),
+                    F.count("*").alias("n"), F.min(F.when(is_ddl, F.col("id"))).alias("ddl_id"))
+               .collect())
+    per_span: dict[str, list[TxnSummary]] = {s.span: [] for s in spans}
+    for row in summary:
+        per_span[row["span"]].append(TxnSummary(
+            ts=int(row["ts"]), is_ddl=bool(row["ddl"]), events=int(row["n"]),
+            complete=bool(row["ddl"]) or (bool(row["has_last"]) and row["nparts"] == row["maxpart"] + 1),
+            ddl_id=row["ddl_id"]))
+    cuts = {s.span: cut_span(s, per_span[s.span]) for s in spans}
+    limits = spark.createDataFrame([(k, c.limit_ts) for k, c in cuts.items()], "span string, limit_ts long")
+    batch = (fresh.join(F.broadcast(limits), "span")
              .where((F.col("kind") == "rows") & (F.col("ts") <= F.col("limit_ts")))
              .select(*EVENT_SCHEMA.fieldNames()))
-    sizes = batch.groupBy("span").agg(F.count("*").alias("n"), F.max("ts").alias("max_ts"))
-    summary = cuts.join(sizes, "span", "left").select(
-        "span", "limit_ts", "n", "max_ts", "ddl_applies", F.col("ddl.ts").alias("ddl_ts"),
-        F.col("ddl.id").alias("ddl_id")).collect()
-    result: dict[str, SpanCut] = {}
-    for row in summary:
-        applies = bool(row["ddl_applies"])
-        result[row["span"]] = SpanCut(
-            span=row["span"], limit_ts=int(row["limit_ts"]), batch_events=int(row["n"] or 0),
-            batch_max_ts=int(row["max_ts"]) if row["max_ts"] is not None else None,
-            ddl_ts=int(row["ddl_ts"]) if applies else None,
-            ddl_id=str(row["ddl_id"]) if applies else None)
-    return SortResult(batch=batch, cuts=result)
+    return SortResult(batch=batch, cuts=cuts)
