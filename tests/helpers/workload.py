@@ -126,7 +126,10 @@ class RandomWorkload:
 
 
 def run_in_thread(workload: RandomWorkload, stop: threading.Event, txn_size: int = 8,
-                  on_txn: Callable[[int], None] | None = None) -> threading.Thread:
+                  on_txn: Callable[[int], None] | None = None,
+                  pause_s: float = 0.0) -> threading.Thread:
+    """Run transactions until ``stop``; ``pause_s`` paces the load (it is not a synchronisation)."""
+
     def loop() -> None:
         n = 0
         while not stop.is_set():
@@ -134,6 +137,8 @@ def run_in_thread(workload: RandomWorkload, stop: threading.Event, txn_size: int
             n += 1
             if on_txn is not None:
                 on_txn(n)
+            if pause_s:
+                stop.wait(pause_s)
 
     thread = threading.Thread(target=loop, name=f"workload-{workload.db}", daemon=True)
     thread.start()
