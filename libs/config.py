@@ -50,6 +50,19 @@ class Settings(BaseSettings):
     spark_shuffle_partitions: int = Field(8, ge=1, description="spark.sql.shuffle.partitions.")
     spark_driver_memory: str = Field("2g", description="spark.driver.memory of the local driver.")
 
+    # Sink-worker data path
+    sink_max_events_per_round: int = Field(
+        2000, ge=1, description="Events a sink-worker pulls per round (bounds driver memory)."
+    )
+    sink_apply_partitions: int = Field(4, ge=1, description="Parallel apply partitions per round.")
+    sink_stop_grace_s: float = Field(
+        4.0, gt=0, description="On SIGTERM, how long the current round may take before it is abandoned."
+    )
+    sink_round_interval_s: float = Field(0.5, gt=0, description="Pause after a round that found nothing.")
+    sink_discovery_interval_s: float = Field(
+        2.0, gt=0, description="How often a worker looks for new tables of its changefeeds."
+    )
+
     # Databases
     downstream_url: str = Field(
         "sqlite:///.sluice/downstream.db", description="Default downstream (sink) database URL."
