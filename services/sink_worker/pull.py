@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _FETCH_CHUNK = 256
 _FETCH_TIMEOUT_S = 2.0
+_MAX_FETCH_TIMEOUTS = 3
 # An idle span's consumer must survive the pauses between rounds; a dead worker's vanishes.
 _CONSUMER_INACTIVE_S = 120.0
 
@@ -307,6 +308,7 @@ class SpanReader:
         dead = 0
         # Asking the consumer first avoids a fetch that waits out its timeout on an idle span.
         pending = await self._pending()
+        timeouts = 0
         while pending > 0:
             body = not self.ghosts and self._wants_body(limit)
             if not body and (until_seq is None or self.read_upto >= until_seq):
@@ -319,8 +321,16 @@ class SpanReader:
             try:
                 msgs = await self._sub.fetch(want, timeout=_FETCH_TIMEOUT_S)
             except (TimeoutError, NatsTimeoutError):
+                timeouts += 1
+                if timeouts >= _MAX_FETCH_TIMEOUTS:
+                    # Never spin inside a round: report what was read; the next round goes on.
+                    log.warning("span consumer delivers nothing although messages are pending",
+                                extra={"span": self.span.name, "pending": pending})
+                    await self.close()  # the next pull starts a new consumer at the checkpoint
+                    return False, dead
                 pending = await self._pending()
                 continue
+            timeouts = 0
             for msg in msgs:
                 pending = int(msg.metadata.num_pending or 0)
                 event = await self._take(msg)

@@ -48,6 +48,8 @@ from services.sink_worker.span import Span, table_selected
 
 log = logging.getLogger(__name__)
 
+_PROGRESS_EVERY_S = 30.0
+
 
 @dataclass
 class ChangefeedView:
@@ -120,6 +122,8 @@ class SinkWorker:
         self.pipeline = Pipeline(js, self.checkpoints, self._spark,
                                  pipeline_options or PipelineOptions.from_settings(settings), rows_stream)
         self._last_discovery = 0.0
+        self._last_progress_log = time.monotonic()
+        self._rows_since_log = 0
         self.rows_stream_missing = False
 
     def _spark(self) -> SparkSession:
@@ -176,6 +180,7 @@ class SinkWorker:
                 self.status["last_error"] = repr(exc)
                 report = RoundReport(errors=[repr(exc)])
             self._publish_status()
+            self._log_progress(report)
             if report.abandoned:
                 break
             if report.errors:
@@ -286,6 +291,21 @@ class SinkWorker:
         return sorted((info.state.subjects or {}).keys())
 
     # ------------------------------------------------------------------ status
+
+    def _log_progress(self, report: RoundReport) -> None:
+        """A line every ``_PROGRESS_EVERY_S``: enough to see from the log whether rounds move."""
+        now = time.monotonic()
+        self._rows_since_log += report.rows_written
+        if now - self._last_progress_log < _PROGRESS_EVERY_S:
+            return
+        states: dict[str, int] = {}
+        for rt in self.pipeline.spans.values():
+            states[rt.state] = states.get(rt.state, 0) + 1
+        log.info("sink progress", extra={
+            "rounds": self.pipeline.rounds, "spans": states, "rows_written": self._rows_since_log,
+            "last_round_s": round(report.duration_s, 3), "last_round_errors": report.errors[:3]})
+        self._last_progress_log = now
+        self._rows_since_log = 0
 
     def _publish_status(self) -> None:
         report = self.pipeline.last_report
