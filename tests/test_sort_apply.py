@@ -406,11 +406,22 @@ async def test_garbage_on_a_span_subject_goes_to_dead_letter(h: Harness) -> None
     no_key = await src.publish(subject, RowsChangedV1(
         source=src.name, database=h.db, table="people", ts=src.next_ts(), seq=next(_seq), position=_POS,
         meta=PEOPLE, rows=[RowImageV1(op="insert", after={"name": "ghost"})]))
+    # A bad part in the middle of a transaction: the rest of it still applies, the span goes on.
+    ts = src.next_ts()
+    bad_part = 0
+    for part, image in enumerate([ins(5, "eve", 5), RowImageV1(op="insert", after={"id": 6, "bogus": 1}),
+                                  ins(7, "fay", 7)]):
+        seq = await src.publish(subject, RowsChangedV1(
+            source=src.name, database=h.db, table="people", ts=ts, seq=next(_seq), part=part,
+            last_part=part == 2, position=_POS, meta=PEOPLE, rows=[image]))
+        bad_part = seq if part == 1 else bad_part
     await src.txn(h.db, "people", [ins(2, "bob", 2)])
     await src.resolve()
     await h.round()
-    assert h.rows("people") == people((1, "ann", 1), (2, "bob", 2))
-    assert h.pipeline.status()[0]["dead_lettered"] == 3
+    assert h.rows("people") == people((1, "ann", 1), (2, "bob", 2), (5, "eve", 5), (7, "fay", 7))
+    assert h.pipeline.status()[0]["dead_lettered"] == 4
+    cp = await h.checkpoint("people")
+    assert cp is not None and cp.ts == src.last_ts
 
     parked: dict[int, tuple[str, str]] = {}
     for seq in range(1, (await h.js.stream_info(DEADLETTER_STREAM)).state.last_seq + 1):
@@ -425,6 +436,7 @@ async def test_garbage_on_a_span_subject_goes_to_dead_letter(h: Harness) -> None
     assert parked[bad_json.seq][0] == "malformed"
     assert parked[wrong_type][0] == "unexpected_type"
     assert parked[no_key][0] == "invalid_data" and "id" in parked[no_key][1]
+    assert parked[bad_part][0] == "invalid_data" and "bogus" in parked[bad_part][1]
 
 
 async def test_processing_continues_the_publish_trace(h: Harness) -> None:

@@ -27,7 +27,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from uuid import uuid4
 
@@ -343,6 +343,9 @@ class Pipeline:
         kept: list[PulledEvent] = []
         barrier = False
         for e in w.fresh:
+            if e.dead:
+                kept.append(e)  # holds its place in its transaction; never applied
+                continue
             if barrier or not isinstance(e.event, RowsChangedV1):
                 barrier = True
                 kept.append(e)
@@ -355,8 +358,10 @@ class Pipeline:
             problem = _missing_key_columns(e.event, key)
             if problem is not None:
                 await w.rt.reader.dead_letter_event(e, "invalid_data", problem)
-                w.pulled.events = [x for x in w.pulled.events if x.stream_seq != e.stream_seq]
+                dead = replace(e, dead=True)
+                w.pulled.events = [dead if x.stream_seq == e.stream_seq else x for x in w.pulled.events]
                 w.rt.dead_lettered += 1
+                kept.append(dead)
                 continue
             kept.append(e)
             last_meta = e.event

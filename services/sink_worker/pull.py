@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 from uuid import uuid4
 
@@ -47,10 +47,13 @@ _CONSUMER_INACTIVE_S = 120.0
 class Garbage(Exception):
     """A message on a span subject that is not a valid event of that span."""
 
-    def __init__(self, kind: str, reason: str) -> None:
+    def __init__(self, kind: str, reason: str, event: PulledEvent | None = None) -> None:
         super().__init__(f"{kind}: {reason}")
         self.kind = kind
         self.reason = reason
+        self.event = event
+        """The event as a dead part (``dead=True``) when it is a row change of the span that is
+        unusable: it still occupies its place in its transaction."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class PulledEvent:
     event: RowsChangedV1 | DdlExecutedV1
     data: bytes = field(repr=False)
     headers: dict[str, str] = field(default_factory=dict, repr=False)
+    dead: bool = False
+    """Dead-lettered: never applied, but its transaction counts it as a present part (else a
+    transaction with one bad message would stay incomplete, and its span stuck, forever)."""
 
     @property
     def is_ddl(self) -> bool:
@@ -128,7 +134,6 @@ def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
     if msg.subject == span.rows_subject:
         if not isinstance(event, RowsChangedV1):
             raise Garbage("unexpected_type", f"{decoded.envelope.type} on a rows subject")
-        validate_rows(event)
     elif msg.subject == span.ddl_subject:
         if not isinstance(event, DdlExecutedV1):
             raise Garbage("unexpected_type", f"{decoded.envelope.type} on a DDL subject")
@@ -139,8 +144,14 @@ def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
             span.source, span.database, span.table):
         raise Garbage("invalid_data", f"event of {event.source}/{event.database}.{event.table} "
                                       f"on {msg.subject}")
-    return PulledEvent(stream_seq=seq, subject=msg.subject, event_id=decoded.envelope.id, event=event,
-                       data=msg.data or b"", headers=dict(msg.headers or {}))
+    pulled = PulledEvent(stream_seq=seq, subject=msg.subject, event_id=decoded.envelope.id, event=event,
+                         data=msg.data or b"", headers=dict(msg.headers or {}))
+    if isinstance(event, RowsChangedV1):
+        try:
+            validate_rows(event)
+        except Garbage as exc:
+            raise Garbage(exc.kind, exc.reason, replace(pulled, dead=True)) from None
+    return pulled
 
 
 @dataclass
@@ -334,9 +345,11 @@ class SpanReader:
             for msg in msgs:
                 pending = int(msg.metadata.num_pending or 0)
                 event = await self._take(msg)
-                if event is None:
+                if event is None or event.dead:
                     dead += 1
-                elif event.ts <= checkpoint_ts:
+                if event is None:
+                    continue
+                if event.ts <= checkpoint_ts:
                     continue  # a late copy of an applied event
                 elif not self.ghosts and self._wants_body(limit):
                     self._keep(event)
@@ -357,7 +370,7 @@ class SpanReader:
                 otel_span.set_attribute("sluice.dead_letter.kind", exc.kind)
                 await dead_letter(self.js, msg, exc.reason, exc.kind, self.rows_stream, seq=seq,
                                   ack=False)
-                return None
+                return exc.event
 
     async def _refill(self, limit: int) -> None:
         """Read the bodies of the first ghosts again while the buffer wants them."""
@@ -386,8 +399,9 @@ class SpanReader:
                         self.ghosts.popleft()
                         try:
                             self._keep(decode_for_span(self.span, msg, seq))
-                        except Garbage:
-                            continue  # cannot happen for a ghost; never block on it
+                        except Garbage as exc:
+                            if exc.event is not None:  # dead-lettered when first read
+                                self._keep(exc.event)
             finally:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -399,7 +413,7 @@ class SpanReader:
         """Park an event the pipeline found unusable (e.g. a row without its key columns)."""
         await dead_letter(self.js, _Parked(event.subject, event.data, event.headers), reason, kind,
                           self.rows_stream, seq=event.stream_seq, ack=False)
-        self.buffer = [e for e in self.buffer if e.stream_seq != event.stream_seq]
+        self.buffer = [replace(e, dead=True) if e.stream_seq == event.stream_seq else e for e in self.buffer]
 
 
 @dataclass(frozen=True)

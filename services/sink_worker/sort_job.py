@@ -30,7 +30,7 @@ from services.sink_worker.pull import PulledEvent
 
 EVENT_SCHEMA = StructType([
     StructField("span", StringType(), False),
-    StructField("kind", StringType(), False),  # "rows" | "ddl"
+    StructField("kind", StringType(), False),  # "rows" | "ddl" | "dead" (a dead-lettered part)
     StructField("id", StringType(), False),
     StructField("ts", LongType(), False),
     StructField("seq", LongType(), False),
@@ -74,8 +74,8 @@ class SortResult:
 
 
 def event_records(span_key: str, events: Iterable[PulledEvent]) -> list[tuple[object, ...]]:
-    return [(span_key, "ddl" if e.is_ddl else "rows", e.event_id, e.ts, e.seq, e.part, e.last_part,
-             e.stream_seq, e.data.decode()) for e in events]
+    return [(span_key, "dead" if e.dead else "ddl" if e.is_ddl else "rows", e.event_id, e.ts, e.seq,
+             e.part, e.last_part, e.stream_seq, "" if e.dead else e.data.decode()) for e in events]
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,8 @@ def run_sort(spark: SparkSession, records: list[tuple[object, ...]], spans: list
                .agg(F.max(is_ddl.cast("int")).alias("ddl"),
                     F.max(F.col("last_part").cast("int")).alias("has_last"),
                     F.countDistinct("part").alias("nparts"), F.max("part").alias("maxpart"),
-                    F.count("*").alias("n"), F.min(F.when(is_ddl, F.col("id"))).alias("ddl_id"))
+                    F.sum((F.col("kind") == "rows").cast("int")).alias("n"),
+                    F.min(F.when(is_ddl, F.col("id"))).alias("ddl_id"))
                .collect())
     per_span: dict[str, list[TxnSummary]] = {s.span: [] for s in spans}
     for row in summary:
