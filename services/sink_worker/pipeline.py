@@ -39,6 +39,7 @@ from pyspark.sql import functions as F
 from contracts.events.changefeeds import KeyPolicy
 from contracts.events.rows import DdlExecutedV1, RowsChangedV1, TableMetaV1
 from libs.config import Settings
+from libs.dburl import parse_database_url
 from libs.streams import ROWS_STREAM
 from libs.telemetry.tracing import extract_context, tracer
 from services.sink_worker import metrics as m
@@ -246,8 +247,8 @@ class Pipeline:
             rt.checkpoint = stored
             return
         if rt.config.start == "latest":
-            # Start after the newest resolved mark: everything before it in the stream has
-            # ts <= its ts, everything after it a higher one (capture publishes in ts order).
+            # Start after the newest resolved mark: capture publishes a mark once everything
+            # before it is acknowledged, and whatever it publishes later has a higher ts.
             mark = await latest_resolved(self.js, rt.span.source, self.rows_stream)
             initial = Checkpoint(mark.stream_seq, mark.ts) if mark else Checkpoint()
             await self.checkpoints.advance(rt.span, initial, expected=None)
@@ -446,9 +447,9 @@ class Pipeline:
 
     def _apply_sink(self, spark: SparkSession, sink_url: str, works: list[_Work], sort: SortResult,
                     outcomes: dict[str, _Outcome], abort: threading.Event) -> None:
-        sink = open_sink(sink_url)
         batch_works = [w for w in works if sort.cuts[w.rt.span.kv_key].batch_events and w.plan]
         try:
+            sink = open_sink(sink_url)
             for w in batch_works:
                 assert w.plan is not None
                 self._ensure_schema(sink, sink_url, w.plan.table, reconcile=w.rt.shards == 1)
@@ -465,7 +466,7 @@ class Pipeline:
                 self._count_written(batch_works, result, outcomes)
         except Exception as exc:
             m.ROUND_ERRORS.labels("apply").inc()
-            log.exception("apply job failed", extra={"sink": repr(sink)})
+            log.exception("apply job failed", extra={"sink": _redacted(sink_url)})
             for w in works:
                 outcomes[w.rt.span.kv_key] = _Outcome(error=f"apply failed: {exc!r}")
                 if w.plan is not None:
@@ -482,7 +483,7 @@ class Pipeline:
             ddl = next(e for e in w.fresh if e.event_id == cut.ddl_id)
             assert isinstance(ddl.event, DdlExecutedV1)
             if abort.is_set():
-                continue  # written rows are checkpointed up to the barrier; the DDL waits
+                continue  # the round is being abandoned: nothing more is written
             if w.rt.shards > 1:
                 outcome.blocked = (f"DDL at ts {ddl.ts} on a target with {w.rt.shards} upstream shards "
                                    "waits for shard DDL coordination")
@@ -627,6 +628,13 @@ class Pipeline:
             counts[rt.state] += 1
         for state, n in counts.items():
             m.SPANS.labels(state).set(n)
+
+
+def _redacted(url: str) -> str:
+    try:
+        return parse_database_url(url).redacted()
+    except Exception:
+        return "<unparsable sink URL>"
 
 
 def target_id(sink_url: str, table: TargetTable) -> str:

@@ -4,10 +4,13 @@ Each span has an ephemeral pull consumer on its two subjects (rows and DDL, ``fi
 needs nats-server 2.10+) that starts at ``checkpoint.stream_seq + 1``. It acknowledges nothing:
 the checkpoint is the acknowledgement, so a crash simply re-reads from the checkpoint.
 
-Events pulled but not applied in a round (above the resolved ts, after a DDL barrier, part of
-an unfinished transaction) stay in the reader's buffer for the next round instead of being
-fetched again; the reader re-creates its consumer only when the checkpoint moves outside the
-range it has read (a rewind, or a checkpoint another process advanced).
+Events read but not applied in a round (above the resolved ts, after a DDL barrier, part of an
+unfinished transaction) stay in the reader for the next round instead of being fetched again:
+up to the batch size with their bodies, beyond it only as ``(stream_seq, ts)`` "ghosts" whose
+bodies are read again when their turn comes. Reading always goes on to the resolved mark's
+position, because only there is it known that every change up to the resolved ts has been
+seen (see ``PullResult.horizon``). The reader re-creates its consumer only when the checkpoint
+moves outside the range it has read (a rewind, or a checkpoint another process advanced).
 
 Anything on a span's subjects that is not a valid event of that span goes to the dead-letter
 subject with its reason, and the span carries on after it.
