@@ -79,7 +79,8 @@ async def test_a_round_abandoned_on_stop_advances_no_checkpoint(
         rows_js: JetStreamContext, checkpoints: CheckpointStore, spark: SparkSession,
         sqlite_url: str) -> None:
     h = Harness(rows_js, checkpoints, spark, sqlite_url)
-    h.pipeline = Pipeline(rows_js, checkpoints, lambda: spark, PipelineOptions(stop_grace_s=0.0))
+    h.pipeline = Pipeline(rows_js, checkpoints, lambda: spark,
+                          PipelineOptions(stop_grace_s=0.0, checkpoint_interval_s=0.0))
     await h.run("people")
     await h.source.txn(h.db, "people", [ins(1, "ann", 1)])
     await h.source.resolve()

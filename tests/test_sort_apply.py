@@ -151,7 +151,8 @@ class Harness:
         self.sink_url = sink_url
         self.key_policy = key_policy
         self.pipeline = Pipeline(js, checkpoints, lambda: spark,
-                                 PipelineOptions(max_events_per_round=max_events, apply_partitions=3))
+                                 PipelineOptions(max_events_per_round=max_events, apply_partitions=3,
+                                                 checkpoint_interval_s=0.0))
         self.changefeed = f"cf{uuid4().hex[:6]}"
 
     def span(self, table: str) -> Span:

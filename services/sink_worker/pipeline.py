@@ -66,6 +66,7 @@ class PipelineOptions:
     max_events_per_round: int = 2000
     apply_partitions: int = 4
     stop_grace_s: float = 4.0
+    checkpoint_interval_s: float = 1.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PipelineOptions:
@@ -76,6 +77,8 @@ class PipelineOptions:
                                              cls.max_events_per_round)),
             apply_partitions=int(getattr(settings, "sink_apply_partitions", cls.apply_partitions)),
             stop_grace_s=float(getattr(settings, "sink_stop_grace_s", cls.stop_grace_s)),
+            checkpoint_interval_s=float(getattr(settings, "sink_checkpoint_interval_s",
+                                                cls.checkpoint_interval_s)),
         )
 
 
@@ -97,6 +100,7 @@ class SpanRuntime:
     """The checkpoint the next round starts from; None until loaded."""
     stored: Checkpoint | None = None
     """What the bucket holds as far as we know (None: nothing yet): the compare-and-set base."""
+    stored_at: float = 0.0
     resolved_ts: int | None = None
     state: SpanState = "starting"
     error: str | None = None
@@ -601,26 +605,45 @@ class Pipeline:
         else:
             rt.state, rt.error = "replicating", None
         if proposed != w.start:
-            try:
-                await self.checkpoints.advance(rt.span, proposed, expected=rt.stored)
-            except CheckpointMoved as exc:
-                # Somebody rewound (or moved) it on purpose: start over from what they wrote.
-                log.warning("checkpoint moved under us; reloading", extra={"span": rt.span.name,
-                                                                           "found": str(exc.found)})
-                rt.checkpoint = None
-                return
-            except CheckpointRegression:
-                log.exception("refused to move a checkpoint backwards", extra={"span": rt.span.name})
-                rt.checkpoint = None
-                return
-            rt.checkpoint = rt.stored = proposed
+            rt.checkpoint = proposed
             report.advanced += 1
+        # Written batches are recorded at once; an idle span following the resolved ts only
+        # every checkpoint_interval_s (a restart then re-reads a little, which is harmless).
+        wrote = cut is not None and (cut.batch_events > 0 or (outcome is not None and outcome.ddl_applied))
+        due = wrote or time.monotonic() - rt.stored_at >= self.options.checkpoint_interval_s
+        if proposed != rt.stored and due and not await self._store(rt, proposed):
+            return
         cf, name = rt.span.changefeed, rt.span.name
         m.CHECKPOINT_TS.labels(cf, name).set(proposed.ts)
         m.CHECKPOINT_LAG.labels(cf, name).set(m.lag_seconds(proposed.ts))
         if rt.resolved_ts:
             m.RESOLVED_LAG.labels(cf, name).set(
                 max(0.0, m.ts_to_seconds(rt.resolved_ts) - m.ts_to_seconds(proposed.ts)))
+
+    async def _store(self, rt: SpanRuntime, checkpoint: Checkpoint) -> bool:
+        """Write ``checkpoint`` over the one this worker last stored; False when it may not."""
+        try:
+            await self.checkpoints.advance(rt.span, checkpoint, expected=rt.stored)
+        except CheckpointMoved as exc:
+            # Somebody rewound (or moved) it on purpose: start over from what they wrote.
+            log.warning("checkpoint moved under us; reloading", extra={"span": rt.span.name,
+                                                                       "found": str(exc.found)})
+            rt.checkpoint = None
+            return False
+        except CheckpointRegression:
+            log.exception("refused to move a checkpoint backwards", extra={"span": rt.span.name})
+            rt.checkpoint = None
+            return False
+        rt.stored = checkpoint
+        rt.stored_at = time.monotonic()
+        return True
+
+    async def flush_checkpoints(self) -> None:
+        """Store every span's latest checkpoint (on a clean stop); each covers written batches only."""
+        for rt in self.spans.values():
+            if rt.checkpoint is not None and rt.checkpoint != rt.stored:
+                with contextlib.suppress(Exception):
+                    await self._store(rt, rt.checkpoint)
 
     def _count_states(self) -> None:
         counts: dict[str, int] = {s: 0 for s in ("starting", "replicating", "refused", "blocked", "error")}

@@ -143,6 +143,7 @@ class SinkWorker:
             follower.cancel()
             with contextlib.suppress(BaseException):
                 await follower
+            await self.pipeline.flush_checkpoints()
             await self.pipeline.close()
             self._publish_status()
 
