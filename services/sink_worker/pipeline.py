@@ -70,13 +70,11 @@ class PipelineOptions:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PipelineOptions:
-        # The SLUICE_SINK_* settings are read when libs/config.py defines them; until then the
-        # defaults here apply.
         return cls(
-            max_events_per_round=int(getattr(settings, "sink_max_events_per_round",
-                                             cls.max_events_per_round)),
-            apply_partitions=int(getattr(settings, "sink_apply_partitions", cls.apply_partitions)),
-            stop_grace_s=float(getattr(settings, "sink_stop_grace_s", cls.stop_grace_s)),
+            max_events_per_round=settings.sink_max_events_per_round,
+            apply_partitions=settings.sink_apply_partitions,
+            stop_grace_s=settings.sink_stop_grace_s,
+            # Read once libs/config.py defines SLUICE_SINK_CHECKPOINT_INTERVAL_S; the default until then.
             checkpoint_interval_s=float(getattr(settings, "sink_checkpoint_interval_s",
                                                 cls.checkpoint_interval_s)),
         )

@@ -91,11 +91,8 @@ class WorkerOptions:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WorkerOptions:
-        return cls(
-            round_interval_s=float(getattr(settings, "sink_round_interval_s", cls.round_interval_s)),
-            discovery_interval_s=float(getattr(settings, "sink_discovery_interval_s",
-                                               cls.discovery_interval_s)),
-        )
+        return cls(round_interval_s=settings.sink_round_interval_s,
+                   discovery_interval_s=settings.sink_discovery_interval_s)
 
 
 class SinkWorker:
