@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     sink_stop_grace_s: float = Field(
         4.0, gt=0, description="On SIGTERM, how long the current round may take before it is abandoned."
     )
+    sink_checkpoint_interval_s: float = Field(
+        1.0, gt=0, description="The most often an idle span stores its resolved-following checkpoint."
+    )
     sink_round_interval_s: float = Field(0.5, gt=0, description="Pause after a round that found nothing.")
     sink_discovery_interval_s: float = Field(
         2.0, gt=0, description="How often a worker looks for new tables of its changefeeds."

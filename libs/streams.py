@@ -7,6 +7,7 @@ import re
 ROWS_STREAM = "SLUICE_ROWS"
 DEADLETTER_STREAM = "SLUICE_DEADLETTER"
 LEADER_BUCKET = "sluice-leaders"
+CHECKPOINT_BUCKET = "sluice-checkpoints"
 
 # One event-sourced stream per control domain; its leader is the only writer.
 DOMAINS = ("members", "schedule", "replication", "ddl", "changefeeds")

@@ -29,12 +29,11 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from libs.streams import CHECKPOINT_BUCKET
 from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
 
-# Candidate for libs/streams.py (the one place for names) once that file's owner adds it.
-CHECKPOINT_BUCKET = "sluice-checkpoints"
 
 _UPDATE_ATTEMPTS = 10
 

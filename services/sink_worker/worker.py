@@ -41,8 +41,8 @@ from contracts.events.changefeeds import (
 )
 from libs.config import Settings
 from libs.eventstore import dead_letter, ensure_deadletter_stream
-from libs.streams import ROWS_STREAM, domain_events_subject, domain_stream, token
-from services.sink_worker.checkpoints import CHECKPOINT_BUCKET, CheckpointStore
+from libs.streams import CHECKPOINT_BUCKET, ROWS_STREAM, domain_events_subject, domain_stream, token
+from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
 from services.sink_worker.span import Span, table_selected
 
