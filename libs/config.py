@@ -43,6 +43,27 @@ class Settings(BaseSettings):
     # Leadership
     lease_ttl_s: float = Field(3.0, gt=0.2, description="Leader lease TTL in seconds.")
     member_ttl_s: float = Field(5.0, gt=0.2, description="A sink-worker is gone after this silence.")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="How often a sink-worker sends its heartbeat.")
+    control_snapshot_every: int = Field(
+        5000, ge=10, description="Control leaders snapshot their domain state every this many events."
+    )
+
+    # Scheduling (scheduler and replication-manager)
+    scheduler_interval_s: float = Field(1.0, gt=0, description="Scheduler round period (also runs on changes).")
+    scheduler_balance_interval_s: float = Field(60.0, gt=0, description="Automatic balance period.")
+    scheduler_max_task_concurrency: int = Field(10, ge=1, description="Moves in flight at most.")
+    scheduler_add_batch_size: int = Field(50, ge=1, description="Spans added per scheduler round at most.")
+    scheduler_discovery_interval_s: float = Field(
+        2.0, gt=0, description="How often the scheduler looks for new tables of the changefeeds."
+    )
+    scheduler_task_timeout_s: float = Field(
+        30.0, gt=0, description="A task without a result from the replication-manager is planned again after this."
+    )
+    replication_tick_s: float = Field(2.0, gt=0, description="How often unanswered dispatch steps are resent.")
+    replication_checkpoint_interval_s: float = Field(
+        1.0, gt=0, description="How often changefeed checkpoint advances are recorded at most."
+    )
+    dispatch_timeout_s: float = Field(2.0, gt=0, description="How long a dispatch waits for the member's answer.")
 
     # Spark
     spark_master: str = Field("local[*]", description="Spark master URL for the data path jobs.")
@@ -64,6 +85,15 @@ class Settings(BaseSettings):
     sink_round_interval_s: float = Field(0.5, gt=0, description="Pause after a round that found nothing.")
     sink_discovery_interval_s: float = Field(
         2.0, gt=0, description="How often a worker looks for new tables of its changefeeds."
+    )
+    sink_standalone: bool = Field(
+        False, description="Run every span of every running changefeed without the control plane."
+    )
+    sink_drain_timeout_s: float = Field(
+        7.0, gt=0, description="On SIGTERM, how long a worker waits for its spans to move elsewhere."
+    )
+    sink_writer_log: str | None = Field(
+        None, description="Append one JSON line per span and round that wrote downstream (audit)."
     )
 
     # Databases

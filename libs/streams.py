@@ -75,3 +75,18 @@ def heartbeat_subject(member_id: str) -> str:
 
 def dispatch_subject(member_id: str) -> str:
     return f"sluice.dispatch.{token(member_id)}"
+
+
+# Every member's heartbeat, for the member service and the replication-manager.
+HEARTBEAT_SUBJECTS = "sluice.hb.*"
+
+
+def announce_subject(service: str) -> str:
+    """Core-NATS broadcast of a leader's epoch (replication-manager -> members)."""
+    return f"sluice.announce.{token(service)}"
+
+
+def command_subject(domain: str) -> str:
+    """Request/reply for operator commands to a domain's leader. Deliberately outside
+    ``sluice.ctl.>``: a core publish matching a stream's subjects would be stored in it."""
+    return f"sluice.cmd.{token(domain)}"
