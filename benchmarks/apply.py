@@ -1,0 +1,769 @@
+"""The apply path against the database's own ceiling (issue 3): one run, one MariaDB.
+
+    .venv/bin/python -m benchmarks.apply [--rows 1000000] [--seed 7] [--skip naive] [--profile DIR]
+
+Starts a private nats-server and MariaDB, generates ``--rows`` mixed row changes (inserts,
+updates of which some change the primary key or a unique key, deletes) on four tables with a
+realistic column mix, and publishes them to JetStream the way capture does: one
+``RowsChangedV1`` per (transaction, table), split in parts of at most 500 rows, then a resolved
+mark. Then, each into its own database of the same MariaDB:
+
+- the Spark apply path, end to end from JetStream to the target tables through the real
+  ``Pipeline`` (pull, sort job, apply job, checkpoints), once with the default options and once
+  tuned; each in a fresh subprocess whose whole process tree (Python driver, Spark JVM, Python
+  workers) is sampled for the peak RSS; its wall time starts at the first round (Spark and its
+  Python workers already started: a running worker has paid that long ago);
+- row-at-a-time autocommit apply of the same changes, in commit order (the naive baseline);
+- single-connection multi-row ``INSERT`` (pymysql ``executemany``, which batches rows into
+  ~1 MB statements) of the final rows;
+- ``LOAD DATA LOCAL INFILE`` of the final rows (the file is written before the clock starts).
+
+Baselines get their values already decoded (only the database work is timed), so they are as
+fast as they can be. Every result is checked against the expected final state (row count and
+``libs.checksum`` digest per table): a wrong result fails the run instead of reporting a speed.
+
+Rates: the Spark path and the naive apply are "row changes per second" (the input); INSERT and
+LOAD DATA are "final rows per second". The collapse to the final image per key is part of what
+the apply path does, so the issue's target compares exactly these; the "s vs INSERT" column
+compares wall times, i.e. how long each takes to bring a table to the same final state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import date, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.js import api
+
+from contracts import REGISTRY
+from contracts.events.rows import (
+    ColumnV1,
+    ResolvedAdvancedV1,
+    RowImageV1,
+    RowsChangedV1,
+    SourcePositionV1,
+    TableMetaV1,
+)
+from libs.checksum import table_checksum
+from libs.config import Settings
+from libs.localservers.mariadb import MariaDB
+from libs.localservers.nats_server import NatsServer
+from libs.streams import resolved_subject, rows_subject
+from libs.streams_setup import ensure_rows_stream
+from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.mysql import MySQLSink
+from services.sink_worker.span import choose_key
+from services.sink_worker.values import decode_row, format_time
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = "bench1"
+DATABASE = "shop"  # the Spark path writes to the database the events name
+PART_ROWS = 500  # capture's part_rows default
+
+
+def _col(name: str, kind: str, sql_type: str, nullable: bool = True) -> ColumnV1:
+    return ColumnV1(name=name, kind=kind, sql_type=sql_type, nullable=nullable)  # type: ignore[arg-type]
+
+
+TABLES: dict[str, TableMetaV1] = {
+    "customers": TableMetaV1(columns=[
+        _col("id", "int", "int(11)", False), _col("email", "string", "varchar(64)", False),
+        _col("name", "string", "varchar(64)"), _col("balance", "decimal", "decimal(12,2)"),
+        _col("tier", "string", "enum('bronze','silver','gold')"),
+        _col("created_at", "datetime", "datetime(6)"), _col("updated_at", "timestamp", "timestamp(6)"),
+    ], primary_key=["id"], unique_keys=[["email"]]),
+    "orders": TableMetaV1(columns=[
+        _col("id", "int", "bigint(20)", False), _col("customer_id", "int", "int(11)"),
+        _col("status", "string", "varchar(16)"), _col("amount", "decimal", "decimal(12,2)"),
+        _col("placed_at", "datetime", "datetime(6)"), _col("note", "string", "text"),
+        _col("attrs", "json", "longtext"),
+    ], primary_key=["id"]),
+    "order_items": TableMetaV1(columns=[
+        _col("order_id", "int", "bigint(20)", False), _col("line_no", "int", "int(11)", False),
+        _col("sku", "string", "varchar(32)"), _col("qty", "int", "int(11)"),
+        _col("price", "decimal", "decimal(10,2)"), _col("discount", "float", "double"),
+    ], primary_key=["order_id", "line_no"]),
+    "audit_log": TableMetaV1(columns=[
+        _col("id", "int", "bigint(20)", False), _col("kind", "string", "varchar(16)"),
+        _col("payload", "bytes", "blob"), _col("day", "date", "date"),
+        _col("flags", "set", "set('a','b','c')"), _col("elapsed", "time", "time(6)"),
+    ], primary_key=["id"]),
+}
+TABLE_WEIGHTS = {"orders": 0.35, "order_items": 0.35, "customers": 0.15, "audit_log": 0.15}
+SINGLE_INT_KEY = ("customers", "orders", "audit_log")
+
+Image = dict[str, Any]
+Key = tuple[Any, ...]
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+@dataclass
+class Change:
+    table: str
+    op: str  # insert | update | delete
+    before: Image | None
+    after: Image | None
+
+
+@dataclass
+class Workload:
+    rows: int
+    messages: list[tuple[str, bytes, str]]  # (subject, payload, Nats-Msg-Id)
+    changes: list[Change]  # in commit order
+    final: dict[str, dict[Key, Image]]  # table -> key -> image (contract encoding)
+    first_ts: int
+    last_ts: int
+    transactions: int = 0
+    ops: dict[str, int] = field(default_factory=dict)
+
+    def final_rows(self) -> int:
+        return sum(len(t) for t in self.final.values())
+
+
+class _Table:
+    """One table's current upstream state, with O(1) random picks."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.meta = TABLES[name]
+        self.key = tuple(self.meta.primary_key)
+        self.rows: dict[Key, Image] = {}
+        self._keys: list[Key] = []
+        self._pos: dict[Key, int] = {}
+
+    def put(self, image: Image) -> None:
+        k = tuple(image[c] for c in self.key)
+        if k not in self._pos:
+            self._pos[k] = len(self._keys)
+            self._keys.append(k)
+        self.rows[k] = image
+
+    def remove(self, k: Key) -> None:
+        del self.rows[k]
+        i = self._pos.pop(k)
+        last = self._keys.pop()
+        if i < len(self._keys):
+            self._keys[i] = last
+            self._pos[last] = i
+
+    def pick(self, rnd: random.Random) -> Key:
+        return self._keys[rnd.randrange(len(self._keys))]
+
+
+class Generator:
+    """Seeded: the same ``--seed`` and ``--rows`` give the same changes."""
+
+    def __init__(self, seed: int) -> None:
+        self.rnd = random.Random(seed)
+        self.tables = {name: _Table(name) for name in TABLES}
+        self.next_id = {name: 1 for name in TABLES}
+        self.next_email = 1
+        self.base = datetime(2024, 1, 1)
+
+    def _ts_text(self) -> str:
+        return (self.base + timedelta(seconds=self.rnd.randrange(30_000_000),
+                                      microseconds=self.rnd.randrange(1_000_000))).isoformat(timespec="microseconds")
+
+    def _text(self, lo: int, hi: int) -> str:
+        n = self.rnd.randint(lo, hi)
+        return "".join(self.rnd.choices("abcdefghijklmnopqrstuvwxyz     ", k=n)).strip() or "x"
+
+    def _fresh_id(self, table: str) -> int:
+        i = self.next_id[table]
+        self.next_id[table] += 1
+        return i
+
+    def _email(self) -> str:
+        self.next_email += 1
+        return f"user{self.next_email}@example.com"
+
+    def row(self, table: str, key: Key | None = None, old: Image | None = None) -> Image:
+        r = self.rnd
+        if table == "customers":
+            return {"id": key[0] if key else self._fresh_id(table),
+                    "email": old["email"] if old and r.random() < 0.8 else self._email(),
+                    "name": self._text(4, 24), "balance": f"{r.randrange(-10_000_00, 1_000_000_00) / 100:.2f}",
+                    "tier": r.choice(("bronze", "silver", "gold")),
+                    "created_at": old["created_at"] if old else self._ts_text(),
+                    "updated_at": self._ts_text()}
+        if table == "orders":
+            note = None if r.random() < 0.4 else self._text(10, 120) + (" \U0001f680" if r.random() < 0.1 else "")
+            return {"id": key[0] if key else self._fresh_id(table), "customer_id": r.randrange(1, 200_000),
+                    "status": r.choice(("new", "paid", "shipped", "cancelled", "returned")),
+                    "amount": f"{r.randrange(1, 500_000_00) / 100:.2f}", "placed_at": self._ts_text(),
+                    "note": note,
+                    "attrs": json.dumps({"channel": r.choice(("web", "app", "pos")), "items": r.randint(1, 9),
+                                         "gift": r.random() < 0.1})}
+        if table == "order_items":
+            if key is None:
+                key = (r.randrange(1, 300_000), self._fresh_id(table))
+            return {"order_id": key[0], "line_no": key[1], "sku": f"SKU-{r.randrange(100_000):06d}",
+                    "qty": r.randint(1, 20), "price": f"{r.randrange(1, 100_000) / 100:.2f}",
+                    "discount": None if r.random() < 0.5 else round(r.random() * 0.3, 4)}
+        payload = base64.b64encode(r.randbytes(r.randint(16, 200))).decode()
+        return {"id": key[0] if key else self._fresh_id(table), "kind": r.choice(("login", "export", "api", "job")),
+                "payload": payload, "day": date.fromordinal(738_886 + r.randrange(700)).isoformat(),
+                "flags": ",".join(f for f in ("a", "b", "c") if r.random() < 0.5),
+                "elapsed": format_time(timedelta(microseconds=r.randrange(0, 3_600_000_000)), 6)}
+
+    def change(self, table: str) -> Change:
+        t = self.tables[table]
+        r = self.rnd
+        x = r.random()
+        if len(t.rows) < 100 or x < 0.50:
+            image = self.row(table)
+            t.put(image)
+            return Change(table, "insert", None, image)
+        k = t.pick(r)
+        before = t.rows[k]
+        if x < 0.88:
+            if table in SINGLE_INT_KEY and r.random() < 0.03:
+                new_key: Key = (self._fresh_id(table),)  # an update that moves the row to a new key
+            else:
+                new_key = k
+            after = self.row(table, new_key, before)
+            if new_key != k:
+                t.remove(k)
+            t.put(after)
+            return Change(table, "update", before, after)
+        t.remove(k)
+        return Change(table, "delete", before, None)
+
+    def txn_size(self) -> int:
+        # Mostly small OLTP transactions, some batch jobs: about 80 rows per transaction.
+        x = self.rnd.random()
+        if x < 0.70:
+            return self.rnd.randint(1, 20)
+        if x < 0.95:
+            return self.rnd.randint(20, 200)
+        return self.rnd.randint(200, 2000)
+
+
+def generate(total: int, seed: int) -> Workload:
+    gen = Generator(seed)
+    names = list(TABLE_WEIGHTS)
+    weights = [TABLE_WEIGHTS[n] for n in names]
+    first_ts = ts = (int(time.time() * 1000) - 3_600_000) << 18
+    seq = 0
+    messages: list[tuple[str, bytes, str]] = []
+    changes: list[Change] = []
+    ops = {"insert": 0, "update": 0, "delete": 0, "key_change": 0}
+    txns = 0
+    while len(changes) < total:
+        n = min(gen.txn_size(), total - len(changes))
+        touched = gen.rnd.choices(names, weights, k=1 if gen.rnd.random() < 0.7 else 2)
+        ts += 1 << 18
+        txns += 1
+        per_table: dict[str, list[Change]] = {}
+        for _ in range(n):
+            c = gen.change(gen.rnd.choice(touched))
+            changes.append(c)
+            ops[c.op] += 1
+            if c.op == "update" and c.before is not None and c.after is not None and \
+                    [c.before[k] for k in TABLES[c.table].primary_key] != \
+                    [c.after[k] for k in TABLES[c.table].primary_key]:
+                ops["key_change"] += 1
+            per_table.setdefault(c.table, []).append(c)
+        for table, rows in per_table.items():
+            parts = [rows[i:i + PART_ROWS] for i in range(0, len(rows), PART_ROWS)]
+            for part, chunk in enumerate(parts):
+                seq += 1
+                event = RowsChangedV1.model_construct(
+                    source=SOURCE, database=DATABASE, table=table, ts=ts, seq=seq, part=part,
+                    last_part=part == len(parts) - 1,
+                    position=SourcePositionV1(binlog_file="binlog.000001", binlog_pos=4 + seq * 100),
+                    meta=TABLES[table],
+                    rows=[RowImageV1.model_construct(op=c.op, before=c.before, after=c.after) for c in chunk])
+                msg_id = f"{SOURCE}:binlog.000001:{4 + txns * 100}:{DATABASE}.{table}:{part}"
+                data = REGISTRY.encode(event, producer="bench-capture", event_id=msg_id)
+                messages.append((rows_subject(SOURCE, DATABASE, table), data, msg_id))
+    final = {name: dict(t.rows) for name, t in gen.tables.items()}
+    return Workload(rows=len(changes), messages=messages, changes=changes, final=final, first_ts=first_ts,
+                    last_ts=ts, transactions=txns, ops=ops)
+
+
+async def publish(nats_url: str, work: Workload) -> float:
+    """Publish like capture: pipelined acks, then a resolved mark once every ack is in."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await ensure_rows_stream(js, Settings(nats_url=nats_url))
+        started = time.monotonic()
+        window: list[asyncio.Future[Any]] = []
+        for subject, data, msg_id in work.messages:
+            window.append(await js.publish_async(subject, data, headers={api.Header.MSG_ID.value: msg_id},
+                                                 wait_stall=30.0))
+            if len(window) >= 512:
+                await asyncio.gather(*window)
+                window.clear()
+        await asyncio.gather(*window)
+        mark = REGISTRY.encode(ResolvedAdvancedV1(
+            source=SOURCE, ts=work.last_ts, position=SourcePositionV1(binlog_file="binlog.000001",
+                                                                     binlog_pos=4 + len(work.messages) * 100)),
+            producer="bench-capture")
+        await js.publish(resolved_subject(SOURCE), mark, headers={api.Header.ROLLUP.value: "sub"})
+        return time.monotonic() - started
+    finally:
+        await nc.close()
+
+
+# --------------------------------------------------------------------------- targets and checks
+
+
+def target(table: str, schema: str) -> TargetTable:
+    meta = TABLES[table]
+    key = choose_key(meta, "primary")
+    unique = tuple(tuple(uk) for uk in meta.unique_keys if tuple(uk) != key)
+    return TargetTable(schema=schema, name=table, meta=meta, key=key, unique_keys=unique)
+
+
+def expected_checksums(work: Workload) -> dict[str, tuple[int, str]]:
+    out = {}
+    for table, rows in work.final.items():
+        meta = TABLES[table]
+        decoded = [decode_row(meta, image) for image in rows.values()]
+        out[table] = table_checksum(decoded, meta.columns, meta.primary_key)
+    return out
+
+
+def verify(db: MariaDB, schema: str, expected: dict[str, tuple[int, str]], what: str) -> None:
+    sink = MySQLSink(db.url)
+    for table in TABLES:
+        tt = target(table, schema)
+        got = table_checksum(sink.fetch_rows(tt), tt.meta.columns, tt.key)
+        if got != expected[table]:
+            raise SystemExit(f"{what}: {schema}.{table} differs from the expected final state: "
+                             f"{got[0]} rows / {got[1][:12]} vs {expected[table][0]} rows / {expected[table][1][:12]}")
+
+
+def create_tables(db: MariaDB, schema: str) -> None:
+    db.execute(f"DROP DATABASE IF EXISTS `{schema}`")
+    sink = MySQLSink(db.url)
+    for table in TABLES:
+        sink.ensure_table(target(table, schema))
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def _decoded_changes(work: Workload) -> list[tuple[str, str, Image | None, Image | None]]:
+    return [(c.table, c.op, decode_row(TABLES[c.table], c.before) if c.before else None,
+             decode_row(TABLES[c.table], c.after) if c.after else None) for c in work.changes]
+
+
+def _adapt(v: Any) -> Any:
+    # As MySQLSink._adapt: pymysql renders a negative timedelta wrongly.
+    return format_time(v, 6) if isinstance(v, timedelta) else v
+
+
+def _connect(db: MariaDB, schema: str) -> Any:
+    return db.connect(schema, binary_prefix=True, init_command="SET time_zone = '+00:00'")
+
+
+def naive_apply(db: MariaDB, schema: str, work: Workload) -> float:
+    """Row-at-a-time autocommit apply, in commit order: what a simple replicator does."""
+    create_tables(db, schema)
+    changes = _decoded_changes(work)
+    sql: dict[tuple[str, str], str] = {}
+    for table, meta in TABLES.items():
+        cols = [c.name for c in meta.columns]
+        key = meta.primary_key
+        where = " AND ".join(f"`{k}` = %s" for k in key)
+        sql[(table, "insert")] = (f"INSERT INTO `{table}` ({', '.join(f'`{c}`' for c in cols)}) "
+                                  f"VALUES ({', '.join(['%s'] * len(cols))})")
+        sql[(table, "update")] = f"UPDATE `{table}` SET {', '.join(f'`{c}` = %s' for c in cols)} WHERE {where}"
+        sql[(table, "delete")] = f"DELETE FROM `{table}` WHERE {where}"
+    params: list[tuple[str, list[Any]]] = []
+    for table, op, before, after in changes:
+        key = TABLES[table].primary_key
+        if op == "insert":
+            assert after is not None
+            params.append((sql[(table, op)], [_adapt(v) for v in after.values()]))
+        elif op == "update":
+            assert before is not None and after is not None
+            params.append((sql[(table, op)], [_adapt(v) for v in after.values()] + [before[k] for k in key]))
+        else:
+            assert before is not None
+            params.append((sql[(table, op)], [before[k] for k in key]))
+    conn = _connect(db, schema)
+    try:
+        with conn.cursor() as cur:
+            started = time.monotonic()
+            for statement, args in params:
+                cur.execute(statement, args)
+            return time.monotonic() - started
+    finally:
+        conn.close()
+
+
+def _final_decoded(work: Workload) -> dict[str, list[list[Any]]]:
+    return {table: [[_adapt(v) for v in decode_row(TABLES[table], image).values()] for image in rows.values()]
+            for table, rows in work.final.items()}
+
+
+def multirow_insert(db: MariaDB, schema: str, work: Workload) -> float:
+    """The final rows over one connection, pymysql ``executemany`` (multi-row ~1 MB statements)."""
+    create_tables(db, schema)
+    final = _final_decoded(work)
+    conn = _connect(db, schema)
+    try:
+        with conn.cursor() as cur:
+            started = time.monotonic()
+            for table, rows in final.items():
+                cols = [c.name for c in TABLES[table].columns]
+                cur.executemany(f"INSERT INTO `{table}` ({', '.join(f'`{c}`' for c in cols)}) "
+                                f"VALUES ({', '.join(['%s'] * len(cols))})", rows)
+            return time.monotonic() - started
+    finally:
+        conn.close()
+
+
+def _tsv_field(v: Any) -> bytes:
+    if v is None:
+        return b"\\N"
+    if isinstance(v, bytes):
+        return v.hex().encode()  # loaded through UNHEX(): no charset conversion of binary data
+    if isinstance(v, datetime):
+        return v.isoformat(sep=" ").encode()
+    text = str(v)
+    return (text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+            .replace("\0", "\\0").encode())
+
+
+def load_data(db: MariaDB, schema: str, work: Workload, tmp: Path) -> float:
+    """``LOAD DATA LOCAL INFILE`` of the final rows; the files are written before the clock."""
+    create_tables(db, schema)
+    files: dict[str, Path] = {}
+    for table, rows in _final_decoded(work).items():
+        path = files[table] = tmp / f"{table}.tsv"
+        with open(path, "wb") as f:
+            for row in rows:
+                f.write(b"\t".join(_tsv_field(v) for v in row) + b"\n")
+    conn = _connect(db, schema)
+    try:
+        with conn.cursor() as cur:
+            started = time.monotonic()
+            for table, path in files.items():
+                cols, sets = [], []
+                for c in TABLES[table].columns:
+                    if c.kind == "bytes":
+                        cols.append(f"@{c.name}")
+                        sets.append(f"`{c.name}` = UNHEX(@{c.name})")
+                    else:
+                        cols.append(f"`{c.name}`")
+                cur.execute(f"LOAD DATA LOCAL INFILE %s INTO TABLE `{table}` CHARACTER SET utf8mb4 "
+                            f"({', '.join(cols)})" + (f" SET {', '.join(sets)}" if sets else ""), (str(path),))
+            return time.monotonic() - started
+    finally:
+        conn.close()
+
+
+# --------------------------------------------------------------------------- the Spark path
+
+
+@dataclass(frozen=True)
+class SparkConfig:
+    label: str
+    max_events_per_round: int
+    apply_partitions: int
+    shuffle_partitions: int
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _rss(pid: int) -> tuple[str, int]:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            pages = int(f.read().split()[1])
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().split(b"\0")
+    except OSError:
+        return "", 0
+    name = "jvm" if cmd and cmd[0].endswith(b"java") else (
+        "python worker" if b"pyspark.daemon" in cmd or b"pyspark.worker" in b" ".join(cmd) else "driver")
+    return name, pages * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler(threading.Thread):
+    """Peak of the summed RSS of a process tree (the driver, the Spark JVM, its Python workers)."""
+
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.interval = interval
+        self.peak = 0
+        self.peak_parts: dict[str, int] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            parts: dict[str, int] = {}
+            for pid in _descendants(self.pid):
+                name, rss = _rss(pid)
+                if rss:
+                    parts[name] = parts.get(name, 0) + rss
+            total = sum(parts.values())
+            if total > self.peak:
+                self.peak, self.peak_parts = total, parts
+            self.done.wait(self.interval)
+
+
+@dataclass
+class SparkRun:
+    config: SparkConfig
+    seconds: float
+    rounds: int
+    rows_written: int
+    phases: dict[str, float]
+    peak_rss: int
+    peak_parts: dict[str, int]
+
+
+def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConfig, tmp: Path,
+                   profile: Path | None) -> SparkRun:
+    db.execute(f"DROP DATABASE IF EXISTS `{DATABASE}`")
+    spec = {"nats_url": nats_url, "sink_url": db.url, "changefeed": f"bench{config.label}",
+            "final_ts": work.last_ts, "max_events_per_round": config.max_events_per_round,
+            "apply_partitions": config.apply_partitions, "shuffle_partitions": config.shuffle_partitions}
+    log_path = tmp / f"worker-{config.label}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.apply", "--worker", json.dumps(spec)],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=log)
+    sampler = RssSampler(proc.pid)
+    sampler.start()
+    spy: subprocess.Popen[bytes] | None = None
+    if profile is not None:
+        py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        profile.mkdir(parents=True, exist_ok=True)
+        spy = subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--subprocesses", "--rate", "50",
+                                "--format", "speedscope", "-o", str(profile / f"{config.label}.speedscope.json")],
+                               stdout=subprocess.DEVNULL, stderr=open(profile / "py-spy.log", "ab"))  # noqa: SIM115
+    out, _ = proc.communicate()
+    sampler.done.set()
+    sampler.join()
+    if spy is not None:
+        spy.wait(60)
+    if proc.returncode != 0:
+        raise SystemExit(f"pipeline worker failed ({proc.returncode}); log {log_path}:\n"
+                         + log_path.read_text(errors="replace")[-4000:])
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    return SparkRun(config, result["seconds"], result["rounds"], result["rows_written"], result["phases"],
+                    sampler.peak, sampler.peak_parts)
+
+
+async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """In the subprocess: the real Pipeline over every table until its checkpoints pass final_ts."""
+    from prometheus_client import REGISTRY as METRICS
+
+    from libs.spark import get_spark
+    from services.sink_worker.checkpoints import CheckpointStore
+    from services.sink_worker.pipeline import Pipeline, PipelineOptions, SpanConfig
+    from services.sink_worker.span import Span
+
+    settings = Settings(nats_url=spec["nats_url"], spark_shuffle_partitions=spec["shuffle_partitions"])
+    spark = get_spark(settings)
+    # A running worker has its Python workers up long before: start them outside the clock.
+    spark.sparkContext.parallelize(range(8), 4).map(lambda x: x * 2).collect()
+    nc = await nats.connect(spec["nats_url"])
+    try:
+        js = nc.jetstream()
+        checkpoints = await CheckpointStore(js).open()
+        options = PipelineOptions(max_events_per_round=spec["max_events_per_round"],
+                                  apply_partitions=spec["apply_partitions"])
+        pipeline = Pipeline(js, checkpoints, lambda: spark, options)
+        await pipeline.set_spans({Span.of(spec["changefeed"], SOURCE, DATABASE, t): SpanConfig(sink_url=spec["sink_url"])
+                                  for t in TABLES})
+        final_ts = spec["final_ts"]
+        started = time.monotonic()
+        rows = pull_s = 0.0
+        rounds = 0
+        while True:
+            report = await pipeline.round()
+            rounds += 1
+            if report.errors:
+                raise RuntimeError(f"round {rounds} failed: {report.errors}")
+            rows += report.rows_written
+            pull_s += report.pull_s
+            if all(rt.checkpoint is not None and rt.checkpoint.ts >= final_ts for rt in pipeline.spans.values()):
+                break
+            if time.monotonic() - started > 3600:
+                raise RuntimeError("the pipeline did not reach the final ts within an hour")
+        seconds = time.monotonic() - started
+        await pipeline.close()
+
+        def total(name: str) -> float:
+            return float(METRICS.get_sample_value(f"{name}_sum") or 0.0)
+
+        phases = {"pull": pull_s, "sort": total("sluice_sink_sort_seconds"),
+                  "apply": total("sluice_sink_apply_seconds")}
+        return {"seconds": seconds, "rounds": rounds, "rows_written": int(rows), "phases": phases}
+    finally:
+        await nc.close()
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def print_report(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict[str, float],
+                 publish_s: float) -> None:
+    final = work.final_rows()
+    insert_s, load_s = baselines.get("insert"), baselines.get("load")
+    insert_rate = final / insert_s if insert_s else None
+    load_rate = final / load_s if load_s else None
+    print()
+    print(f"workload: {work.rows:,} row changes ({work.ops['insert']:,} inserts, {work.ops['update']:,} updates "
+          f"of which {work.ops['key_change']:,} change the key, {work.ops['delete']:,} deletes) in "
+          f"{work.transactions:,} transactions, {len(work.messages):,} messages on {len(TABLES)} tables; "
+          f"{final:,} final rows; published in {publish_s:.1f} s")
+    print()
+    header = f"{'measure':<58} {'rows':>10} {'seconds':>8} {'rows/s':>9} {'/INSERT':>8} {'/LOAD':>7} {'s vs INSERT':>11}"
+    print(header)
+    print("-" * len(header))
+
+    def line(label: str, rows: int, seconds: float) -> None:
+        rate = rows / seconds
+        vs_insert = f"{rate / insert_rate:.2f}" if insert_rate else "-"
+        vs_load = f"{rate / load_rate:.2f}" if load_rate else "-"
+        time_ratio = f"{seconds / insert_s:.2f}x" if insert_s else "-"
+        print(f"{label:<58} {rows:>10,} {seconds:>8.1f} {rate:>9,.0f} {vs_insert:>8} {vs_load:>7} {time_ratio:>11}")
+
+    for run in spark_runs:
+        c = run.config
+        line(f"Spark apply path, {c.label} (events/round {c.max_events_per_round}, "
+             f"partitions {c.apply_partitions}/{c.shuffle_partitions})", work.rows, run.seconds)
+    if "naive" in baselines:
+        line("row-at-a-time autocommit apply (naive baseline)", work.rows, baselines["naive"])
+    if insert_s:
+        line("single-connection multi-row INSERT of the final rows", final, insert_s)
+    if load_s:
+        line("LOAD DATA LOCAL INFILE of the final rows", final, load_s)
+    print()
+    for run in spark_runs:
+        parts = ", ".join(f"{k} {_mib(v)}" for k, v in sorted(run.peak_parts.items()))
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in run.phases.items())
+        print(f"Spark {run.config.label}: {run.rounds} rounds ({phases}); peak RSS of the worker "
+              f"{_mib(run.peak_rss)} ({parts})")
+    for run in spark_runs:
+        rate = work.rows / run.seconds
+        if insert_rate and load_rate:
+            print(f"target ({run.config.label}): >= multi-row INSERT: {'met' if rate >= insert_rate else 'NOT met'}"
+                  f"; >= half of LOAD DATA: {'met' if rate >= load_rate / 2 else 'NOT met'}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _configs(names: Sequence[str]) -> Iterator[SparkConfig]:
+    known = {
+        "default": SparkConfig("default", 2000, 4, 8),
+        "tuned": SparkConfig("tuned", 20000, 2, 2),
+    }
+    for n in names:
+        yield known[n]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rows", type=int, default=1_000_000, help="row changes to generate")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--spark", nargs="*", default=["default", "tuned"], choices=["default", "tuned"],
+                        help="Spark configurations to run")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["naive", "insert", "load"],
+                        help="baselines to leave out (quick iterations only)")
+    parser.add_argument("--profile", type=Path, help="attach py-spy to the Spark runs, speedscope files here")
+    parser.add_argument("--keep", action="store_true", help="keep the servers' temp directory")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(asyncio.run(_worker(json.loads(args.worker)))), flush=True)
+        return
+
+    tmp = Path(tempfile.mkdtemp(prefix="sluice-bench-apply-"))
+    nats_server = NatsServer(tmp / "nats").start()
+    # A buffer pool that holds the data set, as a production downstream would have; every
+    # measurement below runs against this same server.
+    db = MariaDB(tmp / "mariadb", extra_args=("--innodb-buffer-pool-size=2G", "--innodb-log-file-size=512M",
+                                              "--max-allowed-packet=64M")).start()
+    try:
+        _say(f"generating {args.rows:,} row changes")
+        work = generate(args.rows, args.seed)
+        expected = expected_checksums(work)
+        _say(f"publishing {len(work.messages):,} messages")
+        publish_s = asyncio.run(publish(nats_server.url, work))
+        runs: list[SparkRun] = []
+        for config in _configs(args.spark):
+            _say(f"Spark apply path, {config.label}")
+            run = run_spark_path(nats_server.url, db, work, config, tmp, args.profile)
+            verify(db, DATABASE, expected, f"Spark {config.label}")
+            _say(f"  {run.seconds:.1f} s, {work.rows / run.seconds:,.0f} rows/s, verified")
+            runs.append(run)
+        baselines: dict[str, float] = {}
+        steps: list[tuple[str, str, Callable[[], float]]] = [
+            ("naive", "bench_naive", lambda: naive_apply(db, "bench_naive", work)),
+            ("insert", "bench_insert", lambda: multirow_insert(db, "bench_insert", work)),
+            ("load", "bench_load", lambda: load_data(db, "bench_load", work, tmp)),
+        ]
+        for name, schema, step in steps:
+            if name in args.skip:
+                continue
+            _say(f"baseline {name}")
+            baselines[name] = step()
+            verify(db, schema, expected, name)
+            _say(f"  {baselines[name]:.1f} s, verified")
+        print_report(work, runs, baselines, publish_s)
+    finally:
+        db.cleanup()
+        nats_server.stop()
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            _say(f"kept {tmp}")
+
+
+def _say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
