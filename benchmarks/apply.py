@@ -45,7 +45,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +53,11 @@ from nats.js import api
 
 from contracts import REGISTRY
 from contracts.events.rows import (
+    ColumnKind,
     ColumnV1,
     ResolvedAdvancedV1,
     RowImageV1,
+    RowOp,
     RowsChangedV1,
     SourcePositionV1,
     TableMetaV1,
@@ -78,8 +79,8 @@ DATABASE = "shop"  # the Spark path writes to the database the events name
 PART_ROWS = 500  # capture's part_rows default
 
 
-def _col(name: str, kind: str, sql_type: str, nullable: bool = True) -> ColumnV1:
-    return ColumnV1(name=name, kind=kind, sql_type=sql_type, nullable=nullable)  # type: ignore[arg-type]
+def _col(name: str, kind: ColumnKind, sql_type: str, nullable: bool = True) -> ColumnV1:
+    return ColumnV1(name=name, kind=kind, sql_type=sql_type, nullable=nullable)
 
 
 TABLES: dict[str, TableMetaV1] = {
@@ -119,7 +120,7 @@ Key = tuple[Any, ...]
 @dataclass
 class Change:
     table: str
-    op: str  # insert | update | delete
+    op: RowOp
     before: Image | None
     after: Image | None
 
@@ -201,12 +202,14 @@ class Generator:
         if table == "customers":
             return {"id": key[0] if key else self._fresh_id(table),
                     "email": old["email"] if old and r.random() < 0.8 else self._email(),
-                    "name": self._text(4, 24), "balance": f"{r.randrange(-10_000_00, 1_000_000_00) / 100:.2f}",
+                    "name": self._text(4, 24),
+                    "balance": f"{r.randrange(-10_000_00, 1_000_000_00) / 100:.2f}",
                     "tier": r.choice(("bronze", "silver", "gold")),
                     "created_at": old["created_at"] if old else self._ts_text(),
                     "updated_at": self._ts_text()}
         if table == "orders":
-            note = None if r.random() < 0.4 else self._text(10, 120) + (" \U0001f680" if r.random() < 0.1 else "")
+            emoji = " \U0001f680" if r.random() < 0.1 else ""
+            note = None if r.random() < 0.4 else self._text(10, 120) + emoji
             return {"id": key[0] if key else self._fresh_id(table), "customer_id": r.randrange(1, 200_000),
                     "status": r.choice(("new", "paid", "shipped", "cancelled", "returned")),
                     "amount": f"{r.randrange(1, 500_000_00) / 100:.2f}", "placed_at": self._ts_text(),
@@ -220,7 +223,8 @@ class Generator:
                     "qty": r.randint(1, 20), "price": f"{r.randrange(1, 100_000) / 100:.2f}",
                     "discount": None if r.random() < 0.5 else round(r.random() * 0.3, 4)}
         payload = base64.b64encode(r.randbytes(r.randint(16, 200))).decode()
-        return {"id": key[0] if key else self._fresh_id(table), "kind": r.choice(("login", "export", "api", "job")),
+        return {"id": key[0] if key else self._fresh_id(table),
+                "kind": r.choice(("login", "export", "api", "job")),
                 "payload": payload, "day": date.fromordinal(738_886 + r.randrange(700)).isoformat(),
                 "flags": ",".join(f for f in ("a", "b", "c") if r.random() < 0.5),
                 "elapsed": format_time(timedelta(microseconds=r.randrange(0, 3_600_000_000)), 6)}
@@ -316,10 +320,9 @@ async def publish(nats_url: str, work: Workload) -> float:
                 await asyncio.gather(*window)
                 window.clear()
         await asyncio.gather(*window)
-        mark = REGISTRY.encode(ResolvedAdvancedV1(
-            source=SOURCE, ts=work.last_ts, position=SourcePositionV1(binlog_file="binlog.000001",
-                                                                     binlog_pos=4 + len(work.messages) * 100)),
-            producer="bench-capture")
+        position = SourcePositionV1(binlog_file="binlog.000001", binlog_pos=4 + len(work.messages) * 100)
+        mark = REGISTRY.encode(ResolvedAdvancedV1(source=SOURCE, ts=work.last_ts, position=position),
+                               producer="bench-capture")
         await js.publish(resolved_subject(SOURCE), mark, headers={api.Header.ROLLUP.value: "sub"})
         return time.monotonic() - started
     finally:
@@ -351,8 +354,9 @@ def verify(db: MariaDB, schema: str, expected: dict[str, tuple[int, str]], what:
         tt = target(table, schema)
         got = table_checksum(sink.fetch_rows(tt), tt.meta.columns, tt.key)
         if got != expected[table]:
+            want = expected[table]
             raise SystemExit(f"{what}: {schema}.{table} differs from the expected final state: "
-                             f"{got[0]} rows / {got[1][:12]} vs {expected[table][0]} rows / {expected[table][1][:12]}")
+                             f"{got[0]} rows / {got[1][:12]} vs {want[0]} rows / {want[1][:12]}")
 
 
 def create_tables(db: MariaDB, schema: str) -> None:
@@ -390,7 +394,8 @@ def naive_apply(db: MariaDB, schema: str, work: Workload) -> float:
         where = " AND ".join(f"`{k}` = %s" for k in key)
         sql[(table, "insert")] = (f"INSERT INTO `{table}` ({', '.join(f'`{c}`' for c in cols)}) "
                                   f"VALUES ({', '.join(['%s'] * len(cols))})")
-        sql[(table, "update")] = f"UPDATE `{table}` SET {', '.join(f'`{c}` = %s' for c in cols)} WHERE {where}"
+        assignments = ", ".join(f"`{c}` = %s" for c in cols)
+        sql[(table, "update")] = f"UPDATE `{table}` SET {assignments} WHERE {where}"
         sql[(table, "delete")] = f"DELETE FROM `{table}` WHERE {where}"
     params: list[tuple[str, list[Any]]] = []
     for table, op, before, after in changes:
@@ -470,8 +475,9 @@ def load_data(db: MariaDB, schema: str, work: Workload, tmp: Path) -> float:
                         sets.append(f"`{c.name}` = UNHEX(@{c.name})")
                     else:
                         cols.append(f"`{c.name}`")
+                set_clause = f" SET {', '.join(sets)}" if sets else ""
                 cur.execute(f"LOAD DATA LOCAL INFILE %s INTO TABLE `{table}` CHARACTER SET utf8mb4 "
-                            f"({', '.join(cols)})" + (f" SET {', '.join(sets)}" if sets else ""), (str(path),))
+                            f"({', '.join(cols)}){set_clause}", (str(path),))
             return time.monotonic() - started
     finally:
         conn.close()
@@ -572,9 +578,11 @@ def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConf
     if profile is not None:
         py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         profile.mkdir(parents=True, exist_ok=True)
-        spy = subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--subprocesses", "--rate", "50",
-                                "--format", "speedscope", "-o", str(profile / f"{config.label}.speedscope.json")],
-                               stdout=subprocess.DEVNULL, stderr=open(profile / "py-spy.log", "ab"))  # noqa: SIM115
+        out_file = profile / f"{config.label}.speedscope.json"
+        with open(profile / "py-spy.log", "ab") as spy_log:
+            spy = subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--subprocesses",
+                                    "--rate", "50", "--format", "speedscope", "-o", str(out_file)],
+                                   stdout=subprocess.DEVNULL, stderr=spy_log)
     out, _ = proc.communicate()
     sampler.done.set()
     sampler.join()
@@ -608,8 +616,8 @@ async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         options = PipelineOptions(max_events_per_round=spec["max_events_per_round"],
                                   apply_partitions=spec["apply_partitions"])
         pipeline = Pipeline(js, checkpoints, lambda: spark, options)
-        await pipeline.set_spans({Span.of(spec["changefeed"], SOURCE, DATABASE, t): SpanConfig(sink_url=spec["sink_url"])
-                                  for t in TABLES})
+        config = SpanConfig(sink_url=spec["sink_url"])
+        await pipeline.set_spans({Span.of(spec["changefeed"], SOURCE, DATABASE, t): config for t in TABLES})
         final_ts = spec["final_ts"]
         started = time.monotonic()
         rows = pull_s = 0.0
@@ -621,7 +629,8 @@ async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
                 raise RuntimeError(f"round {rounds} failed: {report.errors}")
             rows += report.rows_written
             pull_s += report.pull_s
-            if all(rt.checkpoint is not None and rt.checkpoint.ts >= final_ts for rt in pipeline.spans.values()):
+            spans = pipeline.spans.values()
+            if all(rt.checkpoint is not None and rt.checkpoint.ts >= final_ts for rt in spans):
                 break
             if time.monotonic() - started > 3600:
                 raise RuntimeError("the pipeline did not reach the final ts within an hour")
@@ -652,12 +661,14 @@ def print_report(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict
     insert_rate = final / insert_s if insert_s else None
     load_rate = final / load_s if load_s else None
     print()
-    print(f"workload: {work.rows:,} row changes ({work.ops['insert']:,} inserts, {work.ops['update']:,} updates "
+    print(f"workload: {work.rows:,} row changes ({work.ops['insert']:,} inserts, "
+          f"{work.ops['update']:,} updates "
           f"of which {work.ops['key_change']:,} change the key, {work.ops['delete']:,} deletes) in "
           f"{work.transactions:,} transactions, {len(work.messages):,} messages on {len(TABLES)} tables; "
           f"{final:,} final rows; published in {publish_s:.1f} s")
     print()
-    header = f"{'measure':<58} {'rows':>10} {'seconds':>8} {'rows/s':>9} {'/INSERT':>8} {'/LOAD':>7} {'s vs INSERT':>11}"
+    header = (f"{'measure':<58} {'rows':>10} {'seconds':>8} {'rows/s':>9} {'/INSERT':>8} {'/LOAD':>7} "
+              f"{'s vs INSERT':>11}")
     print(header)
     print("-" * len(header))
 
@@ -666,7 +677,8 @@ def print_report(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict
         vs_insert = f"{rate / insert_rate:.2f}" if insert_rate else "-"
         vs_load = f"{rate / load_rate:.2f}" if load_rate else "-"
         time_ratio = f"{seconds / insert_s:.2f}x" if insert_s else "-"
-        print(f"{label:<58} {rows:>10,} {seconds:>8.1f} {rate:>9,.0f} {vs_insert:>8} {vs_load:>7} {time_ratio:>11}")
+        print(f"{label:<58} {rows:>10,} {seconds:>8.1f} {rate:>9,.0f} {vs_insert:>8} {vs_load:>7} "
+              f"{time_ratio:>11}")
 
     for run in spark_runs:
         c = run.config
@@ -687,8 +699,10 @@ def print_report(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict
     for run in spark_runs:
         rate = work.rows / run.seconds
         if insert_rate and load_rate:
-            print(f"target ({run.config.label}): >= multi-row INSERT: {'met' if rate >= insert_rate else 'NOT met'}"
-                  f"; >= half of LOAD DATA: {'met' if rate >= load_rate / 2 else 'NOT met'}")
+            met_insert = "met" if rate >= insert_rate else "NOT met"
+            met_load = "met" if rate >= load_rate / 2 else "NOT met"
+            print(f"target ({run.config.label}): >= multi-row INSERT: {met_insert}; "
+                  f">= half of LOAD DATA: {met_load}")
 
 
 # --------------------------------------------------------------------------- main
