@@ -1,14 +1,27 @@
-"""Recording changefeed definitions in their domain stream (the api's command path uses this)."""
+"""Changefeeds: recording their definitions in the changefeeds domain stream (the api's
+command path uses this), folding that stream (``ChangefeedView``) and finding each running
+changefeed's spans in the ROWS stream (``discover_spans``). The scheduler decides where spans
+run from the same view and discovery as a standalone sink-worker runs them."""
 
 from __future__ import annotations
 
+import fnmatch
+from dataclasses import dataclass, field
 from typing import Literal
 
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from pydantic import BaseModel
 
-from contracts.events.changefeeds import ChangefeedCreatedV1, ChangefeedSpecV1, ChangefeedStateChangedV1
+from contracts.events.changefeeds import (
+    ChangefeedCreatedV1,
+    ChangefeedSpecV1,
+    ChangefeedStateChangedV1,
+    ChangefeedUpdatedV1,
+    TableFilterV1,
+)
 from libs.eventstore import EventStore
-from libs.streams import domain_events_subject, domain_stream, domain_subjects
+from libs.streams import ROWS_STREAM, domain_events_subject, domain_stream, domain_subjects, token
 
 DOMAIN = "changefeeds"
 
@@ -32,3 +45,83 @@ async def record_state(js: JetStreamContext, changefeed_id: str,
     event = ChangefeedStateChangedV1(id=changefeed_id, state=state,
                                      requested_by=requested_by, reason=reason)
     return await store.append(domain_events_subject(DOMAIN), event)
+
+
+@dataclass
+class ChangefeedView:
+    """The changefeeds as their event log says they are now."""
+
+    specs: dict[str, ChangefeedSpecV1] = field(default_factory=dict)
+    states: dict[str, str] = field(default_factory=dict)
+
+    def apply(self, event: BaseModel) -> bool:
+        """Fold one event; True when it changed anything the worker acts on."""
+        if isinstance(event, ChangefeedCreatedV1):
+            cf = event.spec.id
+            changed = self.specs.get(cf) != event.spec or self.states.get(cf) != "running"
+            self.specs[cf] = event.spec
+            self.states[cf] = "running"
+            return changed
+        if isinstance(event, ChangefeedUpdatedV1):
+            cf = event.spec.id
+            changed = self.specs.get(cf) != event.spec
+            self.specs[cf] = event.spec
+            self.states.setdefault(cf, "running")  # an update does not resume a paused feed
+            return changed
+        if isinstance(event, ChangefeedStateChangedV1):
+            changed = self.states.get(event.id) != event.state
+            self.states[event.id] = event.state
+            if event.state == "deleted":
+                self.specs.pop(event.id, None)
+            return changed
+        return False  # leader.elected, snapshots and other housekeeping
+
+    def running(self) -> list[ChangefeedSpecV1]:
+        return [spec for cf, spec in sorted(self.specs.items()) if self.states.get(cf) == "running"]
+
+
+def table_selected(flt: TableFilterV1, database: str, table: str) -> bool:
+    """A table is in when ``database.table`` matches an include glob and no exclude glob."""
+    name = f"{database}.{table}"
+    if not any(fnmatch.fnmatchcase(name, pattern) for pattern in flt.include):
+        return False
+    return not any(fnmatch.fnmatchcase(name, pattern) for pattern in flt.exclude)
+
+
+SpanKey = tuple[str, str, str, str]
+"""``(changefeed, source token, database token, table token)``."""
+
+
+@dataclass
+class Discovered:
+    spans: dict[SpanKey, ChangefeedSpecV1]
+    rows_stream_missing: bool = False
+
+
+async def discover_spans(js: JetStreamContext, specs: list[ChangefeedSpecV1],
+                         rows_stream: str = ROWS_STREAM) -> Discovered:
+    """The spans of ``specs``: the tables that have row or DDL subjects in the ROWS stream for
+    the changefeed's sources (``stream_info`` with a subject filter) and match its table filter
+    (matched on the subject tokens, which equal the names unless a name holds characters a
+    subject token cannot)."""
+    found = Discovered({})
+    subjects_by_source: dict[str, list[str]] = {}
+    for spec in specs:
+        for source in spec.sources:
+            src = token(source.id)
+            if src not in subjects_by_source:
+                try:
+                    info = await js.stream_info(rows_stream, subjects_filter=f"sluice.*.{src}.>")
+                except NotFoundError:
+                    found.rows_stream_missing = True
+                    subjects_by_source[src] = []
+                else:
+                    subjects_by_source[src] = sorted((info.state.subjects or {}).keys())
+            for subject in subjects_by_source[src]:
+                parts = subject.split(".")
+                if len(parts) != 5 or parts[1] not in ("rows", "ddl"):
+                    continue
+                database, table = parts[3], parts[4]
+                if table_selected(spec.filter, database, table):
+                    found.spans[(spec.id, src, database, table)] = spec
+    return found

@@ -8,10 +8,9 @@ characters a subject token cannot, come from the events themselves.
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 
-from contracts.events.changefeeds import KeyPolicy, TableFilterV1
+from contracts.events.changefeeds import KeyPolicy
 from contracts.events.rows import TableMetaV1
 from libs.streams import ddl_subject, rows_subject, token
 from services.sink_worker.sinks.base import TargetTable
@@ -61,14 +60,6 @@ def _kv_escape(value: str) -> str:
         else:
             out.extend(f"={b:02X}" for b in ch.encode())
     return "".join(out) or "=00"
-
-
-def table_selected(flt: TableFilterV1, database: str, table: str) -> bool:
-    """A table is in when ``database.table`` matches an include glob and no exclude glob."""
-    name = f"{database}.{table}"
-    if not any(fnmatch.fnmatchcase(name, pattern) for pattern in flt.include):
-        return False
-    return not any(fnmatch.fnmatchcase(name, pattern) for pattern in flt.exclude)
 
 
 class KeylessTableError(ValueError):

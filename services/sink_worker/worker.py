@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
 
@@ -29,59 +29,20 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
-from pydantic import BaseModel
 from pyspark.sql import SparkSession
 
 from contracts import REGISTRY, ContractError
-from contracts.events.changefeeds import (
-    ChangefeedCreatedV1,
-    ChangefeedSpecV1,
-    ChangefeedStateChangedV1,
-    ChangefeedUpdatedV1,
-)
+from libs.changefeeds import ChangefeedView, discover_spans
 from libs.config import Settings
 from libs.eventstore import dead_letter, ensure_deadletter_stream
-from libs.streams import CHECKPOINT_BUCKET, ROWS_STREAM, domain_events_subject, domain_stream, token
+from libs.streams import CHECKPOINT_BUCKET, ROWS_STREAM, domain_events_subject, domain_stream
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
-from services.sink_worker.span import Span, table_selected
+from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
 
 _PROGRESS_EVERY_S = 30.0
-
-
-@dataclass
-class ChangefeedView:
-    """The changefeeds as their event log says they are now."""
-
-    specs: dict[str, ChangefeedSpecV1] = field(default_factory=dict)
-    states: dict[str, str] = field(default_factory=dict)
-
-    def apply(self, event: BaseModel) -> bool:
-        """Fold one event; True when it changed anything the worker acts on."""
-        if isinstance(event, ChangefeedCreatedV1):
-            cf = event.spec.id
-            changed = self.specs.get(cf) != event.spec or self.states.get(cf) != "running"
-            self.specs[cf] = event.spec
-            self.states[cf] = "running"
-            return changed
-        if isinstance(event, ChangefeedUpdatedV1):
-            cf = event.spec.id
-            changed = self.specs.get(cf) != event.spec
-            self.specs[cf] = event.spec
-            self.states.setdefault(cf, "running")  # an update does not resume a paused feed
-            return changed
-        if isinstance(event, ChangefeedStateChangedV1):
-            changed = self.states.get(event.id) != event.state
-            self.states[event.id] = event.state
-            if event.state == "deleted":
-                self.specs.pop(event.id, None)
-            return changed
-        return False  # leader.elected, snapshots and other housekeeping
-
-    def running(self) -> list[ChangefeedSpecV1]:
-        return [spec for cf, spec in sorted(self.specs.items()) if self.states.get(cf) == "running"]
 
 
 @dataclass(frozen=True)
@@ -261,32 +222,12 @@ class SinkWorker:
 
     async def discover(self) -> dict[Span, SpanConfig]:
         """The spans of every running changefeed, from the ROWS stream's subjects."""
-        wanted: dict[Span, SpanConfig] = {}
-        subjects_by_source: dict[str, list[str]] = {}
-        for spec in self.view.running():
-            config = SpanConfig(sink_url=spec.sink_url, key_policy=spec.key_policy, start=spec.start)
-            for source in spec.sources:
-                src = token(source.id)
-                if src not in subjects_by_source:
-                    subjects_by_source[src] = await self._subjects(src)
-                for subject in subjects_by_source[src]:
-                    parts = subject.split(".")
-                    if len(parts) != 5 or parts[1] not in ("rows", "ddl"):
-                        continue
-                    database, table = parts[3], parts[4]
-                    if table_selected(spec.filter, database, table):
-                        wanted[Span(spec.id, src, database, table)] = config
+        found = await discover_spans(self.js, self.view.running(), self.rows_stream)
+        self.rows_stream_missing = found.rows_stream_missing
+        wanted = {Span(*key): SpanConfig(sink_url=spec.sink_url, key_policy=spec.key_policy, start=spec.start)
+                  for key, spec in found.spans.items()}
         await self.pipeline.set_spans(wanted)
         return wanted
-
-    async def _subjects(self, source_token: str) -> list[str]:
-        try:
-            info = await self.js.stream_info(self.rows_stream, subjects_filter=f"sluice.*.{source_token}.>")
-        except NotFoundError:
-            self.rows_stream_missing = True
-            return []
-        self.rows_stream_missing = False
-        return sorted((info.state.subjects or {}).keys())
 
     # ------------------------------------------------------------------ status
 
