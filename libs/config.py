@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     )
 
     # Scheduling (scheduler and replication-manager)
-    scheduler_interval_s: float = Field(1.0, gt=0, description="Scheduler round period (also runs on changes).")
+    scheduler_interval_s: float = Field(1.0, gt=0, description="Scheduler round period ; also on changes.")
     scheduler_balance_interval_s: float = Field(60.0, gt=0, description="Automatic balance period.")
     scheduler_max_task_concurrency: int = Field(10, ge=1, description="Moves in flight at most.")
     scheduler_add_batch_size: int = Field(50, ge=1, description="Spans added per scheduler round at most.")
@@ -57,13 +57,13 @@ class Settings(BaseSettings):
         2.0, gt=0, description="How often the scheduler looks for new tables of the changefeeds."
     )
     scheduler_task_timeout_s: float = Field(
-        30.0, gt=0, description="A task without a result from the replication-manager is planned again after this."
+        30.0, gt=0, description="An unanswered schedule task is planned again after this."
     )
-    replication_tick_s: float = Field(2.0, gt=0, description="How often unanswered dispatch steps are resent.")
+    replication_tick_s: float = Field(2.0, gt=0, description="Resend period of unanswered dispatches.")
     replication_checkpoint_interval_s: float = Field(
         1.0, gt=0, description="How often changefeed checkpoint advances are recorded at most."
     )
-    dispatch_timeout_s: float = Field(2.0, gt=0, description="How long a dispatch waits for the member's answer.")
+    dispatch_timeout_s: float = Field(2.0, gt=0, description="Wait for a dispatch answer.")
 
     # Spark
     spark_master: str = Field("local[*]", description="Spark master URL for the data path jobs.")

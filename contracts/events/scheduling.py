@@ -94,7 +94,7 @@ class DispatchRequestV1(BaseModel):
     span: SpanRefV1
     action: DispatchActionName
     checkpoint_ts: int = Field(ge=0)
-    epoch: int = Field(ge=1, description="The sending leader's epoch; older than the member's newest: refused.")
+    epoch: int = Field(ge=1, description="The sender's epoch; below the member's newest: refused.")
 
 
 @register("dispatch.answered", 1)
