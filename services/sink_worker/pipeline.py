@@ -205,6 +205,8 @@ class Pipeline:
         self.options = options or PipelineOptions()
         self.rows_stream = rows_stream
         self.spans: dict[Span, SpanRuntime] = {}
+        self.prepared: dict[Span, SpanRuntime] = {}
+        """Spans loaded by ``prepare`` that do not run (write) yet."""
         self.rounds = 0
         self.last_report: RoundReport | None = None
         # (sink url, schema, table) -> meta JSON the target was last brought to by this process.
@@ -213,14 +215,20 @@ class Pipeline:
     # ------------------------------------------------------------------ spans
 
     async def set_spans(self, wanted: dict[Span, SpanConfig]) -> None:
-        """Run exactly ``wanted`` from the next round on (checkpoints stay in the bucket)."""
+        """Run exactly ``wanted`` from the next round on (checkpoints stay in the bucket).
+
+        A wanted span that was prepared (``prepare``) starts with the prepared reader and its
+        read-ahead; its checkpoint is read from the bucket again at its first round, because
+        the previous owner went on writing while it prepared."""
         for span in [s for s in self.spans if s not in wanted]:
             await self.spans.pop(span).reader.close()
-            for gauge in (m.CHECKPOINT_LAG, m.RESOLVED_LAG, m.CHECKPOINT_TS):
-                with contextlib.suppress(KeyError):
-                    gauge.remove(span.changefeed, span.name)
+            self._forget_gauges(span)
         for span, config in wanted.items():
             rt = self.spans.get(span)
+            if rt is None and span in self.prepared:
+                rt = self.spans[span] = self.prepared.pop(span)
+                rt.checkpoint = rt.stored = None
+                rt.config = config
             if rt is None:
                 self.spans[span] = SpanRuntime(span, config, SpanReader(self.js, span, self.rows_stream))
             elif rt.config != config:
@@ -235,9 +243,69 @@ class Pipeline:
         for span, rt in self.spans.items():
             rt.shards = targets[(span.changefeed, span.database, span.table)]
 
+    def _forget_gauges(self, span: Span) -> None:
+        for gauge in (m.CHECKPOINT_LAG, m.RESOLVED_LAG, m.CHECKPOINT_TS):
+            with contextlib.suppress(KeyError):
+                gauge.remove(span.changefeed, span.name)
+
     async def close(self) -> None:
-        for rt in self.spans.values():
+        for rt in [*self.spans.values(), *self.prepared.values()]:
             await rt.reader.close()
+        self.prepared.clear()
+
+    # ------------------------------------------------------------------ two-phase scheduling
+
+    async def prepare(self, span: Span, config: SpanConfig) -> Checkpoint:
+        """First phase of taking a span over: load it without writing anything.
+
+        Reads the span's checkpoint (read-only: a span without one starts where its config
+        says, but nothing is stored until it runs), creates its consumer there and pulls the
+        first batch into the reader's read-ahead, so the span starts at once when it is
+        committed. Sorting waits for the span's first round: the previous owner keeps writing
+        meanwhile, so a batch sorted now would mostly be below the checkpoint by then. Safe to
+        run while a round is in progress (it touches only this span's reader). Returns the
+        checkpoint it prepared from."""
+        rt = self.prepared.get(span)
+        if rt is None:
+            rt = self.prepared[span] = SpanRuntime(span, config, SpanReader(self.js, span, self.rows_stream))
+        rt.config = config
+        start = await self.checkpoints.get(span)
+        mark = await latest_resolved(self.js, span.source, self.rows_stream)
+        if start is None:
+            if config.start == "latest" and mark is not None:
+                start = Checkpoint(mark.stream_seq, mark.ts)
+            else:
+                start = Checkpoint()
+        limit = max(1, self.options.max_events_per_round // (len(self.spans) + 1))
+        await rt.reader.pull((start.stream_seq, start.ts), limit, mark.stream_seq if mark else None)
+        rt.resolved_ts = mark.ts if mark else None
+        rt.checkpoint = start
+        return start
+
+    async def drop_prepared(self, span: Span) -> None:
+        rt = self.prepared.pop(span, None)
+        if rt is not None:
+            await rt.reader.close()
+
+    async def stop_span(self, span: Span) -> Checkpoint | None:
+        """Stop running ``span`` (between rounds): store its latest checkpoint, which covers
+        written batches only, and let it go. Returns that checkpoint: the next owner starts
+        there. A checkpoint that cannot be stored is not returned (the next owner re-applies
+        from the stored one, which is idempotent)."""
+        rt = self.spans.pop(span, None)
+        if rt is None:
+            return None
+        final = rt.stored
+        if rt.checkpoint is not None and rt.checkpoint != rt.stored:
+            try:
+                if await self._store(rt, rt.checkpoint):
+                    final = rt.checkpoint
+            except Exception:
+                log.warning("could not store the final checkpoint", exc_info=True,
+                            extra={"span": span.name})
+        await rt.reader.close()
+        self._forget_gauges(span)
+        return final
 
     def status(self) -> list[dict[str, Any]]:
         return [rt.status() for rt in sorted(self.spans.values(), key=lambda r: r.span)]
