@@ -1,0 +1,1 @@
+"""Shard DDL coordination."""
