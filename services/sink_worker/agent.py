@@ -1,0 +1,384 @@
+"""The sink-worker's agent: the member side of two-phase scheduling (TiCDC's Agent).
+
+It wraps ``libs.scheduling.MemberAgentState`` (what a member accepts and what its tables go
+through) and connects it to NATS and to the worker's pipeline:
+
+- heartbeats: every ``heartbeat_interval_s`` (and at once after any table transition or a new
+  leader's announce) a ``member.heartbeat`` on ``heartbeat_subject(member)`` with the member
+  id, this process' incarnation (a fresh uuid per start), its address, whether it drains or
+  leaves, the newest replication-manager epoch it has seen, a sequence number and every
+  span's state, checkpoint and resolved ts. The member service reads it as liveness, the
+  replication-manager as the member's complete report.
+- dispatches: request/reply on ``dispatch_subject(member)``. A dispatch for another
+  incarnation (meant for this member id's previous process) or from an epoch older than the
+  newest seen is refused and counted (``sluice_sink_dispatches_total{verdict}``,
+  ``sluice_sink_stale_epoch_rejections_total``). The answer carries the span's state right
+  after the dispatch; whatever happens later (prepared, stopped) goes out with the next
+  heartbeat, which is sent at once.
+- announces: ``replication.announce`` tells the agent about a new leader's epoch before its
+  first dispatch, so the old leader is fenced from then on and the new one gets a report of
+  its epoch (its rebuild waits for one from every member).
+
+The pipeline side, driven by the worker between rounds (``between_rounds``):
+
+- Preparing: ``Pipeline.prepare`` in a task of its own, concurrently with rounds (it only
+  reads); then Prepared, or Replicating at once when the add-commit came meanwhile.
+- Replicating: the span is in the pipeline's spans and written every round.
+- Stopping: removed from the pipeline between rounds (never while a round may be writing it),
+  its final checkpoint stored, then Stopped with that checkpoint: the next primary starts
+  exactly there.
+
+Draining (SIGTERM): the heartbeat says ``draining``; the scheduler moves the spans away while
+the worker keeps replicating them; the worker stops the rest when the drain time is up and
+sends a last heartbeat with ``leaving`` so the member service records it as gone at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from prometheus_client import Counter, Gauge
+
+from contracts import REGISTRY, ContractError
+from contracts.events.scheduling import (
+    DispatchRequestV1,
+    DispatchResponseV1,
+    MemberHeartbeatV1,
+    ReplicationAnnounceV1,
+)
+from libs.changefeeds import ChangefeedView
+from libs.control.convert import dispatch_of, status_ref
+from libs.scheduling import AgentOutcome, AgentVerdict, MemberAgentState, TableState, TableStatus
+from libs.scheduling import Span as SchedSpan
+from libs.streams import LEADER_BUCKET, announce_subject, dispatch_subject, heartbeat_subject
+from libs.telemetry.tracing import process_span
+from services.sink_worker.pipeline import Pipeline, SpanConfig
+from services.sink_worker.span import Span
+
+log = logging.getLogger(__name__)
+
+REPLICATION = "replication"
+# The replication-manager's lease key in the leader bucket (its service name).
+_RM_LEASE_KEY = "replication-manager"
+
+DISPATCHES = Counter("sluice_sink_dispatches", "Dispatches this member answered, by action and verdict.",
+                     ["action", "verdict"])
+STALE_REJECTIONS = Counter("sluice_sink_stale_epoch_rejections",
+                           "Dispatches and announces refused because a newer leader epoch was seen.")
+AGENT_TABLES = Gauge("sluice_sink_agent_tables", "Spans this member holds, by agent state.", ["state"])
+SEEN_EPOCH = Gauge("sluice_sink_seen_epoch", "Newest replication-manager epoch this member has seen.")
+
+
+def sched_span(span: Span) -> SchedSpan:
+    return SchedSpan(span.changefeed, span.source, span.database, span.table)
+
+
+def sink_span(span: SchedSpan) -> Span:
+    # Both are (changefeed, source token, database token, table token).
+    return Span(span.changefeed, span.source, span.database, span.table)
+
+
+def config_of(view: ChangefeedView, changefeed: str) -> SpanConfig | None:
+    spec = view.specs.get(changefeed)
+    if spec is None:
+        return None
+    return SpanConfig(sink_url=spec.sink_url, key_policy=spec.key_policy, start=spec.start)
+
+
+async def current_epoch(js: JetStreamContext, key: str = _RM_LEASE_KEY) -> int:
+    """The replication-manager leader's epoch from its lease, or 0. A restarted member starts
+    from it, so a deposed leader cannot get a dispatch accepted before the member hears from
+    the current one."""
+    try:
+        kv = await js.key_value(LEADER_BUCKET)
+        entry = await kv.get(key)
+        body = json.loads(entry.value or b"{}")
+        return int(body.get("epoch") or 0) or int(entry.revision or 0)
+    except Exception:
+        return 0
+
+
+class WriterLog:
+    """JSON lines, one per span and round that wrote downstream: who wrote which ts range when.
+    An audit trail (and how the tests prove that no two members write one span at once)."""
+
+    def __init__(self, path: str | None, member: str, incarnation: str) -> None:
+        self.path = Path(path) if path else None
+        self.member = member
+        self.incarnation = incarnation
+
+    def wrote(self, span: SchedSpan, from_ts: int, to_ts: int, rows: int, t0: float, t1: float) -> None:
+        if self.path is None:
+            return
+        line = json.dumps({"member": self.member, "incarnation": self.incarnation, "span": span.key,
+                           "from_ts": from_ts, "to_ts": to_ts, "rows": rows, "t0": t0, "t1": t1})
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+class SinkAgent:
+    def __init__(self, nc: Client, *, member_id: str, address: str, heartbeat_interval_s: float,
+                 wake: asyncio.Event | None = None, writer_log: str | None = None,
+                 producer: str = "") -> None:
+        self.nc = nc
+        self.member_id = member_id
+        self.incarnation = uuid4().hex
+        self.address = address
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.wake = wake or asyncio.Event()
+        """Set when the worker should run ``between_rounds`` soon (the worker replaces it)."""
+        self.producer = producer or f"sink-worker/{member_id}"
+        # Wall-clock nanoseconds: a process restarting under the same id starts above its
+        # previous life's sequence numbers.
+        self.state = MemberAgentState(member_id, seq_start=time.time_ns())
+        self.draining = False
+        self.leaving = False
+        self.writer_log = WriterLog(writer_log, member_id, self.incarnation)
+        self._beat_now = asyncio.Event()
+        self._subs: list[Subscription] = []
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._preparing: dict[SchedSpan, asyncio.Task[None]] = {}
+        self.warm: Callable[[], Awaitable[None]] | None = None
+        """Awaited before a span is declared Prepared: whatever the first write needs that is
+        slow to start (the worker starts Spark there), so a committed span writes at once."""
+        self.status_sink: dict[str, Any] | None = None
+        """Where ``status()`` is published with every heartbeat (the service's /healthz dict):
+        a round can take seconds, the agent's state should not look that old."""
+        self.span_stopped = asyncio.Event()
+        """Set whenever a span stops here (the drain waits on it)."""
+        self.heartbeats_sent = 0
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        self.state.newest_epoch = max(self.state.newest_epoch, await current_epoch(self.nc.jetstream()))
+        SEEN_EPOCH.set(self.state.newest_epoch)
+        self._subs.append(await self.nc.subscribe(dispatch_subject(self.member_id), cb=self._on_dispatch))
+        self._subs.append(await self.nc.subscribe(announce_subject(REPLICATION), cb=self._on_announce))
+        self._heartbeat = asyncio.create_task(self._heartbeats(), name="heartbeats")
+        log.info("member agent started", extra={"member": self.member_id, "incarnation": self.incarnation,
+                                                "epoch": self.state.newest_epoch})
+
+    async def close(self) -> None:
+        """Last heartbeat (``leaving`` when the worker has stopped every span), then quiet."""
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        for task in self._preparing.values():
+            task.cancel()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(BaseException):
+                await self._heartbeat
+        with contextlib.suppress(Exception):
+            await self._send_heartbeat()
+            await self.nc.flush(timeout=2)
+
+    def start_draining(self) -> None:
+        if not self.draining:
+            self.draining = True
+            log.info("draining: asking for my spans to move elsewhere", extra={"member": self.member_id})
+            self._beat_now.set()
+
+    def holds_spans(self) -> bool:
+        return any(t.state is not TableState.STOPPED for t in self.state.tables.values())
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def heartbeat(self) -> MemberHeartbeatV1:
+        report = self.state.collect_report()
+        return MemberHeartbeatV1(member_id=self.member_id, incarnation=self.incarnation, address=self.address,
+                                 draining=self.draining, leaving=self.leaving, epoch=report.epoch,
+                                 seq=report.seq or 0, tables=[status_ref(t) for t in report.tables])
+
+    async def _send_heartbeat(self) -> None:
+        hb = self.heartbeat()
+        await self.nc.publish(heartbeat_subject(self.member_id), REGISTRY.encode(hb, producer=self.producer))
+        self.heartbeats_sent += 1
+        if self.status_sink is not None:
+            self.status_sink["agent"] = self.status()
+        counts: dict[str, int] = {s.value: 0 for s in TableState}
+        for t in hb.tables:
+            counts[t.state] += 1
+        for state, n in counts.items():
+            AGENT_TABLES.labels(state).set(n)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            try:
+                await self._send_heartbeat()
+            except Exception:
+                log.warning("heartbeat failed", exc_info=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_interval_s)
+            self._beat_now.clear()
+
+    def beat_now(self) -> None:
+        self._beat_now.set()
+
+    # ------------------------------------------------------------------ NATS handlers
+
+    async def _on_announce(self, msg: Msg) -> None:
+        try:
+            decoded = REGISTRY.decode(msg.data)
+        except ContractError:
+            return
+        ev = decoded.event
+        if not isinstance(ev, ReplicationAnnounceV1):
+            return
+        before = self.state.newest_epoch
+        if not self.state.observe_epoch(ev.epoch):
+            STALE_REJECTIONS.inc()
+            return
+        if ev.epoch > before:
+            SEEN_EPOCH.set(ev.epoch)
+            log.info("new replication-manager leader", extra={"epoch": ev.epoch, "leader": ev.candidate})
+            self._beat_now.set()  # its rebuild waits for a report of its epoch
+
+    async def _on_dispatch(self, msg: Msg) -> None:
+        with process_span(msg.subject, msg.headers):
+            try:
+                decoded = REGISTRY.decode(msg.data)
+                req = decoded.event
+                if not isinstance(req, DispatchRequestV1):
+                    raise ContractError("unknown_type", f"{decoded.envelope.type} is not a dispatch")
+            except ContractError as exc:
+                log.warning("undecodable dispatch", extra={"reason": str(exc)})
+                return
+            d = dispatch_of(req)
+            if req.incarnation != self.incarnation:
+                # Meant for this member id's previous process: nothing here may act on it.
+                refused = AgentOutcome(AgentVerdict.WRONG_MEMBER, (), self.state.status(d.span))
+                verdict, status = refused.verdict, refused.status
+                seq = self.state.reply(refused).seq or 0
+            else:
+                outcome = self.state.handle_dispatch(d)
+                verdict, status = outcome.verdict, outcome.status
+                seq = self.state.reply(outcome).seq or 0
+                if outcome.transitions:
+                    self.wake.set()
+            DISPATCHES.labels(req.action, verdict.value).inc()
+            if verdict is AgentVerdict.STALE_EPOCH:
+                STALE_REJECTIONS.inc()
+                log.warning("refused a dispatch of a deposed leader", extra={
+                    "span": d.span.key, "action": req.action, "epoch": req.epoch,
+                    "newest_epoch": self.state.newest_epoch})
+            else:
+                SEEN_EPOCH.set(self.state.newest_epoch)
+                log.info("dispatch", extra={"span": d.span.key, "action": req.action, "epoch": req.epoch,
+                                            "verdict": verdict.value, "state": status.state.value})
+            answer = DispatchResponseV1(member_id=self.member_id, incarnation=self.incarnation,
+                                        verdict=verdict.value, epoch=self.state.newest_epoch, seq=seq,
+                                        status=status_ref(status))
+            if msg.reply:
+                await msg.respond(REGISTRY.encode(answer, producer=self.producer))
+
+    # ------------------------------------------------------------------ pipeline side
+
+    async def between_rounds(self, pipeline: Pipeline, view: ChangefeedView) -> dict[Span, SpanConfig]:
+        """Carry out what dispatches asked for since the last round; returns the spans the next
+        round writes (those Replicating) with their config."""
+        changed = False
+        for span, table in list(self.state.tables.items()):
+            if table.state is TableState.STOPPING:
+                await self._stop(pipeline, span)
+                changed = True
+            elif table.state is TableState.PREPARING and span not in self._preparing:
+                config = config_of(view, span.changefeed)
+                if config is None:
+                    continue  # the changefeed is not folded yet; try after the next round
+                task = asyncio.create_task(self._prepare(pipeline, span, config), name=f"prepare {span.key}")
+                self._preparing[span] = task
+        if changed:
+            self._beat_now.set()
+        wanted: dict[Span, SpanConfig] = {}
+        for span, table in self.state.tables.items():
+            if table.state is not TableState.REPLICATING:
+                continue
+            s = sink_span(span)
+            running = pipeline.spans.get(s)
+            config = config_of(view, span.changefeed) or (running.config if running is not None else None)
+            if config is not None:
+                wanted[s] = config
+        return wanted
+
+    async def _prepare(self, pipeline: Pipeline, span: SchedSpan, config: SpanConfig) -> None:
+        try:
+            start = await pipeline.prepare(sink_span(span), config)
+            if self.warm is not None:
+                await self.warm()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("preparing a span failed; giving it up", extra={"span": span.key})
+            self.state.abandon(span)
+        else:
+            self.state.prepared(span)
+            log.info("span prepared", extra={"span": span.key, "checkpoint_ts": start.ts,
+                                             "stream_seq": start.stream_seq,
+                                             "state": self.state.state_of(span).value})
+        finally:
+            self._preparing.pop(span, None)
+        self.wake.set()
+        self._beat_now.set()
+
+    async def _stop(self, pipeline: Pipeline, span: SchedSpan) -> None:
+        task = self._preparing.pop(span, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        s = sink_span(span)
+        await pipeline.drop_prepared(s)
+        final = await pipeline.stop_span(s)
+        self.state.stopped(span, final.ts if final is not None else None)
+        self.span_stopped.set()
+        log.info("span stopped", extra={"span": span.key,
+                                        "checkpoint_ts": final.ts if final is not None else None})
+
+    async def stop_all(self, pipeline: Pipeline) -> None:
+        """The worker is leaving: every span stops (a clean exit tells the leader so at once)."""
+        for span, table in list(self.state.tables.items()):
+            if table.state in (TableState.PREPARING, TableState.PREPARED, TableState.REPLICATING):
+                self.state.abandon(span)
+            if self.state.state_of(span) is TableState.STOPPING:
+                await self._stop(pipeline, span)
+
+    def after_round(self, pipeline: Pipeline, before: Mapping[Span, tuple[int, int]], t0: float,
+                    t1: float) -> None:
+        """Progress of the spans that ran: reported in the next heartbeat, and written rounds
+        go to the writer log. ``before``: each span's (checkpoint ts, rows written) before."""
+        for s, rt in pipeline.spans.items():
+            span = sched_span(s)
+            if rt.checkpoint is not None:
+                self.state.update_progress(span, rt.checkpoint.ts, rt.resolved_ts)
+            prev_ts, prev_rows = before.get(s, (0, rt.rows_written))
+            if rt.rows_written > prev_rows and rt.checkpoint is not None:
+                self.writer_log.wrote(span, prev_ts, rt.checkpoint.ts, rt.rows_written - prev_rows, t0, t1)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "member_id": self.member_id, "incarnation": self.incarnation,
+            "epoch": self.state.newest_epoch, "draining": self.draining,
+            "rejected_stale": self.state.rejected_stale,
+            "tables": {span.key: _table(t) for span, t in sorted(self.state.tables.items())},
+        }
+
+
+def _table(t: Any) -> dict[str, Any]:
+    status: TableStatus = t.status()
+    return {"state": status.state.value, "checkpoint_ts": status.checkpoint_ts,
+            "resolved_ts": status.resolved_ts}
