@@ -1,7 +1,9 @@
 """Entry point: ``python -m services.sink_worker`` (the ``sluice-sink-worker`` script).
 
 The worker's state is in its health status (``GET /healthz``: changefeeds, spans with their
-checkpoint, resolved ts and lag, the last round) and its Prometheus metrics (``sluice_sink_*``).
+checkpoint, resolved ts and lag, the last round, and with the control plane the agent: member
+id, incarnation, epoch seen, every dispatched span's state) and its Prometheus metrics
+(``sluice_sink_*``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 
 from libs.service import ServiceRuntime, run_service
 from libs.spark import get_spark, stop_spark
+from services.sink_worker.agent import SinkAgent
 from services.sink_worker.worker import SinkWorker
 
 log = logging.getLogger(__name__)
@@ -18,8 +21,15 @@ log = logging.getLogger(__name__)
 
 async def run(runtime: ServiceRuntime) -> None:
     settings = runtime.settings
+    agent = None
+    if not settings.sink_standalone:
+        agent = SinkAgent(runtime.nc, member_id=settings.instance_id,
+                          address=f"http://{settings.http_host}:{runtime.port}",
+                          heartbeat_interval_s=settings.heartbeat_interval_s,
+                          writer_log=settings.sink_writer_log, producer=runtime.producer)
+        runtime.add_ready_check("heartbeats", lambda: agent is not None and agent.heartbeats_sent > 0)
     worker = SinkWorker(runtime.nc.jetstream(), settings, runtime.stopping,
-                        lambda: get_spark(settings), status=runtime.status)
+                        lambda: get_spark(settings), status=runtime.status, agent=agent)
     runtime.add_ready_check("changefeeds", lambda: worker.changefeeds_replayed)
     try:
         await worker.run()

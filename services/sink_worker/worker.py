@@ -1,17 +1,24 @@
-"""The sink-worker: follows the changefeeds, finds their spans, runs the table pipelines.
+"""The sink-worker: follows the changefeeds, runs the table pipelines of its spans.
 
 - Changefeeds: the worker replays the changefeeds domain stream from its start (an ordered
-  consumer: every event once, in order) and keeps following it. Only ``running`` changefeeds
-  get pipelines; a paused or deleted one stops at its checkpoints, which stay in the bucket.
-- Spans: until the scheduler dispatches spans to members (a later issue), every worker runs
-  every span of every running changefeed. They are the tables that have row or DDL subjects in
-  the ROWS stream for the changefeed's sources (``stream_info`` with a subject filter) and match
-  its table filter (matched on the subject tokens, which equal the names unless a name holds
-  characters a subject token cannot).
+  consumer: every event once, in order) and keeps following it; span configs (sink, key
+  policy, start) come from there.
+- Spans, with the control plane (the default): the worker is a member. Its agent
+  (``services.sink_worker.agent``) heartbeats, answers dispatches of the replication-manager
+  and runs exactly the spans dispatched to it: prepared (loaded, not written) as a
+  secondary, written as the primary, stopped and handed over with its final checkpoint.
+  Between two rounds the worker carries out what the dispatches asked for; a span is never
+  stopped in the middle of a round that may be writing it.
+- Spans, standalone (``SLUICE_SINK_STANDALONE=true``, one worker, no control plane): every
+  span of every running changefeed. They are the tables that have row or DDL subjects in the
+  ROWS stream for the changefeed's sources and match its table filter (``discover_spans``).
 - Rounds: ``Pipeline.round`` back to back while there is work, pausing ``round_interval_s``
   when a round found nothing to apply. Spark starts on the first round with events.
-- Stop: the current round finishes within the grace period or is abandoned without advancing
-  any checkpoint for what it did not write.
+- Stop (SIGTERM): with the control plane the worker first drains: it says so in its heartbeat,
+  keeps replicating while the scheduler moves its spans elsewhere, and after
+  ``sink_drain_timeout_s`` at most stops what is left and leaves with a last heartbeat. Then
+  (also standalone) the current round finishes within the grace period or is abandoned
+  without advancing any checkpoint for what it did not write.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from libs.changefeeds import ChangefeedView, discover_spans
 from libs.config import Settings
 from libs.eventstore import dead_letter, ensure_deadletter_stream
 from libs.streams import CHECKPOINT_BUCKET, ROWS_STREAM, domain_events_subject, domain_stream
+from services.sink_worker.agent import SinkAgent
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
 from services.sink_worker.span import Span
@@ -61,10 +69,13 @@ class SinkWorker:
                  spark: Callable[[], SparkSession], *, status: dict[str, Any] | None = None,
                  rows_stream: str = ROWS_STREAM, changefeeds_domain: str = "changefeeds",
                  checkpoint_bucket: str = CHECKPOINT_BUCKET, options: WorkerOptions | None = None,
-                 pipeline_options: PipelineOptions | None = None) -> None:
+                 pipeline_options: PipelineOptions | None = None, agent: SinkAgent | None = None) -> None:
         self.js = js
         self.settings = settings
         self.stopping = stopping
+        self.agent = agent
+        # Rounds end on `halt`: at once standalone; with an agent only after the drain.
+        self._halt = asyncio.Event() if agent is not None else stopping
         self._spark_factory = spark
         self.spark_started = False
         self.status = status if status is not None else {}
@@ -76,6 +87,11 @@ class SinkWorker:
         self.changefeeds_replayed = False
         self._folded_seq = 0
         self._view_changed = asyncio.Event()
+        if agent is not None:
+            agent.wake = self._view_changed
+            agent.warm = self._warm_spark
+            agent.status_sink = self.status
+        self._spark_warming: asyncio.Task[SparkSession] | None = None
         self.checkpoints = CheckpointStore(js, checkpoint_bucket, replicas=settings.stream_replicas)
         self.pipeline = Pipeline(js, self.checkpoints, self._spark,
                                  pipeline_options or PipelineOptions.from_settings(settings), rows_stream)
@@ -89,25 +105,64 @@ class SinkWorker:
         self.spark_started = True
         return session
 
+    async def _warm_spark(self) -> None:
+        """Start Spark (seconds of JVM start) while a span prepares rather than in its first
+        round: the previous owner keeps writing meanwhile (two-phase scheduling's point)."""
+        task = self._spark_warming
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._spark_warming = asyncio.ensure_future(asyncio.to_thread(self._spark))
+        await asyncio.shield(task)
+
     # ------------------------------------------------------------------ main
 
     async def run(self) -> None:
         await ensure_deadletter_stream(self.js, self.settings)
         await self.checkpoints.open()
         follower = asyncio.create_task(self._follow_changefeeds(), name="changefeeds")
+        drain: asyncio.Task[None] | None = None
+        if self.agent is not None:
+            await self.agent.start()
+            drain = asyncio.create_task(self._drain_on_stop(), name="drain")
         try:
             await self._rounds()
         finally:
-            follower.cancel()
-            with contextlib.suppress(BaseException):
-                await follower
+            for task in (follower, drain):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+            if self.agent is not None:
+                # Stop what did not move: checkpoints stored, then the last heartbeat says the
+                # member has left, so its spans are scheduled elsewhere without waiting a TTL.
+                await self.agent.stop_all(self.pipeline)
+                self.agent.leaving = True
             await self.pipeline.flush_checkpoints()
             await self.pipeline.close()
+            if self.agent is not None:
+                await self.agent.close()
             self._publish_status()
 
+    async def _drain_on_stop(self) -> None:
+        """On SIGTERM: drain (spans move elsewhere while still replicating here), bounded."""
+        assert self.agent is not None
+        await self.stopping.wait()
+        self.agent.start_draining()
+        deadline = time.monotonic() + self.settings.sink_drain_timeout_s
+        while self.agent.holds_spans() and time.monotonic() < deadline:
+            self.agent.span_stopped.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.agent.span_stopped.wait(), deadline - time.monotonic())
+        if self.agent.holds_spans():
+            log.warning("drain time is up; stopping the spans that did not move",
+                        extra={"spans": sorted(s.key for s in self.agent.state.tables)})
+        else:
+            log.info("drained: every span runs elsewhere")
+        self._halt.set()
+
     async def _pause(self, seconds: float) -> None:
-        """Wait ``seconds``, or less when the worker stops or the changefeeds change."""
-        stop = asyncio.ensure_future(self.stopping.wait())
+        """Wait ``seconds``, or less when the worker stops, the changefeeds change or a dispatch
+        asks for something."""
+        stop = asyncio.ensure_future(self._halt.wait())
         change = asyncio.ensure_future(self._view_changed.wait())
         try:
             await asyncio.wait({stop, change}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
@@ -117,9 +172,16 @@ class SinkWorker:
 
     async def _rounds(self) -> None:
         failures = 0
-        while not self.stopping.is_set():
+        while not self._halt.is_set():
             now = time.monotonic()
-            if self._view_changed.is_set() or now - self._last_discovery >= self.options.discovery_interval_s:
+            if self.agent is not None:
+                self._view_changed.clear()
+                try:
+                    await self.pipeline.set_spans(await self.agent.between_rounds(self.pipeline, self.view))
+                except Exception:
+                    log.warning("carrying out dispatches failed", exc_info=True)
+            elif (self._view_changed.is_set()
+                  or now - self._last_discovery >= self.options.discovery_interval_s):
                 self._view_changed.clear()
                 try:
                     await self.discover()
@@ -130,14 +192,19 @@ class SinkWorker:
                 self._publish_status()
                 await self._pause(self.options.round_interval_s)
                 continue
+            before = {s: (rt.checkpoint.ts if rt.checkpoint else 0, rt.rows_written)
+                      for s, rt in self.pipeline.spans.items()}
+            t0 = time.time()
             try:
-                report = await self.pipeline.round(self.stopping)
+                report = await self.pipeline.round(self._halt)
                 failures = 0
             except Exception as exc:
                 failures += 1
                 log.exception("round failed")
                 self.status["last_error"] = repr(exc)
                 report = RoundReport(errors=[repr(exc)])
+            if self.agent is not None:
+                self.agent.after_round(self.pipeline, before, t0, time.time())
             self._publish_status()
             self._log_progress(report)
             if report.abandoned:
@@ -150,7 +217,7 @@ class SinkWorker:
     # ------------------------------------------------------------------ changefeeds
 
     async def _follow_changefeeds(self) -> None:
-        while not self.stopping.is_set():
+        while not self._halt.is_set():
             try:
                 await self._follow_once()
             except asyncio.CancelledError:
@@ -187,7 +254,7 @@ class SinkWorker:
                                                      "replay_end": replay_end})
         sub = await self.js.pull_subscribe_bind(name, stream=self.changefeeds_stream)
         try:
-            while not self.stopping.is_set():
+            while not self._halt.is_set():
                 try:
                     msgs = await sub.fetch(64, timeout=1.0)
                 except (TimeoutError, NatsTimeoutError):
