@@ -90,7 +90,7 @@ class Settings(BaseSettings):
         False, description="Run every span of every running changefeed without the control plane."
     )
     sink_drain_timeout_s: float = Field(
-        7.0, gt=0, description="On SIGTERM, how long a worker waits for its spans to move elsewhere."
+        5.0, gt=0, description="On SIGTERM, how long a worker waits for its spans to move elsewhere."
     )
     sink_writer_log: str | None = Field(
         None, description="Append one JSON line per span and round that wrote downstream (audit)."

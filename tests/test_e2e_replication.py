@@ -35,9 +35,11 @@ def _capture(env: dict[str, str], logs: Path, source: MariaDB, source_id: str, d
 
 
 def _worker(env: dict[str, str], logs: Path, name: str) -> ServiceProcess:
+    # Standalone: these tests are about the data path (one worker runs every span); the control
+    # plane's own process tests are in test_control_plane.py.
     return ServiceProcess("services.sink_worker", {
         **env, "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-        "SLUICE_SPARK_DRIVER_MEMORY": "1g",
+        "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_SINK_STANDALONE": "true",
     }, logs, instance_id=name).start()
 
 

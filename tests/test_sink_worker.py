@@ -110,7 +110,8 @@ async def test_worker_process_follows_changefeeds_and_stops_cleanly(
     resolved = await src.resolve()
 
     env = {**service_env, "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-           "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_LOG_JSON": "false"}
+           "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_LOG_JSON": "false",
+           "SLUICE_SINK_STANDALONE": "true"}  # one worker, every span: no control plane here
     proc = ServiceProcess("services.sink_worker", env, tmp_path / "logs").start()
     try:
         proc.wait_healthy(timeout=60)

@@ -34,6 +34,11 @@ class LocalSystem:
     lease_ttl_s: float = 3.0
     with_api: bool = True
     capture_start: Literal["earliest", "current"] = "current"
+    standalone_workers: bool = True
+    """Workers run every span themselves (``SLUICE_SINK_STANDALONE``); False: the control
+    plane (member, scheduler, replication-manager) distributes the spans over them."""
+    worker_env: dict[str, str] = field(default_factory=dict)
+    control_env: dict[str, str] = field(default_factory=dict)
     nats: NatsServer | None = None
     source_dbs: list[MariaDB] = field(default_factory=list)
     downstream_db: MariaDB | PostgreSQL | None = None
@@ -90,11 +95,20 @@ class LocalSystem:
             })
         for service in CONTROL_SERVICES:
             for r in range(self.control_replicas):
-                self._start(f"{service.replace('_', '-')}-{r + 1}", f"services.{service}")
+                self.start_control(service, r + 1)
         for w in range(self.workers):
-            self._start(f"sink-worker-{w + 1}", "services.sink_worker")
+            self.start_worker(w + 1)
         if self.with_api:
             self._start("api-1", "services.api")
+
+    def start_control(self, service: str, replica: int) -> ServiceProcess:
+        """(Re)start one replica of a leader-elected control service."""
+        return self._start(f"{service.replace('_', '-')}-{replica}", f"services.{service}", self.control_env)
+
+    def start_worker(self, n: int) -> ServiceProcess:
+        """(Re)start sink-worker ``n`` (its member id is its process name)."""
+        env = {"SLUICE_SINK_STANDALONE": str(self.standalone_workers).lower(), **self.worker_env}
+        return self._start(f"sink-worker-{n}", "services.sink_worker", env)
 
     def wait_healthy(self, timeout: float = 90) -> None:
         for proc in self.processes.values():
