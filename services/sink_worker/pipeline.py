@@ -282,6 +282,17 @@ class Pipeline:
         rt.checkpoint = start
         return start
 
+    async def load_checkpoints(self) -> dict[Span, Checkpoint]:
+        """Load the checkpoint of every span that has none yet (as the next round would):
+        where each newly started span begins. The worker records it for the hand-over audit."""
+        loaded: dict[Span, Checkpoint] = {}
+        for rt in self.spans.values():
+            if rt.checkpoint is None:
+                await self._load(rt)
+                if rt.checkpoint is not None:
+                    loaded[rt.span] = rt.checkpoint
+        return loaded
+
     async def drop_prepared(self, span: Span) -> None:
         rt = self.prepared.pop(span, None)
         if rt is not None:
