@@ -34,6 +34,7 @@ class LocalSystem:
     lease_ttl_s: float = 3.0
     with_api: bool = True
     capture_start: Literal["earliest", "current"] = "current"
+    control_services: tuple[str, ...] = CONTROL_SERVICES
     standalone_workers: bool = True
     """Workers run every span themselves (``SLUICE_SINK_STANDALONE``); False: the control
     plane (member, scheduler, replication-manager) distributes the spans over them."""
@@ -93,7 +94,7 @@ class LocalSystem:
                 "SLUICE_SOURCE_URL": f"{db.url}?start={self.capture_start}",
                 "SLUICE_SOURCE_SERVER_ID": str(4100 + i),
             })
-        for service in CONTROL_SERVICES:
+        for service in self.control_services:
             for r in range(self.control_replicas):
                 self.start_control(service, r + 1)
         for w in range(self.workers):

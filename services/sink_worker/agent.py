@@ -119,13 +119,24 @@ class WriterLog:
         self.member = member
         self.incarnation = incarnation
 
-    def wrote(self, span: SchedSpan, from_ts: int, to_ts: int, rows: int, t0: float, t1: float) -> None:
+    def _line(self, **fields: Any) -> None:
         if self.path is None:
             return
-        line = json.dumps({"member": self.member, "incarnation": self.incarnation, "span": span.key,
-                           "from_ts": from_ts, "to_ts": to_ts, "rows": rows, "t0": t0, "t1": t1})
+        line = json.dumps({"member": self.member, "incarnation": self.incarnation, **fields})
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
+
+    def wrote(self, span: SchedSpan, from_ts: int, to_ts: int, rows: int, t0: float, t1: float) -> None:
+        """A round that started at ``t0`` and ended at ``t1`` wrote ``span`` from ``from_ts``."""
+        self._line(event="wrote", span=span.key, from_ts=from_ts, to_ts=to_ts, rows=rows, t0=t0, t1=t1)
+
+    def started(self, span: SchedSpan, checkpoint_ts: int) -> None:
+        """This member runs ``span`` from ``checkpoint_ts`` (before its first round)."""
+        self._line(event="started", span=span.key, checkpoint_ts=checkpoint_ts, t=time.time())
+
+    def stopped(self, span: SchedSpan, checkpoint_ts: int | None) -> None:
+        """This member stopped ``span`` and will write nothing more: the hand-over point."""
+        self._line(event="stopped", span=span.key, checkpoint_ts=checkpoint_ts, t=time.time())
 
 
 class SinkAgent:
@@ -345,6 +356,7 @@ class SinkAgent:
         await pipeline.drop_prepared(s)
         final = await pipeline.stop_span(s)
         self.state.stopped(span, final.ts if final is not None else None)
+        self.writer_log.stopped(span, final.ts if final is not None else None)
         self.span_stopped.set()
         log.info("span stopped", extra={"span": span.key,
                                         "checkpoint_ts": final.ts if final is not None else None})
@@ -356,6 +368,11 @@ class SinkAgent:
                 self.state.abandon(span)
             if self.state.state_of(span) is TableState.STOPPING:
                 await self._stop(pipeline, span)
+
+    def started(self, loaded: Mapping[Span, Any]) -> None:
+        """Spans that start running here now, with the checkpoint they start from."""
+        for s, checkpoint in loaded.items():
+            self.writer_log.started(sched_span(s), int(checkpoint.ts))
 
     def after_round(self, pipeline: Pipeline, before: Mapping[Span, tuple[int, int]], t0: float,
                     t1: float) -> None:

@@ -192,6 +192,11 @@ class SinkWorker:
                 self._publish_status()
                 await self._pause(self.options.round_interval_s)
                 continue
+            if self.agent is not None:
+                try:
+                    self.agent.started(await self.pipeline.load_checkpoints())
+                except Exception:
+                    log.warning("loading checkpoints failed", exc_info=True)
             before = {s: (rt.checkpoint.ts if rt.checkpoint else 0, rt.rows_written)
                       for s, rt in self.pipeline.spans.items()}
             t0 = time.time()
