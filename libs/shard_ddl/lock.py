@@ -47,7 +47,9 @@ Decisions (where DM is silent or we differ):
   stay expected and get the decided operation when they come, unless their DDLs differ from
   the lock's, which is a new conflict for the operator to see.
 - **Force-remove** forgets the instance and sends nothing; shards still blocked re-send their
-  Info after their timeout and a fresh instance forms.
+  Info after their timeout and a fresh instance forms. Shards already settled (told to skip
+  after the exec) keep their watermark. Refused while an exec is in flight: its owner could
+  still execute and pass the DDL after the lock is gone.
 - **Group changes.** The lock's expected shards are the group when it was created, minus
   shards that left (table dropped, span removed, changefeed paused), plus any shard that sends
   an Info (it is blocked on us, so it must be answered). A shard that joins the group while a
@@ -217,6 +219,7 @@ class LockCreated:
     changefeed: str
     target: Target
     instance: int
+    generation: int
     owner: TableRef
     ddls: tuple[str, ...]
     expected: tuple[TableRef, ...]
@@ -232,6 +235,23 @@ class InfoReceived:
     ddls: tuple[str, ...]
     position: int
     at: float
+
+
+@dataclass(frozen=True, slots=True)
+class CaughtUp:
+    """A shard behind the others sent a DDL they all settled already, with the same text: it
+    is told to skip it at once (no lock) and its generation advances."""
+
+    changefeed: str
+    target: Target
+    span: TableRef
+    generation: int
+    ddls: tuple[str, ...]
+    position: int
+    at: float
+
+    def operation(self) -> Operation:
+        return Operation(self.changefeed, self.target, 0, self.span, "skip", self.ddls, self.position)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,13 +360,15 @@ class KeeperSnapshot:
     locks: tuple[Lock, ...]
     groups: tuple[tuple[LockKey, frozenset[TableRef]], ...]
     queued: tuple[tuple[LockKey, tuple[tuple[TableRef, ShardInfo], ...]], ...]
-    watermarks: tuple[tuple[tuple[str, TableRef], Watermark], ...]
+    watermarks: tuple[tuple[tuple[LockKey, TableRef], Watermark], ...]
+    generations: tuple[tuple[tuple[LockKey, TableRef], int], ...]
+    history: tuple[tuple[LockKey, tuple[tuple[int, tuple[str, ...]], ...]], ...]
     last_instance: tuple[tuple[LockKey, int], ...]
     at: float
 
 
-LockEvent = (GroupChanged | LockCreated | InfoReceived | InfoQueued | OperationIssued | DoneReceived
-             | ExecFailed | ShardLeft | Unlocked | LockResolved | LockRemoved | KeeperSnapshot)
+LockEvent = (GroupChanged | LockCreated | InfoReceived | InfoQueued | CaughtUp | OperationIssued
+             | DoneReceived | ExecFailed | ShardLeft | Unlocked | LockResolved | LockRemoved | KeeperSnapshot)
 
 
 # -- state ----------------------------------------------------------------------------------------
@@ -391,6 +413,8 @@ class Lock:
     changefeed: str
     target: Target
     instance: int
+    generation: int
+    """Which DDL of the target's sequence this is (1 = the first since the group was known)."""
     owner: TableRef | None
     ddls: tuple[str, ...]
     canon: tuple[str, ...]
@@ -504,7 +528,11 @@ class LockKeeper:
         self.locks: dict[LockKey, Lock] = {}
         self.groups: dict[LockKey, frozenset[TableRef]] = {}
         self.queued: dict[LockKey, dict[TableRef, ShardInfo]] = {}
-        self.watermarks: dict[tuple[str, TableRef], Watermark] = {}
+        self.watermarks: dict[tuple[LockKey, TableRef], Watermark] = {}
+        # How many of the target's DDLs each shard has settled, and the settled DDLs (canonical)
+        # by generation that some shard of the group may still be behind on.
+        self.generations: dict[tuple[LockKey, TableRef], int] = {}
+        self.history: dict[LockKey, dict[int, tuple[str, ...]]] = {}
         self.last_instance: dict[LockKey, int] = {}
         # Soft state, not folded (see module doc): when each awaited item was last re-sent.
         self._nudged: dict[tuple[LockKey, int, TableRef, str], float] = {}
@@ -527,7 +555,7 @@ class LockKeeper:
 
     def _state(self) -> tuple[object, ...]:
         return (self.locks, self.groups, {k: v for k, v in self.queued.items() if v}, self.watermarks,
-                self.last_instance)
+                self.generations, self.history, self.last_instance)
 
     def apply(self, event: LockEvent) -> None:
         """Fold one event. Pure state transition: no decisions, no clocks."""
@@ -537,19 +565,34 @@ class LockKeeper:
             self.groups = dict(snap.groups)
             self.queued = {k: dict(v) for k, v in snap.queued}
             self.watermarks = dict(snap.watermarks)
+            self.generations = dict(snap.generations)
+            self.history = {k: dict(v) for k, v in snap.history}
             self.last_instance = dict(snap.last_instance)
             return
         key = LockKey(event.changefeed, event.target)
         if isinstance(event, GroupChanged):
+            # A shard new to the group starts where the group is: a table created now has the
+            # target's current schema, so it is not behind on DDLs settled before it existed.
+            old = self.groups.get(key, frozenset())
+            default = max((self.generations[(key, s)] for s in old if (key, s) in self.generations),
+                          default=0)
+            for s in event.shards:
+                self.generations.setdefault((key, s), default)
             self.groups[key] = frozenset(event.shards)
+            return
+        if isinstance(event, CaughtUp):
+            gk = (key, event.span)
+            self.generations[gk] = max(self.generations.get(gk, 0), event.generation)
+            self._raise_watermark(gk, Watermark(event.position, 0, event.target))
+            self._unqueue(key, event.span)
             return
         if isinstance(event, InfoQueued):
             self.queued.setdefault(key, {})[event.span] = ShardInfo.of(event.ddls, event.position, event.at)
             return
         if isinstance(event, LockCreated):
-            self.locks[key] = Lock(event.changefeed, event.target, event.instance, event.owner, event.ddls,
-                                   tuple(canonical_ddl(d) for d in event.ddls), event.at,
-                                   expected=set(event.expected))
+            self.locks[key] = Lock(event.changefeed, event.target, event.instance, event.generation,
+                                   event.owner, event.ddls, tuple(canonical_ddl(d) for d in event.ddls),
+                                   event.at, expected=set(event.expected))
             self.last_instance[key] = event.instance
             return
         lock = self.locks[key]
@@ -597,12 +640,28 @@ class LockKeeper:
         elif isinstance(event, LockResolved | LockRemoved):
             del self.locks[key]
             for span, position in event.settled:
-                wk = (event.changefeed, span)
-                old = self.watermarks.get(wk)
-                if old is None or position >= old.position:
-                    self.watermarks[wk] = Watermark(position, event.instance, event.target)
+                gk = (key, span)
+                self._raise_watermark(gk, Watermark(position, event.instance, event.target))
+                # One settled DDL is one generation, also for a shard that was behind and took
+                # part (in conflict) in a lock of a later generation.
+                self.generations[gk] = self._generation(key, span) + 1
+            if event.settled:
+                self.history.setdefault(key, {})[lock.generation] = lock.canon
+            # Nobody in the group can be behind on generations every member has settled.
+            group = self.groups.get(key, frozenset())
+            floor = min((self.generations.get((key, s), 0) for s in group), default=0)
+            hist = {g: c for g, c in self.history.get(key, {}).items() if g > floor}
+            if hist:
+                self.history[key] = hist
+            else:
+                self.history.pop(key, None)
         else:  # pragma: no cover - the union is exhaustive
             raise TypeError(f"not a lock event: {event!r}")
+
+    def _raise_watermark(self, gk: tuple[LockKey, TableRef], wm: Watermark) -> None:
+        old = self.watermarks.get(gk)
+        if old is None or wm.position >= old.position:
+            self.watermarks[gk] = wm
 
     def _unqueue(self, key: LockKey, span: TableRef) -> None:
         q = self.queued.get(key)
@@ -617,6 +676,8 @@ class LockKeeper:
             groups=tuple(self.groups.items()),
             queued=tuple((k, tuple(v.items())) for k, v in self.queued.items()),
             watermarks=tuple(self.watermarks.items()),
+            generations=tuple(self.generations.items()),
+            history=tuple((k, tuple(v.items())) for k, v in self.history.items()),
             last_instance=tuple(self.last_instance.items()),
             at=now,
         )
@@ -671,56 +732,94 @@ class LockKeeper:
         resend: list[Operation] = []
         if shards is not None:
             out += self.handle_group(info.changefeed, info.target, shards, now).events
-        wm = self.watermarks.get((info.changefeed, info.span))
+        wm = self.watermarks.get((key, info.span))
         if wm is not None and info.position <= wm.position:
             # A replay of a DDL settled by an earlier lock: skip it, no lock needed.
-            skip = Operation(info.changefeed, info.target, wm.instance, info.span, "skip", info.ddls,
-                             info.position)
-            return Outcome(out, [skip, *(e.operation() for e in out if isinstance(e, OperationIssued))])
+            resend.append(Operation(info.changefeed, info.target, wm.instance, info.span, "skip", info.ddls,
+                                    info.position))
+            return Outcome(out, resend + self._operations(out))
+        if key not in self.groups:
+            raise UnknownGroupError(f"no shard group known for {key}: pass the target's shards with its "
+                                    "first Info")
         lock = self.locks.get(key)
-        if lock is None:
-            group = self.groups.get(key)
-            if group is None:
-                raise UnknownGroupError(f"no shard group known for {key}: pass the target's shards with "
-                                        "its first Info")
-            instance = self.last_instance.get(key, 0) + 1
-            self._emit(out,
-                       LockCreated(info.changefeed, info.target, instance, info.span, info.ddls,
-                                   tuple(sorted(group | {info.span})), now),
-                       InfoReceived(info.changefeed, info.target, instance, info.span, info.ddls,
-                                    info.position, now))
+        existing = lock.infos.get(info.span) if lock is not None else None
+        if lock is not None and existing is not None and info.position <= existing.position:
+            if info.position == existing.position:
+                # The same Info again: the shard still waits, so what we sent it may be lost.
+                resend += self._answer_again(lock, info)
+            # An older position than the one it waits at: not where its protocol says it is; the
+            # lock keeps showing what it awaits from it.
         else:
-            existing = lock.infos.get(info.span)
-            if existing is None:
+            item = ShardInfo.of(info.ddls, info.position, now)
+            verdict = self._classify(key, info.span, item.canon)
+            if verdict == "create":
+                self._emit(out, *self._create(key, info.span, item, now))
+            elif verdict == "join":
+                assert lock is not None
                 self._emit(out, InfoReceived(info.changefeed, info.target, lock.instance, info.span,
                                              info.ddls, info.position, now))
                 # A shard that left and came back may hold an operation it never answered, or
-                # may replay a DDL it already carried out (then the target has it: skip).
-                if info.span in lock.done:
-                    resend.append(Operation(info.changefeed, info.target, lock.instance, info.span,
-                                            "skip", info.ddls, info.position))
-                elif (op := lock.operation(info.span)) is not None:
-                    resend.append(op)
-            elif info.position == existing.position:
-                # The same Info again: the shard still waits, so what we sent it may be lost.
-                if info.span in lock.done:
-                    # It already carried out its operation and then replayed (restart from an
-                    # older checkpoint): the target has the change either way, so skip.
-                    resend.append(Operation(info.changefeed, info.target, lock.instance, info.span,
-                                            "skip", info.ddls, info.position))
-                else:
-                    op = lock.operation(info.span)
-                    if op is not None:
-                        resend.append(op)
-            elif info.position > existing.position and info.span in lock.done:
-                queued = self.queued.get(key, {})
-                if info.span not in queued:
-                    self._emit(out, InfoQueued(info.changefeed, info.target, info.span, info.ddls,
-                                               info.position, now))
-            # Otherwise (an older position, or a newer one before this one is done) the shard is
-            # not where its protocol says it is; the lock keeps showing what it awaits from it.
+                # replay a DDL it already carried out.
+                resend += self._answer_again(lock, info)
+            elif verdict == "behind":
+                self._emit(out, self._caught_up(key, info.span, item, now))
+            elif info.span not in self.queued.get(key, {}):
+                self._emit(out, InfoQueued(info.changefeed, info.target, info.span, info.ddls, info.position,
+                                           now))
         outcome = self._finish(key, now, out)
         return Outcome(outcome.events, resend + outcome.operations)
+
+    def _answer_again(self, lock: Lock, info: Info) -> list[Operation]:
+        if info.span in lock.done:
+            # It carried out its operation and then replayed the DDL (restart from an older
+            # checkpoint): the target has the change either way, so skip.
+            return [Operation(info.changefeed, info.target, lock.instance, info.span, "skip", info.ddls,
+                              info.position)]
+        op = lock.operation(info.span)
+        return [op] if op is not None else []
+
+    def _generation(self, key: LockKey, span: TableRef) -> int:
+        g = self.generations.get((key, span))
+        if g is not None:
+            return g
+        group = self.groups.get(key, frozenset())  # a stranger counts as a newcomer to the group
+        return max((self.generations.get((key, s), 0) for s in group), default=0)
+
+    def _classify(self, key: LockKey, span: TableRef, canon: tuple[str, ...]
+                  ) -> Literal["create", "join", "behind", "queue"]:
+        """Where an Info that is not a re-send belongs, by the shard's generation:
+
+        - ``behind``: the group settled the shard's next generation without it, with this very
+          DDL (after operator actions): skip it at once;
+        - ``queue``: the shard is past the current lock's DDL (done in it, or settled it in an
+          earlier instance): the Info waits for the next lock;
+        - ``join`` the current lock, or ``create`` one.
+        """
+        g = self._generation(key, span)
+        if self.history.get(key, {}).get(g + 1) == canon:
+            lock = self.locks.get(key)
+            if lock is None or g + 1 < lock.generation:
+                return "behind"
+        lock = self.locks.get(key)
+        if lock is None:
+            return "create"
+        if span in lock.infos or g >= lock.generation:
+            return "queue"
+        return "join"
+
+    def _create(self, key: LockKey, owner: TableRef, item: ShardInfo, now: float) -> list[LockEvent]:
+        cf, target = key
+        instance = self.last_instance.get(key, 0) + 1
+        generation = self._generation(key, owner) + 1
+        group = self.groups.get(key, frozenset())
+        # Shards already past this generation are not waited for (they queue their next DDL).
+        expected = {s for s in group if self._generation(key, s) < generation} | {owner}
+        return [LockCreated(cf, target, instance, generation, owner, item.ddls, tuple(sorted(expected)), now),
+                InfoReceived(cf, target, instance, owner, item.ddls, item.position, item.at)]
+
+    def _caught_up(self, key: LockKey, span: TableRef, item: ShardInfo, now: float) -> CaughtUp:
+        return CaughtUp(key.changefeed, key.target, span, self._generation(key, span) + 1, item.ddls,
+                        item.position, now)
 
     def handle_done(self, done: Done, now: float) -> Outcome:
         key = LockKey(done.changefeed, done.target)
@@ -754,10 +853,13 @@ class LockKeeper:
         if mode == "exec":
             if owner is None:
                 raise LockActionError(f"lock {lock.id}: unlock with exec needs the owner that executes")
-            if owner not in lock.infos:
-                waiting = ", ".join(str(s) for s in lock.infos) or "none"
-                raise LockActionError(f"lock {lock.id}: {owner} is not waiting at the DDL, so it cannot "
-                                      f"execute it (waiting: {waiting})")
+            # Only a shard stopped at the DDL with no operation yet can execute it: one that was
+            # told to skip may already have passed it.
+            free = [s for s in lock.infos if s not in lock.ops]
+            if owner not in free:
+                waiting = ", ".join(str(s) for s in free) or "none"
+                raise LockActionError(f"lock {lock.id}: {owner} is not waiting at the DDL without an "
+                                      f"operation, so it cannot execute it (candidates: {waiting})")
             if lock.exec_span is not None:
                 raise LockActionError(f"lock {lock.id}: exec was already sent to {lock.exec_span}; "
                                       "unlock with skip, or force-remove to start over")
@@ -774,6 +876,13 @@ class LockKeeper:
     def force_remove(self, changefeed: str, target: Target, *, by: str, reason: str, now: float) -> Outcome:
         """Operator: forget the lock instance; blocked shards re-send and a new instance forms."""
         lock = self._lock_for_action(changefeed, target, by, reason)
+        if lock.exec_span is not None and lock.exec_span not in lock.done:
+            # The owner may still execute it after the lock is gone and move past the DDL, and
+            # the next instance would wait for it forever. Nothing needs this: a lost exec is
+            # re-sent, an owner that leaves starts a new instance, a failed one is unlocked.
+            raise LockActionError(
+                f"lock {lock.id}: exec is in flight to {lock.exec_span}; wait for its done, or unlock "
+                "with skip if it failed")
         out: list[LockEvent] = []
         self._emit(out, LockRemoved(changefeed, target, lock.instance, by, reason, lock.settled(),
                                     lock.created_at, now))
@@ -796,25 +905,28 @@ class LockKeeper:
             if not step:
                 break
             self._emit(out, *step)
-        ops = [e.operation() for e in out if isinstance(e, OperationIssued)]
-        return Outcome(out, ops)
+        return Outcome(out, self._operations(out))
+
+    @staticmethod
+    def _operations(events: list[LockEvent]) -> list[Operation]:
+        return [e.operation() for e in events if isinstance(e, OperationIssued | CaughtUp)]
 
     def _next_step(self, key: LockKey, now: float) -> list[LockEvent]:
         lock = self.locks.get(key)
         cf, target = key
+        # Queued Infos (next DDLs of shards that were ahead) go first, one per step, so each is
+        # classified against the lock as the previous one left it.
+        for span, item in list(self.queued.get(key, {}).items()):
+            verdict = self._classify(key, span, item.canon)
+            if verdict == "create":
+                return self._create(key, span, item, now)
+            if verdict == "behind":
+                return [self._caught_up(key, span, item, now)]
+            if verdict == "join":
+                assert lock is not None
+                return [InfoReceived(cf, target, lock.instance, span, item.ddls, item.position, item.at)]
         if lock is None:
-            queued = self.queued.get(key)
-            if not queued:
-                return []
-            # The next DDL of shards that finished the previous instance early.
-            (first, first_info), *_ = queued.items()
-            instance = self.last_instance.get(key, 0) + 1
-            group = self.groups.get(key, frozenset())
-            step: list[LockEvent] = [LockCreated(cf, target, instance, first, first_info.ddls,
-                                                 tuple(sorted(group | set(queued))), now)]
-            step += [InfoReceived(cf, target, instance, s, i.ddls, i.position, i.at)
-                     for s, i in queued.items()]
-            return step
+            return []
         if lock.exec_span is not None and lock.exec_span not in lock.expected \
                 and lock.exec_span not in lock.done:
             return self._reinstance(lock, now)
@@ -841,13 +953,16 @@ class LockKeeper:
             f"owner {lock.exec_span} left while executing; whether the DDL ran is unknown, so the shards "
             "still waiting form a new lock whose owner runs it again with re-run detection",
             lock.settled(), lock.created_at, now)]
-        if lock.infos:
-            (first, info), *_ = lock.infos.items()
+        # (settled is empty in practice: no skip goes out before the exec's done.)
+        settled = {s for s, _ in lock.settled()}
+        waiting = {s: i for s, i in lock.infos.items() if s not in settled}
+        if waiting:
+            (first, info), *_ = waiting.items()
             instance = lock.instance + 1
-            step.append(LockCreated(cf, target, instance, first, info.ddls, tuple(sorted(lock.expected)),
-                                    now))
+            step.append(LockCreated(cf, target, instance, lock.generation, first, info.ddls,
+                                    tuple(sorted(lock.expected - settled)), now))
             step += [InfoReceived(cf, target, instance, s, i.ddls, i.position, i.at)
-                     for s, i in lock.infos.items()]
+                     for s, i in waiting.items()]
         return step
 
     # -- queries ----------------------------------------------------------------------------------
@@ -874,7 +989,8 @@ class LockKeeper:
         out: list[Operation | InfoRequest] = []
         for lock in self.locks.values():
             for span, aw in lock.awaited().items():
-                if aw.what == "done" and span == lock.exec_span and lock.exec_error is not None:
+                if (aw.what == "done" and span == lock.exec_span and lock.exec_error is not None
+                        and lock.ops[span].kind == "exec"):
                     continue  # the owner reported a failure: it has the operation
                 nk = (lock.key, lock.instance, span, aw.what)
                 last = max(aw.since, self._nudged.get(nk, aw.since))
