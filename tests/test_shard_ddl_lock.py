@@ -32,6 +32,7 @@ from libs.shard_ddl import (
     InfoQueued,
     InfoRequest,
     KeeperSnapshot,
+    Lock,
     LockActionError,
     LockCreated,
     LockEvent,
@@ -91,8 +92,14 @@ class Harness:
         return self._take(self.keeper.force_remove(CF, T, by="alice", reason="stuck", now=self.now))
 
     @property
-    def lock(self):  # type: ignore[no-untyped-def]
-        return self.keeper.lock(CF, T)
+    def lock(self) -> Lock:
+        lock = self.keeper.lock(CF, T)
+        assert lock is not None, "no lock"
+        return lock
+
+    @property
+    def no_lock(self) -> bool:
+        return self.keeper.lock(CF, T) is None
 
     def rebuilt(self) -> LockKeeper:
         return LockKeeper.rebuild(self.log)
@@ -119,9 +126,9 @@ def test_happy_path_exec_then_skips_then_resolved() -> None:
     assert h.lock.phase == "skipping"
     skips = [op for op in h.keeper.pending_operations() if op.kind == "skip"]
     assert h.done(skips[0]) == []
-    assert h.lock is not None
+    assert not h.no_lock
     h.done(skips[1])
-    assert h.lock is None
+    assert h.no_lock
     resolved = [e for e in h.log if isinstance(e, LockResolved)]
     assert len(resolved) == 1 and dict(resolved[0].settled) == {A: 10, B: 10, C: 10}
     assert h.rebuilt() == h.keeper
@@ -181,7 +188,7 @@ def test_unlock_skip_skips_everyone_and_resolves() -> None:
     assert unlocked[0].by == "alice" and unlocked[0].reason == "checked"
     for op in ops:
         h.done(op)
-    assert h.lock is None
+    assert h.no_lock
     assert not any(isinstance(e, OperationIssued) and e.kind == "exec" for e in h.log)
 
 
@@ -242,9 +249,9 @@ def test_force_remove_forgets_the_instance_and_a_new_one_forms() -> None:
     h.info(A)
     h.info(B, ADD_OTHER)
     assert h.force_remove() == []
-    removed = [e for e in h.log if isinstance(e, LockRemoved)][0]
+    removed = next(e for e in h.log if isinstance(e, LockRemoved))
     assert removed.by == "alice" and removed.reason == "stuck" and removed.settled == ()
-    assert h.lock is None
+    assert h.no_lock
     h.info(B, ADD_OTHER)  # B re-sends after its timeout
     assert h.lock.instance == 2 and h.lock.owner == B
 
@@ -261,7 +268,7 @@ def test_force_remove_after_the_exec_keeps_settled_shards_settled() -> None:
     for op in skips:
         again = h.info(op.span)
         assert kinds(again) == [(op.span, "skip")]
-    assert h.lock is None
+    assert h.no_lock
 
 
 # -- shards leaving -------------------------------------------------------------------------------
@@ -308,8 +315,8 @@ def test_every_shard_leaving_removes_or_resolves() -> None:
     h.leave(A)
     h.leave(B)
     h.leave(C)
-    assert h.lock is None
-    assert [e for e in h.log if isinstance(e, LockRemoved)][0].settled == ()
+    assert h.no_lock
+    assert next(e for e in h.log if isinstance(e, LockRemoved)).settled == ()
 
 
 def test_changefeed_paused_after_the_exec_settles_the_waiting_shards() -> None:
@@ -320,12 +327,12 @@ def test_changefeed_paused_after_the_exec_settles_the_waiting_shards() -> None:
     h.now += 1
     outcome = h.keeper.handle_changefeed_stopped(CF, "changefeed paused", h.now)
     h.log.extend(outcome.events)
-    assert h.lock is None
-    resolved = [e for e in h.log if isinstance(e, LockResolved)][0]
+    assert h.no_lock
+    resolved = next(e for e in h.log if isinstance(e, LockResolved))
     assert dict(resolved.settled) == {A: 10, B: 10, C: 10}
     # On resume every shard replays its DDL: it is skipped at once, no lock forms.
     assert kinds(h.info(B)) == [(B, "skip")]
-    assert h.lock is None
+    assert h.no_lock
 
 
 # -- lost, duplicated and late messages -----------------------------------------------------------
@@ -373,7 +380,7 @@ def test_replay_of_a_resolved_ddl_is_skipped_without_a_lock() -> None:
     h.info(A, shards=(A, B))
     skip = h.done(h.info(B, shards=None)[0])[0]
     h.done(skip)
-    assert h.lock is None
+    assert h.no_lock
     n = len(h.log)
     ops = h.info(A, shards=None)  # A restarted from a checkpoint before its DDL
     assert kinds(ops) == [(A, "skip")] and ops[0].position == 10 and ops[0].instance == 1
@@ -468,7 +475,7 @@ def test_metrics_helpers() -> None:
     h.info(B)
     assert h.keeper.blocked_shards() == 2
     assert [lk.id for lk in h.keeper] == ["cf/shop.orders#1"]
-    created = [e for e in h.log if isinstance(e, LockCreated)][0]
+    created = next(e for e in h.log if isinstance(e, LockCreated))
     assert h.lock.created_at == created.at
 
 
@@ -692,7 +699,7 @@ def check_log(log: list[LockEvent]) -> None:
     for e in log:
         if isinstance(e, KeeperSnapshot) or not hasattr(e, "instance"):
             continue
-        inst = ((e.changefeed, e.target), e.instance)  # type: ignore[union-attr]
+        inst = ((e.changefeed, e.target), e.instance)
         if isinstance(e, OperationIssued) and e.kind == "exec":
             execs[inst] += 1
             assert execs[inst] == 1, f"second exec in {inst}: {e}"
