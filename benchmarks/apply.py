@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 from pathlib import Path
@@ -514,6 +514,40 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of a process' threads, by thread name with digits dropped ("GC Thread#")."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index(b"(") + 1:stat.rindex(b")")].decode(errors="replace")
+        name = "".join("#" if ch.isdigit() else ch for ch in name)
+        fields = stat[stat.rindex(b")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
 def _rss(pid: int) -> tuple[str, int]:
     try:
         with open(f"/proc/{pid}/statm") as f:
@@ -522,8 +556,11 @@ def _rss(pid: int) -> tuple[str, int]:
             cmd = f.read().split(b"\0")
     except OSError:
         return "", 0
-    name = "jvm" if cmd and cmd[0].endswith(b"java") else (
-        "python worker" if b"pyspark.daemon" in cmd or b"pyspark.worker" in b" ".join(cmd) else "driver")
+    if not cmd or not cmd[0]:
+        return "", 0
+    name = "jvm" if cmd[0].endswith(b"java") else (
+        "python workers" if b"pyspark.daemon" in b" ".join(cmd) else
+        "driver" if b"benchmarks.apply" in b" ".join(cmd) else "other")
     return name, pages * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -536,19 +573,45 @@ class RssSampler(threading.Thread):
         self.interval = interval
         self.peak = 0
         self.peak_parts: dict[str, int] = {}
+        self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (part, CPU seconds at the last sample)
+        self.cpu_base: dict[int, float] = {}
+        self.jvm_threads: dict[str, float] = {}
+        self.jvm_threads_base: dict[str, float] = {}
         self.done = threading.Event()
+
+    def start_clock(self) -> None:
+        """CPU from here on counts (the worker's start-up does not)."""
+        for pid in _descendants(self.pid):
+            self.cpu_base[pid] = cpu_seconds(pid)
+            if _rss(pid)[0] == "jvm":
+                self.jvm_threads_base = thread_cpu(pid)
+
+    def jvm_thread_cpu(self) -> dict[str, float]:
+        return {k: v - self.jvm_threads_base.get(k, 0.0) for k, v in self.jvm_threads.items()}
+
+    def cpu_by_part(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pid, (name, seconds) in self.cpu.items():
+            out[name] = out.get(name, 0.0) + seconds - self.cpu_base.get(pid, 0.0)
+        return out
 
     def run(self) -> None:
         while not self.done.is_set():
-            parts: dict[str, int] = {}
-            for pid in _descendants(self.pid):
-                name, rss = _rss(pid)
-                if rss:
-                    parts[name] = parts.get(name, 0) + rss
-            total = sum(parts.values())
-            if total > self.peak:
-                self.peak, self.peak_parts = total, parts
+            self.sample()
             self.done.wait(self.interval)
+
+    def sample(self) -> None:
+        parts: dict[str, int] = {}
+        for pid in _descendants(self.pid):
+            name, rss = _rss(pid)
+            if rss:
+                parts[name] = parts.get(name, 0) + rss
+                self.cpu[pid] = (name, cpu_seconds(pid))
+                if name == "jvm":
+                    self.jvm_threads = thread_cpu(pid)
+        total = sum(parts.values())
+        if total > self.peak:
+            self.peak, self.peak_parts = total, parts
 
 
 @dataclass
@@ -560,6 +623,7 @@ class SparkRun:
     phases: dict[str, float]
     peak_rss: int
     peak_parts: dict[str, int]
+    cpu: dict[str, float]  # CPU seconds by part of the worker's tree, and of MariaDB ("mariadb")
 
 
 def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConfig, tmp: Path,
@@ -569,31 +633,58 @@ def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConf
             "final_ts": work.last_ts, "max_events_per_round": config.max_events_per_round,
             "apply_partitions": config.apply_partitions, "shuffle_partitions": config.shuffle_partitions}
     log_path = tmp / f"worker-{config.label}.log"
+    env = dict(os.environ)
+    if profile is not None:
+        # Java Flight Recorder in the Spark JVM (read it with `jfr print --events jdk.ExecutionSample`).
+        profile.mkdir(parents=True, exist_ok=True)
+        env["JDK_JAVA_OPTIONS"] = (f"-XX:StartFlightRecording=filename={profile / (config.label + '.jfr')},"
+                                   "settings=profile")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "benchmarks.apply", "--worker", json.dumps(spec)],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=log)
+                                cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
     sampler = RssSampler(proc.pid)
     sampler.start()
+    assert db.proc is not None and proc.stdout is not None
+    # The worker's stdout is shared with the JVM's: its own lines start with "BENCH ".
+    while True:
+        line = proc.stdout.readline()
+        if not line or line.startswith(b"BENCH clock"):
+            break
+    sampler.start_clock()
+    db_cpu = cpu_seconds(db.proc.pid)
     spy: subprocess.Popen[bytes] | None = None
     if profile is not None:
         py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         profile.mkdir(parents=True, exist_ok=True)
-        out_file = profile / f"{config.label}.speedscope.json"
+        out_file = profile / f"{config.label}.folded"
         with open(profile / "py-spy.log", "ab") as spy_log:
             spy = subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--subprocesses",
-                                    "--rate", "50", "--format", "speedscope", "-o", str(out_file)],
+                                    "--rate", "100", "--format", "raw", "-o", str(out_file)],
                                    stdout=subprocess.DEVNULL, stderr=spy_log)
-    out, _ = proc.communicate()
+    # The worker prints its result, then waits for stdin to close: the last sample sees it whole.
+    out = b""
+    while line:
+        line = proc.stdout.readline()
+        if line.startswith(b"BENCH {"):
+            out = line[len(b"BENCH "):]
+            break
     sampler.done.set()
     sampler.join()
+    sampler.sample()
+    proc.communicate()
     if spy is not None:
         spy.wait(60)
     if proc.returncode != 0:
         raise SystemExit(f"pipeline worker failed ({proc.returncode}); log {log_path}:\n"
                          + log_path.read_text(errors="replace")[-4000:])
-    result = json.loads(out.decode().strip().splitlines()[-1])
+    result = json.loads(out)
+    cpu = {**sampler.cpu_by_part(), "mariadb": cpu_seconds(db.proc.pid) - db_cpu}
+    if profile is not None:
+        threads = sorted(sampler.jvm_thread_cpu().items(), key=lambda kv: -kv[1])
+        (profile / f"{config.label}.jvm-threads.txt").write_text(
+            "".join(f"{v:8.2f} s  {k}\n" for k, v in threads if v >= 0.01))
     return SparkRun(config, result["seconds"], result["rounds"], result["rows_written"], result["phases"],
-                    sampler.peak, sampler.peak_parts)
+                    sampler.peak, sampler.peak_parts, cpu)
 
 
 async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -607,8 +698,17 @@ async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     settings = Settings(nats_url=spec["nats_url"], spark_shuffle_partitions=spec["shuffle_partitions"])
     spark = get_spark(settings)
-    # A running worker has its Python workers up long before: start them outside the clock.
-    spark.sparkContext.parallelize(range(8), 4).map(lambda x: x * 2).collect()
+    # A running worker has its Python workers up (and their imports done) long before: do that
+    # outside the clock.
+    def warm(rows: Iterable[int]) -> Iterator[int]:
+        import services.sink_worker.apply_job
+        import services.sink_worker.sinks.factory
+        import services.sink_worker.sinks.mysql
+        import services.sink_worker.values  # noqa: F401
+
+        yield sum(rows)
+
+    spark.sparkContext.parallelize(range(8), 4).mapPartitions(warm).collect()
     nc = await nats.connect(spec["nats_url"])
     try:
         js = nc.jetstream()
@@ -619,9 +719,11 @@ async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         config = SpanConfig(sink_url=spec["sink_url"])
         await pipeline.set_spans({Span.of(spec["changefeed"], SOURCE, DATABASE, t): config for t in TABLES})
         final_ts = spec["final_ts"]
+        print("BENCH clock", flush=True)
         started = time.monotonic()
         rows = pull_s = 0.0
         rounds = 0
+        timeline: list[tuple[int, int, float, float]] = []
         while True:
             report = await pipeline.round()
             rounds += 1
@@ -629,6 +731,8 @@ async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
                 raise RuntimeError(f"round {rounds} failed: {report.errors}")
             rows += report.rows_written
             pull_s += report.pull_s
+            timeline.append((report.batch_events, report.rows_written, round(report.pull_s, 2),
+                             round(report.duration_s, 2)))
             spans = pipeline.spans.values()
             if all(rt.checkpoint is not None and rt.checkpoint.ts >= final_ts for rt in spans):
                 break
@@ -642,6 +746,7 @@ async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
         phases = {"pull": pull_s, "sort": total("sluice_sink_sort_seconds"),
                   "apply": total("sluice_sink_apply_seconds")}
+        print(f"rounds (events, rows written, pull s, round s): {timeline}", file=sys.stderr)
         return {"seconds": seconds, "rounds": rounds, "rows_written": int(rows), "phases": phases}
     finally:
         await nc.close()
@@ -694,8 +799,9 @@ def print_report(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict
     for run in spark_runs:
         parts = ", ".join(f"{k} {_mib(v)}" for k, v in sorted(run.peak_parts.items()))
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in run.phases.items())
+        cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(run.cpu.items()))
         print(f"Spark {run.config.label}: {run.rounds} rounds ({phases}); peak RSS of the worker "
-              f"{_mib(run.peak_rss)} ({parts})")
+              f"{_mib(run.peak_rss)} ({parts}); CPU s: {cpu}")
     for run in spark_runs:
         rate = work.rows / run.seconds
         if insert_rate and load_rate:
@@ -725,12 +831,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="Spark configurations to run")
     parser.add_argument("--skip", nargs="*", default=[], choices=["naive", "insert", "load"],
                         help="baselines to leave out (quick iterations only)")
-    parser.add_argument("--profile", type=Path, help="attach py-spy to the Spark runs, speedscope files here")
+    parser.add_argument("--profile", type=Path,
+                        help="attach py-spy to the Spark runs; collapsed stacks (flamegraph input) go here")
     parser.add_argument("--keep", action="store_true", help="keep the servers' temp directory")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(asyncio.run(_worker(json.loads(args.worker)))), flush=True)
+        print("BENCH " + json.dumps(asyncio.run(_worker(json.loads(args.worker)))), flush=True)
+        sys.stdin.read()
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="sluice-bench-apply-"))

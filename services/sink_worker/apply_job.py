@@ -71,74 +71,129 @@ class ApplyResult:
         return sum(c.deleted + c.upserted for c in self.per_target.values())
 
 
+_KEY_ENCODE = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
+
+
 def _key_json(image: dict[str, Any], key: tuple[str, ...]) -> str:
-    # The contract's JSON value of each key column: one canonical text per key value.
-    return json.dumps([image[c] for c in key], separators=(",", ":"), sort_keys=True)
+    # The contract's JSON value of each key column: one canonical text per key value. Integer
+    # keys (most of them) are spelled directly: exactly what the encoder writes, at a fifth
+    # of the cost, and this runs for every row change.
+    if len(key) == 1:
+        value = image[key[0]]
+        if type(value) is int:
+            return f"[{value}]"
+        return _KEY_ENCODE([value])
+    values = [image[c] for c in key]
+    if all(type(v) is int for v in values):
+        return "[" + ",".join(map(str, values)) + "]"
+    return _KEY_ENCODE(values)
 
 
 SpanTargets = dict[str, tuple[str, tuple[str, ...]]]
 """span key -> (target id, key columns)"""
 
 
+_LATEST: dict[str, int] = {}
+
+
+def event_rows(body: str) -> list[dict[str, Any]]:
+    """The row images of one rows event, as plain dicts (``RowImageV1`` fields).
+
+    The driver validated every event of the batch when it pulled it (``pull.decode_for_span``),
+    so a body in the newest contract version is only parsed here, not validated again (that
+    was most of this job's Python time); an older version goes through the registry's
+    upcasters like everywhere else.
+    """
+    obj = json.loads(body)
+    type_, version = obj["type"], obj["version"]
+    latest = _LATEST.get(type_)
+    if latest is None:
+        latest = _LATEST[type_] = REGISTRY.latest_version(type_)
+    if version == latest:
+        return list(obj["data"]["rows"])
+    event = REGISTRY.decode(body).event
+    assert isinstance(event, RowsChangedV1)
+    return [image.model_dump(mode="json") for image in event.rows]
+
+
 def explode_event(span_targets: SpanTargets, row: Row) -> Iterator[tuple[Any, ...]]:
     """One rows event to its row records (see ``RECORD_SCHEMA``)."""
     target, key = span_targets[row["span"]]
-    event = REGISTRY.decode(row["body"]).event
-    assert isinstance(event, RowsChangedV1)
     ts, seq, part = row["ts"], row["seq"], row["part"]
-    for idx, image in enumerate(event.rows):
-        if image.op == "insert":
-            assert image.after is not None
-            yield (target, _key_json(image.after, key), ts, seq, part, idx, 0, "upsert",
-                   json.dumps(image.after))
-        elif image.op == "delete":
-            assert image.before is not None
-            yield (target, _key_json(image.before, key), ts, seq, part, idx, 0, "delete", None)
+    for idx, image in enumerate(event_rows(row["body"])):
+        op, before, after = image["op"], image.get("before"), image.get("after")
+        if op == "insert":
+            assert after is not None
+            yield (target, _key_json(after, key), ts, seq, part, idx, 0, "upsert", json.dumps(after))
+        elif op == "delete":
+            assert before is not None
+            yield (target, _key_json(before, key), ts, seq, part, idx, 0, "delete", None)
         else:
-            assert image.before is not None and image.after is not None
-            old, new = _key_json(image.before, key), _key_json(image.after, key)
+            assert before is not None and after is not None
+            old, new = _key_json(before, key), _key_json(after, key)
             if old != new:
                 yield (target, old, ts, seq, part, idx, 0, "delete", None)
-            yield (target, new, ts, seq, part, idx, 1, "upsert", json.dumps(image.after))
+            yield (target, new, ts, seq, part, idx, 1, "upsert", json.dumps(after))
+
+
+def explode_partition(span_targets: SpanTargets, rows: Iterator[Row]) -> Iterator[tuple[Any, ...]]:
+    """``explode_event`` over a partition, without the garbage collector (``libs.gc_pause``)."""
+    from libs.gc_pause import gc_paused
+
+    with gc_paused():
+        for row in rows:
+            yield from explode_event(span_targets, row)
 
 
 def write_partition(plans: dict[str, TargetPlan], rows: Iterator[Row]) -> Iterator[tuple[str, int, int, int]]:
     """Runs on an executor: decode one partition's final images and write them per target."""
     # Imported here: executors need them, the driver's import of this module does not.
+    from libs.gc_pause import gc_paused
     from services.sink_worker.sinks.factory import open_sink
-    from services.sink_worker.values import decode_row, decode_value
+    from services.sink_worker.values import RowDecoder, decode_value
 
-    changes: dict[str, list[Change]] = {}
-    for row in rows:
-        plan = plans[row["target"]]
-        table = plan.table
-        if row["op"] == "upsert":
-            decoded = decode_row(table.meta, json.loads(row["image"]))
-            key = tuple(decoded[c] for c in table.key)
-            changes.setdefault(row["target"], []).append(Upsert(key=key, row=decoded))
-        else:
-            columns = {c.name: c for c in table.meta.columns}
-            raw = json.loads(row["key"])
-            key = tuple(decode_value(columns[c].kind, columns[c].sql_type, v) for c, v in zip(table.key, raw,
-                                                                                                 strict=True))
-            changes.setdefault(row["target"], []).append(Delete(key=key))
-    sinks: dict[str, Any] = {}
-    for target_id, target_changes in changes.items():
-        plan = plans[target_id]
-        sink = sinks.get(plan.sink_url)
-        if sink is None:
-            sink = sinks[plan.sink_url] = open_sink(plan.sink_url)
-        result = sink.apply_partition(plan.table, target_changes)
-        yield (target_id, result.deleted, result.upserted, result.conflicts_removed)
+    with gc_paused():
+        decoders = {target_id: RowDecoder(plan.table.meta) for target_id, plan in plans.items()}
+        changes: dict[str, list[Change]] = {target_id: [] for target_id in plans}
+        # Positional fields (see final_images): Row lookups by name cost more than the rest.
+        for target_id, key_json, op, image in rows:
+            table = plans[target_id].table
+            if op == "upsert":
+                decoded = decoders[target_id](json.loads(image))
+                key = tuple(decoded[c] for c in table.key)
+                changes[target_id].append(Upsert(key=key, row=decoded))
+            else:
+                columns = {c.name: c for c in table.meta.columns}
+                raw = json.loads(key_json)
+                key = tuple(decode_value(columns[c].kind, columns[c].sql_type, v)
+                            for c, v in zip(table.key, raw, strict=True))
+                changes[target_id].append(Delete(key=key))
+        sinks: dict[str, Any] = {}
+        for target_id, target_changes in changes.items():
+            if not target_changes:
+                continue
+            plan = plans[target_id]
+            sink = sinks.get(plan.sink_url)
+            if sink is None:
+                sink = sinks[plan.sink_url] = open_sink(plan.sink_url)
+            result = sink.apply_partition(plan.table, target_changes)
+            yield (target_id, result.deleted, result.upserted, result.conflicts_removed)
 
 
-def final_images(spark: SparkSession, batch: DataFrame,
-                 span_targets: dict[str, tuple[str, tuple[str, ...]]]) -> DataFrame:
-    """The last record per (target, key) of the batch (``RECORD_SCHEMA``)."""
-    records = spark.createDataFrame(batch.rdd.flatMap(partial(explode_event, span_targets)), RECORD_SCHEMA)
+def final_images(spark: SparkSession, batch: DataFrame, span_targets: dict[str, tuple[str, tuple[str, ...]]],
+                 partitions: int) -> DataFrame:
+    """The last record per (target, key) of the batch: ``target, key, op, image`` (as in
+    ``RECORD_SCHEMA``), in ``partitions`` partitions by a hash of (target, key)."""
+    # explode_partition yields RECORD_SCHEMA tuples by construction: no per-row type check.
+    records = spark.createDataFrame(batch.rdd.mapPartitions(partial(explode_partition, span_targets)),
+                                    RECORD_SCHEMA, verifySchema=False)
+    # Hash-partitioned by (target, key) first: the window needs exactly that clustering, so
+    # Spark adds no second shuffle, and the write runs on these partitions as they are.
     order = Window.partitionBy("target", "key").orderBy(
         F.desc("ts"), F.desc("seq"), F.desc("part"), F.desc("idx"), F.desc("sub"))
-    return records.withColumn("_rn", F.row_number().over(order)).where(F.col("_rn") == 1).drop("_rn")
+    return (records.repartition(partitions, "target", "key")
+            .withColumn("_rn", F.row_number().over(order)).where(F.col("_rn") == 1)
+            .select("target", "key", "op", "image"))
 
 
 def run_apply(spark: SparkSession, batch: DataFrame, span_plans: dict[str, TargetPlan],
@@ -147,9 +202,8 @@ def run_apply(spark: SparkSession, batch: DataFrame, span_plans: dict[str, Targe
     span key in the batch to its target."""
     span_targets = {span: (plan.target_id, plan.table.key) for span, plan in span_plans.items()}
     plans = {plan.target_id: plan for plan in span_plans.values()}
-    final = final_images(spark, batch, span_targets)
-    counts = (final.repartition(partitions, "target", "key").rdd
-              .mapPartitions(partial(write_partition, plans)).collect())
+    final = final_images(spark, batch, span_targets, partitions)
+    counts = final.rdd.mapPartitions(partial(write_partition, plans)).collect()
     result = ApplyResult(partitions=partitions)
     for target_id, deleted, upserted, conflicts in counts:
         c = result.per_target.setdefault(target_id, TargetCounts())

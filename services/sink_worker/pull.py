@@ -34,6 +34,7 @@ from pydantic import BaseModel
 from contracts import REGISTRY, ContractError
 from contracts.events.rows import DdlExecutedV1, ResolvedAdvancedV1, RowsChangedV1
 from libs.eventstore.deadletter import dead_letter
+from libs.gc_pause import gc_paused
 from libs.streams import ROWS_STREAM, resolved_subject, token
 from libs.telemetry.tracing import process_span
 from services.sink_worker.span import Span
@@ -286,15 +287,17 @@ class SpanReader:
             self._newest = max((e.ts for e in self.buffer), default=-1)
             while self.ghosts and (self.ghosts.first_seq() <= checkpoint_seq):
                 self.ghosts.popleft()
-        try:
-            await self._refill(limit)
-            reached, dead = await self._scan(limit, checkpoint_ts, until_seq)
-            await self._refill(limit)
-        except NotFoundError:
-            # The consumer is gone (server restart, inactivity): read again from the checkpoint.
-            await self._reset(checkpoint_seq)
-            reached, dead = await self._scan(limit, checkpoint_ts, until_seq)
-            await self._refill(limit)
+        # Decoding a round's events allocates millions of live objects: see libs.gc_pause.
+        with gc_paused():
+            try:
+                await self._refill(limit)
+                reached, dead = await self._scan(limit, checkpoint_ts, until_seq)
+                await self._refill(limit)
+            except NotFoundError:
+                # The consumer is gone (server restart, inactivity): read again from the checkpoint.
+                await self._reset(checkpoint_seq)
+                reached, dead = await self._scan(limit, checkpoint_ts, until_seq)
+                await self._refill(limit)
         return PullResult(events=list(self.buffer), ghosts=list(self.ghosts.items), read_upto=self.read_upto,
                           reached=reached, dead_lettered=dead)
 

@@ -15,6 +15,12 @@ Per span (all spans in one job, never one job per table):
 The order of changes, ``(ts, seq, part)`` and then row order inside a message, is applied where
 it matters: the apply job's collapse window picks the last image per key by it, and the cut
 only ever ends at a transaction boundary of that order.
+
+Only the events' metadata goes through the deduplication and the summary: the bodies (the
+row images, nearly all of a round's bytes) are handed to Spark once, after the cut and only
+for events the batch can contain, and joined to the deduplicated batch by stream sequence.
+Shuffling the bodies through the deduplication, twice (the summary's job and the apply job's
+recomputation), was the largest JVM cost of a round (``benchmarks/apply.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +30,19 @@ from dataclasses import dataclass
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import BooleanType, IntegerType, LongType, StringType, StructField, StructType
+from pyspark.sql.types import (
+    BinaryType,
+    BooleanType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
 
 from services.sink_worker.pull import PulledEvent
 
-EVENT_SCHEMA = StructType([
+META_FIELDS = [
     StructField("span", StringType(), False),
     StructField("kind", StringType(), False),  # "rows" | "ddl" | "dead" (a dead-lettered part)
     StructField("id", StringType(), False),
@@ -37,7 +51,14 @@ EVENT_SCHEMA = StructType([
     StructField("part", IntegerType(), False),
     StructField("last_part", BooleanType(), False),
     StructField("stream_seq", LongType(), False),
-    StructField("body", StringType(), False),  # the message payload (envelope JSON)
+]
+META_SCHEMA = StructType(META_FIELDS)
+# The message payload (envelope JSON) as bytes: no decoding on the driver, no UTF-16 in the JVM.
+EVENT_SCHEMA = StructType([*META_FIELDS, StructField("body", BinaryType(), False)])
+BODY_SCHEMA = StructType([
+    StructField("span", StringType(), False),
+    StructField("stream_seq", LongType(), False),
+    StructField("body", BinaryType(), False),
 ])
 
 SPAN_SCHEMA = StructType([
@@ -74,8 +95,9 @@ class SortResult:
 
 
 def event_records(span_key: str, events: Iterable[PulledEvent]) -> list[tuple[object, ...]]:
+    """``EVENT_SCHEMA`` tuples of one span's events (the body is the message's bytes, not a copy)."""
     return [(span_key, "dead" if e.dead else "ddl" if e.is_ddl else "rows", e.event_id, e.ts, e.seq,
-             e.part, e.last_part, e.stream_seq, "" if e.dead else e.data.decode()) for e in events]
+             e.part, e.last_part, e.stream_seq, b"" if e.dead else e.data) for e in events]
 
 
 @dataclass(frozen=True)
@@ -112,7 +134,9 @@ def cut_span(span: SpanInput, txns: list[TxnSummary]) -> SpanCut:
 
 
 def run_sort(spark: SparkSession, records: list[tuple[object, ...]], spans: list[SpanInput]) -> SortResult:
-    events = spark.createDataFrame(records, EVENT_SCHEMA)
+    """``records``: ``EVENT_SCHEMA`` tuples (``event_records``) of every span in the round."""
+    # Built by this module, so the schema holds by construction: no per-row type check.
+    events = spark.createDataFrame([r[:-1] for r in records], META_SCHEMA, verifySchema=False)
     params = spark.createDataFrame([(s.span, s.checkpoint_ts, s.horizon_ts) for s in spans], SPAN_SCHEMA)
     fresh = (events.join(F.broadcast(params), "span")
              .where(F.col("ts") > F.col("checkpoint_ts"))
@@ -137,7 +161,20 @@ def run_sort(spark: SparkSession, records: list[tuple[object, ...]], spans: list
             ddl_id=row["ddl_id"]))
     cuts = {s.span: cut_span(s, per_span[s.span]) for s in spans}
     limits = spark.createDataFrame([(k, c.limit_ts) for k, c in cuts.items()], "span string, limit_ts long")
-    batch = (fresh.join(F.broadcast(limits), "span")
-             .where((F.col("kind") == "rows") & (F.col("ts") <= F.col("limit_ts")))
+    batch_meta = (fresh.join(F.broadcast(limits), "span")
+                  .where((F.col("kind") == "rows") & (F.col("ts") <= F.col("limit_ts")))
+                  .select(*META_SCHEMA.fieldNames()))
+    # The bodies of every copy the batch may hold (the driver knows the cut); the deduplicated
+    # metadata decides which copy is applied. The metadata side is small: broadcast, so the
+    # bodies are never shuffled.
+    window = {s.span: (s.checkpoint_ts, cuts[s.span].limit_ts) for s in spans}
+    wanted = []
+    for r in records:
+        span, ts = r[0], r[3]
+        assert isinstance(span, str) and isinstance(ts, int)
+        if r[1] == "rows" and window[span][0] < ts <= window[span][1]:
+            wanted.append((span, r[7], r[8]))
+    bodies = spark.createDataFrame(wanted, BODY_SCHEMA, verifySchema=False)
+    batch = (bodies.join(F.broadcast(batch_meta), ["span", "stream_seq"])
              .select(*EVENT_SCHEMA.fieldNames()))
     return SortResult(batch=batch, cuts=cuts)

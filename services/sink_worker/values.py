@@ -19,7 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
@@ -197,17 +197,54 @@ def decode_value(kind: ColumnKind, sql_type: str, v: Any) -> Any:
     raise ValueError(f"unknown column kind {kind!r}")
 
 
+def _converter(kind: ColumnKind, sql_type: str) -> Callable[[Any], Any]:
+    """``decode_value`` for one column kind, without the per-value dispatch; never given None."""
+    if kind in ("string", "set"):
+        return lambda v: v if type(v) is str else str(v)
+    if kind in ("int", "bit"):
+        return lambda v: v if type(v) is int else int(v)
+    if kind == "decimal":
+        return lambda v: Decimal(v) if type(v) is str else Decimal(str(v))
+    if kind in ("datetime", "timestamp"):
+        def to_datetime(v: Any) -> datetime:
+            parsed = datetime.fromisoformat(v)
+            if parsed.tzinfo is not None:
+                parsed = parsed.astimezone(UTC).replace(tzinfo=None)
+            return parsed
+        return to_datetime
+    if kind == "json":
+        return lambda v: v if type(v) is str else decode_value(kind, sql_type, v)
+    return lambda v: decode_value(kind, sql_type, v)
+
+
+class RowDecoder:
+    """``decode_row`` for one table's metadata, prepared once: the apply job decodes hundreds of
+    thousands of rows of a few tables, and rebuilding the column set and dispatching on the
+    kind per value was a third of that."""
+
+    def __init__(self, meta: TableMetaV1) -> None:
+        self.names = frozenset(c.name for c in meta.columns)
+        self.columns = [(c.name, _converter(c.kind, c.sql_type)) for c in meta.columns]
+
+    def __call__(self, image: Mapping[str, Any]) -> dict[str, Any]:
+        if not self.names.issuperset(image):
+            unknown = set(image) - self.names
+            raise ValueError(f"row has columns not in the table metadata: {sorted(unknown)}")
+        out: dict[str, Any] = {}
+        for name, convert in self.columns:
+            if name in image:
+                v = image[name]
+                out[name] = None if v is None else convert(v)
+        return out
+
+
 def decode_row(meta: TableMetaV1, image: Mapping[str, Any]) -> dict[str, Any]:
     """A row image from the contract to Python values, in ``meta``'s column order.
 
     Columns of the image that ``meta`` does not know are an error: writing them would need a
-    schema the target does not have yet.
+    schema the target does not have yet. (Decoding many rows of one table: ``RowDecoder``.)
     """
-    unknown = set(image) - {c.name for c in meta.columns}
-    if unknown:
-        raise ValueError(f"row has columns not in the table metadata: {sorted(unknown)}")
-    return {c.name: decode_value(c.kind, c.sql_type, image[c.name])
-            for c in meta.columns if c.name in image}
+    return RowDecoder(meta)(image)
 
 
 # --------------------------------------------------------------------------- driver -> Python
