@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from libs.routing import TableRef, Target
 from libs.shard_ddl import (
+    CaughtUp,
     Done,
     DoneReceived,
     ExecFailed,
@@ -37,6 +38,7 @@ from libs.shard_ddl import (
     LockCreated,
     LockEvent,
     LockKeeper,
+    LockKey,
     LockRemoved,
     LockResolved,
     Operation,
@@ -415,6 +417,65 @@ def test_the_next_ddl_of_a_done_shard_is_queued_for_the_next_instance() -> None:
     assert h.rebuilt() == h.keeper
 
 
+# -- generations: shards out of step after operator actions --------------------------------------
+
+NEXT = ("ALTER TABLE `shop`.`orders` ADD COLUMN d int",)
+
+
+def skew(h: Harness) -> None:
+    """A and B settle ADD (operator skip, then force-remove) while C never reached it."""
+    h.info(A)
+    h.info(B)
+    for op in h.unlock("skip"):
+        h.done(op)
+    h.force_remove()
+    assert h.keeper.generations[(LockKey(CF, T), A)] == 1 and h.keeper.generations[(LockKey(CF, T), C)] == 0
+
+
+def test_a_shard_behind_with_the_settled_ddl_catches_up_at_once() -> None:
+    h = Harness()
+    skew(h)
+    n = len(h.log)
+    ops = h.info(C)
+    assert kinds(ops) == [(C, "skip")] and ops[0].position == 10
+    assert h.no_lock and [type(e) for e in h.log[n:]] == [CaughtUp]
+    assert h.keeper.generations[(LockKey(CF, T), C)] == 1
+    assert kinds(h.info(C)) == [(C, "skip")]  # and a replay of it is skipped by its watermark
+    assert h.rebuilt() == h.keeper
+
+
+def test_a_shard_ahead_queues_instead_of_conflicting() -> None:
+    h = Harness()
+    skew(h)
+    assert h.info(A, NEXT, position=20) == []  # generation 2 lock, expects everyone
+    assert h.lock.generation == 2 and h.lock.expected == {A, B, C}
+    assert kinds(h.info(C)) == [(C, "skip")]  # C is behind: catches up, no conflict
+    h.info(B, NEXT, position=20)
+    assert kinds(h.info(C, NEXT, position=20)) == [(A, "exec")]
+
+
+def test_a_shard_behind_with_a_different_ddl_is_a_conflict_not_a_lone_exec() -> None:
+    h = Harness()
+    skew(h)
+    assert h.info(C, ADD_OTHER) == []  # expected only C, but the others settled ADD here
+    lock = h.lock
+    assert lock.generation == 1 and lock.expected == {C}
+    assert lock.phase == "conflict" and lock.settled_conflict and lock.settled_before == ADD
+    assert kinds(h.unlock("skip")) == [(C, "skip")]
+
+
+def test_a_shard_new_to_the_group_starts_at_the_groups_generation() -> None:
+    h = Harness()
+    h.info(A, shards=(A, B))
+    for op in h.done(h.info(B, shards=(A, B))[0]):
+        h.done(op)
+    h.now += 1
+    h.log += h.keeper.handle_group(CF, T, (A, B, C), h.now).events
+    assert h.keeper.generations[(LockKey(CF, T), C)] == 1
+    h.info(A, NEXT, position=20, shards=None)
+    assert h.lock.expected == {A, B, C}
+
+
 # -- exec failures --------------------------------------------------------------------------------
 
 def test_exec_failure_is_visible_and_unlock_skip_supersedes_it() -> None:
@@ -545,7 +606,7 @@ class Sim:
         for e in self.log[start:]:
             if isinstance(e, OperationIssued) and e.kind == "exec":
                 lock = checker.locks[(e.changefeed, e.target)]  # type: ignore[index]
-                assert not lock.conflict, f"exec issued while in conflict: {e}"
+                assert not lock.in_conflict, f"exec issued while in conflict: {e}"
             checker.apply(e)
         check_log(self.log)
 

@@ -8,6 +8,7 @@ detection).
 
 from libs.shard_ddl.lock import (
     Awaited,
+    CaughtUp,
     Done,
     DoneReceived,
     ExecFailed,
@@ -52,6 +53,7 @@ from libs.shard_ddl.rerun import (
 
 __all__ = [
     "Awaited",
+    "CaughtUp",
     "ColumnDef",
     "DDLRewriteError",
     "Done",

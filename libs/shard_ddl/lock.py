@@ -7,8 +7,9 @@ lives from the Info that creates it until it is resolved or removed. The flow, a
    ``Info{changefeed, target, span, ddls, position}`` (``ddls`` already rewritten to the
    target's table name, ``position`` = where the DDL sits in the span's stream).
 2. The first Info creates the lock; its span is the *owner*. The lock expects every shard of
-   the target's current group. It is *synced* when every expected shard has sent an Info and
-   all DDL lists are equal (compared in canonical form, ``rerun.canonical_ddl``).
+   the target's current group that has not passed this DDL yet (see generations below). It is
+   *synced* when every expected shard has sent an Info and all DDL lists are equal (compared
+   in canonical form, ``rerun.canonical_ddl``).
 3. Synced: ``Operation(exec)`` to the owner, which executes the DDL on the target (re-run
    detection turns "already applied" into success) and reports done.
 4. Owner done: ``Operation(skip)`` to every other shard; each skips its DDL and reports done. A
@@ -28,6 +29,13 @@ events *and fold them into this keeper through ``apply``*, so a keeper rebuilt b
 event log is equal to the live one by construction. ``handle_*`` return ``Outcome(events,
 operations)``: append the events to the ddl domain stream, then send the operations. When the
 append fails the leader is deposed and drops this keeper, so applying first is safe.
+
+What the worker side must do (the contract these rules rely on): stop the span before the
+DDL and send its Info, again every few seconds while no operation came, and at once on an
+``InfoRequest``; carry out an operation only while stopped exactly at ``Operation.position``
+(exec: rewrite, execute, treat re-run detection's "already applied" as success; skip: skip),
+then send ``Operation.done()``; answer an operation for a position it has passed with its done
+again and nothing else; report an exec error with ``handle_exec_failed`` and keep retrying.
 
 Decisions (where DM is silent or we differ):
 
@@ -58,9 +66,14 @@ Decisions (where DM is silent or we differ):
   watermark). A shard that replays from an older checkpoint and sends an Info at or below its
   watermark is answered with a skip at once, without a lock: otherwise a replayed DDL would
   form a lock that waits for shards that passed it long ago.
-- **Next DDL while the lock is not resolved.** A shard that reported done may meet its next DDL
-  before the others are done: that Info is queued and opens the next instance when this one
-  ends, instead of looking like a conflict.
+- **Generations** (DM keeps this on the worker side, ShardingMeta's sequence and activeIdx).
+  Each shard counts the target's DDLs it has settled; a lock is for one generation and expects
+  the shards below it. A shard that is past the lock's generation (done in it already, or it
+  settled that DDL in an earlier, force-removed instance) has its Info queued for the next lock
+  instead of it looking like a conflict. A shard that is behind (the others settled its next
+  DDL without it, which only operator actions can cause) and sends exactly the DDL they
+  settled is told to skip it at once (``CaughtUp``). A shard new to the group starts at the
+  group's generation: a table created now already has the target's schema.
 - **Re-sends.** ``due_resends(now)`` lists what has been awaited longer than ``resend_after``:
   an ``InfoRequest`` for a shard whose Info never came (it may be lost; a shard that has not
   reached the DDL ignores it) and the operation again for a shard whose done never came. The
@@ -80,6 +93,7 @@ from libs.shard_ddl.rerun import canonical_ddl
 
 __all__ = [
     "Awaited",
+    "CaughtUp",
     "Done",
     "DoneReceived",
     "ExecFailed",
@@ -431,6 +445,10 @@ class Lock:
     left: dict[TableRef, str] = field(default_factory=dict)
     left_infos: dict[TableRef, ShardInfo] = field(default_factory=dict)
     unlocks: list[Unlocked] = field(default_factory=list)
+    settled_before: tuple[str, ...] | None = None
+    """The DDLs other shards already settled at this generation (an earlier instance that was
+    force-removed after some shards passed it); None when there is none or an operator has
+    decided since."""
 
     @property
     def key(self) -> LockKey:
@@ -446,8 +464,18 @@ class Lock:
         return {s: i.ddls for s, i in self.infos.items() if s not in self.accepted and i.canon != self.canon}
 
     @property
+    def settled_conflict(self) -> bool:
+        """The lock's DDLs differ from what other shards already settled at this generation."""
+        return (self.settled_before is not None
+                and tuple(canonical_ddl(d) for d in self.settled_before) != self.canon)
+
+    @property
+    def in_conflict(self) -> bool:
+        return bool(self.conflict) or self.settled_conflict
+
+    @property
     def synced(self) -> bool:
-        return all(s in self.infos for s in self.expected) and not self.conflict
+        return all(s in self.infos for s in self.expected) and not self.in_conflict
 
     @property
     def exec_completed(self) -> bool:
@@ -457,7 +485,7 @@ class Lock:
 
     @property
     def phase(self) -> Phase:
-        if self.conflict:
+        if self.in_conflict:
             return "conflict"
         if self.exec_span is not None and self.exec_span not in self.done:
             return "exec_failed" if self.exec_error is not None else "executing"
@@ -495,7 +523,7 @@ class Lock:
 
     def next_operations(self) -> list[tuple[TableRef, OpKind]]:
         """Operations due now, by the rules in the module doc (none while in conflict)."""
-        if self.conflict:
+        if self.in_conflict:
             return []
         out: list[tuple[TableRef, OpKind]] = []
         waiting = [s for s in self.infos if s not in self.ops]
@@ -532,7 +560,7 @@ class LockKeeper:
         # How many of the target's DDLs each shard has settled, and the settled DDLs (canonical)
         # by generation that some shard of the group may still be behind on.
         self.generations: dict[tuple[LockKey, TableRef], int] = {}
-        self.history: dict[LockKey, dict[int, tuple[str, ...]]] = {}
+        self.history: dict[LockKey, dict[int, tuple[str, ...]]] = {}  # generation -> DDLs settled
         self.last_instance: dict[LockKey, int] = {}
         # Soft state, not folded (see module doc): when each awaited item was last re-sent.
         self._nudged: dict[tuple[LockKey, int, TableRef, str], float] = {}
@@ -592,7 +620,8 @@ class LockKeeper:
         if isinstance(event, LockCreated):
             self.locks[key] = Lock(event.changefeed, event.target, event.instance, event.generation,
                                    event.owner, event.ddls, tuple(canonical_ddl(d) for d in event.ddls),
-                                   event.at, expected=set(event.expected))
+                                   event.at, expected=set(event.expected),
+                                   settled_before=self.history.get(key, {}).get(event.generation))
             self.last_instance[key] = event.instance
             return
         lock = self.locks[key]
@@ -633,6 +662,7 @@ class LockKeeper:
         elif isinstance(event, Unlocked):
             lock.mode = event.mode
             lock.accepted |= set(lock.infos)
+            lock.settled_before = None  # the operator has seen it and decided
             lock.unlocks.append(event)
             if event.mode == "exec" and event.owner is not None:
                 lock.owner = event.owner
@@ -646,7 +676,7 @@ class LockKeeper:
                 # part (in conflict) in a lock of a later generation.
                 self.generations[gk] = self._generation(key, span) + 1
             if event.settled:
-                self.history.setdefault(key, {})[lock.generation] = lock.canon
+                self.history.setdefault(key, {})[lock.generation] = lock.ddls
             # Nobody in the group can be behind on generations every member has settled.
             group = self.groups.get(key, frozenset())
             floor = min((self.generations.get((key, s), 0) for s in group), default=0)
@@ -796,7 +826,8 @@ class LockKeeper:
         - ``join`` the current lock, or ``create`` one.
         """
         g = self._generation(key, span)
-        if self.history.get(key, {}).get(g + 1) == canon:
+        settled = self.history.get(key, {}).get(g + 1)
+        if settled is not None and tuple(canonical_ddl(d) for d in settled) == canon:
             lock = self.locks.get(key)
             if lock is None or g + 1 < lock.generation:
                 return "behind"
