@@ -487,7 +487,8 @@ class Lock:
     def phase(self) -> Phase:
         if self.in_conflict:
             return "conflict"
-        if self.exec_span is not None and self.exec_span not in self.done:
+        s = self.exec_span
+        if s is not None and s not in self.done and self.ops[s].kind == "exec":
             return "exec_failed" if self.exec_error is not None else "executing"
         return "skipping" if self.ops else "waiting"
 
@@ -557,8 +558,8 @@ class LockKeeper:
         self.groups: dict[LockKey, frozenset[TableRef]] = {}
         self.queued: dict[LockKey, dict[TableRef, ShardInfo]] = {}
         self.watermarks: dict[tuple[LockKey, TableRef], Watermark] = {}
-        # How many of the target's DDLs each shard has settled, and the settled DDLs (canonical)
-        # by generation that some shard of the group may still be behind on.
+        # How many of the target's DDLs each shard has settled, and the settled DDLs by
+        # generation that some shard of the group may still be behind on.
         self.generations: dict[tuple[LockKey, TableRef], int] = {}
         self.history: dict[LockKey, dict[int, tuple[str, ...]]] = {}  # generation -> DDLs settled
         self.last_instance: dict[LockKey, int] = {}
