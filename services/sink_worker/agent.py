@@ -168,6 +168,8 @@ class SinkAgent:
         """Where ``status()`` is published with every heartbeat (the service's /healthz dict):
         a round can take seconds, the agent's state should not look that old."""
         self.span_stopped = asyncio.Event()
+        self._pipeline: Pipeline | None = None
+        self._view: ChangefeedView | None = None
         """Set whenever a span stops here (the drain waits on it)."""
         self.heartbeats_sent = 0
 
@@ -219,8 +221,7 @@ class SinkAgent:
         hb = self.heartbeat()
         await self.nc.publish(heartbeat_subject(self.member_id), REGISTRY.encode(hb, producer=self.producer))
         self.heartbeats_sent += 1
-        if self.status_sink is not None:
-            self.status_sink["agent"] = self.status()
+        self.publish_status()
         counts: dict[str, int] = {s.value: 0 for s in TableState}
         for t in hb.tables:
             counts[t.state] += 1
@@ -239,6 +240,10 @@ class SinkAgent:
 
     def beat_now(self) -> None:
         self._beat_now.set()
+
+    def publish_status(self) -> None:
+        if self.status_sink is not None:
+            self.status_sink["agent"] = self.status()
 
     # ------------------------------------------------------------------ NATS handlers
 
@@ -280,6 +285,7 @@ class SinkAgent:
                 verdict, status = outcome.verdict, outcome.status
                 seq = self.state.reply(outcome).seq or 0
                 if outcome.transitions:
+                    self._start_preparing()
                     self.wake.set()
             DISPATCHES.labels(req.action, verdict.value).inc()
             if verdict is AgentVerdict.STALE_EPOCH:
@@ -294,6 +300,7 @@ class SinkAgent:
             answer = DispatchResponseV1(member_id=self.member_id, incarnation=self.incarnation,
                                         verdict=verdict.value, epoch=self.state.newest_epoch, seq=seq,
                                         status=status_ref(status))
+            self.publish_status()
             if msg.reply:
                 await msg.respond(REGISTRY.encode(answer, producer=self.producer))
 
@@ -302,17 +309,13 @@ class SinkAgent:
     async def between_rounds(self, pipeline: Pipeline, view: ChangefeedView) -> dict[Span, SpanConfig]:
         """Carry out what dispatches asked for since the last round; returns the spans the next
         round writes (those Replicating) with their config."""
+        self.attach(pipeline, view)
         changed = False
         for span, table in list(self.state.tables.items()):
             if table.state is TableState.STOPPING:
                 await self._stop(pipeline, span)
                 changed = True
-            elif table.state is TableState.PREPARING and span not in self._preparing:
-                config = config_of(view, span.changefeed)
-                if config is None:
-                    continue  # the changefeed is not folded yet; try after the next round
-                task = asyncio.create_task(self._prepare(pipeline, span, config), name=f"prepare {span.key}")
-                self._preparing[span] = task
+        self._start_preparing()
         if changed:
             self._beat_now.set()
         wanted: dict[Span, SpanConfig] = {}
@@ -325,6 +328,24 @@ class SinkAgent:
             if config is not None:
                 wanted[s] = config
         return wanted
+
+    def attach(self, pipeline: Pipeline, view: ChangefeedView) -> None:
+        """The pipeline and changefeeds the agent prepares spans with (set by the worker)."""
+        self._pipeline = pipeline
+        self._view = view
+
+    def _start_preparing(self) -> None:
+        """Start preparing every Preparing span at once, not after the round in progress (which
+        can take seconds): preparing only reads, so it runs beside the round."""
+        if self._pipeline is None or self._view is None:
+            return
+        for span, table in self.state.tables.items():
+            if table.state is TableState.PREPARING and span not in self._preparing:
+                config = config_of(self._view, span.changefeed)
+                if config is None:
+                    continue  # the changefeed is not folded yet; tried again between rounds
+                self._preparing[span] = asyncio.create_task(self._prepare(self._pipeline, span, config),
+                                                            name=f"prepare {span.key}")
 
     async def _prepare(self, pipeline: Pipeline, span: SchedSpan, config: SpanConfig) -> None:
         try:
@@ -343,6 +364,7 @@ class SinkAgent:
                                              "state": self.state.state_of(span).value})
         finally:
             self._preparing.pop(span, None)
+        self.publish_status()
         self.wake.set()
         self._beat_now.set()
 
@@ -357,6 +379,7 @@ class SinkAgent:
         final = await pipeline.stop_span(s)
         self.state.stopped(span, final.ts if final is not None else None)
         self.writer_log.stopped(span, final.ts if final is not None else None)
+        self.publish_status()
         self.span_stopped.set()
         log.info("span stopped", extra={"span": span.key,
                                         "checkpoint_ts": final.ts if final is not None else None})

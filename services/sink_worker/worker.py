@@ -121,6 +121,7 @@ class SinkWorker:
         follower = asyncio.create_task(self._follow_changefeeds(), name="changefeeds")
         drain: asyncio.Task[None] | None = None
         if self.agent is not None:
+            self.agent.attach(self.pipeline, self.view)
             await self.agent.start()
             drain = asyncio.create_task(self._drain_on_stop(), name="drain")
         try:
