@@ -175,10 +175,10 @@ class ReplicationState:
                                  for cf, v in (data.get("checkpoints") or {}).items()})
         for row in data.get("sets") or []:
             span = Span(*row[:4])
-            error = MultiplePrimaryError(span, tuple(row[10]), row[9]) if row[9] else None
+            error = MultiplePrimaryError(span, tuple(row[9]), row[8]) if row[8] else None
             summary = SetSummary(span, SetState(row[4]), row[5], row[6],
                                  {m: Role(r) for m, r in row[7].items()}, error, False,
-                                 int(row[11]), int(row[12]))
+                                 int(row[10]), int(row[11]))
             state.sets[span] = summary
             state.index.update(summary)
         return state
