@@ -127,6 +127,8 @@ class Change:
 
 @dataclass
 class Workload:
+    source: str
+    database: str
     rows: int
     messages: list[tuple[str, bytes, str]]  # (subject, payload, Nats-Msg-Id)
     changes: list[Change]  # in commit order
@@ -262,7 +264,7 @@ class Generator:
         return self.rnd.randint(200, 2000)
 
 
-def generate(total: int, seed: int) -> Workload:
+def generate(total: int, seed: int, source: str = SOURCE, database: str = DATABASE) -> Workload:
     gen = Generator(seed)
     names = list(TABLE_WEIGHTS)
     weights = [TABLE_WEIGHTS[n] for n in names]
@@ -292,16 +294,17 @@ def generate(total: int, seed: int) -> Workload:
             for part, chunk in enumerate(parts):
                 seq += 1
                 event = RowsChangedV1.model_construct(
-                    source=SOURCE, database=DATABASE, table=table, ts=ts, seq=seq, part=part,
+                    source=source, database=database, table=table, ts=ts, seq=seq, part=part,
                     last_part=part == len(parts) - 1,
                     position=SourcePositionV1(binlog_file="binlog.000001", binlog_pos=4 + seq * 100),
                     meta=TABLES[table],
                     rows=[RowImageV1.model_construct(op=c.op, before=c.before, after=c.after) for c in chunk])
-                msg_id = f"{SOURCE}:binlog.000001:{4 + txns * 100}:{DATABASE}.{table}:{part}"
+                msg_id = f"{source}:binlog.000001:{4 + txns * 100}:{database}.{table}:{part}"
                 data = REGISTRY.encode(event, producer="bench-capture", event_id=msg_id)
-                messages.append((rows_subject(SOURCE, DATABASE, table), data, msg_id))
+                messages.append((rows_subject(source, database, table), data, msg_id))
     final = {name: dict(t.rows) for name, t in gen.tables.items()}
-    return Workload(rows=len(changes), messages=messages, changes=changes, final=final, first_ts=first_ts,
+    return Workload(source=source, database=database, rows=len(changes), messages=messages, changes=changes,
+                    final=final, first_ts=first_ts,
                     last_ts=ts, transactions=txns, ops=ops)
 
 
@@ -321,9 +324,9 @@ async def publish(nats_url: str, work: Workload) -> float:
                 window.clear()
         await asyncio.gather(*window)
         position = SourcePositionV1(binlog_file="binlog.000001", binlog_pos=4 + len(work.messages) * 100)
-        mark = REGISTRY.encode(ResolvedAdvancedV1(source=SOURCE, ts=work.last_ts, position=position),
+        mark = REGISTRY.encode(ResolvedAdvancedV1(source=work.source, ts=work.last_ts, position=position),
                                producer="bench-capture")
-        await js.publish(resolved_subject(SOURCE), mark, headers={api.Header.ROLLUP.value: "sub"})
+        await js.publish(resolved_subject(work.source), mark, headers={api.Header.ROLLUP.value: "sub"})
         return time.monotonic() - started
     finally:
         await nc.close()
@@ -492,6 +495,9 @@ class SparkConfig:
     max_events_per_round: int
     apply_partitions: int
     shuffle_partitions: int
+    warm: bool = True
+    """Run a warm-up workload first (JIT, codegen, class loading), as a long-running worker is."""
+    java_options: str = ""
 
 
 def _descendants(root: int) -> list[int]:
@@ -627,13 +633,21 @@ class SparkRun:
 
 
 def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConfig, tmp: Path,
-                   profile: Path | None) -> SparkRun:
-    db.execute(f"DROP DATABASE IF EXISTS `{DATABASE}`")
-    spec = {"nats_url": nats_url, "sink_url": db.url, "changefeed": f"bench{config.label}",
-            "final_ts": work.last_ts, "max_events_per_round": config.max_events_per_round,
-            "apply_partitions": config.apply_partitions, "shuffle_partitions": config.shuffle_partitions}
+                   profile: Path | None, warmup: Workload | None) -> SparkRun:
+    db.execute(f"DROP DATABASE IF EXISTS `{work.database}`")
+    spec: dict[str, Any] = {
+        "nats_url": nats_url, "sink_url": db.url, "changefeed": f"bench{config.label}",
+        "run": [work.source, work.database, work.last_ts],
+        "max_events_per_round": config.max_events_per_round,
+        "apply_partitions": config.apply_partitions, "shuffle_partitions": config.shuffle_partitions,
+        "java_options": config.java_options}
+    if config.warm and warmup is not None:
+        db.execute(f"DROP DATABASE IF EXISTS `{warmup.database}`")
+        spec["warmup"] = [warmup.source, warmup.database, warmup.last_ts]
     log_path = tmp / f"worker-{config.label}.log"
     env = dict(os.environ)
+    if os.environ.get("BENCH_JAVA_OPTIONS"):  # experiments with JVM flags
+        env["JDK_JAVA_OPTIONS"] = os.environ["BENCH_JAVA_OPTIONS"]
     if profile is not None:
         # Java Flight Recorder in the Spark JVM (read it with `jfr print --events jdk.ExecutionSample`).
         profile.mkdir(parents=True, exist_ok=True)
@@ -696,7 +710,8 @@ async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     from services.sink_worker.pipeline import Pipeline, PipelineOptions, SpanConfig
     from services.sink_worker.span import Span
 
-    settings = Settings(nats_url=spec["nats_url"], spark_shuffle_partitions=spec["shuffle_partitions"])
+    settings = Settings(nats_url=spec["nats_url"], spark_shuffle_partitions=spec["shuffle_partitions"],
+                        spark_driver_java_options=spec["java_options"])
     spark = get_spark(settings)
     # A running worker has its Python workers up (and their imports done) long before: do that
     # outside the clock.
@@ -715,37 +730,50 @@ async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         checkpoints = await CheckpointStore(js).open()
         options = PipelineOptions(max_events_per_round=spec["max_events_per_round"],
                                   apply_partitions=spec["apply_partitions"])
-        pipeline = Pipeline(js, checkpoints, lambda: spark, options)
-        config = SpanConfig(sink_url=spec["sink_url"])
-        await pipeline.set_spans({Span.of(spec["changefeed"], SOURCE, DATABASE, t): config for t in TABLES})
-        final_ts = spec["final_ts"]
-        print("BENCH clock", flush=True)
-        started = time.monotonic()
-        rows = pull_s = 0.0
-        rounds = 0
-        timeline: list[tuple[int, int, float, float]] = []
-        while True:
-            report = await pipeline.round()
-            rounds += 1
-            if report.errors:
-                raise RuntimeError(f"round {rounds} failed: {report.errors}")
-            rows += report.rows_written
-            pull_s += report.pull_s
-            timeline.append((report.batch_events, report.rows_written, round(report.pull_s, 2),
-                             round(report.duration_s, 2)))
-            spans = pipeline.spans.values()
-            if all(rt.checkpoint is not None and rt.checkpoint.ts >= final_ts for rt in spans):
-                break
-            if time.monotonic() - started > 3600:
-                raise RuntimeError("the pipeline did not reach the final ts within an hour")
-        seconds = time.monotonic() - started
-        await pipeline.close()
+
+        async def drain(changefeed: str, source: str, database: str, final_ts: int,
+                        timeline: list[tuple[int, int, float, float]]) -> tuple[int, int, float]:
+            """Rounds of a fresh pipeline over the workload's tables until all of it is applied."""
+            pipeline = Pipeline(js, checkpoints, lambda: spark, options)
+            config = SpanConfig(sink_url=spec["sink_url"])
+            await pipeline.set_spans({Span.of(changefeed, source, database, t): config for t in TABLES})
+            rows = rounds = 0
+            pull_s = 0.0
+            started = time.monotonic()
+            try:
+                while True:
+                    report = await pipeline.round()
+                    rounds += 1
+                    if report.errors:
+                        raise RuntimeError(f"round {rounds} failed: {report.errors}")
+                    rows += report.rows_written
+                    pull_s += report.pull_s
+                    timeline.append((report.batch_events, report.rows_written, round(report.pull_s, 2),
+                                     round(report.duration_s, 2)))
+                    spans = pipeline.spans.values()
+                    if all(rt.checkpoint is not None and rt.checkpoint.ts >= final_ts for rt in spans):
+                        return rounds, rows, pull_s
+                    if time.monotonic() - started > 3600:
+                        raise RuntimeError("the pipeline did not reach the final ts within an hour")
+            finally:
+                await pipeline.close()
 
         def total(name: str) -> float:
             return float(METRICS.get_sample_value(f"{name}_sum") or 0.0)
 
-        phases = {"pull": pull_s, "sort": total("sluice_sink_sort_seconds"),
-                  "apply": total("sluice_sink_apply_seconds")}
+        if spec.get("warmup"):
+            source, database, final_ts = spec["warmup"]
+            warm_rounds: list[tuple[int, int, float, float]] = []
+            await drain(f"{spec['changefeed']}warm", source, database, final_ts, warm_rounds)
+            print(f"warm-up rounds (events, rows written, pull s, round s): {warm_rounds}", file=sys.stderr)
+        before = {name: total(name) for name in ("sluice_sink_sort_seconds", "sluice_sink_apply_seconds")}
+        source, database, final_ts = spec["run"]
+        timeline: list[tuple[int, int, float, float]] = []
+        print("BENCH clock", flush=True)
+        started = time.monotonic()
+        rounds, rows, pull_s = await drain(spec["changefeed"], source, database, final_ts, timeline)
+        seconds = time.monotonic() - started
+        phases = {"pull": pull_s, **{name.split("_")[2]: total(name) - before[name] for name in before}}
         print(f"rounds (events, rows written, pull s, round s): {timeline}", file=sys.stderr)
         return {"seconds": seconds, "rounds": rounds, "rows_written": int(rows), "phases": phases}
     finally:
@@ -787,8 +815,9 @@ def print_report(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict
 
     for run in spark_runs:
         c = run.config
-        line(f"Spark apply path, {c.label} (events/round {c.max_events_per_round}, "
-             f"partitions {c.apply_partitions}/{c.shuffle_partitions})", work.rows, run.seconds)
+        line(f"Spark apply path, {c.label} ({c.max_events_per_round} ev/round, "
+             f"{c.apply_partitions}/{c.shuffle_partitions} part.{', C1 JIT' if c.java_options else ''}"
+             f"{'' if c.warm else ', cold'})", work.rows, run.seconds)
     if "naive" in baselines:
         line("row-at-a-time autocommit apply (naive baseline)", work.rows, baselines["naive"])
     if insert_s:
@@ -817,7 +846,8 @@ def print_report(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict
 def _configs(names: Sequence[str]) -> Iterator[SparkConfig]:
     known = {
         "default": SparkConfig("default", 2000, 4, 8),
-        "tuned": SparkConfig("tuned", 20000, 2, 2),
+        "tuned": SparkConfig("tuned", 20000, 2, 2, java_options="-XX:TieredStopAtLevel=1"),
+        "cold": SparkConfig("cold", 2000, 4, 8, warm=False),
     }
     for n in names:
         yield known[n]
@@ -827,8 +857,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--rows", type=int, default=1_000_000, help="row changes to generate")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--spark", nargs="*", default=["default", "tuned"], choices=["default", "tuned"],
-                        help="Spark configurations to run")
+    parser.add_argument("--spark", nargs="*", default=["default", "tuned", "cold"],
+                        choices=["default", "tuned", "cold"],
+                        help="Spark configurations to run (cold: default settings, no warm-up)")
+    parser.add_argument("--warmup-rows", type=int, default=100_000,
+                        help="row changes a worker applies (elsewhere) before its clock starts")
     parser.add_argument("--skip", nargs="*", default=[], choices=["naive", "insert", "load"],
                         help="baselines to leave out (quick iterations only)")
     parser.add_argument("--profile", type=Path,
@@ -853,10 +886,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         expected = expected_checksums(work)
         _say(f"publishing {len(work.messages):,} messages")
         publish_s = asyncio.run(publish(nats_server.url, work))
+        warmup = None
+        if args.warmup_rows and any(c.warm for c in _configs(args.spark)):
+            warmup = generate(args.warmup_rows, args.seed + 1, source="warm1", database="warmup")
+            asyncio.run(publish(nats_server.url, warmup))
         runs: list[SparkRun] = []
         for config in _configs(args.spark):
             _say(f"Spark apply path, {config.label}")
-            run = run_spark_path(nats_server.url, db, work, config, tmp, args.profile)
+            run = run_spark_path(nats_server.url, db, work, config, tmp, args.profile, warmup)
             verify(db, DATABASE, expected, f"Spark {config.label}")
             _say(f"  {run.seconds:.1f} s, {work.rows / run.seconds:,.0f} rows/s, verified")
             runs.append(run)

@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     spark_connect_url: str | None = Field(None, description="Spark Connect URL; wins over spark_master.")
     spark_shuffle_partitions: int = Field(8, ge=1, description="spark.sql.shuffle.partitions.")
     spark_driver_memory: str = Field("2g", description="spark.driver.memory of the local driver.")
+    spark_driver_java_options: str = Field(
+        "", description="spark.driver.extraJavaOptions (JVM flags of the local driver, e.g. JIT settings)."
+    )
 
     # Sink-worker data path
     sink_max_events_per_round: int = Field(

@@ -62,6 +62,9 @@ def _build(settings: Settings) -> SparkSession:
         .config("spark.sql.catalogImplementation", "in-memory")
         .config("spark.python.worker.reuse", "true")
     )
+    if settings.spark_driver_java_options:
+        # Passed to spark-submit, which starts the local driver's JVM with them.
+        builder = builder.config("spark.driver.extraJavaOptions", settings.spark_driver_java_options)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
     return session
