@@ -168,9 +168,9 @@ class SinkAgent:
         """Where ``status()`` is published with every heartbeat (the service's /healthz dict):
         a round can take seconds, the agent's state should not look that old."""
         self.span_stopped = asyncio.Event()
+        """Set whenever a span stops here (the drain waits on it)."""
         self._pipeline: Pipeline | None = None
         self._view: ChangefeedView | None = None
-        """Set whenever a span stops here (the drain waits on it)."""
         self.heartbeats_sent = 0
 
     # ------------------------------------------------------------------ life cycle
