@@ -123,6 +123,10 @@ class SinkWorker:
         if self.agent is not None:
             self.agent.attach(self.pipeline, self.view)
             await self.agent.start()
+            # A member is there to take spans over, often when another one dies: a cold JVM
+            # would add its start-up to every failover onto this worker, so it starts now.
+            self._spark_warming = asyncio.ensure_future(asyncio.to_thread(self._spark))
+            self._spark_warming.add_done_callback(_log_warm_failure)
             drain = asyncio.create_task(self._drain_on_stop(), name="drain")
         try:
             await self._rounds()
@@ -334,3 +338,10 @@ class SinkWorker:
                 "checkpoints_advanced": report.advanced, "errors": report.errors[:10],
                 "abandoned": report.abandoned, "duration_s": round(report.duration_s, 3),
             }
+
+
+def _log_warm_failure(task: asyncio.Future[SparkSession]) -> None:
+    # Retrieving the exception also keeps asyncio from reporting it as never retrieved; the
+    # next prepare starts Spark again (``_warm_spark``).
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("starting Spark failed; retried when a span prepares", exc_info=task.exception())
