@@ -630,6 +630,16 @@ class SparkRun:
     peak_rss: int
     peak_parts: dict[str, int]
     cpu: dict[str, float]  # CPU seconds by part of the worker's tree, and of MariaDB ("mariadb")
+    locks: dict[str, int]  # InnoDB row-lock waits, their total ms, deadlocks during the run
+
+
+_LOCK_STATUS = ("Innodb_row_lock_waits", "Innodb_row_lock_time", "Innodb_deadlocks")
+
+
+def lock_status(db: MariaDB) -> dict[str, int]:
+    rows = db.execute("SHOW GLOBAL STATUS WHERE Variable_name IN ("
+                      + ", ".join(f"'{name}'" for name in _LOCK_STATUS) + ")")
+    return {str(name): int(value) for name, value in rows}
 
 
 def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConfig, tmp: Path,
@@ -653,6 +663,12 @@ def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConf
         profile.mkdir(parents=True, exist_ok=True)
         env["JDK_JAVA_OPTIONS"] = (f"-XX:StartFlightRecording=filename={profile / (config.label + '.jfr')},"
                                    "settings=profile")
+        # Spark's event log: stage and task timings (benchmarks/spark_stages.py sums them up).
+        events = profile / f"{config.label}-eventlog"
+        events.mkdir(exist_ok=True)
+        env["PYSPARK_SUBMIT_ARGS"] = ("--conf spark.eventLog.enabled=true "
+                                      "--conf spark.eventLog.compress=false "
+                                      f"--conf spark.eventLog.dir={events} pyspark-shell")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "benchmarks.apply", "--worker", json.dumps(spec)],
                                 cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
@@ -666,6 +682,7 @@ def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConf
             break
     sampler.start_clock()
     db_cpu = cpu_seconds(db.proc.pid)
+    locks_before = lock_status(db)
     spy: subprocess.Popen[bytes] | None = None
     if profile is not None:
         py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -693,12 +710,13 @@ def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConf
                          + log_path.read_text(errors="replace")[-4000:])
     result = json.loads(out)
     cpu = {**sampler.cpu_by_part(), "mariadb": cpu_seconds(db.proc.pid) - db_cpu}
+    locks = {k: v - locks_before.get(k, 0) for k, v in lock_status(db).items()}
     if profile is not None:
         threads = sorted(sampler.jvm_thread_cpu().items(), key=lambda kv: -kv[1])
         (profile / f"{config.label}.jvm-threads.txt").write_text(
             "".join(f"{v:8.2f} s  {k}\n" for k, v in threads if v >= 0.01))
     return SparkRun(config, result["seconds"], result["rounds"], result["rows_written"], result["phases"],
-                    sampler.peak, sampler.peak_parts, cpu)
+                    sampler.peak, sampler.peak_parts, cpu, locks)
 
 
 async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -829,8 +847,9 @@ def print_report(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict
         parts = ", ".join(f"{k} {_mib(v)}" for k, v in sorted(run.peak_parts.items()))
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in run.phases.items())
         cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(run.cpu.items()))
+        locks = ", ".join(f"{k.removeprefix('Innodb_')} {v}" for k, v in run.locks.items())
         print(f"Spark {run.config.label}: {run.rounds} rounds ({phases}); peak RSS of the worker "
-              f"{_mib(run.peak_rss)} ({parts}); CPU s: {cpu}")
+              f"{_mib(run.peak_rss)} ({parts}); CPU s: {cpu}; {locks}")
     for run in spark_runs:
         rate = work.rows / run.seconds
         if insert_rate and load_rate:

@@ -15,7 +15,7 @@ Sessions are pinned to known settings rather than whatever the server defaults a
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -117,6 +117,13 @@ class MySQLSink(SqlSink):
         if isinstance(value, timedelta):
             return format_time(value, fsp_of(column) if column is not None else 6)
         return value
+
+    def _adapter(self, column: ColumnV1) -> Callable[[Any], Any] | None:
+        # Only TIME columns decode to timedelta; every other column binds as it is.
+        if column.kind != "time":
+            return None
+        fsp = fsp_of(column)
+        return lambda value: format_time(value, fsp) if isinstance(value, timedelta) else value
 
     # ------------------------------------------------------------------ DDL
 

@@ -27,7 +27,9 @@ idempotent, so re-running a partition from the start is always safe.
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import random
 import time
 from abc import abstractmethod
@@ -150,6 +152,13 @@ class SqlSink(Sink):
         """A decoded value as this driver should bind it (identity unless a dialect says otherwise)."""
         return value
 
+    def _adapter(self, column: ColumnV1) -> Callable[[Any], Any] | None:
+        """``_adapt`` for the values of one column, or None when it keeps them as they are: the
+        upsert binds every column of every row, and a call per value adds up."""
+        if type(self)._adapt is SqlSink._adapt:
+            return None
+        return functools.partial(self._adapt, column)
+
     # ------------------------------------------------------------------ helpers
 
     def ident(self, name: str) -> str:
@@ -271,12 +280,13 @@ class SqlSink(Sink):
         ordered = sorted(last.values(), key=lambda c: sort_key(c.key))
         deletes = [c.key for c in ordered if isinstance(c, Delete)]
         upserts: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        names = colmap.keys()
         for c in ordered:
             if isinstance(c, Upsert):
-                row = dict(c.row)
-                unknown = [name for name in row if name not in colmap]
-                if unknown:
+                if not names >= c.row.keys():
+                    unknown = [name for name in c.row if name not in colmap]
                     raise ValueError(f"row of {table.name!r} has columns not in its metadata: {unknown}")
+                row = dict(c.row)
                 for name, value in zip(table.key, c.key, strict=True):
                     row.setdefault(name, value)
                 upserts.append((c.key, row))
@@ -327,10 +337,17 @@ class SqlSink(Sink):
             def row_size(row: dict[str, Any], cols: tuple[str, ...] = cols) -> int:
                 return sum(_size_of(row[c]) for c in cols)
 
+            adapters = [self._adapter(col) for col in column_list]
+            plain = not any(adapters)
+            values = operator.itemgetter(*cols)
             for row_chunk in self._size_chunks(rows, len(cols), row_size):
                 row_params: list[Any] = []
                 for row in row_chunk:
-                    row_params.extend(self._adapt(col, row[col.name]) for col in column_list)
+                    if plain:
+                        row_params.extend(values(row) if len(cols) > 1 else (row[cols[0]],))
+                    else:
+                        row_params.extend(v if adapt is None else adapt(v)
+                                          for v, adapt in zip((row[c] for c in cols), adapters, strict=True))
                 cur.execute(self._upsert_sql(table, cols, len(row_chunk)), row_params)
                 result.upserted += len(row_chunk)
         return result
