@@ -133,6 +133,7 @@ class Recorder:
     member_events: list[tuple[float, Any]] = field(default_factory=list)
     dispatches: list[Dispatched] = field(default_factory=list)
     _by_reply: dict[str, Dispatched] = field(default_factory=dict)
+    _inboxes: set[str] = field(default_factory=set)
     nc: Client | None = None
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -167,6 +168,13 @@ class Recorder:
             d = Dispatched(time.time(), req.member_id, req.epoch, req.action, _key(req.span), msg.reply)
             self.dispatches.append(d)
             self._by_reply[msg.reply] = d
+            # Answers go to the sender's inbox prefix: listen there (not on all of _INBOX.>, which
+            # carries every JetStream delivery of every process). The first answers to a new
+            # sender may be missed; the checks treat an unseen answer as unknown.
+            prefix = msg.reply.rsplit(".", 1)[0]
+            if prefix not in self._inboxes and self.nc is not None:
+                self._inboxes.add(prefix)
+                await self.nc.subscribe(prefix + ".*", cb=self._on_inbox)
 
     async def _on_inbox(self, msg: Msg) -> None:
         d = self._by_reply.pop(msg.subject, None)
@@ -183,7 +191,6 @@ class Recorder:
         self.nc = await nats.connect(url)
         js = self.nc.jetstream()
         await self.nc.subscribe("sluice.dispatch.*", cb=self._on_dispatch)
-        await self.nc.subscribe("_INBOX.>", cb=self._on_inbox)  # answers to the dispatches
         for domain, handler in (("replication", self._on_replication), ("members", self._on_member)):
             follower: DomainFollower[None] = DomainFollower(
                 js, domain, lambda s, _e: s, lambda: None, on_event=handler, name=f"test_{domain}")
