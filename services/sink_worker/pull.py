@@ -29,9 +29,9 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from contracts import REGISTRY, ContractError
+from contracts import REGISTRY, ContractError, Envelope
 from contracts.events.rows import DdlExecutedV1, ResolvedAdvancedV1, RowsChangedV1
 from libs.eventstore.deadletter import dead_letter
 from libs.gc_pause import gc_paused
@@ -128,28 +128,62 @@ def validate_rows(event: RowsChangedV1) -> None:
                     raise Garbage("invalid_data", f"row {i}: columns not in meta: {sorted(unknown)}")
 
 
+class _RowsEnvelope(Envelope):
+    """The envelope of a ``rows.changed`` event in its newest version, validated in one pass."""
+
+    data: RowsChangedV1  # type: ignore[assignment]
+
+
+_ROWS_TYPE, _ROWS_VERSION = REGISTRY.key_of(RowsChangedV1)
+
+
+def _rows_fast(raw: bytes) -> tuple[str, RowsChangedV1] | None:
+    """``(event id, event)`` when ``raw`` is a valid newest-version rows event, else None.
+
+    Nearly every message a span reads is one. Parsing and validating it in a single pass from
+    the bytes takes half the time of the registry's general path (JSON to dicts, then the
+    envelope, then the event), and this is per row of the whole stream, on the driver. Whatever
+    does not pass goes the general way, which says exactly what is wrong with it; what does pass
+    is exactly what the general path would accept (the same envelope fields, the same model).
+    """
+    try:
+        env = _RowsEnvelope.model_validate_json(raw)
+    except ValidationError:
+        return None
+    if env.type != _ROWS_TYPE or env.version != _ROWS_VERSION or _ROWS_VERSION != REGISTRY.latest_version(
+            _ROWS_TYPE):
+        return None
+    return env.id, env.data
+
+
 def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
     """Decode one message of ``span``'s subjects, or raise ``Garbage`` saying why it is not one."""
-    try:
-        decoded = REGISTRY.decode(msg.data or b"")
-    except ContractError as exc:
-        raise Garbage(exc.kind, exc.reason) from None
-    event: BaseModel = decoded.event
-    if msg.subject == span.rows_subject:
-        if not isinstance(event, RowsChangedV1):
-            raise Garbage("unexpected_type", f"{decoded.envelope.type} on a rows subject")
-    elif msg.subject == span.ddl_subject:
-        if not isinstance(event, DdlExecutedV1):
-            raise Garbage("unexpected_type", f"{decoded.envelope.type} on a DDL subject")
+    raw = msg.data or b""
+    fast = _rows_fast(raw) if msg.subject == span.rows_subject else None
+    event: BaseModel
+    if fast is not None:
+        event_id, event = fast
     else:
-        raise Garbage("unexpected_subject", f"{msg.subject} is not a subject of {span.name}")
+        try:
+            decoded = REGISTRY.decode(raw)
+        except ContractError as exc:
+            raise Garbage(exc.kind, exc.reason) from None
+        event, event_id = decoded.event, decoded.envelope.id
+        if msg.subject == span.rows_subject:
+            if not isinstance(event, RowsChangedV1):
+                raise Garbage("unexpected_type", f"{decoded.envelope.type} on a rows subject")
+        elif msg.subject == span.ddl_subject:
+            if not isinstance(event, DdlExecutedV1):
+                raise Garbage("unexpected_type", f"{decoded.envelope.type} on a DDL subject")
+        else:
+            raise Garbage("unexpected_subject", f"{msg.subject} is not a subject of {span.name}")
     assert isinstance(event, RowsChangedV1 | DdlExecutedV1)
     if (token(event.source), token(event.database), token(event.table)) != (
             span.source, span.database, span.table):
         raise Garbage("invalid_data", f"event of {event.source}/{event.database}.{event.table} "
                                       f"on {msg.subject}")
-    pulled = PulledEvent(stream_seq=seq, subject=msg.subject, event_id=decoded.envelope.id, event=event,
-                         data=msg.data or b"", headers=dict(msg.headers or {}))
+    pulled = PulledEvent(stream_seq=seq, subject=msg.subject, event_id=event_id, event=event,
+                         data=raw, headers=dict(msg.headers or {}))
     if isinstance(event, RowsChangedV1):
         try:
             validate_rows(event)
