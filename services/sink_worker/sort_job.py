@@ -25,7 +25,7 @@ recomputation), was the largest JVM cost of a round (``benchmarks/apply.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pyspark.sql import DataFrame, SparkSession
@@ -133,6 +133,23 @@ def cut_span(span: SpanInput, txns: list[TxnSummary]) -> SpanCut:
                    ddl_ts=ddl.ts if ddl else None, ddl_id=ddl.ddl_id if ddl else None)
 
 
+def _local_frame(spark: SparkSession, rows: Sequence[tuple[object, ...]], schema: StructType) -> DataFrame:
+    """A DataFrame of driver-side rows, handed to the JVM as one Arrow table when pyarrow is
+    there: for the bodies (nearly all of a round's bytes) that costs the JVM about 40 % less
+    CPU than unpickling them batch by batch (``benchmarks/apply.py``); otherwise pickled."""
+    try:
+        import pyarrow as pa
+    except ImportError:  # pragma: no cover - pyarrow is a dependency; Spark Connect setups may differ
+        return spark.createDataFrame(rows, schema, verifySchema=False)
+    if not rows:
+        return spark.createDataFrame([], schema)
+    types = {"string": pa.string(), "bigint": pa.int64(), "binary": pa.binary()}
+    columns = list(zip(*rows, strict=True))
+    table = pa.table({f.name: pa.array(col, type=types[f.dataType.simpleString()])
+                      for f, col in zip(schema.fields, columns, strict=True)})
+    return spark.createDataFrame(table, schema)
+
+
 def run_sort(spark: SparkSession, records: list[tuple[object, ...]], spans: list[SpanInput]) -> SortResult:
     """``records``: ``EVENT_SCHEMA`` tuples (``event_records``) of every span in the round."""
     # Built by this module, so the schema holds by construction: no per-row type check.
@@ -174,7 +191,7 @@ def run_sort(spark: SparkSession, records: list[tuple[object, ...]], spans: list
         assert isinstance(span, str) and isinstance(ts, int)
         if r[1] == "rows" and window[span][0] < ts <= window[span][1]:
             wanted.append((span, r[7], r[8]))
-    bodies = spark.createDataFrame(wanted, BODY_SCHEMA, verifySchema=False)
+    bodies = _local_frame(spark, wanted, BODY_SCHEMA)
     batch = (bodies.join(F.broadcast(batch_meta), ["span", "stream_seq"])
              .select(*EVENT_SCHEMA.fieldNames()))
     return SortResult(batch=batch, cuts=cuts)
