@@ -40,6 +40,7 @@ from contracts.events.changefeeds import KeyPolicy
 from contracts.events.rows import DdlExecutedV1, RowsChangedV1, TableMetaV1
 from libs.config import Settings
 from libs.dburl import parse_database_url
+from libs.gc_pause import gc_paused
 from libs.streams import ROWS_STREAM
 from libs.telemetry.tracing import extract_context, tracer
 from services.sink_worker import metrics as m
@@ -347,7 +348,10 @@ class Pipeline:
         if not runtimes:
             return report
         self.rounds += 1
-        with tracer().start_as_current_span("sink round", attributes={"sluice.spans": len(runtimes)}):
+        # A round holds its whole batch as live objects; collections in the middle of it only
+        # walk them again and again (libs.gc_pause). The collector runs between rounds.
+        with gc_paused(), tracer().start_as_current_span("sink round",
+                                                         attributes={"sluice.spans": len(runtimes)}):
             works = await self._pull_all(runtimes, report)
             report.pull_s = time.monotonic() - started
             outcomes: dict[str, _Outcome] = {}
