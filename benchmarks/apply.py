@@ -707,7 +707,7 @@ def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConf
         out_file = profile / f"{config.label}.folded"
         with open(profile / "py-spy.log", "ab") as spy_log:
             spy = subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--subprocesses",
-                                    "--rate", "100", "--format", "raw", "-o", str(out_file)],
+                                    "--rate", "100", "--nonblocking", "--format", "raw", "-o", str(out_file)],
                                    stdout=subprocess.DEVNULL, stderr=spy_log)
     # The worker prints its result, then waits for stdin to close: the last sample sees it whole.
     out = b""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -143,11 +144,24 @@ def _local_frame(spark: SparkSession, rows: Sequence[tuple[object, ...]], schema
         return spark.createDataFrame(rows, schema, verifySchema=False)
     if not rows:
         return spark.createDataFrame([], schema)
-    types = {"string": pa.string(), "bigint": pa.int64(), "binary": pa.binary()}
-    columns = list(zip(*rows, strict=True))
-    table = pa.table({f.name: pa.array(col, type=types[f.dataType.simpleString()])
-                      for f, col in zip(schema.fields, columns, strict=True)})
-    return spark.createDataFrame(table, schema)
+    types = [{"string": pa.string(), "bigint": pa.int64(), "binary": pa.binary()}[f.dataType.simpleString()]
+             for f in schema.fields]
+    arrow_schema = pa.schema([pa.field(f.name, t, nullable=f.nullable) for f, t in zip(schema.fields, types,
+                                                                                       strict=True)])
+    # Spark makes one partition per Arrow batch: cut the rows into as many batches as there are
+    # cores, of about equal bytes, so the explode that reads them runs on all of them.
+    slices = max(1, spark.sparkContext.defaultParallelism)
+    sizes = [sum(len(v) for v in row if isinstance(v, bytes | str)) + 16 for row in rows]
+    total, start, acc = sum(sizes), 0, 0
+    batches: list[Any] = []
+    for i, size in enumerate(sizes):
+        acc += size
+        if acc * slices >= total * (len(batches) + 1) or i == len(rows) - 1:
+            columns = list(zip(*rows[start:i + 1], strict=True))
+            batches.append(pa.RecordBatch.from_arrays(
+                [pa.array(col, type=t) for col, t in zip(columns, types, strict=True)], schema=arrow_schema))
+            start = i + 1
+    return spark.createDataFrame(pa.Table.from_batches(batches, schema=arrow_schema), schema)
 
 
 def run_sort(spark: SparkSession, records: list[tuple[object, ...]], spans: list[SpanInput]) -> SortResult:
