@@ -1,19 +1,25 @@
 """The apply path against the database's own ceiling (issue 3): one run, one MariaDB.
 
-    .venv/bin/python -m benchmarks.apply [--rows 1000000] [--seed 7] [--skip naive] [--profile DIR]
+    .venv/bin/python -m benchmarks.apply [--rows 1000000] [--seed 7] [--spark default tuned cold]
+        [--skip naive insert load] [--naive-budget-s 120] [--warmup-rows 100000] [--fast-db]
+        [--profile DIR]
 
-Starts a private nats-server and MariaDB, generates ``--rows`` mixed row changes (inserts,
-updates of which some change the primary key or a unique key, deletes) on four tables with a
-realistic column mix, and publishes them to JetStream the way capture does: one
-``RowsChangedV1`` per (transaction, table), split in parts of at most 500 rows, then a resolved
-mark. Then, each into its own database of the same MariaDB:
+Starts a private nats-server and a private MariaDB (durable commits, as a production
+downstream; ``--fast-db`` for the test servers' non-durable settings), generates ``--rows``
+mixed row changes (inserts, updates of which some change the primary key or a unique key,
+deletes) on four tables with a realistic column mix, and publishes them to JetStream the way
+capture does: one ``RowsChangedV1`` per (transaction, table), split in parts of at most 500
+rows, then a resolved mark. Then, each into its own database of the same MariaDB:
 
 - the Spark apply path, end to end from JetStream to the target tables through the real
-  ``Pipeline`` (pull, sort job, apply job, checkpoints), once with the default options and once
-  tuned; each in a fresh subprocess whose whole process tree (Python driver, Spark JVM, Python
-  workers) is sampled for the peak RSS; its wall time starts at the first round (Spark and its
-  Python workers already started: a running worker has paid that long ago);
-- row-at-a-time autocommit apply of the same changes, in commit order (the naive baseline);
+  ``Pipeline`` (pull, sort job, apply job, checkpoints): default options, tuned ones, and
+  default options on a cold worker. Each runs in a fresh subprocess whose whole process tree
+  (Python driver, Spark JVM, Python workers) is sampled for the peak RSS and CPU seconds. Its
+  clock starts at the first round, with Spark and its Python workers started, and (not cold)
+  after the worker applied a separate warm-up workload, as a long-running worker has (JIT,
+  codegen, class loading);
+- row-at-a-time autocommit apply of the same changes, in commit order (the naive baseline),
+  time-boxed by ``--naive-budget-s`` and checked against the state after what it applied;
 - single-connection multi-row ``INSERT`` (pymysql ``executemany``, which batches rows into
   ~1 MB statements) of the final rows;
 - ``LOAD DATA LOCAL INFILE`` of the final rows (the file is written before the clock starts).
@@ -26,6 +32,10 @@ Rates: the Spark path and the naive apply are "row changes per second" (the inpu
 LOAD DATA are "final rows per second". The collapse to the final image per key is part of what
 the apply path does, so the issue's target compares exactly these; the "s vs INSERT" column
 compares wall times, i.e. how long each takes to bring a table to the same final state.
+
+``--profile DIR`` attaches py-spy (``pip install py-spy``) to the Spark runs' Python processes,
+records the JVM with Java Flight Recorder and its per-thread CPU, and keeps Spark's event log
+(``python -m benchmarks.spark_stages DIR/<run>-eventlog`` prints the stage timings).
 """
 
 from __future__ import annotations
