@@ -219,14 +219,6 @@ class MySQLSink(SqlSink):
 
         return self._run(work, f"reconcile {table.name!r}")
 
-    def drop_table(self, table: TargetTable) -> None:
-        sql = f"DROP TABLE IF EXISTS {self._table_ref(table)}"
-        self._run(lambda cur: cur.execute(sql), f"drop {table.name!r}")
-
-    def truncate_table(self, table: TargetTable) -> None:
-        sql = f"TRUNCATE TABLE {self._table_ref(table)}"
-        self._run(lambda cur: cur.execute(sql), f"truncate {table.name!r}")
-
     # ------------------------------------------------------------------ DML
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:

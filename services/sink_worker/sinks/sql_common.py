@@ -108,6 +108,8 @@ class SqlSink(Sink):
     # Bind parameters one statement may carry (SQLite's compile-time default is 999 in old
     # builds; PostgreSQL's protocol limit is 65535; pymysql interpolates client side).
     max_params: int = 60_000
+    # SQLite has no TRUNCATE; an unqualified DELETE is its truncate.
+    truncate_verb: str = "TRUNCATE TABLE"
     # Keep a multi-row statement under every default max_allowed_packet (MySQL 5.7: 4 MiB;
     # MariaDB: 16 MiB; MySQL 8: 64 MiB). A single larger row still goes, alone.
     max_statement_bytes: int = 2 * 1024 * 1024
@@ -143,6 +145,14 @@ class SqlSink(Sink):
     @abstractmethod
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
         """A multi-row insert-or-update by ``table.key`` of ``nrows`` rows of ``columns``."""
+
+    def drop_table(self, table: TargetTable) -> None:
+        sql = f"DROP TABLE IF EXISTS {self._table_ref(table)}"
+        self._run(lambda cur: cur.execute(sql), f"drop {table.name!r}")
+
+    def truncate_table(self, table: TargetTable) -> None:
+        sql = f"{self.truncate_verb} {self._table_ref(table)}"
+        self._run(lambda cur: cur.execute(sql), f"truncate {table.name!r}")
 
     @abstractmethod
     def _table_ref(self, table: TargetTable, *, for_params: bool = False) -> str:

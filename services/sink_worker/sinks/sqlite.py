@@ -91,6 +91,7 @@ class SQLiteSink(SqlSink):
     dialect = "sqlite"
     placeholder = "?"
     max_params = 999  # SQLITE_MAX_VARIABLE_NUMBER of older builds
+    truncate_verb = "DELETE FROM"
 
     def __init__(self, url: str, *, busy_timeout_s: float = 30.0, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
@@ -191,14 +192,6 @@ class SQLiteSink(SqlSink):
         for sql in statements:
             cur.execute(sql)
         return statements
-
-    def drop_table(self, table: TargetTable) -> None:
-        sql = f"DROP TABLE IF EXISTS {self._table_ref(table)}"
-        self._run(lambda cur: cur.execute(sql), f"drop {table.name!r}")
-
-    def truncate_table(self, table: TargetTable) -> None:
-        sql = f"DELETE FROM {self._table_ref(table)}"
-        self._run(lambda cur: cur.execute(sql), f"truncate {table.name!r}")
 
     # ------------------------------------------------------------------ DML
 
