@@ -14,10 +14,10 @@ from nats.js.errors import NotFoundError
 from pydantic import BaseModel
 
 from contracts.events.changefeeds import (
-    ChangefeedCreatedV1,
-    ChangefeedSpecV1,
+    ChangefeedCreatedV2,
+    ChangefeedSpecV2,
     ChangefeedStateChangedV1,
-    ChangefeedUpdatedV1,
+    ChangefeedUpdatedV2,
     TableFilterV1,
 )
 from libs.eventstore import EventStore
@@ -32,10 +32,10 @@ async def _store(js: JetStreamContext, producer: str) -> EventStore:
     return store
 
 
-async def record_changefeed(js: JetStreamContext, spec: ChangefeedSpecV1, requested_by: str) -> int:
+async def record_changefeed(js: JetStreamContext, spec: ChangefeedSpecV2, requested_by: str) -> int:
     store = await _store(js, requested_by)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedCreatedV1(spec=spec, requested_by=requested_by))
+                              ChangefeedCreatedV2(spec=spec, requested_by=requested_by))
 
 
 async def record_state(js: JetStreamContext, changefeed_id: str,
@@ -51,18 +51,18 @@ async def record_state(js: JetStreamContext, changefeed_id: str,
 class ChangefeedView:
     """The changefeeds as their event log says they are now."""
 
-    specs: dict[str, ChangefeedSpecV1] = field(default_factory=dict)
+    specs: dict[str, ChangefeedSpecV2] = field(default_factory=dict)
     states: dict[str, str] = field(default_factory=dict)
 
     def apply(self, event: BaseModel) -> bool:
         """Fold one event; True when it changed anything the worker acts on."""
-        if isinstance(event, ChangefeedCreatedV1):
+        if isinstance(event, ChangefeedCreatedV2):
             cf = event.spec.id
             changed = self.specs.get(cf) != event.spec or self.states.get(cf) != "running"
             self.specs[cf] = event.spec
             self.states[cf] = "running"
             return changed
-        if isinstance(event, ChangefeedUpdatedV1):
+        if isinstance(event, ChangefeedUpdatedV2):
             cf = event.spec.id
             changed = self.specs.get(cf) != event.spec
             self.specs[cf] = event.spec
@@ -76,7 +76,7 @@ class ChangefeedView:
             return changed
         return False  # leader.elected, snapshots and other housekeeping
 
-    def running(self) -> list[ChangefeedSpecV1]:
+    def running(self) -> list[ChangefeedSpecV2]:
         return [spec for cf, spec in sorted(self.specs.items()) if self.states.get(cf) == "running"]
 
 
@@ -94,11 +94,11 @@ SpanKey = tuple[str, str, str, str]
 
 @dataclass
 class Discovered:
-    spans: dict[SpanKey, ChangefeedSpecV1]
+    spans: dict[SpanKey, ChangefeedSpecV2]
     rows_stream_missing: bool = False
 
 
-async def discover_spans(js: JetStreamContext, specs: list[ChangefeedSpecV1],
+async def discover_spans(js: JetStreamContext, specs: list[ChangefeedSpecV2],
                          rows_stream: str = ROWS_STREAM) -> Discovered:
     """The spans of ``specs``: the tables that have row or DDL subjects in the ROWS stream for
     the changefeed's sources (``stream_info`` with a subject filter) and match its table filter

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from nats.js import JetStreamContext
 
-from contracts.events.changefeeds import ChangefeedSpecV1, SourceRefV1, TableFilterV1
+from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1
 from libs.changefeeds import record_changefeed, record_state
 from libs.localservers.common import wait_until
 from libs.localservers.mariadb import MariaDB
@@ -76,8 +76,9 @@ _created: list[str] = []
 
 async def _changefeed(js: JetStreamContext, cf_id: str, source_id: str, source: MariaDB, db: str,
                       sink_url: str) -> None:
-    spec = ChangefeedSpecV1(id=cf_id, sources=[SourceRefV1(id=source_id, url=source.url)],
-                            filter=TableFilterV1(include=[f"{db}.*"]), sink_url=sink_url)
+    spec = ChangefeedSpecV2(id=cf_id, sources=[SourceRefV1(id=source_id, url=source.url)],
+                            filter=TableFilterV1(include=[f"{db}.*"]), sink_url=sink_url,
+                            initial_load="binlog-only")
     await record_changefeed(js, spec, requested_by="test")
     _created.append(cf_id)
 

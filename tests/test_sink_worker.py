@@ -15,8 +15,8 @@ from nats.js.errors import NotFoundError
 from pyspark.sql import SparkSession
 
 from contracts.events.changefeeds import (
-    ChangefeedCreatedV1,
-    ChangefeedSpecV1,
+    ChangefeedCreatedV2,
+    ChangefeedSpecV2,
     ChangefeedStateChangedV1,
     SourceRefV1,
     TableFilterV1,
@@ -63,9 +63,10 @@ async def _wait(check: Any, within_s: float, what: str) -> Any:
 
 
 def test_changefeed_view_folds_create_update_pause_delete() -> None:
-    spec = ChangefeedSpecV1(id="cf1", sources=[SourceRefV1(id="s1", url="mysql://u@h/")], sink_url="sqlite:///x")
+    spec = ChangefeedSpecV2(id="cf1", sources=[SourceRefV1(id="s1", url="mysql://u@h/")], sink_url="sqlite:///x",
+                            initial_load="binlog-only")
     view = ChangefeedView()
-    assert view.apply(ChangefeedCreatedV1(spec=spec))
+    assert view.apply(ChangefeedCreatedV2(spec=spec))
     assert [s.id for s in view.running()] == ["cf1"]
     assert view.apply(ChangefeedStateChangedV1(id="cf1", state="paused"))
     assert view.running() == []
@@ -101,9 +102,10 @@ async def test_worker_process_follows_changefeeds_and_stops_cleanly(
     src = Source(rows_js)
     cf = f"cf{uuid4().hex[:6]}"
     store = await _changefeeds(rows_js)
-    await store.append(domain_events_subject("changefeeds"), ChangefeedCreatedV1(spec=ChangefeedSpecV1(
+    await store.append(domain_events_subject("changefeeds"), ChangefeedCreatedV2(spec=ChangefeedSpecV2(
         id=cf, sources=[SourceRefV1(id=src.name, url="mysql://u@127.0.0.1/")], sink_url=sink_url,
-        filter=TableFilterV1(include=["shop.*"], exclude=["shop.secret"]))))
+        filter=TableFilterV1(include=["shop.*"], exclude=["shop.secret"]),
+        initial_load="binlog-only")))
     await src.txn("shop", "people", [ins(1, "ann", 1), ins(2, "bob", 2)])
     await src.txn("shop", "secret", [ins(1, "x", 1)])
     await src.txn("other", "people", [ins(1, "y", 1)])

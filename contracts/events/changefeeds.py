@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from datetime import datetime
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.events.rows import SourcePositionV1
-from contracts.registry import register
+from contracts.registry import register, upcaster
 
 KeyPolicy = Literal["primary", "unique", "all_columns"]
+# How a changefeed starts on tables that already hold rows: copy them first and then stream
+# from where the copy is consistent ("snapshot"), stream only ("binlog-only"), or copy only.
+InitialLoad = Literal["snapshot", "binlog-only", "snapshot-only"]
 
 
 class SourceRefV1(BaseModel):
@@ -26,6 +30,23 @@ class TableFilterV1(BaseModel):
     exclude: list[str] = Field(default_factory=list)
 
 
+class RouteRuleV1(BaseModel):
+    """Upstream tables matching the three patterns land in ``target_schema.target_table``.
+
+    Patterns are globs, or regular expressions when they start with ``~`` (whole-name match).
+    ``target_schema`` is the downstream database (PostgreSQL: schema); ``target_table``
+    omitted keeps each table's own name (a schema-level merge).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field("*", min_length=1)
+    database: str = Field(min_length=1, description="Pattern over the upstream database (schema).")
+    table: str = Field("*", min_length=1)
+    target_schema: str = Field(min_length=1)
+    target_table: str | None = Field(None, min_length=1)
+    name: str = ""
+
+
 class ChangefeedSpecV1(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_\-]+$")
@@ -37,6 +58,40 @@ class ChangefeedSpecV1(BaseModel):
     )
     start: Literal["earliest", "latest"] = "earliest"
     start_position: dict[str, SourcePositionV1] = Field(default_factory=dict)
+
+
+class ChangefeedSpecV2(BaseModel):
+    """v2 adds shard routing (``routes``, ``origin_column``) and the initial load mode."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_\-]+$")
+    sources: list[SourceRefV1] = Field(min_length=1)
+    filter: TableFilterV1 = Field(default_factory=TableFilterV1)
+    routes: list[RouteRuleV1] = Field(
+        default_factory=list,
+        description="Route rules; tables no rule matches keep their schema and table name.")
+    origin_column: str | None = Field(
+        None, min_length=1,
+        description="When set, merged targets get this extra column holding source/schema/table "
+                    "of each row's upstream table, and it joins every key.")
+    sink_url: str = Field(min_length=1)
+    key_policy: KeyPolicy = Field(
+        "primary", description="Tables without a primary key are refused unless this says otherwise."
+    )
+    initial_load: InitialLoad = Field(
+        "snapshot", description="snapshot: copy existing rows, then stream from the copy's "
+                                "consistent point; binlog-only: stream from start/start_position/"
+                                "start_time; snapshot-only: copy and stop.")
+    start: Literal["earliest", "latest"] = "earliest"
+    start_position: dict[str, SourcePositionV1] = Field(default_factory=dict)
+    start_time: datetime | None = Field(
+        None, description="binlog-only: skip transactions committed before this time.")
+
+
+def _spec_v1_to_v2(spec: dict[str, Any]) -> dict[str, Any]:
+    # v1 changefeeds streamed only: keep that meaning instead of the v2 default (snapshot).
+    return {**spec, "routes": [], "origin_column": None, "initial_load": "binlog-only",
+            "start_time": None}
 
 
 @register("changefeed.created", 1)
@@ -51,6 +106,30 @@ class ChangefeedUpdatedV1(BaseModel):
     model_config = ConfigDict(extra="forbid")
     spec: ChangefeedSpecV1
     requested_by: str = ""
+
+
+@register("changefeed.created", 2)
+class ChangefeedCreatedV2(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    spec: ChangefeedSpecV2
+    requested_by: str = ""
+
+
+@register("changefeed.updated", 2)
+class ChangefeedUpdatedV2(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    spec: ChangefeedSpecV2
+    requested_by: str = ""
+
+
+@upcaster("changefeed.created", 1)
+def _created_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v1_to_v2(data["spec"])}
+
+
+@upcaster("changefeed.updated", 1)
+def _updated_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v1_to_v2(data["spec"])}
 
 
 @register("changefeed.state_changed", 1)

@@ -11,7 +11,7 @@ from typing import Literal
 
 import nats
 
-from contracts.events.changefeeds import ChangefeedSpecV1, SourceRefV1, TableFilterV1
+from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1
 from libs.changefeeds import record_changefeed
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
@@ -129,15 +129,16 @@ class LocalSystem:
 
     # ------------------------------------------------------------------ changefeeds
 
-    def changefeed_spec(self, changefeed_id: str, include: list[str]) -> ChangefeedSpecV1:
-        return ChangefeedSpecV1(
+    def changefeed_spec(self, changefeed_id: str, include: list[str]) -> ChangefeedSpecV2:
+        return ChangefeedSpecV2(
             id=changefeed_id,
             sources=[SourceRefV1(id=self.source_id(i), url=db.url) for i, db in enumerate(self.source_dbs)],
             filter=TableFilterV1(include=include),
             sink_url=self.sink_url,
+            initial_load="binlog-only",
         )
 
-    async def create_changefeed(self, spec: ChangefeedSpecV1, requested_by: str = "demo") -> int:
+    async def create_changefeed(self, spec: ChangefeedSpecV2, requested_by: str = "demo") -> int:
         """Record the changefeed in its domain stream, as the api does for an operator."""
         assert self.nats is not None
         nc = await nats.connect(self.nats.url)
