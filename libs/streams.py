@@ -8,6 +8,9 @@ ROWS_STREAM = "SLUICE_ROWS"
 DEADLETTER_STREAM = "SLUICE_DEADLETTER"
 LEADER_BUCKET = "sluice-leaders"
 CHECKPOINT_BUCKET = "sluice-checkpoints"
+# Initial-load progress per span (key: the span's checkpoint key), so a snapshot resumes from its
+# last finished chunk on any worker and the api can show it.
+SNAPSHOT_BUCKET = "sluice-snapshots"
 
 # One event-sourced stream per control domain; its leader is the only writer.
 DOMAINS = ("members", "schedule", "replication", "ddl", "changefeeds")
