@@ -99,6 +99,17 @@ class Settings(BaseSettings):
         None, description="Append one JSON line per span and round that wrote downstream (audit)."
     )
 
+    # Shard DDL coordination (ddl-lock leader and the sink-workers' shard DDL handling).
+    ddl_lock_resend_s: float = Field(
+        10.0, gt=0, description="ddl-lock: re-send an unanswered operation, or ask a shard for its "
+                                "Info again, after this many seconds.")
+    ddl_lock_discovery_interval_s: float = Field(
+        2.0, gt=0, description="ddl-lock: how often shard groups are recomputed from the changefeeds "
+                               "and the ROWS stream.")
+    shard_ddl_info_resend_s: float = Field(
+        5.0, gt=0, description="sink-worker: a span blocked at a shard DDL re-sends its Info this often "
+                               "while no operation came.")
+
     # Databases
     downstream_url: str = Field(
         "sqlite:///.sluice/downstream.db", description="Default downstream (sink) database URL."

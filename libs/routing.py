@@ -45,7 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from contracts.events.changefeeds import TableFilterV1
+from contracts.events.changefeeds import ChangefeedSpecV2, TableFilterV1
 from contracts.events.rows import ColumnV1, RowImageV1, TableMetaV1
 
 __all__ = [
@@ -65,6 +65,8 @@ __all__ = [
     "primary_key_signature",
     "rewrite_meta",
     "rewrite_row",
+    "router_for",
+    "validate_spec",
     "with_origin",
 ]
 
@@ -311,7 +313,7 @@ def _describe_key(meta: TableMetaV1) -> str:
 # -- validation -----------------------------------------------------------------------------------
 
 ProblemKind = Literal["overlapping_routes", "empty_route", "incompatible_keys", "origin_column_collision",
-                      "origin_value_too_long"]
+                      "origin_value_too_long", "invalid_rule"]
 
 
 @dataclass(frozen=True)
@@ -352,6 +354,21 @@ class Router:
         self.rules = tuple(rules)
         self.filter = table_filter or TableFilter()
         self.origin = origin
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Router):
+            return NotImplemented
+        return (self.rules, self.filter, self.origin) == (other.rules, other.filter, other.origin)
+
+    def __hash__(self) -> int:
+        return hash((self.rules, self.filter, self.origin))
+
+    def origin_for(self, ref: TableRef) -> OriginColumn | None:
+        """The origin column a table's rows carry downstream: only tables a route rule merges
+        get it (a table routed to itself keeps its own shape)."""
+        if self.origin is None or not self.matching_rules(ref):
+            return None
+        return self.origin
 
     def matching_rules(self, ref: TableRef) -> list[RouteRule]:
         return [r for r in self.rules if r.matches(ref)]
@@ -447,6 +464,11 @@ class Router:
         if problems:
             raise RoutingValidationError(problems)
 
+    def rewrite_meta_for(self, meta: TableMetaV1, ref: TableRef) -> TableMetaV1:
+        """``rewrite_meta`` for one table: only rule-routed tables get the origin column."""
+        origin = self.origin_for(ref)
+        return rewrite_meta(meta, origin) if origin is not None else meta
+
     def rewrite_meta(self, meta: TableMetaV1) -> TableMetaV1:
         """The target's view of a shard's metadata (unchanged without an origin column)."""
         return rewrite_meta(meta, self.origin) if self.origin is not None else meta
@@ -514,3 +536,26 @@ class Router:
                 f"than the origin column's width {origin.width}; raise the width",
                 tuple(too_long)))
         return out
+
+
+# -- changefeed specs -----------------------------------------------------------------------------
+
+def router_for(spec: ChangefeedSpecV2) -> Router:
+    """The routing of a changefeed spec. Raises ``RoutingConfigError`` for an unreadable rule."""
+    rules = [RouteRule(schema=r.database, table=r.table, target_schema=r.target_schema,
+                       target_table=r.target_table, source=r.source, name=r.name) for r in spec.routes]
+    origin = OriginColumn(spec.origin_column) if spec.origin_column else None
+    return Router(rules, TableFilter.from_contract(spec.filter), origin)
+
+
+def validate_spec(spec: ChangefeedSpecV2,
+                  tables_meta: Mapping[TableRef, TableMetaV1 | None] | Iterable[TableRef] | None = None
+                  ) -> list[RoutingProblem]:
+    """Every routing problem of a changefeed spec, for the creation check (the api refuses the
+    changefeed with these messages). ``tables_meta``: the upstream tables of its sources, with
+    their metadata where known (see ``Router.validate``)."""
+    try:
+        router = router_for(spec)
+    except RoutingConfigError as exc:
+        return [RoutingProblem("invalid_rule", str(exc))]
+    return router.validate(tables_meta)

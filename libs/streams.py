@@ -93,3 +93,16 @@ def command_subject(domain: str) -> str:
     """Request/reply for operator commands to a domain's leader. Deliberately outside
     ``sluice.ctl.>``: a core publish matching a stream's subjects would be stored in it."""
     return f"sluice.cmd.{token(domain)}"
+
+
+# Shard DDL coordination (core NATS): workers report Infos, dones and dropped shards to the
+# ddl-lock leader on one subject; the leader broadcasts operations and Info requests per
+# changefeed, and every worker keeps those for the spans it runs.
+SHARD_DDL_REPORT_SUBJECT = "sluice.shardddl.report"
+
+
+def shard_ddl_ops_subject(changefeed: str) -> str:
+    return f"sluice.shardddl.ops.{token(changefeed)}"
+
+
+SHARD_DDL_OPS_SUBJECTS = "sluice.shardddl.ops.*"

@@ -14,6 +14,7 @@ import logging
 from libs.service import ServiceRuntime, run_service
 from libs.spark import get_spark, stop_spark
 from services.sink_worker.agent import SinkAgent
+from services.sink_worker.shard_ddl import ShardDdl
 from services.sink_worker.worker import SinkWorker
 
 log = logging.getLogger(__name__)
@@ -28,8 +29,11 @@ async def run(runtime: ServiceRuntime) -> None:
                           heartbeat_interval_s=settings.heartbeat_interval_s,
                           writer_log=settings.sink_writer_log, producer=runtime.producer)
         runtime.add_ready_check("heartbeats", lambda: agent is not None and agent.heartbeats_sent > 0)
+    shard_ddl = ShardDdl(runtime.nc, producer=runtime.producer,
+                         info_resend_s=settings.shard_ddl_info_resend_s,
+                         discovery_interval_s=settings.sink_discovery_interval_s)
     worker = SinkWorker(runtime.nc.jetstream(), settings, runtime.stopping,
-                        lambda: get_spark(settings), status=runtime.status, agent=agent)
+                        lambda: get_spark(settings), status=runtime.status, agent=agent, shard_ddl=shard_ddl)
     runtime.add_ready_check("changefeeds", lambda: worker.changefeeds_replayed)
     try:
         await worker.run()

@@ -94,7 +94,7 @@ def config_of(view: ChangefeedView, changefeed: str) -> SpanConfig | None:
     spec = view.specs.get(changefeed)
     if spec is None:
         return None
-    return SpanConfig(sink_url=spec.sink_url, key_policy=spec.key_policy, start=spec.start)
+    return SpanConfig.of(spec)
 
 
 async def current_epoch(js: JetStreamContext, key: str = _RM_LEASE_KEY) -> int:

@@ -101,8 +101,8 @@ def _pack(image: dict[str, Any]) -> bytes:
     return pickle.dumps(image, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-SpanTargets = dict[str, tuple[int, tuple[str, ...]]]
-"""span key -> (target index, key columns)"""
+SpanTargets = dict[str, tuple[int, tuple[str, ...], tuple[str, str] | None]]
+"""span key -> (target index, key columns, origin column name and value or None)"""
 
 
 _LATEST: dict[str, int] = {}
@@ -131,9 +131,14 @@ def event_rows(body: bytes | str) -> list[dict[str, Any]]:
 def explode_event(span_targets: SpanTargets, span: str, ts: int, seq: int, part: int,
                   body: bytes) -> Iterator[tuple[Any, ...]]:
     """One rows event to its row records (see ``RECORD_SCHEMA``)."""
-    target, key = span_targets[span]
+    target, key, origin = span_targets[span]
     for idx, image in enumerate(event_rows(body)):
         op, before, after = image["op"], image.get("before"), image.get("after")
+        if origin is not None:
+            # Both images: a delete or key change must find this shard's row downstream.
+            name, value = origin
+            before = {name: value, **before} if before is not None else None
+            after = {name: value, **after} if after is not None else None
         if op == "insert":
             assert after is not None
             yield (target, _key_json(after, key), ts, seq, part, idx, 0, "upsert", _pack(after))
@@ -212,13 +217,15 @@ def final_images(spark: SparkSession, batch: DataFrame, span_targets: SpanTarget
 
 
 def run_apply(spark: SparkSession, batch: DataFrame, span_plans: dict[str, TargetPlan],
-              partitions: int) -> ApplyResult:
+              partitions: int, origins: dict[str, tuple[str, str]] | None = None) -> ApplyResult:
     """Collapse ``batch`` (rows events of the sort job) and write it; ``span_plans`` maps each
-    span key in the batch to its target."""
+    span key in the batch to its target, ``origins`` a span key to the origin column name and
+    value its rows gain (shard routing with an origin column)."""
     # Shards of one target share its plan (and its index): their rows collapse together.
     plans = list({plan.target_id: plan for plan in span_plans.values()}.values())
     index = {plan.target_id: i for i, plan in enumerate(plans)}
-    span_targets = {span: (index[plan.target_id], plan.table.key) for span, plan in span_plans.items()}
+    span_targets: SpanTargets = {span: (index[plan.target_id], plan.table.key, (origins or {}).get(span))
+                                 for span, plan in span_plans.items()}
     final = final_images(spark, batch, span_targets, partitions)
     counts = final.rdd.mapPartitions(partial(write_partition, plans)).collect()
     result = ApplyResult(partitions=partitions)

@@ -36,11 +36,12 @@ from opentelemetry import trace
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from contracts.events.changefeeds import KeyPolicy
+from contracts.events.changefeeds import ChangefeedSpecV2, KeyPolicy
 from contracts.events.rows import DdlExecutedV1, RowsChangedV1, TableMetaV1
 from libs.config import Settings
 from libs.dburl import parse_database_url
 from libs.gc_pause import gc_paused
+from libs.routing import Router, Target, router_for
 from libs.streams import ROWS_STREAM
 from libs.telemetry.tracing import extract_context, tracer
 from services.sink_worker import metrics as m
@@ -52,10 +53,11 @@ from services.sink_worker.checkpoints import (
     CheckpointStore,
 )
 from services.sink_worker.pull import PulledEvent, PullResult, SpanReader, latest_resolved
+from services.sink_worker.shard_ddl import ShardDdl, lock_ref, rewritten
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.sort_job import SortResult, SpanCut, SpanInput, event_records, run_sort
-from services.sink_worker.span import KeylessTableError, Span, choose_key, target_for
+from services.sink_worker.span import KeylessTableError, Span, route_of, shard_ref, target_for
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,13 @@ class SpanConfig:
     sink_url: str
     key_policy: KeyPolicy = "primary"
     start: Literal["earliest", "latest"] = "earliest"
+    router: Router | None = None
+    """The changefeed's routes, filter and origin column (None: every table to itself)."""
+
+    @classmethod
+    def of(cls, spec: ChangefeedSpecV2) -> SpanConfig:
+        return cls(sink_url=spec.sink_url, key_policy=spec.key_policy, start=spec.start,
+                   router=router_for(spec))
 
 
 @dataclass
@@ -136,6 +145,12 @@ class _Work:
     fresh: list[PulledEvent]
     plan: TargetPlan | None = None
     refused: str | None = None
+    origin: tuple[str, str] | None = None
+    """The origin column's name and this span's value, when its rows carry one."""
+    shard_wait: str | None = None
+    """Stopped at a shard DDL, waiting for its operation: why (nothing moves)."""
+    shard_cut: SpanCut | None = None
+    """The shard DDL at the head of the span was carried out in the driver: its cut."""
 
 
 @dataclass
@@ -212,6 +227,19 @@ class Pipeline:
         self.last_report: RoundReport | None = None
         # (sink url, schema, table) -> meta JSON the target was last brought to by this process.
         self._schemas: dict[tuple[str, str | None, str], str] = {}
+        self.shard_ddl: ShardDdl | None = None
+        """Shard DDL coordination; without it a sharded target's DDL blocks its spans."""
+
+    def attach_shard_ddl(self, shard_ddl: ShardDdl) -> None:
+        self.shard_ddl = shard_ddl
+
+        def passed(changefeed: str, ref: object) -> int | None:
+            for span, rt in self.spans.items():
+                if span.changefeed == changefeed and lock_ref(span) == ref and rt.checkpoint is not None:
+                    return rt.checkpoint.stream_seq
+            return None
+
+        shard_ddl.passed = passed
 
     # ------------------------------------------------------------------ spans
 
@@ -237,12 +265,19 @@ class Pipeline:
                 if rt.state == "refused":  # a new key policy may allow the table now
                     rt.state, rt.error = "replicating", None
         # Several upstream shards in one target: their DDL needs the ddl-lock, not this path.
-        targets: dict[tuple[str, str, str], int] = {}
-        for span in self.spans:
-            k = (span.changefeed, span.database, span.table)
-            targets[k] = targets.get(k, 0) + 1
+        self._count_shards()
+
+    def _count_shards(self) -> None:
+        """Each span's shard count: the group the coordinator knows across every worker, else
+        the spans of this worker routed to the same target."""
+        targets: dict[tuple[str, Target], int] = {}
+        routed = {}
         for span, rt in self.spans.items():
-            rt.shards = targets[(span.changefeed, span.database, span.table)]
+            routed[span] = (span.changefeed, _route_tokens(span, rt.config.router))
+            targets[routed[span]] = targets.get(routed[span], 0) + 1
+        for span, rt in self.spans.items():
+            known = self.shard_ddl.group_size(span) if self.shard_ddl is not None else None
+            rt.shards = max(known or 0, targets[routed[span]])
 
     def _forget_gauges(self, span: Span) -> None:
         for gauge in (m.CHECKPOINT_LAG, m.RESOLVED_LAG, m.CHECKPOINT_TS):
@@ -372,6 +407,10 @@ class Pipeline:
                         if w.fresh and not w.refused:
                             outcomes[w.rt.span.kv_key] = _Outcome(error=f"sort job failed: {exc!r}")
             for w in works:
+                if w.shard_cut is not None:
+                    cuts[w.rt.span.kv_key] = w.shard_cut
+                    outcomes[w.rt.span.kv_key] = _Outcome(written=True, ddl_applied=True)
+            for w in works:
                 await self._finish(w, cuts.get(w.rt.span.kv_key), outcomes.get(w.rt.span.kv_key), report)
         report.duration_s = time.monotonic() - started
         if report.batch_events or report.ddl_applied:
@@ -395,6 +434,12 @@ class Pipeline:
                 log.warning("checkpoint changed outside this worker; reloading",
                             extra={"span": rt.span.name, "found": str(stored), "had": str(rt.stored)})
                 await self._load(rt)
+        if self.shard_ddl is not None:
+            try:
+                await self.shard_ddl.refresh_if_due()
+            except Exception:
+                log.warning("shard group discovery failed", exc_info=True)
+            self._count_shards()
         marks = {}
         for source in sorted({rt.span.source for rt in runtimes}):
             marks[source] = await latest_resolved(self.js, source, self.rows_stream)
@@ -418,6 +463,8 @@ class Pipeline:
             work = _Work(rt, start, pulled, pulled.horizon(start.ts, rt.resolved_ts),
                          [e for e in pulled.events if e.ts > start.ts])
             await self._plan(work)
+            if self.shard_ddl is not None and rt.shards > 1 and not work.refused:
+                await self._shard_ddl_at_head(work)
             report.events += len(work.fresh)
             works.append(work)
         return works
@@ -437,10 +484,13 @@ class Pipeline:
                 kept.append(e)
                 continue
             try:
-                key = choose_key(e.event.meta, policy, database=e.event.database, table=e.event.table)
+                routed = target_for(span, e.event.database, e.event.table, e.event.meta, policy,
+                                    w.rt.config.router)
             except KeylessTableError as exc:
                 self._refuse(w, str(exc))
                 return
+            origin = self._origin_of(w, e.event.database, e.event.table)
+            key = tuple(c for c in routed.key if origin is None or c != origin[0])
             problem = _missing_key_columns(e.event, key)
             if problem is not None:
                 await w.rt.reader.dead_letter_event(e, "invalid_data", problem)
@@ -453,11 +503,89 @@ class Pipeline:
             last_meta = e.event
         w.fresh = kept
         if last_meta is not None:
-            table = target_for(span, last_meta.database, last_meta.table, last_meta.meta, policy)
+            table = target_for(span, last_meta.database, last_meta.table, last_meta.meta, policy,
+                               w.rt.config.router)
             w.plan = TargetPlan(target_id=target_id(w.rt.config.sink_url, table),
                                 sink_url=w.rt.config.sink_url, table=table)
+            w.origin = self._origin_of(w, last_meta.database, last_meta.table)
         if w.rt.state == "refused":
             w.rt.state, w.rt.error = "replicating", None
+
+    @staticmethod
+    def _origin_of(w: _Work, database: str, table: str) -> tuple[str, str] | None:
+        router = w.rt.config.router
+        if router is None:
+            return None
+        ref = shard_ref(w.rt.span, database, table)
+        origin = router.origin_for(ref)
+        return (origin.name, origin.value(ref)) if origin is not None else None
+
+    async def _shard_ddl_at_head(self, w: _Work) -> None:
+        """A sharded span whose next event is a DDL: handled here in the driver, without a
+        Spark job (``services.sink_worker.shard_ddl``). Rows before a DDL are applied first by
+        the normal round, which stops the span just below the DDL."""
+        assert self.shard_ddl is not None
+        head = next((e for e in w.fresh if not e.dead), None)
+        if head is None or not isinstance(head.event, DdlExecutedV1):
+            return
+        ddl = head.event
+        if head.ts > w.horizon:
+            w.fresh = []  # not complete yet: the checkpoint follows the horizon, below the DDL
+            return
+        span = w.rt.span
+        target = self.shard_ddl.lock_target(span)
+        if target is None:
+            target = _route_tokens(span, w.rt.config.router)
+        action = ddl_action(ddl)
+        w.fresh = []
+        if action == "drop":
+            # One shard's table is gone; the merged target keeps the other shards' rows.
+            if not await self.shard_ddl.dropped(span, target, head.stream_seq, ddl.statement):
+                w.shard_wait = "shard dropped upstream; waiting for the ddl-lock leader to record it"
+                return
+        elif action == "truncate":
+            log.warning("TRUNCATE of one shard of a merged target is not replicated (the target "
+                        "holds other shards' rows)", extra={"span": span.name, "statement": ddl.statement})
+        else:
+            ddls = (rewritten(ddl.statement, ddl.database, ddl.table, target),)
+            op = await self.shard_ddl.at_ddl(span, target, ddls, head.stream_seq)
+            if op is None:
+                w.shard_wait = (f"DDL at ts {head.ts} on a target with {w.rt.shards} upstream shards "
+                                "waits for its shard DDL operation")
+                return
+            if op.kind == "exec":
+                try:
+                    await asyncio.to_thread(self._exec_shard_ddl, w, ddl)
+                except Exception as exc:
+                    m.ROUND_ERRORS.labels("ddl").inc()
+                    log.exception("shard DDL exec failed",
+                                  extra={"span": span.name, "statement": ddl.statement})
+                    await self.shard_ddl.carried_out(op, error=repr(exc))
+                    w.shard_wait = f"shard DDL exec failed (retried): {exc!r}"
+                    return
+            await self.shard_ddl.carried_out(op)
+            log.info("shard DDL carried out", extra={"span": span.name, "kind": op.kind, "ts": head.ts,
+                                                     "statement": ddl.statement})
+        w.shard_cut = SpanCut(span.kv_key, limit_ts=head.ts, batch_events=0, batch_max_ts=None,
+                              ddl_ts=head.ts, ddl_id=head.event_id)
+
+    def _exec_shard_ddl(self, w: _Work, ddl: DdlExecutedV1) -> None:
+        """The owner brings the target to the shard's schema after the DDL. Derived from the
+        table metadata (like single-table DDL), which is idempotent: executing again after a
+        crash between executing and reporting done finds nothing left to change."""
+        if ddl.meta_after is None:
+            log.warning("shard DDL without table metadata: nothing to change downstream",
+                        extra={"span": w.rt.span.name, "statement": ddl.statement})
+            return
+        url = w.rt.config.sink_url
+        table = target_for(w.rt.span, ddl.database, ddl.table, ddl.meta_after, w.rt.config.key_policy,
+                           w.rt.config.router)
+        sink = open_sink(url)
+        self._schemas.pop((url, table.schema, table.name), None)
+        sink.ensure_table(table)
+        sink.reconcile_schema(table)
+        self._schemas[(url, table.schema, table.name)] = table.meta.model_dump_json()
+        m.DDL_APPLIED.labels(w.rt.span.changefeed, "reconcile").inc()
 
     def _refuse(self, w: _Work, reason: str) -> None:
         w.refused = reason
@@ -541,12 +669,13 @@ class Pipeline:
             if batch_works:
                 keys = [w.rt.span.kv_key for w in batch_works]
                 plans = {w.rt.span.kv_key: w.plan for w in batch_works if w.plan is not None}
+                origins = {w.rt.span.kv_key: w.origin for w in batch_works if w.origin is not None}
                 t0 = time.monotonic()
                 with tracer().start_as_current_span(
                         "apply", links=_links(w.fresh[0] for w in batch_works),
                         attributes={"sluice.sink": sink.__repr__(), "sluice.spans": len(keys)}):
                     result = run_apply(spark, sort.batch.where(F.col("span").isin(keys)), plans,
-                                       self.options.apply_partitions)
+                                       self.options.apply_partitions, origins)
                 m.APPLY_SECONDS.observe(time.monotonic() - t0)
                 self._count_written(batch_works, result, outcomes)
         except Exception as exc:
@@ -622,10 +751,11 @@ class Pipeline:
     def _apply_ddl(self, sink: Sink, sink_url: str, w: _Work, ddl: DdlExecutedV1) -> None:
         action = ddl_action(ddl)
         policy = w.rt.config.key_policy
-        cache_key = (sink_url, ddl.database, ddl.table)
+        routed = route_of(w.rt.span, ddl.database, ddl.table, w.rt.config.router)
+        cache_key = (sink_url, routed.schema, routed.table)
         if action == "reconcile":
             assert ddl.meta_after is not None
-            table = target_for(w.rt.span, ddl.database, ddl.table, ddl.meta_after, policy)
+            table = target_for(w.rt.span, ddl.database, ddl.table, ddl.meta_after, policy, w.rt.config.router)
             self._schemas.pop(cache_key, None)
             sink.ensure_table(table)
             sink.reconcile_schema(table)
@@ -633,7 +763,7 @@ class Pipeline:
         elif action in ("drop", "truncate"):
             # Only the name matters to drop/truncate; the metadata may be gone with the table.
             meta = ddl.meta_after or TableMetaV1(columns=[], primary_key=[])
-            table = TargetTable(schema=ddl.database, name=ddl.table, meta=meta, key=())
+            table = TargetTable(schema=routed.schema, name=routed.table, meta=meta, key=())
             self._schemas.pop(cache_key, None)
             if action == "drop":
                 sink.drop_table(table)
@@ -652,6 +782,9 @@ class Pipeline:
                       report: RoundReport) -> None:
         rt = w.rt
         if w.refused:
+            return
+        if w.shard_wait is not None:
+            rt.state, rt.error = "blocked", w.shard_wait
             return
         if outcome is not None and outcome.error:
             rt.state, rt.error = "error", outcome.error
@@ -732,6 +865,15 @@ class Pipeline:
             counts[rt.state] += 1
         for state, n in counts.items():
             m.SPANS.labels(state).set(n)
+
+
+def _route_tokens(span: Span, router: Router | None) -> Target:
+    """The span's target by its subject tokens (how spans are discovered and shard groups
+    formed, in this worker and in the ddl-lock alike)."""
+    try:
+        return route_of(span, span.database, span.table, router)
+    except ValueError:  # ambiguous routes: refused at creation, counted on its own here
+        return Target(span.database, span.table)
 
 
 def _redacted(url: str) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from contracts.events.changefeeds import KeyPolicy
 from contracts.events.rows import TableMetaV1
+from libs.routing import Router, TableRef, Target
 from libs.streams import ddl_subject, rows_subject, token
 from services.sink_worker.sinks.base import TargetTable
 
@@ -98,14 +99,35 @@ def choose_key(meta: TableMetaV1, policy: KeyPolicy, *, database: str = "?",
     raise KeylessTableError(database, table, policy, detail)
 
 
-def target_for(span: Span, database: str, table: str, meta: TableMetaV1, policy: KeyPolicy) -> TargetTable:
-    """The downstream table of a span: today the same database/table name in the sink.
+def shard_ref(span: Span, database: str, table: str) -> TableRef:
+    """The span as routing sees it: its source id (a subject-safe id, so its token is itself)
+    with the real database and table names from its events."""
+    return TableRef(span.source, database, table)
 
-    This is the seam for shard routing (a later issue): several spans map to one target there.
-    The sink decides what ``schema`` means (MySQL database, PostgreSQL schema; SQLite has one
-    namespace and ignores it, so two databases with a same-named table share one table there).
+
+def route_of(span: Span, database: str, table: str, router: Router | None) -> Target:
+    """Where the span's rows land: its route rule's target, or the same database/table."""
+    if router is None:
+        return Target(database, table)
+    target = router.route(span.source, database, table)
+    # A table the filter leaves out is not discovered as a span at all; one that still reaches
+    # here (the filter changed under a running span) keeps its own name rather than vanish.
+    return target if target is not None else Target(database, table)
+
+
+def target_for(span: Span, database: str, table: str, meta: TableMetaV1, policy: KeyPolicy,
+               router: Router | None = None) -> TargetTable:
+    """The downstream table of a span: the changefeed's route for it (``libs.routing``), the
+    same database/table name without one. Several spans (the shard group) may share a target.
+
+    With an origin column, a rule-routed span's metadata gains it, first and in every key, so
+    shards whose keys collide keep separate rows (``Router.origin_for``). The sink decides what
+    ``schema`` means (MySQL database, PostgreSQL schema; SQLite has one namespace and ignores it).
     """
-    del span  # routing rules will look at the changefeed and source
+    ref = shard_ref(span, database, table)
+    target = route_of(span, database, table, router)
+    if router is not None:
+        meta = router.rewrite_meta_for(meta, ref)
     key = choose_key(meta, policy, database=database, table=table)
     unique = tuple(tuple(uk) for uk in meta.unique_keys if tuple(uk) != key)
-    return TargetTable(schema=database, name=table, meta=meta, key=key, unique_keys=unique)
+    return TargetTable(schema=target.schema, name=target.table, meta=meta, key=key, unique_keys=unique)

@@ -46,6 +46,7 @@ from libs.streams import CHECKPOINT_BUCKET, ROWS_STREAM, domain_events_subject, 
 from services.sink_worker.agent import SinkAgent
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
+from services.sink_worker.shard_ddl import ShardDdl
 from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class SinkWorker:
                  spark: Callable[[], SparkSession], *, status: dict[str, Any] | None = None,
                  rows_stream: str = ROWS_STREAM, changefeeds_domain: str = "changefeeds",
                  checkpoint_bucket: str = CHECKPOINT_BUCKET, options: WorkerOptions | None = None,
-                 pipeline_options: PipelineOptions | None = None, agent: SinkAgent | None = None) -> None:
+                 pipeline_options: PipelineOptions | None = None, agent: SinkAgent | None = None,
+                 shard_ddl: ShardDdl | None = None) -> None:
         self.js = js
         self.settings = settings
         self.stopping = stopping
@@ -95,6 +97,10 @@ class SinkWorker:
         self.checkpoints = CheckpointStore(js, checkpoint_bucket, replicas=settings.stream_replicas)
         self.pipeline = Pipeline(js, self.checkpoints, self._spark,
                                  pipeline_options or PipelineOptions.from_settings(settings), rows_stream)
+        self.shard_ddl = shard_ddl
+        if shard_ddl is not None:
+            shard_ddl.specs = self.view.running
+            self.pipeline.attach_shard_ddl(shard_ddl)
         self._last_discovery = 0.0
         self._last_progress_log = time.monotonic()
         self._rows_since_log = 0
@@ -119,6 +125,8 @@ class SinkWorker:
         await ensure_deadletter_stream(self.js, self.settings)
         await self.checkpoints.open()
         follower = asyncio.create_task(self._follow_changefeeds(), name="changefeeds")
+        if self.shard_ddl is not None:
+            await self.shard_ddl.start()
         drain: asyncio.Task[None] | None = None
         if self.agent is not None:
             self.agent.attach(self.pipeline, self.view)
@@ -145,6 +153,8 @@ class SinkWorker:
             await self.pipeline.close()
             if self.agent is not None:
                 await self.agent.close()
+            if self.shard_ddl is not None:
+                await self.shard_ddl.close()
             self._publish_status()
 
     async def _drain_on_stop(self) -> None:
@@ -301,8 +311,7 @@ class SinkWorker:
         """The spans of every running changefeed, from the ROWS stream's subjects."""
         found = await discover_spans(self.js, self.view.running(), self.rows_stream)
         self.rows_stream_missing = found.rows_stream_missing
-        wanted = {Span(*key): SpanConfig(sink_url=spec.sink_url, key_policy=spec.key_policy, start=spec.start)
-                  for key, spec in found.spans.items()}
+        wanted = {Span(*key): SpanConfig.of(spec) for key, spec in found.spans.items()}
         await self.pipeline.set_spans(wanted)
         return wanted
 
