@@ -15,7 +15,7 @@ from contracts.events import shard_ddl as c
 from contracts.events.changefeeds import ChangefeedSpecV2, RouteRuleV1, SourceRefV1, TableFilterV1
 from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.eventstore import StoredEvent
-from libs.routing import OriginColumn, RouteRule, Router, TableRef, Target, router_for, validate_spec
+from libs.routing import OriginColumn, Router, RouteRule, TableRef, Target, router_for, validate_spec
 from libs.shard_ddl.convert import done_contract, done_of, from_contract, to_contract
 from libs.shard_ddl.lock import (
     CaughtUp,
