@@ -138,7 +138,8 @@ def _spec(**kw: object) -> ChangefeedSpecV2:
     base: dict[str, object] = {
         "id": "cf", "sources": [SourceRefV1(id="src1", url="mysql://h/"), SourceRefV1(id="src2", url="mysql://h/")],
         "sink_url": "sqlite:///x.db", "filter": TableFilterV1(include=["shop_*.*"]),
-        "routes": [RouteRuleV1(database="shop_*", table="orders_*", target_schema="merged", target_table="orders")]}
+        "routes": [RouteRuleV1(database="shop_*", table="orders_*", target_schema="merged",
+                               target_table="orders")]}
     base.update(kw)
     return ChangefeedSpecV2.model_validate(base)
 
@@ -146,7 +147,8 @@ def _spec(**kw: object) -> ChangefeedSpecV2:
 META = TableMetaV1(columns=[ColumnV1(name="id", kind="int", sql_type="bigint", nullable=False),
                             ColumnV1(name="v", kind="int", sql_type="int", nullable=True)],
                    primary_key=["id"])
-META_TEXT_KEY = TableMetaV1(columns=[ColumnV1(name="id", kind="string", sql_type="varchar(10)", nullable=False)],
+META_TEXT_KEY = TableMetaV1(columns=[ColumnV1(name="id", kind="string", sql_type="varchar(10)",
+                                              nullable=False)],
                             primary_key=["id"])
 
 
@@ -177,20 +179,22 @@ def test_validate_spec_reports_an_unreadable_rule_instead_of_raising() -> None:
 
 def test_target_for_routes_and_adds_the_origin_column_to_routed_shards() -> None:
     span = Span("cf", "src1", "shop_a", "orders_1")
-    router = Router([RouteRule(schema="shop_*", table="orders_*", target_schema="merged", target_table="orders")],
+    rule = RouteRule(schema="shop_*", table="orders_*", target_schema="merged", target_table="orders")
+    router = Router([rule],
                     origin=OriginColumn("_origin"))
     table = target_for(span, "shop_a", "orders_1", META, "primary", router)
     assert (table.schema, table.name) == ("merged", "orders")
     assert table.key == ("_origin", "id") and table.meta.columns[0].name == "_origin"
-    plain = target_for(Span("cf", "src1", "shop_a", "customers"), "shop_a", "customers", META, "primary", router)
+    other = Span("cf", "src1", "shop_a", "customers")
+    plain = target_for(other, "shop_a", "customers", META, "primary", router)
     assert (plain.schema, plain.name, plain.key) == ("shop_a", "customers", ("id",))  # not merged: unchanged
     assert target_for(span, "shop_a", "orders_1", META, "primary").name == "orders_1"  # no routes
 
 
 def test_explode_event_puts_the_origin_into_both_images_and_the_key() -> None:
     body = REGISTRY.encode(_rows_event(), producer="test")
-    recs = list(explode_event({"s": (0, ("_origin", "id"), ("_origin", "src1/shop_a/orders_1"))}, "s", 5, 1, 0,
-                              body))
+    origin = ("_origin", "src1/shop_a/orders_1")
+    recs = list(explode_event({"s": (0, ("_origin", "id"), origin)}, "s", 5, 1, 0, body))
     # update that keeps the key: one upsert; the delete: a delete by the origin-qualified key
     assert [(r[1], r[7]) for r in recs] == [('["src1/shop_a/orders_1",1]', "upsert"),
                                            ('["src1/shop_a/orders_1",2]', "delete")]
@@ -225,7 +229,8 @@ def test_ddl_state_fold_rebuilds_the_keeper_and_stops_folding_lock_events_once_l
         state.fold(_stored(to_contract(e), n + 1))
     assert state.keeper == live and state.keeper.pending_operations() == live.pending_operations()
     dropped = c.ShardDroppedV1(changefeed="cf", target=c.TargetRefV1(database="merged", table="orders"),
-                               span=c.ShardRefV1(source="src2", database="shop_b", table="orders_2"), position=30)
+                               span=c.ShardRefV1(source="src2", database="shop_b", table="orders_2"),
+                               position=30)
     state.live = True
     state.fold(_stored(dropped, 99))
     state.fold(_stored(to_contract(events[0]), 100))  # a live append: the keeper applied it already
