@@ -53,7 +53,7 @@ from services.sink_worker.checkpoints import (
     CheckpointStore,
 )
 from services.sink_worker.pull import PulledEvent, PullResult, SpanReader, latest_resolved
-from services.sink_worker.shard_ddl import ShardDdl, lock_ref, rewritten
+from services.sink_worker.shard_ddl import ShardDdl, execute_on_target, lock_ref, rewritten
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.sort_job import SortResult, SpanCut, SpanInput, event_records, run_sort
@@ -555,7 +555,7 @@ class Pipeline:
                 return
             if op.kind == "exec":
                 try:
-                    await asyncio.to_thread(self._exec_shard_ddl, w, ddl)
+                    await asyncio.to_thread(self._exec_shard_ddl, w, ddl, op.ddls)
                 except Exception as exc:
                     m.ROUND_ERRORS.labels("ddl").inc()
                     log.exception("shard DDL exec failed",
@@ -569,10 +569,9 @@ class Pipeline:
         w.shard_cut = SpanCut(span.kv_key, limit_ts=head.ts, batch_events=0, batch_max_ts=None,
                               ddl_ts=head.ts, ddl_id=head.event_id)
 
-    def _exec_shard_ddl(self, w: _Work, ddl: DdlExecutedV1) -> None:
-        """The owner brings the target to the shard's schema after the DDL. Derived from the
-        table metadata (like single-table DDL), which is idempotent: executing again after a
-        crash between executing and reporting done finds nothing left to change."""
+    def _exec_shard_ddl(self, w: _Work, ddl: DdlExecutedV1, statements: tuple[str, ...]) -> None:
+        """The owner brings the target to the shard's schema after the DDL
+        (``shard_ddl.execute_on_target``: idempotent, a re-run counts as done)."""
         if ddl.meta_after is None:
             log.warning("shard DDL without table metadata: nothing to change downstream",
                         extra={"span": w.rt.span.name, "statement": ddl.statement})
@@ -580,10 +579,11 @@ class Pipeline:
         url = w.rt.config.sink_url
         table = target_for(w.rt.span, ddl.database, ddl.table, ddl.meta_after, w.rt.config.key_policy,
                            w.rt.config.router)
-        sink = open_sink(url)
         self._schemas.pop((url, table.schema, table.name), None)
-        sink.ensure_table(table)
-        sink.reconcile_schema(table)
+        already = execute_on_target(open_sink(url), table, statements)
+        if already:
+            log.info("shard DDL was already applied on the target: counted as done",
+                     extra={"span": w.rt.span.name, "statements": already})
         self._schemas[(url, table.schema, table.name)] = table.meta.model_dump_json()
         m.DDL_APPLIED.labels(w.rt.span.changefeed, "reconcile").inc()
 

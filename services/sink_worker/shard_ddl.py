@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import pymysql
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -44,8 +45,17 @@ from libs.shard_ddl.convert import (
     to_contract,
 )
 from libs.shard_ddl.lock import Done, Info, Operation
-from libs.shard_ddl.rerun import DDLRewriteError, rewrite_for_target
+from libs.shard_ddl.rerun import (
+    ColumnDef,
+    DDLRewriteError,
+    RerunVerdict,
+    TableShape,
+    check_applied,
+    rewrite_for_target,
+)
 from libs.streams import ROWS_STREAM, SHARD_DDL_OPS_SUBJECTS, SHARD_DDL_REPORT_SUBJECT
+from services.sink_worker.sinks.base import Sink, TargetTable
+from services.sink_worker.sinks.mysql import MySQLSink
 from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
@@ -69,6 +79,32 @@ def rewritten(statement: str, database: str, table: str, target: Target) -> str:
                                   target_table=target.table)
     except DDLRewriteError:
         return statement
+
+
+def execute_on_target(sink: Sink, table: TargetTable, statements: Sequence[str]) -> list[str]:
+    """The owner's exec: bring the target to ``table`` (the shard's metadata after the DDL).
+
+    MySQL/MariaDB targets run the DDL text rewritten to the target first, so what the metadata
+    does not show (indexes, defaults, comments) reaches the target too; a statement that fails
+    is checked with re-run detection against the target as it is, and "already applied" (a
+    crash between executing and reporting done) counts as done, "unknown" fails the exec for an
+    operator to look at. Every sink then reconciles the columns to the metadata, which is
+    idempotent. Returns what was recognised as already applied."""
+    already: list[str] = []
+    if isinstance(sink, MySQLSink):
+        for sql in statements:
+            try:
+                sink.execute_ddl(sql)
+            except pymysql.err.MySQLError as exc:
+                columns, indexes = sink.table_shape(table)
+                shape = TableShape([ColumnDef(n, t, null) for n, t, null in columns], indexes)
+                check = check_applied(sql, shape)
+                if check.verdict != RerunVerdict.ALREADY_APPLIED:
+                    raise RuntimeError(f"{exc!r}; re-run check: {check.verdict} ({check.reason})") from exc
+                already.append(sql)
+    sink.ensure_table(table)
+    sink.reconcile_schema(table)
+    return already
 
 
 class ShardDdl:
@@ -231,4 +267,4 @@ class ShardDdl:
         return len(self.sent)
 
 
-__all__ = ["ShardDdl", "lock_ref", "rewritten"]
+__all__ = ["ShardDdl", "execute_on_target", "lock_ref", "rewritten"]

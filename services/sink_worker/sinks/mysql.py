@@ -219,6 +219,30 @@ class MySQLSink(SqlSink):
 
         return self._run(work, f"reconcile {table.name!r}")
 
+    def execute_ddl(self, sql: str) -> None:
+        """Run one DDL statement as written (a shard DDL already rewritten to this target)."""
+        self._run(lambda cur: cur.execute(sql), "shard DDL")
+
+    def table_shape(self, table: TargetTable) -> tuple[list[tuple[str, str, bool]], dict[str, list[str]]]:
+        """The target as it is now: ``(name, column type, nullable)`` per column and the columns
+        of every index by name, for re-run detection of a DDL."""
+
+        def work(cur: Any) -> tuple[list[tuple[str, str, bool]], dict[str, list[str]]]:
+            db = self._database(table)
+            cur.execute("SELECT COLUMN_NAME, COLUMN_TYPE, IS_NULLABLE FROM information_schema.COLUMNS"
+                        " WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s ORDER BY ORDINAL_POSITION",
+                        (db, table.name))
+            columns = [(str(r[0]), str(r[1]), str(r[2]) == "YES") for r in cur.fetchall()]
+            cur.execute("SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS"
+                        " WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s ORDER BY INDEX_NAME, SEQ_IN_INDEX",
+                        (db, table.name))
+            indexes: dict[str, list[str]] = {}
+            for name, column in cur.fetchall():
+                indexes.setdefault(str(name), []).append(str(column))
+            return columns, indexes
+
+        return self._run(work, f"shape of {table.name!r}")
+
     # ------------------------------------------------------------------ DML
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
