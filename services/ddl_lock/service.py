@@ -123,6 +123,9 @@ class DdlLockService:
         self.js = runtime.nc.jetstream()
         self.groups: dict[LockKey, frozenset[TableRef]] = {}
         self.running: set[str] = set()
+        self.discovered = False
+        """The last discovery succeeded: groups and running changefeeds may be acted on (a
+        failed one must not look like every shard leaving)."""
 
     def make_log(self) -> DomainLog[DdlState]:
         return DomainLog(self.js, DOMAIN, producer=self.runtime.producer, fold=_fold,
@@ -283,8 +286,10 @@ class DdlLockService:
             found = await discover_spans(self.js, specs)
         except Exception:
             log.warning("span discovery failed", exc_info=True)
+            self.discovered = False
             return
         if found.rows_stream_missing:
+            self.discovered = False
             return
         routers = {}
         for spec in specs:
@@ -305,9 +310,12 @@ class DdlLockService:
             groups.setdefault(LockKey(cf, target), set()).add(TableRef(src, db, tbl))
         self.groups = {k: frozenset(v) for k, v in groups.items()}
         self.running = {spec.id for spec in specs}
+        self.discovered = True
 
     async def _apply_groups(self, state: DdlState, domain_log: DomainLog[Any], now: float) -> None:
         keeper = state.keeper
+        if not self.discovered:
+            return
         known = {*keeper.groups, *keeper.locks}
         for key in sorted(known):
             if key.changefeed not in self.running:

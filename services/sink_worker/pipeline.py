@@ -483,14 +483,17 @@ class Pipeline:
                 barrier = True
                 kept.append(e)
                 continue
-            try:
-                routed = target_for(span, e.event.database, e.event.table, e.event.meta, policy,
-                                    w.rt.config.router)
-            except KeylessTableError as exc:
-                self._refuse(w, str(exc))
-                return
-            origin = self._origin_of(w, e.event.database, e.event.table)
-            key = tuple(c for c in routed.key if origin is None or c != origin[0])
+            ev = e.event
+            if last_meta is None or (ev.database, ev.table, ev.meta) != (
+                    last_meta.database, last_meta.table, last_meta.meta):
+                # Consecutive events almost always share the table's metadata: route once.
+                try:
+                    routed = target_for(span, ev.database, ev.table, ev.meta, policy, w.rt.config.router)
+                except KeylessTableError as exc:
+                    self._refuse(w, str(exc))
+                    return
+                origin = self._origin_of(w, ev.database, ev.table)
+                key = tuple(c for c in routed.key if origin is None or c != origin[0])
             problem = _missing_key_columns(e.event, key)
             if problem is not None:
                 await w.rt.reader.dead_letter_event(e, "invalid_data", problem)
