@@ -222,9 +222,16 @@ class DdlLockService:
             info = from_contract(event)
             assert isinstance(info, Info)
             key = info.key
-            if key not in self.groups:
+            if info.span not in self.groups.get(key, frozenset()):
                 await self._discover(view)
-            shards = self.groups.get(key, frozenset()) | {info.span}
+            if info.span not in self.groups.get(key, frozenset()):
+                # The changefeed or the span is newer than this leader's view: a lock formed now
+                # would not wait for shards it does not know. The worker sends the Info again.
+                log.info("info from a shard not in a known group yet; waiting for its re-send",
+                         extra={"changefeed": info.changefeed, "target": str(info.target),
+                                "span": str(info.span)})
+                return
+            shards = self.groups[key]
             try:
                 outcome = keeper.handle_info(info, now, shards)
             except UnknownGroupError:  # pragma: no cover - shards are always passed

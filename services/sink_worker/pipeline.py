@@ -556,7 +556,7 @@ class Pipeline:
                 w.shard_wait = (f"DDL at ts {head.ts} on a target with {w.rt.shards} upstream shards "
                                 "waits for its shard DDL operation")
                 return
-            if op.kind == "exec":
+            if op.kind == "exec" and not self.shard_ddl.already_carried(op):
                 try:
                     await asyncio.to_thread(self._exec_shard_ddl, w, ddl, op.ddls)
                 except Exception as exc:

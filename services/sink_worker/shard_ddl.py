@@ -222,6 +222,9 @@ class ShardDdl:
             del self.ops[key]
         self.sent.pop(key, None)
 
+    def already_carried(self, op: Operation) -> bool:
+        return op.id in self.carried
+
     async def dropped(self, span: Span, target: Target, position: int, reason: str) -> bool:
         """Tell the leader the shard's table is gone; True once it recorded that."""
         msg = ShardDroppedV1(changefeed=span.changefeed, target=target_ref(target),
@@ -254,6 +257,11 @@ class ShardDdl:
         key = (op.changefeed, op.span)
         if op.id in self.carried:
             await self._publish(done_contract(op.done()))  # our done was lost
+            waiting = self.sent.get(key)
+            if waiting is not None and waiting[0].position == op.position:
+                # The span met that DDL again (its checkpoint was rewound): let it pass; an
+                # exec is not run again (``already_carried``).
+                self.ops[key] = op
             return
         passed = self.passed(op.changefeed, op.span)
         if passed is not None and passed >= op.position:
