@@ -11,7 +11,9 @@ after the others). Measured from the moment the last shard sends its Info:
 
 - until the lock is resolved (its ``shard_ddl.lock_resolved`` event is in the ddl stream);
 - until the first post-DDL row is written to the target by a shard other than the owner (it
-  needs the owner's exec, its done, and the skip), and until every shard has written one.
+  needs the owner's exec, its done, and the skip), and until every shard has written one. The
+  shards act like one worker's rounds: each pass carries out every operation that came and then
+  writes those shards' post-DDL rows in one batch.
 
 Baseline, same run: the same DDL and row on a target with a single shard, which needs no lock
 (the sink reconciles the target and writes the row). Not included: the Spark round that brings
@@ -63,9 +65,9 @@ def _table(columns: list[str], name: str = "t") -> TargetTable:
     return TargetTable(schema=None, name=name, meta=_meta(columns), key=("id",))
 
 
-def _write_row(sink_url: str, columns: list[str], row_id: int, name: str = "t") -> None:
-    row = {"id": row_id, **{c: f"{c}-{row_id}" for c in columns}}
-    open_sink(sink_url).apply_partition(_table(columns, name), [Upsert(key=(row_id,), row=row)])
+def _write_rows(sink_url: str, columns: list[str], row_ids: list[int], name: str = "t") -> None:
+    changes = [Upsert(key=(i,), row={"id": i, **{c: f"{c}-{i}" for c in columns}}) for i in row_ids]
+    open_sink(sink_url).apply_partition(_table(columns, name), changes)
 
 
 def _exec(sink_url: str, columns: list[str], name: str = "t") -> None:
@@ -100,6 +102,9 @@ async def _round(nc: nats.NATS, shard_ddl: ShardDdl, spans: list[Span], sink_url
     resolved: float | None = None
     wrote: set[Span] = set()
     while len(wrote) < len(spans) or resolved is None:
+        # One pass over the shards is what a worker's round does: every shard whose operation
+        # came carries it out, then the rows after the DDL of all of them go in one write.
+        ready: list[tuple[Span, Operation]] = []
         for s in spans:
             if s in wrote:
                 continue
@@ -109,9 +114,12 @@ async def _round(nc: nats.NATS, shard_ddl: ShardDdl, spans: list[Span], sink_url
             if op.kind == "exec":
                 await asyncio.to_thread(_exec, sink_url, after)
             await shard_ddl.carried_out(op)
-            await asyncio.to_thread(_write_row, sink_url, after, pending[s] * 1000 + spans.index(s))
-            wrote.add(s)
-            if op.kind == "skip" and first_other is None:
+            ready.append((s, op))
+        if ready:
+            ids = [pending[s] * 1000 + spans.index(s) for s, _ in ready]
+            await asyncio.to_thread(_write_rows, sink_url, after, ids)
+            wrote.update(s for s, _ in ready)
+            if first_other is None and any(op.kind == "skip" for _, op in ready):
                 first_other = time.perf_counter() - t0
         if resolved is None and await _resolved_after(js, start_seq):
             resolved = time.perf_counter() - t0
@@ -132,7 +140,7 @@ def _baseline(sink_url: str, rounds: int) -> list[float]:
         cols = [*cols, f"c{r}"]
         t0 = time.perf_counter()
         _exec(sink_url, cols, "single")
-        _write_row(sink_url, cols, r + 1, "single")
+        _write_rows(sink_url, cols, [r + 1], "single")
         out.append(time.perf_counter() - t0)
     return out
 
