@@ -276,8 +276,14 @@ class Pipeline:
             routed[span] = (span.changefeed, _route_tokens(span, rt.config.router))
             targets[routed[span]] = targets.get(routed[span], 0) + 1
         for span, rt in self.spans.items():
-            known = self.shard_ddl.group_size(span) if self.shard_ddl is not None else None
-            rt.shards = max(known or 0, targets[routed[span]])
+            local = targets[routed[span]]
+            if self.shard_ddl is None:
+                rt.shards = local
+                continue
+            known = self.shard_ddl.group_size(span)
+            # Group unknown (discovery failed): count it as sharded, so a DDL waits for the
+            # ddl-lock (which resolves a group of one at once) instead of being applied alone.
+            rt.shards = max(known, local) if known is not None else max(local, 2)
 
     def _forget_gauges(self, span: Span) -> None:
         for gauge in (m.CHECKPOINT_LAG, m.RESOLVED_LAG, m.CHECKPOINT_TS):
@@ -437,6 +443,8 @@ class Pipeline:
         if self.shard_ddl is not None:
             try:
                 await self.shard_ddl.refresh_if_due()
+                if any(self.shard_ddl.group_size(rt.span) is None for rt in runtimes):
+                    await self.shard_ddl.refresh_if_due(force=True)  # a span newer than the groups
             except Exception:
                 log.warning("shard group discovery failed", exc_info=True)
             self._count_shards()

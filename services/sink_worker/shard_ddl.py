@@ -143,9 +143,9 @@ class ShardDdl:
 
     # -- shard groups -----------------------------------------------------------------------------
 
-    async def refresh_if_due(self) -> None:
+    async def refresh_if_due(self, force: bool = False) -> None:
         now = time.monotonic()
-        if self.groups_at is not None and now - self.groups_at < self.discovery_interval_s:
+        if not force and self.groups_at is not None and now - self.groups_at < self.discovery_interval_s:
             return
         specs = self.specs()
         found = await discover_spans(self.js, specs, self.rows_stream)
