@@ -3,7 +3,8 @@ and the DDL text helpers the sink-worker needs. Plain Python: no NATS, no I/O, n
 
 Modules: ``lock`` (Info/Operation/Done messages, lock events, ``Lock`` and ``LockKeeper``),
 ``rerun`` (tokenizer, table-name rewriting to the target, canonical comparison, re-run
-detection).
+detection), ``convert`` (lock events and messages to and from their contracts in
+``contracts.events.shard_ddl``), ``view`` (the operator's view of a lock, span and target names).
 """
 
 from libs.shard_ddl.lock import (
