@@ -20,7 +20,7 @@ from nats.aio.client import Client
 from contracts import REGISTRY
 from contracts.events.changefeeds import ChangefeedSpecV2, RouteRuleV1, SourceRefV1
 from contracts.events.leadership import LeaderElectedV1
-from libs.changefeeds import record_changefeed
+from libs.changefeeds import record_changefeed, record_state
 from libs.config import Settings
 from libs.localservers.service_process import ServiceProcess
 from libs.routing import Target
@@ -107,7 +107,7 @@ async def _drive(ddl: ShardDdl, spans: list[Span], position: int, statement: str
 
 
 async def test_lock_flow_garbage_commands_and_a_leader_killed_during_exec(
-        leaders: list[ServiceProcess], nc: Client) -> None:
+        leaders: list[ServiceProcess], nc: Client, tmp_path: Path) -> None:
     js = nc.jetstream()
     await ensure_rows_stream(js, Settings())
     tag = uuid4().hex[:8]
@@ -116,26 +116,26 @@ async def test_lock_flow_garbage_commands_and_a_leader_killed_during_exec(
     for s in spans:
         await js.publish(rows_subject(s.source, s.database, s.table), b"{}")
     await record_changefeed(js, ChangefeedSpecV2(
-        id=cf, sources=[SourceRefV1(id=source, url="mysql://127.0.0.1/")], sink_url="sqlite:///x.db",
+        id=cf, sources=[SourceRefV1(id=source, url="mysql://127.0.0.1/")], sink_url=f"sqlite:///{tmp_path}/t.db",
         routes=[RouteRuleV1(database="db_*", table="t", target_schema="merged", target_table="t")]), "test")
-    await eventually(lambda: _leader(leaders), 30, "a ddl-lock leader")
-
-    # Garbage on the report and command subjects: refused or answered, the leader keeps going.
-    await nc.publish(SHARD_DDL_REPORT_SUBJECT, b"\x00 not json")
-    stranger = LeaderElectedV1(service="x", candidate="y", epoch=1)
-    await nc.publish(SHARD_DDL_REPORT_SUBJECT, REGISTRY.encode(stranger, producer="test"))
-    for body, code in [(b"{nope", 422), ([1, 2], 422), ({"action": "explode"}, 422),
-                       ({"action": "show", "changefeed": cf}, 422),
-                       ({"action": "show", "changefeed": cf, "target": "merged"}, 422),
-                       ({"action": "show", "changefeed": cf, "target": "merged.t"}, 404),
-                       ({"action": "force_remove", "changefeed": cf, "target": "merged.t",
-                         "requested_by": "a", "reason": "b"}, 404)]:
-        answer = await _command(nc, body)
-        assert answer["ok"] is False and answer["code"] == code and answer["error"], (body, answer)
-
     ddl = ShardDdl(nc, producer="test", info_resend_s=0.3)
-    await ddl.start()
     try:
+        await eventually(lambda: _leader(leaders), 30, "a ddl-lock leader")
+
+        # Garbage on the report and command subjects: refused or answered, the leader keeps going.
+        await nc.publish(SHARD_DDL_REPORT_SUBJECT, b"\x00 not json")
+        stranger = LeaderElectedV1(service="x", candidate="y", epoch=1)
+        await nc.publish(SHARD_DDL_REPORT_SUBJECT, REGISTRY.encode(stranger, producer="test"))
+        for body, code in [(b"{nope", 422), ([1, 2], 422), ({"action": "explode"}, 422),
+                           ({"action": "show", "changefeed": cf}, 422),
+                           ({"action": "show", "changefeed": cf, "target": "merged"}, 422),
+                           ({"action": "show", "changefeed": cf, "target": "merged.t"}, 404),
+                           ({"action": "force_remove", "changefeed": cf, "target": "merged.t",
+                             "requested_by": "a", "reason": "b"}, 404)]:
+            answer = await _command(nc, body)
+            assert answer["ok"] is False and answer["code"] == code and answer["error"], (body, answer)
+
+        await ddl.start()
         # 1. The flow: one exec to the owner (the first Info), skips to the others after its done.
         statement = "ALTER TABLE `merged`.`t` ADD COLUMN a int"
         first = await ddl.at_ddl(spans[0], TARGET, (statement,), 100)
@@ -184,6 +184,8 @@ async def test_lock_flow_garbage_commands_and_a_leader_killed_during_exec(
         assert sum(1 for t, _ in mine if t == "shard_ddl.lock_resolved") == 2
     finally:
         await ddl.close()
+        # The session's nats-server is shared: other tests' workers must not pick this one up.
+        await record_state(js, cf, "deleted", "test", "test over")
 
 
 async def _no_lock(nc: Client, cf: str) -> bool:
