@@ -99,6 +99,22 @@ class Settings(BaseSettings):
         None, description="Append one JSON line per span and round that wrote downstream (audit)."
     )
 
+    # Initial load (snapshot) of a changefeed's tables
+    snapshot_chunk_rows: int = Field(
+        50_000, ge=1, description="Rows per primary-key chunk of an initial load (the unit of resume)."
+    )
+    snapshot_parallelism: int = Field(
+        4, ge=1,
+        description="Chunks an initial load copies at once (one Spark job and progress write per wave).",
+    )
+    snapshot_write_rows: int = Field(
+        5000, ge=1, description="Rows per write transaction of an initial load (bounds executor memory)."
+    )
+    snapshot_watermark_timeout_s: float = Field(
+        60.0, gt=0, description="How long an initial load waits for a resolved mark of its source."
+    )
+    snapshot_retry_s: float = Field(10.0, gt=0, description="Pause before a failed initial load runs again.")
+
     # Databases
     downstream_url: str = Field(
         "sqlite:///.sluice/downstream.db", description="Default downstream (sink) database URL."

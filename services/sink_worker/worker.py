@@ -46,6 +46,7 @@ from libs.streams import CHECKPOINT_BUCKET, ROWS_STREAM, domain_events_subject, 
 from services.sink_worker.agent import SinkAgent
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
+from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
 from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
@@ -93,8 +94,13 @@ class SinkWorker:
             agent.status_sink = self.status
         self._spark_warming: asyncio.Task[SparkSession] | None = None
         self.checkpoints = CheckpointStore(js, checkpoint_bucket, replicas=settings.stream_replicas)
+        # Spans of a changefeed in a snapshot mode copy their table before they stream.
+        self.initial_loads = InitialLoads(js, self._spark, SnapshotOptions.from_settings(settings),
+                                          rows_stream=rows_stream, worker_id=settings.instance_id,
+                                          replicas=settings.stream_replicas)
         self.pipeline = Pipeline(js, self.checkpoints, self._spark,
-                                 pipeline_options or PipelineOptions.from_settings(settings), rows_stream)
+                                 pipeline_options or PipelineOptions.from_settings(settings), rows_stream,
+                                 initial_loads=self.initial_loads)
         self._last_discovery = 0.0
         self._last_progress_log = time.monotonic()
         self._rows_since_log = 0
@@ -301,8 +307,7 @@ class SinkWorker:
         """The spans of every running changefeed, from the ROWS stream's subjects."""
         found = await discover_spans(self.js, self.view.running(), self.rows_stream)
         self.rows_stream_missing = found.rows_stream_missing
-        wanted = {Span(*key): SpanConfig(sink_url=spec.sink_url, key_policy=spec.key_policy, start=spec.start)
-                  for key, spec in found.spans.items()}
+        wanted = {Span(*key): SpanConfig.of(spec, key[1]) for key, spec in found.spans.items()}
         await self.pipeline.set_spans(wanted)
         return wanted
 
