@@ -4,10 +4,12 @@ A checkpoint is ``(stream_seq, ts)``: reading resumes after ``stream_seq`` and e
 at or below ``ts`` count as applied. A start point is therefore a ts threshold plus a stream
 sequence before the first event above it:
 
-- ``start_time``: capture's ts is ``physical_ms << 18 | logical`` with ``physical_ms`` at or after
-  the commit time, so transactions committed at or after ``start_time`` have a ts at or above
-  ``start_ms << 18``; the threshold is one below. The sequence comes from a consumer that starts
-  at ``start_time`` in the stream (JetStream's own publish times, which are after the commits).
+- ``start_time``: the binlog stamps a transaction with its commit time in whole seconds, and
+  capture's ts (``physical_ms << 18 | logical``) is at or above that stamp. The threshold is
+  the start of ``start_time``'s second, so no transaction committed at or after ``start_time``
+  is skipped; ones committed earlier in that same second may be applied too (the binlog cannot
+  tell them apart). The sequence comes from a consumer that starts at ``start_time`` in the
+  stream (JetStream's own publish times, which come after the commits).
 - ``start_position`` (a source's binlog file and position): the source's events are read in
   stream order up to the first one past the position; ts grows with the binlog order, so the
   threshold is that event's ts minus one. When nothing past the position is in the stream yet,
@@ -40,8 +42,8 @@ def _utc(value: datetime) -> datetime:
 
 
 def ts_threshold(start_time: datetime) -> int:
-    """The highest ts of a transaction committed before ``start_time`` (naive: UTC)."""
-    ms = int(_utc(start_time).timestamp() * 1000)
+    """The highest ts a transaction committed before ``start_time``'s second has (naive: UTC)."""
+    ms = int(_utc(start_time).timestamp()) * 1000
     return max(0, (ms << _LOGICAL_BITS) - 1)
 
 
