@@ -137,17 +137,17 @@ def _prefill(source: MariaDB, db: str, workload: RandomWorkload, rows: int) -> N
         cur.execute(f"INSERT INTO `{db}`.accounts SELECT seq, CONCAT('user', seq, '@example.com'),"
                     " seq / 7, IF(seq % 5 = 0, NULL, CONCAT('note ü ', seq)),"
                     " TIMESTAMP('2026-01-01 00:00:00') + INTERVAL seq SECOND"
-                    f" FROM seq_1_to_{rows}")
+                    f" FROM `{db}`.seq_1_to_{rows}")
         cur.execute(f"INSERT INTO `{db}`.events SELECT seq, ELT(1 + seq % 3, 'a', 'b', 'c'),"
                     " IF(seq % 4 = 0, NULL, JSON_OBJECT('n', seq, 's', 'ü')), UNHEX(HEX(seq)),"
                     " TIMESTAMP('2026-02-01 00:00:00.123') + INTERVAL seq MINUTE,"
-                    f" ELT(1 + seq % 4, '', 'x', 'x,z', NULL) FROM seq_1_to_{rows // 2}")
+                    f" ELT(1 + seq % 4, '', 'x', 'x,z', NULL) FROM `{db}`.seq_1_to_{rows // 2}")
         cur.execute(f"INSERT INTO `{db}`.`select` SELECT seq, IF(seq % 2, 'drop table', NULL), seq * 1000"
-                    f" FROM seq_1_to_{rows // 4}")
+                    f" FROM `{db}`.seq_1_to_{rows // 4}")
         cur.execute(f"CREATE TABLE `{db}`.pairs (region VARCHAR(16) NOT NULL, n INT NOT NULL,"
                     " amount DECIMAL(10,3) NULL, PRIMARY KEY (region, n))")
         cur.execute(f"INSERT INTO `{db}`.pairs SELECT ELT(1 + seq % 3, 'eu', 'US', 'apac'), seq, seq / 3"
-                    f" FROM seq_1_to_{rows // 2}")
+                    f" FROM `{db}`.seq_1_to_{rows // 2}")
         cur.execute(f"CREATE TABLE `{db}`.empty_one (id INT PRIMARY KEY, v VARCHAR(8))")
     conn.close()
     workload.ids["accounts"] = list(range(1, rows + 1))
@@ -184,7 +184,7 @@ async def test_snapshot_under_writes_survives_kill_9_and_resumes_from_finished_c
         span = Span.of("snap-kill", "snapk", db, "accounts")
         before = await _wait_progress(js, span, lambda p: p.chunks_done >= 3, 180,
                                       "three chunks of accounts copied", [capture, worker])
-        assert before.chunks_total == 24 and before.low_watermark_ts is not None
+        assert before.chunks_total >= 20 and before.low_watermark_ts is not None
         worker.kill()
         at_kill = await _progress(js, span)
         assert at_kill is not None and 3 <= at_kill.chunks_done < at_kill.chunks_total, at_kill
@@ -200,7 +200,7 @@ async def test_snapshot_under_writes_survives_kill_9_and_resumes_from_finished_c
     assert done.runs == 2
     assert done.resumed_chunks >= at_kill.chunks_done
     assert done.low_watermark_ts == before.low_watermark_ts
-    assert done.chunks_done == done.chunks_total == 24
+    assert done.chunks_done == done.chunks_total == before.chunks_total
     assert done.high_watermark_ts is not None and done.high_watermark_ts >= done.low_watermark_ts
     assert done.rows_estimate > 0 and done.rows_copied > 0
     empty = await _wait_progress(js, Span.of("snap-kill", "snapk", db, "empty_one"),
@@ -261,8 +261,8 @@ async def test_snapshot_only_and_binlog_only_from_a_time_and_a_position(
     # The binlog stamps commits in whole seconds: start at the next second boundary, wait for
     # the clock to pass it, then commit the rows that must be streamed.
     start_time = datetime.fromtimestamp(math.ceil(time.time() + 0.5), UTC)
-    while datetime.now(UTC) <= start_time:
-        await asyncio.sleep(0.02)
+    await asyncio.sleep((start_time - datetime.now(UTC)).total_seconds() + 0.05)
+    assert datetime.now(UTC) > start_time
     await asyncio.to_thread(_insert, mariadb, db, range(11, 16))
     sinks = {name: f"sqlite:///{tmp_path / (name + '.db')}" for name in ("only", "time", "pos")}
     await _changefeed(js, "snap-only", "snapm", mariadb, f"{db}.*", sinks["only"], "snapshot-only")
@@ -287,5 +287,13 @@ async def test_snapshot_only_and_binlog_only_from_a_time_and_a_position(
     await asyncio.to_thread(wait_until, lambda: _ids(sinks["pos"], db)[-1:] == [17], 60,
                             "binlog-only keeps streaming")
     assert _ids(sinks["only"], db) == list(range(1, 16))
-    states = {(s["changefeed"], s["table"]): s["state"] for s in (worker.health() or {}).get("spans", [])}
-    assert states.get(("snap-only", "items")) == "done", states
+
+    def state_of(changefeed: str) -> str | None:
+        for s in (worker.health() or {}).get("spans", []):
+            if (s["changefeed"], s["table"]) == (changefeed, "items"):
+                return str(s["state"])
+        return None
+
+    await asyncio.to_thread(wait_until, lambda: state_of("snap-only") == "done", 60,
+                            "the snapshot-only span reported done")
+    assert state_of("from-time") == state_of("from-pos") == "replicating"
