@@ -17,6 +17,8 @@ and write the rows through the sink's idempotent upsert.
 from __future__ import annotations
 
 import datetime as dt
+import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -156,19 +158,11 @@ class CopyJob:
     write_rows: int = 5000
 
 
-def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
-    """Copy one chunk; returns the rows written."""
-    from services.sink_worker.sinks.factory import open_sink
-
-    meta = job.target.meta
-    names = [c.name for c in meta.columns]
-    converters = [_converter(c) for c in meta.columns]
-    key_index = [names.index(k) for k in job.target.key]
+def _read_batches(job: CopyJob, chunk: Chunk, columns: Sequence[str]) -> Iterator[list[tuple[Any, ...]]]:
+    """The chunk's rows in batches of ``job.write_rows``, streamed from one unbuffered query."""
     where, params = range_condition(job.chunk_key, chunk, quote)
-    sql = (f"SELECT {', '.join(quote(n) for n in names)} FROM {table_ref(job.database, job.table)}"
+    sql = (f"SELECT {', '.join(quote(n) for n in columns)} FROM {table_ref(job.database, job.table)}"
            f" WHERE {where}")
-    sink = open_sink(job.sink_url)
-    written = 0
     conn = connect_source(job.source_url, unbuffered=True)
     try:
         with conn.cursor() as cur:
@@ -176,16 +170,65 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
             while True:
                 rows = cur.fetchmany(job.write_rows)
                 if not rows:
-                    break
-                changes = []
-                for raw in rows:
-                    values = [None if v is None else conv(v) for v, conv in zip(raw, converters, strict=True)]
-                    changes.append(Upsert(key=tuple(values[i] for i in key_index),
-                                          row=dict(zip(names, values, strict=True))))
-                sink.apply_partition(job.target, changes)
-                written += len(changes)
+                    return
+                yield rows
     finally:
         conn.close()
+
+
+_DONE = object()
+
+
+def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
+    """Copy one chunk; returns the rows written.
+
+    The source read runs in a second thread, at most two batches ahead of the writes: while
+    one side waits for its server the other works, and memory stays a few batches, whatever
+    the chunk's size."""
+    from services.sink_worker.sinks.factory import open_sink
+
+    meta = job.target.meta
+    names = [c.name for c in meta.columns]
+    converters = [_converter(c) for c in meta.columns]
+    key_index = [names.index(k) for k in job.target.key]
+    # Multi-row statements as large as one write batch (still capped by the sink's statement
+    # size): a fresh table takes big inserts best, and each statement is a round trip.
+    sink = open_sink(job.sink_url, chunk_rows=job.write_rows)
+    ahead: queue.Queue[Any] = queue.Queue(maxsize=2)
+    stop = threading.Event()
+
+    def read() -> None:
+        try:
+            for rows in _read_batches(job, chunk, names):
+                while not stop.is_set():
+                    try:
+                        ahead.put(rows, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ahead.put(_DONE)
+        except BaseException as exc:  # handed to the writer, which raises it
+            ahead.put(exc)
+
+    reader = threading.Thread(target=read, name=f"snapshot-read-{chunk.id}", daemon=True)
+    reader.start()
+    written = 0
+    try:
+        while (rows := ahead.get()) is not _DONE:
+            if isinstance(rows, BaseException):
+                raise rows
+            changes = []
+            for raw in rows:
+                values = [None if v is None else conv(v) for v, conv in zip(raw, converters, strict=True)]
+                changes.append(Upsert(key=tuple(values[i] for i in key_index),
+                                      row=dict(zip(names, values, strict=True))))
+            sink.apply_partition(job.target, changes)
+            written += len(changes)
+    finally:
+        stop.set()
+        reader.join(timeout=30)
     return written
 
 
