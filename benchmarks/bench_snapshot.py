@@ -28,6 +28,7 @@ import argparse
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +78,8 @@ def _snapshot(source: MariaDB, down: MariaDB, args: argparse.Namespace) -> tuple
     assert info is not None
     meta = info.meta()
     span = Span.of("bench", "src", _SCHEMA, _TABLE)
-    target = target_for(span, _SCHEMA, _TABLE, meta, "primary")
     # The copy's target is the sink's table in the `snap` database.
-    target = type(target)(schema="snap", name=_TABLE, meta=meta, key=target.key, unique_keys=target.unique_keys)
+    target = replace(target_for(span, _SCHEMA, _TABLE, meta, "primary"), schema="snap")
     open_sink(sink_url).ensure_table(target)
     job = CopyJob(source_url=source.url, database=_SCHEMA, table=_TABLE, chunk_key=tuple(meta.primary_key),
                   target=target, sink_url=sink_url, write_rows=args.write_rows)
@@ -111,7 +111,8 @@ def _load_data(source: MariaDB, down: MariaDB, tmp: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--chunk-rows", type=int, default=50_000)
     parser.add_argument("--parallelism", type=int, default=4)
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"write_rows {args.write_rows}, {chunks} chunks, spark {args.spark_master})")
             print(f"{'path':<28}{'seconds':>10}{'rows/s':>12}{'vs LOAD DATA':>15}")
             print(f"{'LOAD DATA LOCAL INFILE':<28}{load_s:>10.2f}{load_rate:>12,.0f}{'1.00':>15}")
-            print(f"{'initial load (Spark copy)':<28}{snap_s:>10.2f}{snap_rate:>12,.0f}{snap_rate / load_rate:>15.2f}")
+            ratio = snap_rate / load_rate
+            print(f"{'initial load (Spark copy)':<28}{snap_s:>10.2f}{snap_rate:>12,.0f}{ratio:>15.2f}")
             print("checksums equal: " + str(snap == load))
         finally:
             stop_spark()
