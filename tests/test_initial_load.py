@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
+from pyspark.sql import SparkSession
 
 from contracts.events.changefeeds import ChangefeedSpecV2, InitialLoad, SourceRefV1, TableFilterV1
 from contracts.events.rows import SourcePositionV1
@@ -28,6 +29,9 @@ from libs.localservers.common import wait_until
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.service_process import ServiceProcess
 from libs.streams import SNAPSHOT_BUCKET
+from services.sink_worker.checkpoints import CheckpointStore
+from services.sink_worker.pipeline import Pipeline, SpanConfig
+from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
 from services.sink_worker.snapshot_plan import SnapshotProgress
 from services.sink_worker.span import Span
 from services.sink_worker.verify import ShardRef, verify_target
@@ -141,18 +145,18 @@ def _prefill(source: MariaDB, db: str, workload: RandomWorkload, rows: int) -> N
         cur.execute(f"INSERT INTO `{db}`.events SELECT seq, ELT(1 + seq % 3, 'a', 'b', 'c'),"
                     " IF(seq % 4 = 0, NULL, JSON_OBJECT('n', seq, 's', 'ü')), UNHEX(HEX(seq)),"
                     " TIMESTAMP('2026-02-01 00:00:00.123') + INTERVAL seq MINUTE,"
-                    f" ELT(1 + seq % 4, '', 'x', 'x,z', NULL) FROM `{db}`.seq_1_to_{rows // 2}")
+                    f" ELT(1 + seq % 4, '', 'x', 'x,z', NULL) FROM `{db}`.seq_1_to_{rows // 8}")
         cur.execute(f"INSERT INTO `{db}`.`select` SELECT seq, IF(seq % 2, 'drop table', NULL), seq * 1000"
-                    f" FROM `{db}`.seq_1_to_{rows // 4}")
+                    f" FROM `{db}`.seq_1_to_{rows // 16}")
         cur.execute(f"CREATE TABLE `{db}`.pairs (region VARCHAR(16) NOT NULL, n INT NOT NULL,"
                     " amount DECIMAL(10,3) NULL, PRIMARY KEY (region, n))")
         cur.execute(f"INSERT INTO `{db}`.pairs SELECT ELT(1 + seq % 3, 'eu', 'US', 'apac'), seq, seq / 3"
-                    f" FROM `{db}`.seq_1_to_{rows // 2}")
+                    f" FROM `{db}`.seq_1_to_{rows // 8}")
         cur.execute(f"CREATE TABLE `{db}`.empty_one (id INT PRIMARY KEY, v VARCHAR(8))")
     conn.close()
     workload.ids["accounts"] = list(range(1, rows + 1))
-    workload.ids["events"] = list(range(1, rows // 2 + 1))
-    workload.ids["select"] = list(range(1, rows // 4 + 1))
+    workload.ids["events"] = list(range(1, rows // 8 + 1))
+    workload.ids["select"] = list(range(1, rows // 16 + 1))
     workload.next_id = rows + 1
 
 
@@ -163,7 +167,7 @@ async def test_snapshot_under_writes_survives_kill_9_and_resumes_from_finished_c
     db = "snap_kill"
     workload = RandomWorkload(mariadb.connect(), db, seed=8)
     workload.create_tables()
-    await asyncio.to_thread(_prefill, mariadb, db, workload, 12_000)
+    await asyncio.to_thread(_prefill, mariadb, db, workload, 4_000)
     tables = ["accounts", "events", "select", "pairs", "empty_one"]
     sink = f"sqlite:///{tmp_path / 'down.db'}"
     logs = tmp_path / "logs"
@@ -172,8 +176,8 @@ async def test_snapshot_under_writes_survives_kill_9_and_resumes_from_finished_c
     capture.wait_healthy(60)
     # Small chunks, one at a time: the copy of `accounts` takes many waves, so the kill lands
     # in the middle of it.
-    chunking = {"SLUICE_SNAPSHOT_CHUNK_ROWS": "500", "SLUICE_SNAPSHOT_PARALLELISM": "1",
-                "SLUICE_SNAPSHOT_WRITE_ROWS": "200"}
+    chunking = {"SLUICE_SNAPSHOT_CHUNK_ROWS": "250", "SLUICE_SNAPSHOT_PARALLELISM": "2",
+                "SLUICE_SNAPSHOT_WRITE_ROWS": "100"}
     await _changefeed(js, "snap-kill", "snapk", mariadb, f"{db}.*", sink, "snapshot")
     worker = _worker(service_env, logs, "worker-snapk", **chunking)
     processes.append(worker)
@@ -182,12 +186,12 @@ async def test_snapshot_under_writes_survives_kill_9_and_resumes_from_finished_c
     thread = run_in_thread(workload, stop, txn_size=6, pause_s=0.02)
     try:
         span = Span.of("snap-kill", "snapk", db, "accounts")
-        before = await _wait_progress(js, span, lambda p: p.chunks_done >= 3, 180,
-                                      "three chunks of accounts copied", [capture, worker])
-        assert before.chunks_total >= 20 and before.low_watermark_ts is not None
+        before = await _wait_progress(js, span, lambda p: p.chunks_done >= 2, 180,
+                                      "a wave of accounts chunks copied", [capture, worker])
+        assert before.chunks_total >= 12 and before.low_watermark_ts is not None
         worker.kill()
         at_kill = await _progress(js, span)
-        assert at_kill is not None and 3 <= at_kill.chunks_done < at_kill.chunks_total, at_kill
+        assert at_kill is not None and 2 <= at_kill.chunks_done < at_kill.chunks_total, at_kill
         worker = _worker(service_env, logs, "worker-snapk", **chunking)
         processes.append(worker)
         done = await _wait_progress(js, span, lambda p: p.state == "done", 240,
@@ -297,3 +301,70 @@ async def test_snapshot_only_and_binlog_only_from_a_time_and_a_position(
     await asyncio.to_thread(wait_until, lambda: state_of("snap-only") == "done", 60,
                             "the snapshot-only span reported done")
     assert state_of("from-time") == state_of("from-pos") == "replicating"
+
+
+async def test_a_span_moved_mid_copy_hands_over_and_the_next_owner_resumes(
+    js: JetStreamContext, service_env: dict[str, str], tmp_path: Path, mariadb: MariaDB,
+    spark: SparkSession, processes: list[ServiceProcess],
+) -> None:
+    """Two pipelines in one process stand for two workers (the control plane's stop on the old
+    member, then the new member runs the span): the old one stops mid-copy, its copy job has
+    ended when ``stop_span`` returns, and the new one copies only the chunks not done."""
+    db = "snap_move"
+    conn = mariadb.connect()
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE DATABASE `{db}`")
+        cur.execute(f"CREATE TABLE `{db}`.items (id INT PRIMARY KEY, v VARCHAR(16))")
+        cur.execute(f"INSERT INTO `{db}`.items SELECT seq, CONCAT('v', seq) FROM `{db}`.seq_1_to_1500")
+    capture = _capture(service_env, tmp_path / "logs", mariadb, "snapmv", db)
+    processes.append(capture)
+    capture.wait_healthy(60)
+    sink = f"sqlite:///{tmp_path / 'down.db'}"
+    span = Span.of("snap-move", "snapmv", db, "items")
+    config = SpanConfig(sink_url=sink, initial_load="snapshot", source_url=mariadb.url)
+    options = SnapshotOptions(chunk_rows=150, parallelism=1, write_rows=50, retry_s=1.0)
+
+    def pipeline(worker: str) -> Pipeline:
+        loads = InitialLoads(js, lambda: spark, options, worker_id=worker)
+        return Pipeline(js, checkpoints, lambda: spark, initial_loads=loads)
+
+    checkpoints = await CheckpointStore(js).open()
+    old = pipeline("old")
+    await old.set_spans({span: config})
+    await old.round()  # starts the copy in the background
+    assert old.spans[span].state == "snapshot"
+    moved = await _wait_progress(js, span, lambda p: p.chunks_done >= 2, 120, "two chunks copied", [capture])
+    assert moved.state == "copying"
+    with conn.cursor() as cur:  # changes during the copy, before and after the move
+        cur.execute(f"UPDATE `{db}`.items SET v = 'changed' WHERE id % 97 = 0")
+        cur.execute(f"DELETE FROM `{db}`.items WHERE id % 89 = 0")
+    assert await old.stop_span(span) is None  # no checkpoint yet: it was copying
+    assert old.initial_loads is not None and not old.initial_loads.copying(span)
+    at_stop = await _progress(js, span)
+    assert at_stop is not None and at_stop.state == "copying" and at_stop.chunks_done < at_stop.chunks_total
+    assert await checkpoints.get(span) is None
+
+    new = pipeline("new")
+    await new.set_spans({span: config})
+    with conn.cursor() as cur:
+        cur.execute(f"INSERT INTO `{db}`.items VALUES (5000, 'late'), (5001, 'later')")
+    deadline = time.monotonic() + 180
+    while new.spans[span].state != "replicating" and time.monotonic() < deadline:
+        await new.round()
+        await asyncio.sleep(0.2)
+    done = await _progress(js, span)
+    assert done is not None and done.state == "done", done
+    assert done.runs == 2 and done.worker == "new"
+    assert done.resumed_chunks >= at_stop.chunks_done
+    assert done.low_watermark_ts == at_stop.low_watermark_ts
+    stored = await checkpoints.get(span)
+    assert stored is not None and stored.ts >= done.low_watermark_ts  # streaming started there
+    while _equal(mariadb, db, ["items"], sink) is not None and time.monotonic() < deadline:
+        await new.round()
+        await asyncio.sleep(0.2)
+    assert _equal(mariadb, db, ["items"], sink) is None
+    after = await checkpoints.get(span)
+    assert after is not None and after.covers(stored)
+    await new.close()
+    await old.close()
+    conn.close()
