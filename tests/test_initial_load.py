@@ -183,7 +183,7 @@ async def test_snapshot_under_writes_survives_kill_9_and_resumes_from_finished_c
     processes.append(worker)
 
     stop = threading.Event()
-    thread = run_in_thread(workload, stop, txn_size=6, pause_s=0.02)
+    thread = run_in_thread(workload, stop, txn_size=4, pause_s=0.1)
     try:
         span = Span.of("snap-kill", "snapk", db, "accounts")
         before = await _wait_progress(js, span, lambda p: p.chunks_done >= 2, 180,

@@ -135,7 +135,6 @@ class LocalSystem:
             sources=[SourceRefV1(id=self.source_id(i), url=db.url) for i, db in enumerate(self.source_dbs)],
             filter=TableFilterV1(include=include),
             sink_url=self.sink_url,
-            initial_load="binlog-only",
         )
 
     async def create_changefeed(self, spec: ChangefeedSpecV2, requested_by: str = "demo") -> int:
