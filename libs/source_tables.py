@@ -58,6 +58,7 @@ async def source_tables(url: str) -> list[tuple[str, str]]:
     except Exception as exc:
         log.warning("cannot list the source's tables", extra={"source": parse_database_url(url).redacted(),
                                                               "error": repr(exc)})
-        return hit[1] if hit is not None else []
+        tables = hit[1] if hit is not None else []
+    # Failures are cached too: an unreachable source is asked again after the same pause.
     _cache[url] = (now, tables)
     return tables
