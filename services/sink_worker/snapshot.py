@@ -182,7 +182,10 @@ class InitialLoads:
         if task is not None and not task.done():
             return "copying", None
         if task is not None:
+            # Ended without "done" in the record: it failed (already logged and recorded).
             self._tasks.pop(req.span)
+            if not task.cancelled():
+                task.exception()
             self._failed_at[req.span] = time.monotonic()
         failed = self._failed_at.get(req.span)
         if failed is None or time.monotonic() - failed >= self.options.retry_s:
