@@ -116,6 +116,7 @@ async def main_async(args: argparse.Namespace) -> None:
     system = LocalSystem(
         base_dir=base, sources=1, control_replicas=2, workers=3, with_api=False,
         control_services=("member", "scheduler", "replication_manager"), standalone_workers=False,
+        initial_load="binlog-only",
         worker_env={"SLUICE_SPARK_MASTER": "local[1]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
                     "SLUICE_SPARK_DRIVER_MEMORY": "512m", "SLUICE_SINK_APPLY_PARTITIONS": "2",
                     "SLUICE_SINK_WRITER_LOG": str(writer_log)},

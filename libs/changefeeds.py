@@ -21,6 +21,7 @@ from contracts.events.changefeeds import (
     TableFilterV1,
 )
 from libs.eventstore import EventStore
+from libs.source_tables import source_tables
 from libs.streams import ROWS_STREAM, domain_events_subject, domain_stream, domain_subjects, token
 
 DOMAIN = "changefeeds"
@@ -103,7 +104,8 @@ async def discover_spans(js: JetStreamContext, specs: list[ChangefeedSpecV2],
     """The spans of ``specs``: the tables that have row or DDL subjects in the ROWS stream for
     the changefeed's sources (``stream_info`` with a subject filter) and match its table filter
     (matched on the subject tokens, which equal the names unless a name holds characters a
-    subject token cannot)."""
+    subject token cannot). A changefeed that copies tables first (``initial_load`` other than
+    binlog-only) also gets every table its sources hold now, changed or not."""
     found = Discovered({})
     subjects_by_source: dict[str, list[str]] = {}
     for spec in specs:
@@ -124,4 +126,8 @@ async def discover_spans(js: JetStreamContext, specs: list[ChangefeedSpecV2],
                 database, table = parts[3], parts[4]
                 if table_selected(spec.filter, database, table):
                     found.spans[(spec.id, src, database, table)] = spec
+            if spec.initial_load != "binlog-only":
+                for database, table in await source_tables(source.url):
+                    if table_selected(spec.filter, database, table):
+                        found.spans[(spec.id, src, token(database), token(table))] = spec
     return found

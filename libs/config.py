@@ -109,6 +109,21 @@ class Settings(BaseSettings):
     shard_ddl_info_resend_s: float = Field(
         5.0, gt=0, description="sink-worker: a span blocked at a shard DDL re-sends its Info this often "
                                "while no operation came.")
+    # Initial load (snapshot) of a changefeed's tables
+    snapshot_chunk_rows: int = Field(
+        50_000, ge=1, description="Rows per primary-key chunk of an initial load (the unit of resume)."
+    )
+    snapshot_parallelism: int = Field(
+        4, ge=1,
+        description="Chunks an initial load copies at once (one Spark job and progress write per wave).",
+    )
+    snapshot_write_rows: int = Field(
+        5000, ge=1, description="Rows per write transaction of an initial load (bounds executor memory)."
+    )
+    snapshot_watermark_timeout_s: float = Field(
+        60.0, gt=0, description="How long an initial load waits for a resolved mark of its source."
+    )
+    snapshot_retry_s: float = Field(10.0, gt=0, description="Pause before a failed initial load runs again.")
 
     # Databases
     downstream_url: str = Field(

@@ -133,6 +133,7 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
     system = LocalSystem(
         base_dir=base, sources=1, control_replicas=2, workers=3, lease_ttl_s=2.0, with_api=False,
         control_services=("member", "scheduler", "replication_manager"), standalone_workers=False,
+        initial_load="binlog-only",  # scheduling of streaming spans (the initial load: test_initial_load)
         # Snapshots every 20 events: every leader change here rebuilds from a snapshot plus a tail.
         control_env={"SLUICE_SCHEDULER_BALANCE_INTERVAL_S": "2", "SLUICE_REPLICATION_TICK_S": "1",
                      "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S), "SLUICE_CONTROL_SNAPSHOT_EVERY": "20"},

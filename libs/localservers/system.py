@@ -11,7 +11,7 @@ from typing import Literal
 
 import nats
 
-from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1
+from contracts.events.changefeeds import ChangefeedSpecV2, InitialLoad, SourceRefV1, TableFilterV1
 from libs.changefeeds import record_changefeed
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
@@ -36,6 +36,8 @@ class LocalSystem:
     capture_start: Literal["earliest", "current"] = "current"
     control_services: tuple[str, ...] = CONTROL_SERVICES
     standalone_workers: bool = True
+    initial_load: InitialLoad = "snapshot"
+    """How the changefeeds of ``changefeed_spec`` start (the demo copies its tables first)."""
     """Workers run every span themselves (``SLUICE_SINK_STANDALONE``); False: the control
     plane (member, scheduler, replication-manager) distributes the spans over them."""
     worker_env: dict[str, str] = field(default_factory=dict)
@@ -135,7 +137,7 @@ class LocalSystem:
             sources=[SourceRefV1(id=self.source_id(i), url=db.url) for i, db in enumerate(self.source_dbs)],
             filter=TableFilterV1(include=include),
             sink_url=self.sink_url,
-            initial_load="binlog-only",
+            initial_load=self.initial_load,
         )
 
     async def create_changefeed(self, spec: ChangefeedSpecV2, requested_by: str = "demo") -> int:

@@ -90,11 +90,11 @@ def sink_span(span: SchedSpan) -> Span:
     return Span(span.changefeed, span.source, span.database, span.table)
 
 
-def config_of(view: ChangefeedView, changefeed: str) -> SpanConfig | None:
+def config_of(view: ChangefeedView, changefeed: str, source: str = "") -> SpanConfig | None:
     spec = view.specs.get(changefeed)
     if spec is None:
         return None
-    return SpanConfig.of(spec)
+    return SpanConfig.of(spec, source)
 
 
 async def current_epoch(js: JetStreamContext, key: str = _RM_LEASE_KEY) -> int:
@@ -324,7 +324,8 @@ class SinkAgent:
                 continue
             s = sink_span(span)
             running = pipeline.spans.get(s)
-            config = config_of(view, span.changefeed) or (running.config if running is not None else None)
+            config = (config_of(view, span.changefeed, span.source)
+                      or (running.config if running is not None else None))
             if config is not None:
                 wanted[s] = config
         return wanted
@@ -341,7 +342,7 @@ class SinkAgent:
             return
         for span, table in self.state.tables.items():
             if table.state is TableState.PREPARING and span not in self._preparing:
-                config = config_of(self._view, span.changefeed)
+                config = config_of(self._view, span.changefeed, span.source)
                 if config is None:
                     continue  # the changefeed is not folded yet; tried again between rounds
                 self._preparing[span] = asyncio.create_task(self._prepare(self._pipeline, span, config),

@@ -40,3 +40,17 @@ def lag_seconds(ts: int, now: float | None = None) -> float:
     if ts <= 0:
         return 0.0
     return max(0.0, (time.time() if now is None else now) - ts_to_seconds(ts))
+
+# Initial load (services/sink_worker/snapshot.py).
+SNAPSHOT_ROWS = Counter("sluice_snapshot_rows_copied", "Rows an initial load copied downstream.",
+                        ["changefeed"])
+SNAPSHOT_ROWS_COPIED = Gauge("sluice_snapshot_span_rows_copied",
+                             "Rows copied so far by a span's initial load.", ["changefeed", "span"])
+SNAPSHOT_ROWS_ESTIMATE = Gauge("sluice_snapshot_span_rows_estimate",
+                               "The source's row estimate of a span's table when its copy was planned.",
+                               ["changefeed", "span"])
+SNAPSHOT_CHUNKS_DONE = Gauge("sluice_snapshot_span_chunks_done",
+                             "Key-range chunks of a span's initial load copied in full.",
+                             ["changefeed", "span"])
+SNAPSHOT_FAILURES = Counter("sluice_snapshot_failures", "Initial-load runs that failed (retried later).",
+                            ["changefeed"])

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any, Literal
 from uuid import uuid4
 
@@ -36,13 +37,13 @@ from opentelemetry import trace
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from contracts.events.changefeeds import ChangefeedSpecV2, KeyPolicy
-from contracts.events.rows import DdlExecutedV1, RowsChangedV1, TableMetaV1
+from contracts.events.changefeeds import ChangefeedSpecV2, InitialLoad, KeyPolicy
+from contracts.events.rows import DdlExecutedV1, RowsChangedV1, SourcePositionV1, TableMetaV1
 from libs.config import Settings
 from libs.dburl import parse_database_url
 from libs.gc_pause import gc_paused
 from libs.routing import Router, Target, router_for
-from libs.streams import ROWS_STREAM
+from libs.streams import ROWS_STREAM, token
 from libs.telemetry.tracing import extract_context, tracer
 from services.sink_worker import metrics as m
 from services.sink_worker.apply_job import ApplyResult, TargetPlan, run_apply
@@ -56,12 +57,15 @@ from services.sink_worker.pull import PulledEvent, PullResult, SpanReader, lates
 from services.sink_worker.shard_ddl import ShardDdl, execute_on_target, lock_ref, rewritten
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.factory import open_sink
+from services.sink_worker.snapshot import InitialLoads, SnapshotRequest, snapshot_mode
 from services.sink_worker.sort_job import SortResult, SpanCut, SpanInput, event_records, run_sort
 from services.sink_worker.span import KeylessTableError, Span, route_of, shard_ref, target_for
+from services.sink_worker.start_point import start_at_position, start_at_time
 
 log = logging.getLogger(__name__)
 
-SpanState = Literal["starting", "replicating", "refused", "blocked", "error"]
+SpanState = Literal["starting", "snapshot", "replicating", "done", "refused", "blocked", "error"]
+"""``snapshot``: its initial load is copying; ``done``: a snapshot-only span whose copy is done."""
 
 
 @dataclass(frozen=True)
@@ -92,11 +96,19 @@ class SpanConfig:
     start: Literal["earliest", "latest"] = "earliest"
     router: Router | None = None
     """The changefeed's routes, filter and origin column (None: every table to itself)."""
+    initial_load: InitialLoad = "binlog-only"
+    source_url: str = ""
+    start_time: datetime | None = None
+    start_position: SourcePositionV1 | None = None
 
     @classmethod
-    def of(cls, spec: ChangefeedSpecV2) -> SpanConfig:
+    def of(cls, spec: ChangefeedSpecV2, source: str) -> SpanConfig:
+        """The config of ``spec``'s spans on ``source`` (a subject token)."""
+        ref = next((s for s in spec.sources if token(s.id) == source), None)
         return cls(sink_url=spec.sink_url, key_policy=spec.key_policy, start=spec.start,
-                   router=router_for(spec))
+                   router=router_for(spec), initial_load=spec.initial_load,
+                   source_url=ref.url if ref is not None else "", start_time=spec.start_time,
+                   start_position=spec.start_position.get(ref.id) if ref is not None else None)
 
 
 @dataclass
@@ -214,9 +226,11 @@ def _missing_key_columns(event: RowsChangedV1, key: tuple[str, ...]) -> str | No
 class Pipeline:
     def __init__(self, js: JetStreamContext, checkpoints: CheckpointStore,
                  spark: Callable[[], SparkSession], options: PipelineOptions | None = None,
-                 rows_stream: str = ROWS_STREAM) -> None:
+                 rows_stream: str = ROWS_STREAM, initial_loads: InitialLoads | None = None) -> None:
         self.js = js
         self.checkpoints = checkpoints
+        self.initial_loads = initial_loads
+        """Runs the initial loads of spans in a snapshot mode (None: every span streams only)."""
         self._spark = spark
         self.options = options or PipelineOptions()
         self.rows_stream = rows_stream
@@ -251,6 +265,8 @@ class Pipeline:
         the previous owner went on writing while it prepared."""
         for span in [s for s in self.spans if s not in wanted]:
             await self.spans.pop(span).reader.close()
+            if self.initial_loads is not None:
+                await self.initial_loads.stop(span)
             self._forget_gauges(span)
         for span, config in wanted.items():
             rt = self.spans.get(span)
@@ -291,6 +307,8 @@ class Pipeline:
                 gauge.remove(span.changefeed, span.name)
 
     async def close(self) -> None:
+        if self.initial_loads is not None:
+            await self.initial_loads.close()
         for rt in [*self.spans.values(), *self.prepared.values()]:
             await rt.reader.close()
         self.prepared.clear()
@@ -312,6 +330,10 @@ class Pipeline:
             rt = self.prepared[span] = SpanRuntime(span, config, SpanReader(self.js, span, self.rows_stream))
         rt.config = config
         start = await self.checkpoints.get(span)
+        if start is None and self.initial_loads is not None and snapshot_mode(config.initial_load):
+            # Its initial load runs once it is committed here; nothing to read ahead before.
+            rt.checkpoint = Checkpoint()
+            return rt.checkpoint
         mark = await latest_resolved(self.js, span.source, self.rows_stream)
         if start is None:
             if config.start == "latest" and mark is not None:
@@ -346,6 +368,8 @@ class Pipeline:
         there. A checkpoint that cannot be stored is not returned (the next owner re-applies
         from the stored one, which is idempotent)."""
         rt = self.spans.pop(span, None)
+        if self.initial_loads is not None:
+            await self.initial_loads.stop(span)  # its finished chunks stay for the next owner
         if rt is None:
             return None
         final = rt.stored
@@ -361,13 +385,34 @@ class Pipeline:
         return final
 
     def status(self) -> list[dict[str, Any]]:
-        return [rt.status() for rt in sorted(self.spans.values(), key=lambda r: r.span)]
+        out = []
+        for rt in sorted(self.spans.values(), key=lambda r: r.span):
+            status = rt.status()
+            snapshot = self.initial_loads.status(rt.span) if self.initial_loads is not None else None
+            if snapshot is not None:
+                status["snapshot"] = snapshot
+            out.append(status)
+        return out
 
     async def _load(self, rt: SpanRuntime) -> None:
         stored = await self.checkpoints.get(rt.span)
         rt.stored = stored
+        mode = snapshot_mode(rt.config.initial_load) if self.initial_loads is not None else None
+        if mode is not None and (stored is None or mode == "snapshot-only"):
+            await self._initial_load(rt, mode, stored)
+            return
         if stored is not None:
             rt.checkpoint = stored
+            return
+        if rt.config.start_position is not None or rt.config.start_time is not None:
+            if rt.config.start_position is not None:
+                initial = await start_at_position(self.js, rt.span, rt.config.start_position,
+                                                  self.rows_stream)
+            else:
+                assert rt.config.start_time is not None
+                initial = await start_at_time(self.js, rt.span, rt.config.start_time, self.rows_stream)
+            await self.checkpoints.advance(rt.span, initial, expected=None)
+            rt.stored = rt.checkpoint = initial
             return
         if rt.config.start == "latest":
             # Start after the newest resolved mark: capture publishes a mark once everything
@@ -379,6 +424,24 @@ class Pipeline:
             rt.checkpoint = initial
             return
         rt.checkpoint = Checkpoint()
+
+    async def _initial_load(self, rt: SpanRuntime, mode: Literal["snapshot", "snapshot-only"],
+                            stored: Checkpoint | None) -> None:
+        """The span copies first (``services.sink_worker.snapshot``): no checkpoint while it
+        copies, then one at the copy's low watermark, where streaming starts."""
+        assert self.initial_loads is not None
+        decision, start = await self.initial_loads.decide(SnapshotRequest(
+            rt.span, rt.config.source_url, rt.config.sink_url, rt.config.key_policy, mode, rt.shards))
+        if decision == "copying":
+            rt.checkpoint = None
+            rt.state = "snapshot"
+            return
+        assert start is not None
+        if stored is None:
+            await self.checkpoints.advance(rt.span, start, expected=None)
+            stored = start
+        rt.stored = rt.checkpoint = stored
+        rt.state = "done" if decision == "done" else "replicating"
 
     # ------------------------------------------------------------------ round
 
@@ -454,7 +517,8 @@ class Pipeline:
         limit = max(1, self.options.max_events_per_round // len(runtimes))
         works: list[_Work] = []
         for rt in runtimes:
-            assert rt.checkpoint is not None
+            if rt.checkpoint is None or rt.state in ("snapshot", "done"):
+                continue  # copying (or copied, snapshot-only): nothing to stream
             start = rt.checkpoint
             mark = marks.get(rt.span.source)
             try:
@@ -871,7 +935,8 @@ class Pipeline:
                     await self._store(rt, rt.checkpoint)
 
     def _count_states(self) -> None:
-        counts: dict[str, int] = {s: 0 for s in ("starting", "replicating", "refused", "blocked", "error")}
+        counts: dict[str, int] = {s: 0 for s in ("starting", "snapshot", "replicating", "done", "refused",
+                                                 "blocked", "error")}
         for rt in self.spans.values():
             counts[rt.state] += 1
         for state, n in counts.items():

@@ -47,6 +47,7 @@ from services.sink_worker.agent import SinkAgent
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
 from services.sink_worker.shard_ddl import ShardDdl
+from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
 from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,13 @@ class SinkWorker:
             agent.status_sink = self.status
         self._spark_warming: asyncio.Task[SparkSession] | None = None
         self.checkpoints = CheckpointStore(js, checkpoint_bucket, replicas=settings.stream_replicas)
+        # Spans of a changefeed in a snapshot mode copy their table before they stream.
+        self.initial_loads = InitialLoads(js, self._spark, SnapshotOptions.from_settings(settings),
+                                          rows_stream=rows_stream, worker_id=settings.instance_id,
+                                          replicas=settings.stream_replicas)
         self.pipeline = Pipeline(js, self.checkpoints, self._spark,
-                                 pipeline_options or PipelineOptions.from_settings(settings), rows_stream)
+                                 pipeline_options or PipelineOptions.from_settings(settings), rows_stream,
+                                 initial_loads=self.initial_loads)
         self.shard_ddl = shard_ddl
         if shard_ddl is not None:
             shard_ddl.specs = self.view.running
@@ -311,7 +317,7 @@ class SinkWorker:
         """The spans of every running changefeed, from the ROWS stream's subjects."""
         found = await discover_spans(self.js, self.view.running(), self.rows_stream)
         self.rows_stream_missing = found.rows_stream_missing
-        wanted = {Span(*key): SpanConfig.of(spec) for key, spec in found.spans.items()}
+        wanted = {Span(*key): SpanConfig.of(spec, key[1]) for key, spec in found.spans.items()}
         await self.pipeline.set_spans(wanted)
         return wanted
 

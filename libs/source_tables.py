@@ -1,0 +1,64 @@
+"""The tables a source server holds now (information_schema), for changefeeds that copy tables
+before streaming them: such a table is a span even before any change of it reaches the ROWS
+stream (a table nobody writes would otherwise never be copied)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import pymysql
+
+from libs.dburl import parse_database_url
+
+log = logging.getLogger(__name__)
+
+_SYSTEM = ("mysql", "information_schema", "performance_schema", "sys")
+_CACHE_S = 10.0
+_cache: dict[str, tuple[float, list[tuple[str, str]]]] = {}
+
+
+def list_tables(url: str) -> list[tuple[str, str]]:
+    """``(database, table)`` of every base table of the source (only the URL's database when it
+    names one), system schemas left out."""
+    db = parse_database_url(url)
+    params: dict[str, Any] = {"host": db.host, "port": db.port, "user": db.user or "root",
+                                 "password": db.password, "charset": "utf8mb4", "connect_timeout": 5,
+                                 "read_timeout": 30}
+    socket = db.option("unix_socket")
+    if socket:
+        params["unix_socket"] = socket
+    conn = pymysql.connect(**params)
+    try:
+        with conn.cursor() as cur:
+            marks = ", ".join(["%s"] * len(_SYSTEM))
+            sql = ("SELECT TABLE_SCHEMA, TABLE_NAME FROM information_schema.TABLES"
+                   f" WHERE TABLE_TYPE = 'BASE TABLE' AND TABLE_SCHEMA NOT IN ({marks})")
+            args: list[str] = list(_SYSTEM)
+            if db.database:
+                sql += " AND TABLE_SCHEMA = %s"
+                args.append(db.database)
+            cur.execute(sql, args)
+            return sorted((str(d), str(t)) for d, t in cur.fetchall())
+    finally:
+        conn.close()
+
+
+async def source_tables(url: str) -> list[tuple[str, str]]:
+    """``list_tables`` off the event loop, cached for a few seconds (discovery runs every few
+    seconds on every worker and scheduler); an unreachable source lists nothing and says so."""
+    now = time.monotonic()
+    hit = _cache.get(url)
+    if hit is not None and now - hit[0] < _CACHE_S:
+        return hit[1]
+    try:
+        tables = await asyncio.to_thread(list_tables, url)
+    except Exception as exc:
+        log.warning("cannot list the source's tables", extra={"source": parse_database_url(url).redacted(),
+                                                              "error": repr(exc)})
+        tables = hit[1] if hit is not None else []
+    # Failures are cached too: an unreachable source is asked again after the same pause.
+    _cache[url] = (now, tables)
+    return tables

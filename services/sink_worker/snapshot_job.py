@@ -1,0 +1,249 @@
+"""The bulk copy of an initial load (Spark): read a table in primary-key chunks, in parallel,
+and write the rows through the sink's idempotent upsert.
+
+- Planning (driver, ``plan_chunks``): an integer key spread evenly over its range is split by
+  its min/max; any other key (composite, strings, sparse integers) by walking the key index,
+  one ``ORDER BY key LIMIT 1 OFFSET chunk_rows-1`` per boundary, which makes every chunk
+  exactly ``chunk_rows`` rows (at planning time) whatever the key distribution. A table
+  without a usable key is one chunk.
+- Copy (executors, ``copy_partition``): one Spark task per chunk. It reads the chunk with one
+  unbuffered query (pymysql ``SSCursor``: rows stream from the server, memory holds one write
+  batch, not the chunk or the table), turns each batch into ``Upsert`` changes with the same
+  value decoding as the stream's apply job, and writes it with ``Sink.apply_partition``, the
+  stream's write path (delete by unique-key conflict, then insert-or-update by key). No lock
+  is held on the source beyond that query's own consistent read.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from functools import partial
+from typing import Any
+
+import pymysql
+import pymysql.cursors
+from pyspark.sql import SparkSession
+
+from contracts.events.rows import ColumnV1, TableMetaV1
+from libs.dburl import parse_database_url
+from services.capture.values import encode_value
+from services.sink_worker.sinks.base import TargetTable, Upsert
+from services.sink_worker.snapshot_plan import (
+    Chunk,
+    KeyValues,
+    chunks_from_boundaries,
+    even_int_boundaries,
+    evenly_spread,
+    key_after,
+    range_condition,
+)
+from services.sink_worker.values import decode_value
+
+
+def connect_source(url: str, *, unbuffered: bool = False) -> Any:
+    """A source connection; UTC, so TIMESTAMP values read here match the binlog's (UTC)."""
+    db = parse_database_url(url)
+    params: dict[str, Any] = {
+        "host": db.host, "port": db.port, "user": db.user or "root", "password": db.password,
+        "charset": "utf8mb4", "autocommit": True, "connect_timeout": 10,
+        "init_command": "SET time_zone = '+00:00'",
+    }
+    socket = db.option("unix_socket")
+    if socket:
+        params["unix_socket"] = socket
+    if unbuffered:
+        params["cursorclass"] = pymysql.cursors.SSCursor
+    return pymysql.connect(**params)
+
+
+def quote(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+def table_ref(database: str, table: str) -> str:
+    return f"{quote(database)}.{quote(table)}"
+
+
+def estimate_rows(conn: Any, database: str, table: str) -> int:
+    """InnoDB's estimate (statistics, no scan); a progress figure, not a count."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT TABLE_ROWS FROM information_schema.TABLES"
+                    " WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s", (database, table))
+        row = cur.fetchone()
+    return int(row[0] or 0) if row else 0
+
+
+def plan_chunks(conn: Any, database: str, table: str, key: Sequence[str], meta: TableMetaV1,
+                chunk_rows: int, estimate: int) -> list[Chunk]:
+    """The chunks of a table (see the module doc)."""
+    if not key:
+        return chunks_from_boundaries([])
+    ref = table_ref(database, table)
+    kinds = {c.name: c.kind for c in meta.columns}
+    cols = ", ".join(quote(c) for c in key)
+    with conn.cursor() as cur:
+        if len(key) == 1 and kinds.get(key[0]) == "int":
+            cur.execute(f"SELECT MIN({cols}), MAX({cols}), COUNT(*) FROM {ref}")
+            low, high, count = cur.fetchone()
+            if low is None:
+                return chunks_from_boundaries([])
+            if evenly_spread(int(low), int(high), int(count)):
+                return chunks_from_boundaries(even_int_boundaries(int(low), int(high), int(count),
+                                                                  chunk_rows))
+        boundaries: list[KeyValues] = []
+        order = ", ".join(quote(c) for c in key)
+        while True:
+            params: list[Any] = []
+            where = f"WHERE {key_after(key, quote, boundaries[-1], params)}" if boundaries else ""
+            cur.execute(f"SELECT {cols} FROM {ref} {where} ORDER BY {order} LIMIT 1 OFFSET %s",
+                        [*params, max(0, chunk_rows - 1)])
+            row = cur.fetchone()
+            if row is None:
+                break
+            boundaries.append(tuple(row))
+    return chunks_from_boundaries(boundaries)
+
+
+def encode_key(meta: TableMetaV1, key: Sequence[str]) -> Callable[[KeyValues], list[Any]]:
+    """Key values read from the source to their contract JSON (for the progress record)."""
+    kinds = {c.name: c.kind for c in meta.columns}
+    return lambda values: [encode_value(kinds[c], v) for c, v in zip(key, values, strict=True)]
+
+
+def decode_key(meta: TableMetaV1, key: Sequence[str]) -> Callable[[list[Any]], KeyValues]:
+    """Key values from the progress record to Python values a source query binds."""
+    columns = {c.name: c for c in meta.columns}
+    return lambda values: tuple(decode_value(columns[c].kind, columns[c].sql_type, v)
+                                for c, v in zip(key, values, strict=True))
+
+
+# Kinds pymysql already returns as the Python value the sinks take (what ``values.decode_value``
+# makes of the contract JSON); other kinds (set, time, json, bit) and unexpected types go the
+# stream's way: capture's encoding, then the sink's decoding, so both paths write the same.
+_AS_READ: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (float,), "decimal": (Decimal,), "string": (str,), "bytes": (bytes,),
+    "date": (dt.date,), "datetime": (dt.datetime,), "timestamp": (dt.datetime,),
+}
+
+
+def _converter(column: ColumnV1) -> Callable[[Any], Any]:
+    kind, sql_type = column.kind, column.sql_type
+    direct = _AS_READ.get(kind, ())
+
+    def via_contract(v: Any) -> Any:
+        return decode_value(kind, sql_type, encode_value(kind, v))
+
+    if not direct:
+        return via_contract
+    if kind == "date":
+        return lambda v: v if type(v) is dt.date else via_contract(v)
+    return lambda v: v if type(v) in direct else via_contract(v)
+
+
+@dataclass(frozen=True)
+class CopyJob:
+    """What every copy task needs (pickled to the executors: URLs, names, metadata; no sockets)."""
+
+    source_url: str
+    database: str
+    table: str
+    chunk_key: tuple[str, ...]
+    target: TargetTable
+    sink_url: str
+    write_rows: int = 5000
+
+
+def _read_batches(job: CopyJob, chunk: Chunk, columns: Sequence[str]) -> Iterator[list[tuple[Any, ...]]]:
+    """The chunk's rows in batches of ``job.write_rows``, streamed from one unbuffered query."""
+    where, params = range_condition(job.chunk_key, chunk, quote)
+    sql = (f"SELECT {', '.join(quote(n) for n in columns)} FROM {table_ref(job.database, job.table)}"
+           f" WHERE {where}")
+    conn = connect_source(job.source_url, unbuffered=True)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql, params)
+            while True:
+                rows = cur.fetchmany(job.write_rows)
+                if not rows:
+                    return
+                yield rows
+    finally:
+        conn.close()
+
+
+_DONE = object()
+
+
+def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
+    """Copy one chunk; returns the rows written.
+
+    The source read runs in a second thread, at most two batches ahead of the writes: while
+    one side waits for its server the other works, and memory stays a few batches, whatever
+    the chunk's size."""
+    from services.sink_worker.sinks.factory import open_sink
+
+    meta = job.target.meta
+    names = [c.name for c in meta.columns]
+    converters = [_converter(c) for c in meta.columns]
+    key_index = [names.index(k) for k in job.target.key]
+    # Multi-row statements as large as one write batch (still capped by the sink's statement
+    # size): a fresh table takes big inserts best, and each statement is a round trip.
+    sink = open_sink(job.sink_url, chunk_rows=job.write_rows)
+    ahead: queue.Queue[Any] = queue.Queue(maxsize=2)
+    stop = threading.Event()
+
+    def read() -> None:
+        try:
+            for rows in _read_batches(job, chunk, names):
+                while not stop.is_set():
+                    try:
+                        ahead.put(rows, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ahead.put(_DONE)
+        except BaseException as exc:  # handed to the writer, which raises it
+            ahead.put(exc)
+
+    reader = threading.Thread(target=read, name=f"snapshot-read-{chunk.id}", daemon=True)
+    reader.start()
+    written = 0
+    try:
+        while (rows := ahead.get()) is not _DONE:
+            if isinstance(rows, BaseException):
+                raise rows
+            changes = []
+            for raw in rows:
+                values = [None if v is None else conv(v) for v, conv in zip(raw, converters, strict=True)]
+                changes.append(Upsert(key=tuple(values[i] for i in key_index),
+                                      row=dict(zip(names, values, strict=True))))
+            sink.apply_partition(job.target, changes)
+            written += len(changes)
+    finally:
+        stop.set()
+        reader.join(timeout=30)
+    return written
+
+
+def copy_partition(job: CopyJob, chunks: Iterator[Chunk]) -> Iterator[tuple[int, int]]:
+    """Runs on an executor: ``(chunk id, rows written)`` for each chunk of the partition."""
+    from libs.gc_pause import gc_paused
+
+    with gc_paused():
+        for chunk in chunks:
+            yield chunk.id, copy_chunk(job, chunk)
+
+
+def run_copy(spark: SparkSession, job: CopyJob, chunks: list[Chunk]) -> dict[int, int]:
+    """Copy ``chunks`` in parallel (one task each); rows written per chunk id."""
+    if not chunks:
+        return {}
+    rdd = spark.sparkContext.parallelize(chunks, len(chunks))
+    return dict(rdd.mapPartitions(partial(copy_partition, job)).collect())

@@ -1,0 +1,370 @@
+"""Initial load with real processes: MariaDB (binlog) -> capture -> JetStream -> sink-worker
+(Spark bulk copy, then streaming) -> SQLite. Tables that hold rows before the changefeed
+exists are copied in primary-key chunks while the workload keeps writing; the worker is
+killed with SIGKILL in the middle of the copy and resumes from its finished chunks; afterwards
+every downstream table equals its upstream table. Also: snapshot-only, and binlog-only from a
+start time and from a binlog position."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+from pyspark.sql import SparkSession
+
+from contracts.events.changefeeds import ChangefeedSpecV2, InitialLoad, SourceRefV1, TableFilterV1
+from contracts.events.rows import SourcePositionV1
+from libs.changefeeds import record_changefeed, record_state
+from libs.localservers.common import wait_until
+from libs.localservers.mariadb import MariaDB
+from libs.localservers.service_process import ServiceProcess
+from libs.streams import SNAPSHOT_BUCKET
+from services.sink_worker.checkpoints import CheckpointStore
+from services.sink_worker.pipeline import Pipeline, SpanConfig
+from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
+from services.sink_worker.snapshot_plan import SnapshotProgress
+from services.sink_worker.span import Span
+from services.sink_worker.verify import ShardRef, verify_target
+from tests.helpers.workload import RandomWorkload, run_in_thread
+
+_server_ids = itertools.count(4800)
+_created: list[str] = []
+
+
+def _capture(env: dict[str, str], logs: Path, source: MariaDB, source_id: str, db: str) -> ServiceProcess:
+    return ServiceProcess("services.capture", {
+        **env, "SLUICE_SOURCE_ID": source_id, "SLUICE_SOURCE_URL": f"{source.url_for(db)}?heartbeat=0.3",
+        "SLUICE_SOURCE_SERVER_ID": str(next(_server_ids)),
+    }, logs, instance_id=f"capture-{source_id}").start()
+
+
+def _worker(env: dict[str, str], logs: Path, name: str, **extra: str) -> ServiceProcess:
+    return ServiceProcess("services.sink_worker", {
+        **env, "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
+        "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_SINK_STANDALONE": "true",
+        "SLUICE_SNAPSHOT_RETRY_S": "1", **extra,
+    }, logs, instance_id=name).start()
+
+
+async def _changefeed(js: JetStreamContext, cf_id: str, source_id: str, source: MariaDB, include: str,
+                      sink_url: str, initial_load: InitialLoad, **extra: Any) -> None:
+    spec = ChangefeedSpecV2(id=cf_id, sources=[SourceRefV1(id=source_id, url=source.url)],
+                            filter=TableFilterV1(include=[include]), sink_url=sink_url,
+                            initial_load=initial_load, **extra)
+    await record_changefeed(js, spec, requested_by="test")
+    _created.append(cf_id)
+
+
+@pytest.fixture(autouse=True)
+async def _delete_changefeeds_afterwards(js: JetStreamContext) -> AsyncIterator[None]:
+    yield
+    while _created:
+        await record_state(js, _created.pop(), "deleted", requested_by="test", reason="test over")
+
+
+@pytest.fixture
+def processes() -> Iterator[list[ServiceProcess]]:
+    procs: list[ServiceProcess] = []
+    yield procs
+    for p in procs:
+        p.kill()
+
+
+async def _progress(js: JetStreamContext, span: Span) -> SnapshotProgress | None:
+    try:
+        kv = await js.key_value(SNAPSHOT_BUCKET)
+        entry = await kv.get(span.kv_key)
+    except (KeyNotFoundError, Exception):
+        return None
+    return SnapshotProgress.from_json(entry.value) if entry.value else None
+
+
+async def _wait_progress(js: JetStreamContext, span: Span, check: Any, within_s: float, what: str,
+                         procs: list[ServiceProcess]) -> SnapshotProgress:
+    deadline = time.monotonic() + within_s
+    last = None
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.alive(), f"{p.instance_id} died:\n{p.tail_log()}"
+        last = await _progress(js, span)
+        if last is not None and check(last):
+            return last
+        await asyncio.sleep(0.05)
+    logs = "\n".join(f"--- {p.instance_id}\n{p.tail_log(20)}" for p in procs)
+    pytest.fail(f"{what} not within {within_s}s; progress: {last}\n{logs}")
+
+
+def _equal(source: MariaDB, db: str, tables: list[str], sink: str) -> str | None:
+    """None when every table is equal downstream, else what differs."""
+    problems = []
+    for table in tables:
+        try:
+            result = verify_target([ShardRef(source.url, db, table)], sink, db, table)
+        except Exception as exc:  # the target appears with the copy
+            problems.append(f"{table}: {exc!r}")
+            continue
+        if not result.ok:
+            problems.append(f"{table}: {result.diff}")
+    return "\n".join(problems) or None
+
+
+def _wait_equal(source: MariaDB, db: str, tables: list[str], sink: str, within_s: float,
+                procs: list[ServiceProcess]) -> None:
+    deadline = time.monotonic() + within_s
+    last: str | None = "nothing compared yet"
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.alive(), f"{p.instance_id} died:\n{p.tail_log()}"
+        last = _equal(source, db, tables, sink)
+        if last is None:
+            return
+        time.sleep(0.5)
+    logs = "\n".join(f"--- {p.instance_id}\n{p.tail_log(15)}\nhealth: {p.health()}" for p in procs)
+    pytest.fail(f"downstream did not converge within {within_s}s:\n{last}\n{logs}")
+
+
+def _prefill(source: MariaDB, db: str, workload: RandomWorkload, rows: int) -> None:
+    """Rows that exist before the changefeed (all column kinds), plus a composite-key table and
+    an empty one; the workload's later updates and deletes hit these rows too."""
+    conn = source.connect()
+    with conn.cursor() as cur:
+        cur.execute(f"INSERT INTO `{db}`.accounts SELECT seq, CONCAT('user', seq, '@example.com'),"
+                    " seq / 7, IF(seq % 5 = 0, NULL, CONCAT('note ü ', seq)),"
+                    " TIMESTAMP('2026-01-01 00:00:00') + INTERVAL seq SECOND"
+                    f" FROM `{db}`.seq_1_to_{rows}")
+        cur.execute(f"INSERT INTO `{db}`.events SELECT seq, ELT(1 + seq % 3, 'a', 'b', 'c'),"
+                    " IF(seq % 4 = 0, NULL, JSON_OBJECT('n', seq, 's', 'ü')), UNHEX(HEX(seq)),"
+                    " TIMESTAMP('2026-02-01 00:00:00.123') + INTERVAL seq MINUTE,"
+                    f" ELT(1 + seq % 4, '', 'x', 'x,z', NULL) FROM `{db}`.seq_1_to_{rows // 8}")
+        cur.execute(f"INSERT INTO `{db}`.`select` SELECT seq, IF(seq % 2, 'drop table', NULL), seq * 1000"
+                    f" FROM `{db}`.seq_1_to_{rows // 16}")
+        cur.execute(f"CREATE TABLE `{db}`.pairs (region VARCHAR(16) NOT NULL, n INT NOT NULL,"
+                    " amount DECIMAL(10,3) NULL, PRIMARY KEY (region, n))")
+        cur.execute(f"INSERT INTO `{db}`.pairs SELECT ELT(1 + seq % 3, 'eu', 'US', 'apac'), seq, seq / 3"
+                    f" FROM `{db}`.seq_1_to_{rows // 8}")
+        cur.execute(f"CREATE TABLE `{db}`.empty_one (id INT PRIMARY KEY, v VARCHAR(8))")
+    conn.close()
+    workload.ids["accounts"] = list(range(1, rows + 1))
+    workload.ids["events"] = list(range(1, rows // 8 + 1))
+    workload.ids["select"] = list(range(1, rows // 16 + 1))
+    workload.next_id = rows + 1
+
+
+async def test_snapshot_under_writes_survives_kill_9_and_resumes_from_finished_chunks(
+    js: JetStreamContext, service_env: dict[str, str], tmp_path: Path, mariadb: MariaDB,
+    processes: list[ServiceProcess],
+) -> None:
+    db = "snap_kill"
+    workload = RandomWorkload(mariadb.connect(), db, seed=8)
+    workload.create_tables()
+    await asyncio.to_thread(_prefill, mariadb, db, workload, 4_000)
+    tables = ["accounts", "events", "select", "pairs", "empty_one"]
+    sink = f"sqlite:///{tmp_path / 'down.db'}"
+    logs = tmp_path / "logs"
+    capture = _capture(service_env, logs, mariadb, "snapk", db)
+    processes.append(capture)
+    capture.wait_healthy(60)
+    # Small chunks, one at a time: the copy of `accounts` takes many waves, so the kill lands
+    # in the middle of it.
+    chunking = {"SLUICE_SNAPSHOT_CHUNK_ROWS": "250", "SLUICE_SNAPSHOT_PARALLELISM": "2",
+                "SLUICE_SNAPSHOT_WRITE_ROWS": "100"}
+    await _changefeed(js, "snap-kill", "snapk", mariadb, f"{db}.*", sink, "snapshot")
+    worker = _worker(service_env, logs, "worker-snapk", **chunking)
+    processes.append(worker)
+
+    stop = threading.Event()
+    thread = run_in_thread(workload, stop, txn_size=4, pause_s=0.1)
+    try:
+        span = Span.of("snap-kill", "snapk", db, "accounts")
+        before = await _wait_progress(js, span, lambda p: p.chunks_done >= 2, 180,
+                                      "a wave of accounts chunks copied", [capture, worker])
+        assert before.chunks_total >= 12 and before.low_watermark_ts is not None
+        worker.kill()
+        at_kill = await _progress(js, span)
+        assert at_kill is not None and 2 <= at_kill.chunks_done < at_kill.chunks_total, at_kill
+        worker = _worker(service_env, logs, "worker-snapk", **chunking)
+        processes.append(worker)
+        done = await _wait_progress(js, span, lambda p: p.state == "done", 240,
+                                    "the resumed snapshot of accounts", [capture, worker])
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 30)
+    # The second run started from the chunks the first one finished, with the same plan and
+    # low watermark, and did not copy them again.
+    assert done.runs == 2
+    assert done.resumed_chunks >= at_kill.chunks_done
+    assert done.low_watermark_ts == before.low_watermark_ts
+    assert done.chunks_done == done.chunks_total == before.chunks_total
+    assert done.high_watermark_ts is not None and done.high_watermark_ts >= done.low_watermark_ts
+    assert done.rows_estimate > 0 and done.rows_copied > 0
+    empty = await _wait_progress(js, Span.of("snap-kill", "snapk", db, "empty_one"),
+                                 lambda p: p.state == "done", 120, "the empty table's snapshot", [worker])
+    assert empty.rows_copied == 0 and empty.chunks_total == 1
+    await asyncio.to_thread(_wait_equal, mariadb, db, tables, sink, 240, [capture, worker])
+    assert workload.statements > 0
+    health = worker.health() or {}
+    states = {s["table"]: s["state"] for s in health.get("spans", [])}
+    assert states.get("accounts") == "replicating", health
+
+
+def _binlog_position(source: MariaDB) -> SourcePositionV1:
+    conn = source.connect()
+    with conn.cursor() as cur:
+        cur.execute("SHOW MASTER STATUS")
+        file, pos = cur.fetchone()[:2]
+    conn.close()
+    return SourcePositionV1(binlog_file=str(file), binlog_pos=int(pos))
+
+
+def _insert(source: MariaDB, db: str, ids: range) -> None:
+    conn = source.connect()
+    with conn.cursor() as cur:
+        for i in ids:
+            cur.execute(f"INSERT INTO `{db}`.items VALUES (%s, %s)", (i, f"v{i}"))
+    conn.close()
+
+
+def _ids(sink: str, db: str) -> list[int]:
+    import sqlite3
+
+    path = sink.removeprefix("sqlite:///")
+    try:
+        with sqlite3.connect(path) as conn:
+            return sorted(int(r[0]) for r in conn.execute('SELECT id FROM "items"'))
+    except sqlite3.OperationalError:
+        return []
+
+
+async def test_snapshot_only_and_binlog_only_from_a_time_and_a_position(
+    js: JetStreamContext, service_env: dict[str, str], tmp_path: Path, mariadb: MariaDB,
+    processes: list[ServiceProcess],
+) -> None:
+    db = "snap_modes"
+    conn = mariadb.connect()
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE DATABASE `{db}`")
+        cur.execute(f"CREATE TABLE `{db}`.items (id INT PRIMARY KEY, v VARCHAR(16))")
+    conn.close()
+    logs = tmp_path / "logs"
+    capture = _capture(service_env, logs, mariadb, "snapm", db)
+    processes.append(capture)
+    capture.wait_healthy(60)
+    await asyncio.to_thread(_insert, mariadb, db, range(1, 6))
+    position = await asyncio.to_thread(_binlog_position, mariadb)
+    await asyncio.to_thread(_insert, mariadb, db, range(6, 11))
+    # The binlog stamps commits in whole seconds: start at the next second boundary, wait for
+    # the clock to pass it, then commit the rows that must be streamed.
+    start_time = datetime.fromtimestamp(math.ceil(time.time() + 0.5), UTC)
+    await asyncio.sleep((start_time - datetime.now(UTC)).total_seconds() + 0.05)
+    assert datetime.now(UTC) > start_time
+    await asyncio.to_thread(_insert, mariadb, db, range(11, 16))
+    sinks = {name: f"sqlite:///{tmp_path / (name + '.db')}" for name in ("only", "time", "pos")}
+    await _changefeed(js, "snap-only", "snapm", mariadb, f"{db}.*", sinks["only"], "snapshot-only")
+    await _changefeed(js, "from-time", "snapm", mariadb, f"{db}.*", sinks["time"], "binlog-only",
+                      start_time=start_time)
+    await _changefeed(js, "from-pos", "snapm", mariadb, f"{db}.*", sinks["pos"], "binlog-only",
+                      start_position={"snapm": position})
+    worker = _worker(service_env, logs, "worker-snapm")
+    processes.append(worker)
+    procs = [capture, worker]
+    await _wait_progress(js, Span.of("snap-only", "snapm", db, "items"), lambda p: p.state == "done", 180,
+                         "the snapshot-only copy", procs)
+    assert _ids(sinks["only"], db) == list(range(1, 16))
+    await asyncio.to_thread(wait_until, lambda: _ids(sinks["time"], db) == list(range(11, 16)), 180,
+                            "binlog-only from a time: exactly the rows committed after it")
+    await asyncio.to_thread(wait_until, lambda: _ids(sinks["pos"], db) == list(range(6, 16)), 60,
+                            "binlog-only from a position: exactly the rows after it")
+    # Later writes stream to the binlog-only feeds but not to the snapshot-only one.
+    await asyncio.to_thread(_insert, mariadb, db, range(16, 18))
+    await asyncio.to_thread(wait_until, lambda: _ids(sinks["time"], db)[-1:] == [17], 60,
+                            "binlog-only keeps streaming")
+    await asyncio.to_thread(wait_until, lambda: _ids(sinks["pos"], db)[-1:] == [17], 60,
+                            "binlog-only keeps streaming")
+    assert _ids(sinks["only"], db) == list(range(1, 16))
+
+    def state_of(changefeed: str) -> str | None:
+        for s in (worker.health() or {}).get("spans", []):
+            if (s["changefeed"], s["table"]) == (changefeed, "items"):
+                return str(s["state"])
+        return None
+
+    await asyncio.to_thread(wait_until, lambda: state_of("snap-only") == "done", 60,
+                            "the snapshot-only span reported done")
+    assert state_of("from-time") == state_of("from-pos") == "replicating"
+
+
+async def test_a_span_moved_mid_copy_hands_over_and_the_next_owner_resumes(
+    js: JetStreamContext, service_env: dict[str, str], tmp_path: Path, mariadb: MariaDB,
+    spark: SparkSession, processes: list[ServiceProcess],
+) -> None:
+    """Two pipelines in one process stand for two workers (the control plane's stop on the old
+    member, then the new member runs the span): the old one stops mid-copy, its copy job has
+    ended when ``stop_span`` returns, and the new one copies only the chunks not done."""
+    db = "snap_move"
+    conn = mariadb.connect()
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE DATABASE `{db}`")
+        cur.execute(f"CREATE TABLE `{db}`.items (id INT PRIMARY KEY, v VARCHAR(16))")
+        cur.execute(f"INSERT INTO `{db}`.items SELECT seq, CONCAT('v', seq) FROM `{db}`.seq_1_to_1500")
+    capture = _capture(service_env, tmp_path / "logs", mariadb, "snapmv", db)
+    processes.append(capture)
+    capture.wait_healthy(60)
+    sink = f"sqlite:///{tmp_path / 'down.db'}"
+    span = Span.of("snap-move", "snapmv", db, "items")
+    config = SpanConfig(sink_url=sink, initial_load="snapshot", source_url=mariadb.url)
+    options = SnapshotOptions(chunk_rows=150, parallelism=1, write_rows=50, retry_s=1.0)
+
+    def pipeline(worker: str) -> Pipeline:
+        loads = InitialLoads(js, lambda: spark, options, worker_id=worker)
+        return Pipeline(js, checkpoints, lambda: spark, initial_loads=loads)
+
+    checkpoints = await CheckpointStore(js).open()
+    old = pipeline("old")
+    await old.set_spans({span: config})
+    await old.round()  # starts the copy in the background
+    assert old.spans[span].state == "snapshot"
+    moved = await _wait_progress(js, span, lambda p: p.chunks_done >= 2, 120, "two chunks copied", [capture])
+    assert moved.state == "copying"
+    with conn.cursor() as cur:  # changes during the copy, before and after the move
+        cur.execute(f"UPDATE `{db}`.items SET v = 'changed' WHERE id % 97 = 0")
+        cur.execute(f"DELETE FROM `{db}`.items WHERE id % 89 = 0")
+    assert await old.stop_span(span) is None  # no checkpoint yet: it was copying
+    assert old.initial_loads is not None and not old.initial_loads.copying(span)
+    at_stop = await _progress(js, span)
+    assert at_stop is not None and at_stop.state == "copying" and at_stop.chunks_done < at_stop.chunks_total
+    assert await checkpoints.get(span) is None
+
+    new = pipeline("new")
+    await new.set_spans({span: config})
+    with conn.cursor() as cur:
+        cur.execute(f"INSERT INTO `{db}`.items VALUES (5000, 'late'), (5001, 'later')")
+    deadline = time.monotonic() + 180
+    while new.spans[span].state != "replicating" and time.monotonic() < deadline:
+        await new.round()
+        await asyncio.sleep(0.2)
+    done = await _progress(js, span)
+    assert done is not None and done.state == "done", done
+    assert done.runs == 2 and done.worker == "new"
+    assert done.resumed_chunks >= at_stop.chunks_done
+    assert done.low_watermark_ts == at_stop.low_watermark_ts
+    stored = await checkpoints.get(span)
+    assert stored is not None and stored.ts >= done.low_watermark_ts  # streaming started there
+    while _equal(mariadb, db, ["items"], sink) is not None and time.monotonic() < deadline:
+        await new.round()
+        await asyncio.sleep(0.2)
+    assert _equal(mariadb, db, ["items"], sink) is None
+    after = await checkpoints.get(span)
+    assert after is not None and after.covers(stored)
+    await new.close()
+    await old.close()
+    conn.close()
