@@ -93,3 +93,9 @@ def command_subject(domain: str) -> str:
     """Request/reply for operator commands to a domain's leader. Deliberately outside
     ``sluice.ctl.>``: a core publish matching a stream's subjects would be stored in it."""
     return f"sluice.cmd.{token(domain)}"
+
+
+def leader_command_subject(service: str) -> str:
+    """Request/reply to a service's current leader (``{"action": "resign"}``); only the leader
+    listens, so "no responders" means the service has no leader right now."""
+    return f"sluice.cmd.leader.{token(service)}"
