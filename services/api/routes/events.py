@@ -127,11 +127,12 @@ async def _feed(js: JetStreamContext, cursor: dict[str, int], limit: int | None,
         while (limit is None or sent < limit) and not closing.is_set():
             getter = asyncio.ensure_future(queue.get())
             closed = asyncio.ensure_future(closing.wait())
-            done, _ = await asyncio.wait({getter, closed}, timeout=KEEPALIVE_S,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({getter, closed}, timeout=KEEPALIVE_S,
+                               return_when=asyncio.FIRST_COMPLETED)
             closed.cancel()
-            if getter not in done:
-                getter.cancel()
+            getter.cancel()  # no-op when it has an item: that one is never dropped
+            await asyncio.gather(getter, closed, return_exceptions=True)
+            if getter.cancelled():
                 if not closing.is_set():
                     yield ": keep-alive\n\n"
                 continue
