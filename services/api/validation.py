@@ -18,6 +18,10 @@ def _error(loc: list[str | int], msg: str) -> dict[str, Any]:
 
 
 def spec_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
+    try:
+        spec.model_dump_json()
+    except ValueError as exc:  # lone surrogates and the like cannot be stored as JSON text
+        return [_error([], f"the spec holds text that is not valid Unicode: {exc}")]
     errors: list[dict[str, Any]] = []
     try:
         parse_database_url(spec.sink_url)

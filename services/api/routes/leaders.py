@@ -56,9 +56,11 @@ async def get_leader(service: str, ctx: ApiContext = Depends(get_ctx)) -> Leader
 
 @router.post("/{service}/resign", status_code=202, response_model=Accepted,
              dependencies=[Depends(require_write)],
-             responses={409: {"description": "The leader is at another epoch"},
+             responses={404: {"description": "No leader now"},
+                        409: {"description": "The leader is at another epoch"},
                         503: {"description": "No leader answering"}})
 async def resign(service: str, body: ResignIn, ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+    await get_leader(service, ctx)  # 404 when nobody holds the lease
     req = {"action": "resign", "epoch": body.epoch, "requested_by": ctx.requested_by,
            "reason": body.reason}
     answer = await request_json(ctx, leader_command_subject(service), req, service)
