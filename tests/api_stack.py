@@ -231,8 +231,12 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiStack]:
             wait_until(lambda: len(c.get("/api/v1/members").json()) == 2, 30, "members in the read model")
         yield stack
     finally:
+        # SIGTERM both at once: each has its own shutdown grace.
         for proc in (api_proc, scheduler):
-            if proc.alive():
+            if proc.alive() and proc.proc is not None:
+                proc.proc.terminate()
+        for proc in (api_proc, scheduler):
+            if proc.proc is not None and proc.proc.poll() is None:
                 proc.terminate()
         bg.run(ddl.stop())
         bg.run(nc.drain())
