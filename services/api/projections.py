@@ -144,6 +144,21 @@ class Projections:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def seen_seq(self, domain: str) -> int:
+        """The newest sequence of ``domain``'s events subject the follower has processed: folded
+        or, when undecodable, dead-lettered (the next append's expected last subject sequence)."""
+        return self.followers[domain].next_seq - 1
+
+    async def wait_seen(self, domain: str, seq: int, wait_s: float) -> bool:
+        """Wait until the follower has processed ``seq`` (its state, not yet the tables)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while self.seen_seq(domain) < seq:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
     async def wait_folded(self, domain: str, seq: int, wait_s: float) -> bool:
         """Wait until ``domain``'s tables include the event at ``seq`` (read your own write)."""
         loop = asyncio.get_running_loop()

@@ -68,12 +68,12 @@ async def _command(ctx: ApiContext, check: Callable[[], None], append: Append) -
     async with _lock:
         for _ in range(_ATTEMPTS):
             check()
-            folded = proj.last_event_seq["changefeeds"]
+            seen = proj.seen_seq("changefeeds")
             try:
-                seq = await append(folded or None)
+                seq = await append(seen or None)
             except AppendConflict as exc:
-                target = exc.actual_last_seq or folded + 1
-                await proj.wait_folded("changefeeds", target, ctx.settings.api_command_timeout_s)
+                target = exc.actual_last_seq or seen + 1
+                await proj.wait_seen("changefeeds", target, ctx.settings.api_command_timeout_s)
                 continue
             await proj.wait_folded("changefeeds", seq, ctx.settings.api_command_timeout_s)
             return seq
