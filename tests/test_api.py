@@ -47,6 +47,11 @@ def test_mutations_need_the_token_reads_do_not(api_stack: ApiStack) -> None:
             assert c.post(f"{V1}/rebalance").status_code == 401
             assert c.delete(f"{V1}/dead-letters/1").status_code == 401
         assert anon.get(f"{V1}/changefeeds/authcheck").status_code == 404
+        assert anon.get("/docs").status_code == 200
+        spec_doc = anon.get("/openapi.json").json()
+        paths = set(spec_doc["paths"])
+        assert {f"{V1}/changefeeds", f"{V1}/events", f"{V1}/leaders/{{service}}/resign"} <= paths
+        assert "HTTPBearer" in spec_doc["components"]["securitySchemes"]
     # The token is never written to the api's log, even at DEBUG.
     assert TOKEN not in api_stack.api.log_path.read_text()
 
