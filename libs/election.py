@@ -352,7 +352,12 @@ async def _lead(election: Election, leadership: Leadership, domain_log: DomainLo
     """One term. Returns why it ended: shutdown, resigned, lease-expired, lease-taken, fenced or
     error."""
     service = election.service
-    commands = await _serve_leader_commands(nc, leadership) if nc is not None else None
+    commands = None
+    if nc is not None:
+        try:
+            commands = await _serve_leader_commands(nc, leadership)
+        except (NatsError, OSError) as failure:  # leading matters more than being resignable
+            log.warning("cannot listen for leader commands: %s", failure, extra={"service": service})
     keeper = asyncio.create_task(election.keep(leadership), name=f"{service}-lease")
     body = asyncio.create_task(_open_and_work(leadership, domain_log, work), name=f"{service}-leader")
     IS_LEADER.labels(service).set(1)
