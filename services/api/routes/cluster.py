@@ -4,6 +4,7 @@ moves, drains and rebalances go to the scheduler leader."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections import Counter
@@ -12,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException
 from nats.errors import Error as NatsError
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
 from sqlmodel import Session, select
 
 from contracts.events.changefeeds import ChangefeedSpecV2
@@ -46,10 +48,22 @@ from services.sink_worker.span import Span as WorkerSpan
 router = APIRouter(tags=["cluster"])
 
 
+_buckets: dict[tuple[int, str], KeyValue] = {}
+
+
+async def _bucket(ctx: ApiContext, bucket: str) -> KeyValue:
+    # Bound once per connection (binding asks the server for the stream); a bucket that does
+    # not exist yet is asked for again next time.
+    key = (id(ctx.nc), bucket)
+    if key not in _buckets:
+        _buckets[key] = await js_of(ctx).key_value(bucket)
+    return _buckets[key]
+
+
 async def _kv_json(ctx: ApiContext, bucket: str, key: str) -> dict[str, Any] | None:
     """A JSON value from a KV bucket; None when the bucket or key is absent or unreadable."""
     try:
-        kv = await js_of(ctx).key_value(bucket)
+        kv = await _bucket(ctx, bucket)
         entry = await kv.get(key)
     except (BucketNotFoundError, KeyNotFoundError, NotFoundError):
         return None
@@ -94,7 +108,7 @@ async def get_tables(changefeed_id: str, ctx: ApiContext = Depends(get_ctx)) -> 
     with Session(projections_of(ctx).engine) as session:
         rows = list(session.exec(select(SpanRow).where(SpanRow.changefeed == changefeed_id)
                                  .order_by(SpanRow.key)))
-    return [await table_out(ctx, r) for r in rows]
+    return list(await asyncio.gather(*(table_out(ctx, r) for r in rows)))
 
 
 @router.get("/changefeeds/{changefeed_id}/tables/{source}/{database}/{table}", response_model=TableOut,
