@@ -20,9 +20,8 @@ from libs.eventstore.deadletter import dead_letter
 from libs.localservers.common import wait_until
 from libs.streams import domain_events_subject
 from services.api.projections import Projections
-from tests.api_stack import CF, TOKEN, TS, ApiStack, api_stack, lock_view, wait_ready
+from tests.api_stack import CF, TOKEN, TS, ApiStack, lock_view, wait_ready
 
-__all__ = ["api_stack"]
 pytestmark = pytest.mark.integration
 V1 = "/api/v1"
 

@@ -15,9 +15,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from tests.api_stack import TOKEN, ApiStack, api_stack
+from tests.api_stack import TOKEN, ApiStack
 
-__all__ = ["api_stack"]
 pytestmark = pytest.mark.integration
 
 EXAMPLES = {GenerationMode.POSITIVE: 12, GenerationMode.NEGATIVE: 6}

@@ -18,9 +18,8 @@ from contracts.events.scheduling import SetChangedV1
 from libs.streams import SNAPSHOT_BUCKET
 from services.cli.app import app
 from services.sink_worker.span import Span as WorkerSpan
-from tests.api_stack import CF, TOKEN, ApiStack, api_stack, lock_view, span_ref
+from tests.api_stack import CF, TOKEN, ApiStack, lock_view, span_ref
 
-__all__ = ["api_stack"]
 pytestmark = pytest.mark.integration
 
 
