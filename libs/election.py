@@ -69,8 +69,8 @@ class Leadership:
         self.lost = asyncio.Event()
         self.lost_reason: str | None = None
         self.resign_requested = asyncio.Event()
-        self.resign_reason = ""
         """Set by an operator's resign request; the leader loop then hands the lease over."""
+        self.resign_reason = ""
         self._deadline = trusted_from + ttl * TRUST_FRACTION
 
     @property
