@@ -207,6 +207,7 @@ def main() -> int:
         api = system.processes.get("api-1")
         if api is not None:
             say(f"API docs: {api.base_url}/docs   (logs in {args.dir / 'logs'})")
+            say(f"CLI: SLUICE_API_URL={api.base_url} .venv/bin/sluice status")
         if not args.no_wait:
             say("the system keeps running; press Ctrl-C to stop it")
             try:

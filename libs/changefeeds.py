@@ -33,19 +33,32 @@ async def _store(js: JetStreamContext, producer: str) -> EventStore:
     return store
 
 
-async def record_changefeed(js: JetStreamContext, spec: ChangefeedSpecV2, requested_by: str) -> int:
+async def record_changefeed(js: JetStreamContext, spec: ChangefeedSpecV2, requested_by: str, *,
+                            expected_last_subject_seq: int | None = None) -> int:
+    """Append ``changefeed.created``; with ``expected_last_subject_seq`` only if nobody appended
+    to the changefeeds log since (else ``AppendConflict``)."""
     store = await _store(js, requested_by)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedCreatedV2(spec=spec, requested_by=requested_by))
+                              ChangefeedCreatedV2(spec=spec, requested_by=requested_by),
+                              expected_last_subject_seq=expected_last_subject_seq)
+
+
+async def record_update(js: JetStreamContext, spec: ChangefeedSpecV2, requested_by: str, *,
+                        expected_last_subject_seq: int | None = None) -> int:
+    store = await _store(js, requested_by)
+    return await store.append(domain_events_subject(DOMAIN),
+                              ChangefeedUpdatedV2(spec=spec, requested_by=requested_by),
+                              expected_last_subject_seq=expected_last_subject_seq)
 
 
 async def record_state(js: JetStreamContext, changefeed_id: str,
                        state: Literal["running", "paused", "deleted"], requested_by: str,
-                       reason: str = "") -> int:
+                       reason: str = "", *, expected_last_subject_seq: int | None = None) -> int:
     store = await _store(js, requested_by)
     event = ChangefeedStateChangedV1(id=changefeed_id, state=state,
                                      requested_by=requested_by, reason=reason)
-    return await store.append(domain_events_subject(DOMAIN), event)
+    return await store.append(domain_events_subject(DOMAIN), event,
+                              expected_last_subject_seq=expected_last_subject_seq)
 
 
 @dataclass

@@ -134,6 +134,14 @@ class Settings(BaseSettings):
     source_url: str = Field("mysql://root@127.0.0.1:3306/", description="capture: the source's URL.")
     source_server_id: int = Field(4101, ge=1, description="capture: replica server id for the binlog.")
 
+    # Operator API (services.api) and CLI (services.cli)
+    api_token: SecretStr | None = Field(
+        None, description="Bearer token the api requires on mutating endpoints (unset: open).")
+    api_auth_reads: bool = Field(False, description="Require the api token on read-only endpoints too.")
+    api_command_timeout_s: float = Field(
+        5.0, gt=0, description="How long the api waits for a leader to answer a command.")
+    api_url: str = Field("http://127.0.0.1:8100", description="CLI: base URL of the api.")
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:

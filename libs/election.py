@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
 
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
@@ -33,7 +35,7 @@ from nats.js.kv import KeyValue
 
 from contracts.events.leadership import LeaderResignedV1
 from libs.eventstore.domain_log import DomainLog, Fenced
-from libs.streams import LEADER_BUCKET
+from libs.streams import LEADER_BUCKET, leader_command_subject
 from libs.telemetry.metrics import IS_LEADER, LEADER_EPOCH, LEADER_STEPDOWNS
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,9 @@ class Leadership:
         self.ttl = ttl
         self.lost = asyncio.Event()
         self.lost_reason: str | None = None
+        self.resign_requested = asyncio.Event()
+        """Set by an operator's resign request; the leader loop then hands the lease over."""
+        self.resign_reason = ""
         self._deadline = trusted_from + ttl * TRUST_FRACTION
 
     @property
@@ -292,14 +297,17 @@ async def hold_leadership(leadership: Leadership, domain_log: DomainLog[Any]) ->
 async def run_leader_loop(js: JetStreamContext, *, service: str, candidate: str, domain: str,
                           producer: str, ttl: float, work: Work, stopping: asyncio.Event,
                           status: dict[str, Any] | None = None, bucket: str = LEADER_BUCKET,
-                          log_factory: LogFactory | None = None, replicas: int = 1) -> None:
+                          log_factory: LogFactory | None = None, replicas: int = 1,
+                          nc: Client | None = None) -> None:
     """Campaign; while leader, open the domain log and run ``work``; repeat until ``stopping``.
 
     ``work(leadership, domain_log)`` is cancelled the moment the lease is lost, the log is
     fenced or the process stops. On stop the leader appends ``LeaderResigned`` and deletes its
     key, so a follower takes over within one poll instead of one TTL. ``status`` (the service's
     /healthz dict) gets ``leader``, ``epoch`` and ``leader_id``: for a follower the epoch and id
-    of the leader it last saw.
+    of the leader it last saw. With ``nc``, the leader answers resign requests on
+    ``leader_command_subject(service)`` during its term and then steps down like on shutdown,
+    sitting out one TTL so that another replica wins the next election.
     """
     election = Election(js, service, candidate, ttl, bucket=bucket, replicas=replicas)
 
@@ -326,11 +334,11 @@ async def run_leader_loop(js: JetStreamContext, *, service: str, candidate: str,
         leadership = await election.campaign(stopping, on_poll=lambda: show(False, election.observed))
         if leadership is None:
             break
-        reason = await _lead(election, leadership, make_log(), work, stopping, show)
+        reason = await _lead(election, leadership, make_log(), work, stopping, show, nc)
         show(False, None)
         if reason != "shutdown":
             LEADER_STEPDOWNS.labels(service, reason).inc()
-        if reason == "error":
+        if reason in ("error", "resigned"):
             # Whatever broke may break again: give another replica the first chance.
             await _wait_event(stopping, election.ttl)
         elif reason == "fenced":
@@ -339,9 +347,17 @@ async def run_leader_loop(js: JetStreamContext, *, service: str, candidate: str,
 
 
 async def _lead(election: Election, leadership: Leadership, domain_log: DomainLog[Any], work: Work,
-                stopping: asyncio.Event, show: Callable[[bool, LeaderInfo | None], None]) -> str:
-    """One term. Returns why it ended: shutdown, lease-expired, lease-taken, fenced or error."""
+                stopping: asyncio.Event, show: Callable[[bool, LeaderInfo | None], None],
+                nc: Client | None = None) -> str:
+    """One term. Returns why it ended: shutdown, resigned, lease-expired, lease-taken, fenced or
+    error."""
     service = election.service
+    commands = None
+    if nc is not None:
+        try:
+            commands = await _serve_leader_commands(nc, leadership)
+        except (NatsError, OSError) as failure:  # leading matters more than being resignable
+            log.warning("cannot listen for leader commands: %s", failure, extra={"service": service})
     keeper = asyncio.create_task(election.keep(leadership), name=f"{service}-lease")
     body = asyncio.create_task(_open_and_work(leadership, domain_log, work), name=f"{service}-leader")
     IS_LEADER.labels(service).set(1)
@@ -349,18 +365,22 @@ async def _lead(election: Election, leadership: Leadership, domain_log: DomainLo
     show(True, LeaderInfo(election.candidate, leadership.epoch, leadership.revision))
     lost_wait = asyncio.create_task(leadership.lost.wait())
     stop_wait = asyncio.create_task(stopping.wait())
+    resign_wait = asyncio.create_task(leadership.resign_requested.wait())
     reason = "shutdown"
     try:
         while True:
             # Wake at the deadline too: being late to notice an expired lease is acting on it.
             timeout = max(0.0, leadership.deadline - time.monotonic())
-            await asyncio.wait({body, lost_wait, stop_wait}, timeout=timeout,
+            await asyncio.wait({body, lost_wait, stop_wait, resign_wait}, timeout=timeout,
                                return_when=asyncio.FIRST_COMPLETED)
             if not leadership.valid():
                 reason = leadership.lost_reason or "lease-expired"
                 break
             if stopping.is_set():
                 reason = "shutdown"
+                break
+            if leadership.resign_requested.is_set():
+                reason = "resigned"
                 break
             if body.done():
                 exc = body.exception() if not body.cancelled() else None
@@ -376,18 +396,22 @@ async def _lead(election: Election, leadership: Leadership, domain_log: DomainLo
                     break
                 body = asyncio.create_task(_until_lost(leadership))  # work finished: keep the lease
     finally:
-        for task in (body, lost_wait, stop_wait):
+        if commands is not None:
+            with contextlib.suppress(Exception):
+                await commands.unsubscribe()
+        for task in (body, lost_wait, stop_wait, resign_wait):
             task.cancel()
         # return_exceptions: the tasks' own cancellation is expected; ours still propagates.
-        await asyncio.gather(body, lost_wait, stop_wait, return_exceptions=True)
+        await asyncio.gather(body, lost_wait, stop_wait, resign_wait, return_exceptions=True)
         IS_LEADER.labels(service).set(0)
         LEADER_EPOCH.labels(service).set(0)
-        if reason in ("shutdown", "fenced", "error") and leadership.valid():
-            if reason == "shutdown":
+        if reason in ("shutdown", "resigned", "fenced", "error") and leadership.valid():
+            if reason in ("shutdown", "resigned"):
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(domain_log.append(LeaderResignedV1(
                         service=service, candidate=election.candidate, epoch=leadership.epoch,
-                        reason=reason)), timeout=max(0.01, leadership.deadline - time.monotonic()))
+                        reason=leadership.resign_reason or reason)),
+                        timeout=max(0.01, leadership.deadline - time.monotonic()))
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
             await election.resign(leadership)
@@ -397,6 +421,44 @@ async def _lead(election: Election, leadership: Leadership, domain_log: DomainLo
             await asyncio.gather(keeper, return_exceptions=True)
     log.info("leader term ended", extra={"service": service, "epoch": leadership.epoch, "reason": reason})
     return reason
+
+
+async def _serve_leader_commands(nc: Client, leadership: Leadership) -> Any:
+    """Answer ``{"action": "resign", "epoch"?, "requested_by"?, "reason"?}`` for this term.
+
+    Replies ``{"ok": true, "service", "leader", "epoch"}`` and then steps down; a request naming
+    another epoch gets ``{"ok": false, "code": 409}`` (it was meant for an earlier or later term),
+    a malformed one ``{"ok": false, "code": 422}``."""
+
+    async def on_command(msg: Msg) -> None:
+        try:
+            body = json.loads(msg.data or b"{}")
+            if not isinstance(body, dict) or body.get("action") != "resign":
+                raise ValueError('expected {"action": "resign", ...}')
+            epoch = body.get("epoch")
+            if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
+                raise ValueError("epoch must be an integer")
+        except ValueError as exc:
+            answer: dict[str, Any] = {"ok": False, "code": 422, "error": str(exc)}
+        else:
+            if epoch is not None and epoch != leadership.epoch:
+                answer = {"ok": False, "code": 409,
+                          "error": f"the {leadership.service} leader is at epoch {leadership.epoch}, "
+                                   f"not {epoch}"}
+            else:
+                answer = {"ok": True, "service": leadership.service, "leader": leadership.candidate,
+                          "epoch": leadership.epoch}
+                leadership.resign_reason = (f"operator: {body.get('requested_by') or '?'}: "
+                                            f"{body.get('reason') or 'resign requested'}")[:500]
+                log.info("resign requested", extra={"service": leadership.service,
+                                                    "epoch": leadership.epoch})
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(json.dumps(answer).encode())
+        if answer["ok"]:
+            leadership.resign_requested.set()
+
+    return await nc.subscribe(leader_command_subject(leadership.service), cb=on_command)
 
 
 async def _until_lost(leadership: Leadership) -> None:

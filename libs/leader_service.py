@@ -39,7 +39,7 @@ def leader_main(domain: str, work: Work | None = None,
             work=leader.lead if leader is not None else (work or hold_leadership),
             stopping=runtime.stopping, status=runtime.status,
             log_factory=leader.make_log if leader is not None else None,
-            replicas=settings.stream_replicas,
+            replicas=settings.stream_replicas, nc=runtime.nc,
         )
 
     return main

@@ -106,3 +106,7 @@ def shard_ddl_ops_subject(changefeed: str) -> str:
 
 
 SHARD_DDL_OPS_SUBJECTS = "sluice.shardddl.ops.*"
+def leader_command_subject(service: str) -> str:
+    """Request/reply to a service's current leader (``{"action": "resign"}``); only the leader
+    listens, so "no responders" means the service has no leader right now."""
+    return f"sluice.cmd.leader.{token(service)}"

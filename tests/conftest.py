@@ -12,7 +12,7 @@ from nats.js import JetStreamContext
 
 from libs.localservers.nats_server import NatsServer
 
-pytest_plugins = ["tests.fixtures_servers"]
+pytest_plugins = ["tests.fixtures_servers", "tests.api_stack"]
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from libs.service import idle_until_stopped, run_service
+from libs.config import get_settings
+from libs.service import run_service
+from services.api.app import create_app
+from services.api.context import ApiContext
+from services.api.service import api_main
 
 
 def main() -> None:
-    run_service("api", idle_until_stopped)
+    settings = get_settings()
+    ctx = ApiContext(settings=settings, producer=f"api/{settings.instance_id}")
+    run_service("api", api_main(ctx), app=create_app(ctx))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,189 @@
+"""/api/v1/changefeeds: create, read, update, pause, resume, delete.
+
+Commands are appended to the changefeeds stream with the expected last sequence of what the
+read model has folded, so two api replicas cannot both create one id or resume a feed the
+other just deleted: the loser re-reads and is refused with 409. The answer comes once this
+replica's read model shows the change (read your own write)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Response
+from fastapi.exceptions import RequestValidationError
+from sqlmodel import Session, select
+
+from contracts.events.changefeeds import ChangefeedSpecV2
+from libs.changefeeds import record_changefeed, record_state, record_update
+from libs.eventstore import AppendConflict
+from services.api.auth import require_read, require_write
+from services.api.context import ApiContext, get_ctx, js_of, projections_of
+from services.api.models import ChangefeedRow, SpanRow
+from services.api.schemas import Accepted, ChangefeedOut, lag_seconds, redact_spec, unredact_url
+from services.api.validation import spec_problems
+
+router = APIRouter(prefix="/changefeeds", tags=["changefeeds"])
+_lock = asyncio.Lock()
+_ATTEMPTS = 5
+
+
+def changefeed_out(row: ChangefeedRow, spans: list[SpanRow]) -> ChangefeedOut:
+    spec = ChangefeedSpecV2.model_validate_json(row.spec_json)
+    by_state = Counter(s.state for s in spans)
+    return ChangefeedOut(id=row.id, state=row.state, spec=redact_spec(spec),
+                         checkpoint_ts=row.checkpoint_ts, resolved_ts=row.resolved_ts,
+                         lag_s=lag_seconds(row.checkpoint_ts), tables=len(spans),
+                         tables_by_state=dict(sorted(by_state.items())))
+
+
+def list_changefeeds(ctx: ApiContext) -> list[ChangefeedOut]:
+    with Session(projections_of(ctx).engine) as session:
+        rows = list(session.exec(select(ChangefeedRow).order_by(ChangefeedRow.id)))
+        spans = list(session.exec(select(SpanRow)))
+    by_cf: dict[str, list[SpanRow]] = {}
+    for s in spans:
+        by_cf.setdefault(s.changefeed, []).append(s)
+    return [changefeed_out(r, by_cf.get(r.id, [])) for r in rows]
+
+
+def load_changefeed(ctx: ApiContext, changefeed_id: str) -> ChangefeedOut:
+    with Session(projections_of(ctx).engine) as session:
+        row = session.get(ChangefeedRow, changefeed_id)
+        if row is None:
+            raise HTTPException(404, f"changefeed {changefeed_id!r} does not exist")
+        spans = list(session.exec(select(SpanRow).where(SpanRow.changefeed == changefeed_id)))
+    return changefeed_out(row, spans)
+
+
+Append = Callable[[int | None], Awaitable[int]]
+
+
+async def _command(ctx: ApiContext, check: Callable[[], None], append: Append) -> int:
+    """Check against the read model, append fenced on what it folded; on a conflict catch up
+    and check again. Returns the event's sequence once the read model shows it."""
+    proj = projections_of(ctx)
+    async with _lock:
+        for _ in range(_ATTEMPTS):
+            check()
+            seen = proj.seen_seq("changefeeds")
+            try:
+                seq = await append(seen or None)
+            except AppendConflict as exc:
+                target = exc.actual_last_seq or seen + 1
+                await proj.wait_seen("changefeeds", target, ctx.settings.api_command_timeout_s)
+                continue
+            await proj.wait_folded("changefeeds", seq, ctx.settings.api_command_timeout_s)
+            return seq
+    raise HTTPException(409, "the changefeeds log kept changing under this request; try again")
+
+
+def _accepted(changefeed_id: str, seq: int, detail: str) -> Accepted:
+    return Accepted(detail=detail, seq=seq, follow=f"/api/v1/changefeeds/{changefeed_id}",
+                    events=f"/api/v1/events?since=changefeeds:{seq - 1}")
+
+
+def _validate(spec: ChangefeedSpecV2) -> None:
+    problems = spec_problems(spec)
+    if problems:
+        raise RequestValidationError(problems)
+
+
+@router.get("", response_model=list[ChangefeedOut], dependencies=[Depends(require_read)])
+async def get_changefeeds(ctx: ApiContext = Depends(get_ctx)) -> list[ChangefeedOut]:
+    return list_changefeeds(ctx)
+
+
+@router.get("/{changefeed_id}", response_model=ChangefeedOut, dependencies=[Depends(require_read)],
+            responses={404: {"description": "Unknown changefeed"}})
+async def get_changefeed(changefeed_id: str, ctx: ApiContext = Depends(get_ctx)) -> ChangefeedOut:
+    return load_changefeed(ctx, changefeed_id)
+
+
+@router.post("", status_code=202, response_model=Accepted, dependencies=[Depends(require_write)],
+             responses={409: {"description": "The id exists"}, 422: {"description": "Invalid spec"}})
+async def create_changefeed(spec: ChangefeedSpecV2, response: Response,
+                            ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+    _validate(spec)
+    view = projections_of(ctx).changefeeds
+
+    def check() -> None:
+        if spec.id in view.state.specs:
+            raise HTTPException(409, f"changefeed {spec.id!r} exists "
+                                     f"({view.state.states.get(spec.id, 'running')})")
+
+    seq = await _command(ctx, check, lambda expected: record_changefeed(
+        js_of(ctx), spec, ctx.requested_by, expected_last_subject_seq=expected))
+    response.headers["Location"] = f"/api/v1/changefeeds/{spec.id}"
+    return _accepted(spec.id, seq, "changefeed recorded; the scheduler starts its tables")
+
+
+@router.put("/{changefeed_id}", status_code=202, response_model=Accepted,
+            dependencies=[Depends(require_write)],
+            responses={404: {"description": "Unknown changefeed"}, 422: {"description": "Invalid spec"}})
+async def update_changefeed(changefeed_id: str, spec: ChangefeedSpecV2,
+                            ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+    if spec.id != changefeed_id:
+        raise RequestValidationError([{"loc": ["body", "id"], "type": "value_error",
+                                       "msg": f"the id in the body ({spec.id!r}) is not the "
+                                              f"changefeed in the path ({changefeed_id!r})"}])
+    view = projections_of(ctx).changefeeds
+    stored = view.state.specs.get(changefeed_id)
+    if stored is None:
+        raise HTTPException(404, f"changefeed {changefeed_id!r} does not exist")
+    # Redacted passwords sent back unchanged mean "keep the stored one".
+    old_sources = {s.id: s.url for s in stored.sources}
+    spec = spec.model_copy(update={
+        "sink_url": unredact_url(spec.sink_url, stored.sink_url),
+        "sources": [s.model_copy(update={"url": unredact_url(s.url, old_sources.get(s.id, ""))})
+                    for s in spec.sources]})
+    _validate(spec)
+
+    def check() -> None:
+        if changefeed_id not in view.state.specs:
+            raise HTTPException(404, f"changefeed {changefeed_id!r} does not exist")
+
+    seq = await _command(ctx, check, lambda expected: record_update(
+        js_of(ctx), spec, ctx.requested_by, expected_last_subject_seq=expected))
+    return _accepted(changefeed_id, seq, "changefeed updated")
+
+
+async def _set_state(ctx: ApiContext, changefeed_id: str, state: Literal["running", "paused", "deleted"],
+                     allowed_from: tuple[str, ...], verb: str) -> Accepted:
+    view = projections_of(ctx).changefeeds
+
+    def check() -> None:
+        if changefeed_id not in view.state.specs:
+            raise HTTPException(404, f"changefeed {changefeed_id!r} does not exist")
+        current = view.state.states.get(changefeed_id, "running")
+        if current not in allowed_from:
+            raise HTTPException(409, f"changefeed {changefeed_id!r} is {current}: cannot {verb} it")
+
+    seq = await _command(ctx, check, lambda expected: record_state(
+        js_of(ctx), changefeed_id, state, ctx.requested_by, f"{verb} through the api",
+        expected_last_subject_seq=expected))
+    return _accepted(changefeed_id, seq, f"changefeed {state}")
+
+
+_STATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    404: {"description": "Unknown changefeed"}, 409: {"description": "Not in a state that allows it"}}
+
+
+@router.post("/{changefeed_id}/pause", status_code=202, response_model=Accepted,
+             dependencies=[Depends(require_write)], responses=_STATE_RESPONSES)
+async def pause_changefeed(changefeed_id: str, ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+    return await _set_state(ctx, changefeed_id, "paused", ("running",), "pause")
+
+
+@router.post("/{changefeed_id}/resume", status_code=202, response_model=Accepted,
+             dependencies=[Depends(require_write)], responses=_STATE_RESPONSES)
+async def resume_changefeed(changefeed_id: str, ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+    return await _set_state(ctx, changefeed_id, "running", ("paused",), "resume")
+
+
+@router.delete("/{changefeed_id}", status_code=202, response_model=Accepted,
+               dependencies=[Depends(require_write)], responses=_STATE_RESPONSES)
+async def delete_changefeed(changefeed_id: str, ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+    return await _set_state(ctx, changefeed_id, "deleted", ("running", "paused"), "delete")

@@ -1,0 +1,253 @@
+"""/api/v1 tables, members, sources, rebalance and status: where every span runs and how far
+it is, read from the read models plus the span checkpoints and snapshot progress in KV;
+moves, drains and rebalances go to the scheduler leader."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections import Counter
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException
+from nats.errors import Error as NatsError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+from sqlmodel import Session, select
+
+from contracts.events.changefeeds import ChangefeedSpecV2
+from contracts.events.scheduling import ScheduleRequestV1, SpanRefV1
+from libs.streams import (
+    CHECKPOINT_BUCKET,
+    LEADER_BUCKET,
+    ROWS_STREAM,
+    SNAPSHOT_BUCKET,
+    command_subject,
+    resolved_subject,
+    token,
+)
+from services.api.auth import require_read, require_write
+from services.api.commands import request_json, schedule_request
+from services.api.context import ApiContext, get_ctx, js_of, projections_of
+from services.api.models import ChangefeedRow, MemberRow, SpanRow
+from services.api.routes.changefeeds import list_changefeeds, load_changefeed
+from services.api.schemas import (
+    Accepted,
+    CheckpointOut,
+    MemberOut,
+    MoveIn,
+    SourceOut,
+    StatusOut,
+    TableOut,
+    lag_seconds,
+    redact_url,
+)
+from services.sink_worker.span import Span as WorkerSpan
+
+router = APIRouter(tags=["cluster"])
+
+
+_buckets: dict[tuple[int, str], KeyValue] = {}
+
+
+async def _bucket(ctx: ApiContext, bucket: str) -> KeyValue:
+    # Bound once per connection (binding asks the server for the stream); a bucket that does
+    # not exist yet is asked for again next time.
+    key = (id(ctx.nc), bucket)
+    if key not in _buckets:
+        _buckets[key] = await js_of(ctx).key_value(bucket)
+    return _buckets[key]
+
+
+async def _kv_json(ctx: ApiContext, bucket: str, key: str) -> dict[str, Any] | None:
+    """A JSON value from a KV bucket; None when the bucket or key is absent or unreadable."""
+    try:
+        kv = await _bucket(ctx, bucket)
+        entry = await kv.get(key)
+    except (BucketNotFoundError, KeyNotFoundError, NotFoundError):
+        return None
+    try:
+        value = json.loads(entry.value or b"null")
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+async def table_out(ctx: ApiContext, row: SpanRow) -> TableOut:
+    key = WorkerSpan(row.changefeed, row.source, row.database, row.table).kv_key
+    cp = await _kv_json(ctx, CHECKPOINT_BUCKET, key)
+    checkpoint = None
+    if cp is not None:
+        with contextlib.suppress(TypeError, ValueError):
+            checkpoint = CheckpointOut(stream_seq=int(cp.get("stream_seq", 0)), ts=int(cp.get("ts", 0)))
+    checkpoint_ts = max(row.checkpoint_ts, checkpoint.ts if checkpoint else 0)
+    return TableOut(changefeed=row.changefeed, source=row.source, database=row.database,
+                    table=row.table, key=row.key, state=row.state, primary=row.primary,
+                    secondary=row.secondary, members=json.loads(row.members_json), error=row.error,
+                    checkpoint_ts=checkpoint_ts, resolved_ts=row.resolved_ts,
+                    lag_s=lag_seconds(checkpoint_ts), checkpoint=checkpoint,
+                    snapshot=await _kv_json(ctx, SNAPSHOT_BUCKET, key))
+
+
+def _span_row(ctx: ApiContext, changefeed_id: str, source: str, database: str, table: str) -> SpanRow:
+    load_changefeed(ctx, changefeed_id)  # 404 for an unknown changefeed
+    with Session(projections_of(ctx).engine) as session:
+        row = session.exec(select(SpanRow).where(
+            SpanRow.changefeed == changefeed_id, SpanRow.source == source,
+            SpanRow.database == database, SpanRow.table == table)).first()
+    if row is None:
+        raise HTTPException(404, f"changefeed {changefeed_id!r} has no table {source}/{database}.{table}")
+    return row
+
+
+@router.get("/changefeeds/{changefeed_id}/tables", response_model=list[TableOut],
+            dependencies=[Depends(require_read)], responses={404: {"description": "Unknown changefeed"}})
+async def get_tables(changefeed_id: str, ctx: ApiContext = Depends(get_ctx)) -> list[TableOut]:
+    load_changefeed(ctx, changefeed_id)
+    with Session(projections_of(ctx).engine) as session:
+        rows = list(session.exec(select(SpanRow).where(SpanRow.changefeed == changefeed_id)
+                                 .order_by(SpanRow.key)))
+    return list(await asyncio.gather(*(table_out(ctx, r) for r in rows)))
+
+
+@router.get("/changefeeds/{changefeed_id}/tables/{source}/{database}/{table}", response_model=TableOut,
+            dependencies=[Depends(require_read)], responses={404: {"description": "Unknown table"}})
+async def get_table(changefeed_id: str, source: str, database: str, table: str,
+                    ctx: ApiContext = Depends(get_ctx)) -> TableOut:
+    return await table_out(ctx, _span_row(ctx, changefeed_id, source, database, table))
+
+
+@router.post("/changefeeds/{changefeed_id}/tables/{source}/{database}/{table}/move", status_code=202,
+             response_model=Accepted, dependencies=[Depends(require_write)],
+             responses={404: {"description": "Unknown table or member"},
+                        409: {"description": "The table is not replicating, or the move is refused"},
+                        503: {"description": "No scheduler leader"}})
+async def move_table(changefeed_id: str, source: str, database: str, table: str, body: MoveIn,
+                     ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+    row = _span_row(ctx, changefeed_id, source, database, table)
+    if row.state != "replicating":
+        raise HTTPException(409, f"table {source}/{database}.{table} is {row.state}, not replicating: "
+                                 "only a replicating table can move")
+    if body.dest not in projections_of(ctx).members.state.members:
+        raise HTTPException(404, f"member {body.dest!r} is not alive")
+    answer = await schedule_request(ctx, ScheduleRequestV1(
+        kind="move", span=SpanRefV1(changefeed=changefeed_id, source=source, database=database,
+                                    table=table),
+        dest=body.dest, requested_by=ctx.requested_by))
+    return Accepted(detail=f"move accepted by scheduler leader {answer.leader}",
+                    follow=f"/api/v1/changefeeds/{changefeed_id}/tables/{source}/{database}/{table}",
+                    events="/api/v1/events?domain=schedule&domain=replication")
+
+
+@router.post("/rebalance", status_code=202, response_model=Accepted, dependencies=[Depends(require_write)],
+             responses={409: {"description": "Refused"}, 503: {"description": "No scheduler leader"}})
+async def rebalance(ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+    answer = await schedule_request(ctx, ScheduleRequestV1(kind="rebalance", requested_by=ctx.requested_by))
+    return Accepted(detail=f"rebalance accepted by scheduler leader {answer.leader}",
+                    follow="/api/v1/members", events="/api/v1/events?domain=schedule")
+
+
+# -- members --------------------------------------------------------------------------------------
+
+def list_members(ctx: ApiContext) -> list[MemberOut]:
+    with Session(projections_of(ctx).engine) as session:
+        members = list(session.exec(select(MemberRow).order_by(MemberRow.member_id)))
+        spans = list(session.exec(select(SpanRow)))
+    primary = Counter(s.primary for s in spans if s.primary)
+    secondary = Counter(s.secondary for s in spans if s.secondary)
+    owned = Counter((s.secondary or s.primary) for s in spans
+                    if (s.secondary or s.primary) and s.state not in ("absent", "removing"))
+    return [MemberOut(member_id=m.member_id, incarnation=m.incarnation, address=m.address,
+                      draining=m.draining, tables=owned[m.member_id], primary=primary[m.member_id],
+                      secondary=secondary[m.member_id]) for m in members]
+
+
+@router.get("/members", response_model=list[MemberOut], dependencies=[Depends(require_read)])
+async def get_members(ctx: ApiContext = Depends(get_ctx)) -> list[MemberOut]:
+    return list_members(ctx)
+
+
+@router.get("/members/{member_id}", response_model=MemberOut, dependencies=[Depends(require_read)],
+            responses={404: {"description": "Unknown member"}})
+async def get_member(member_id: str, ctx: ApiContext = Depends(get_ctx)) -> MemberOut:
+    for m in list_members(ctx):
+        if m.member_id == member_id:
+            return m
+    raise HTTPException(404, f"member {member_id!r} is not alive")
+
+
+@router.post("/members/{member_id}/drain", status_code=202, response_model=Accepted,
+             dependencies=[Depends(require_write)],
+             responses={404: {"description": "Unknown member"}, 409: {"description": "Refused"},
+                        503: {"description": "No scheduler leader"}})
+async def drain_member(member_id: str, ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+    if member_id not in projections_of(ctx).members.state.members:
+        raise HTTPException(404, f"member {member_id!r} is not alive")
+    answer = await schedule_request(ctx, ScheduleRequestV1(kind="drain", member_id=member_id,
+                                                           requested_by=ctx.requested_by))
+    return Accepted(detail=f"drain accepted by scheduler leader {answer.leader}",
+                    follow=f"/api/v1/members/{member_id}", events="/api/v1/events?domain=schedule")
+
+
+# -- sources --------------------------------------------------------------------------------------
+
+async def _resolved_ts(ctx: ApiContext, source: str) -> int | None:
+    try:
+        msg = await js_of(ctx).get_last_msg(ROWS_STREAM, resolved_subject(source))
+    except (NotFoundError, NatsError):
+        return None
+    try:
+        body = json.loads(msg.data or b"{}")
+        return int(body["data"]["ts"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+async def list_sources(ctx: ApiContext) -> list[SourceOut]:
+    with Session(projections_of(ctx).engine) as session:
+        rows = list(session.exec(select(ChangefeedRow).order_by(ChangefeedRow.id)))
+    sources: dict[str, tuple[str, list[str]]] = {}
+    for row in rows:
+        for src in ChangefeedSpecV2.model_validate_json(row.spec_json).sources:
+            url, feeds = sources.setdefault(src.id, (redact_url(src.url), []))
+            feeds.append(row.id)
+    out = []
+    for source_id, (url, feeds) in sorted(sources.items()):
+        resolved = await _resolved_ts(ctx, source_id)
+        lease = await _kv_json(ctx, LEADER_BUCKET, f"capture.{token(source_id)}")
+        out.append(SourceOut(id=source_id, url=url, changefeeds=feeds, resolved_ts=resolved,
+                             resolved_lag_s=lag_seconds(resolved or 0),
+                             capture_leader=str(lease.get("candidate")) if lease else None))
+    return out
+
+
+@router.get("/sources", response_model=list[SourceOut], dependencies=[Depends(require_read)])
+async def get_sources(ctx: ApiContext = Depends(get_ctx)) -> list[SourceOut]:
+    return await list_sources(ctx)
+
+
+@router.get("/sources/{source_id}", response_model=SourceOut, dependencies=[Depends(require_read)],
+            responses={404: {"description": "No changefeed reads this source"}})
+async def get_source(source_id: str, ctx: ApiContext = Depends(get_ctx)) -> SourceOut:
+    for s in await list_sources(ctx):
+        if s.id == source_id:
+            return s
+    raise HTTPException(404, f"no changefeed reads a source {source_id!r}")
+
+
+# -- status ---------------------------------------------------------------------------------------
+
+@router.get("/status", response_model=StatusOut, dependencies=[Depends(require_read)])
+async def status(ctx: ApiContext = Depends(get_ctx)) -> StatusOut:
+    """Every changefeed's lag, every member and every pending DDL lock at a glance."""
+    locks: list[dict[str, Any]] = []
+    error = None
+    try:
+        answer = await request_json(ctx, command_subject("ddl"), {"action": "list"}, "ddl-lock")
+        raw = answer.get("locks")
+        locks = [lk for lk in raw if isinstance(lk, dict)] if isinstance(raw, list) else []
+    except HTTPException as exc:
+        error = str(exc.detail)
+    return StatusOut(changefeeds=list_changefeeds(ctx), members=list_members(ctx), ddl_locks=locks,
+                     ddl_locks_error=error)

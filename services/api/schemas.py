@@ -1,0 +1,170 @@
+"""Request and response bodies of the operator API (the event contracts stay in contracts/)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from contracts.events.changefeeds import ChangefeedSpecV2
+
+REDACTED = "***"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (everything else kept)."""
+    try:
+        parts = urlsplit(url)
+        if not parts.password:
+            return url
+        host = parts.netloc.rsplit("@", 1)[1]
+        return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{REDACTED}@{host}"))
+    except ValueError:
+        return "<unparseable URL>"
+
+
+def unredact_url(url: str, stored: str) -> str:
+    """An update may send back a URL as the api showed it: keep the stored password then."""
+    try:
+        parts, old = urlsplit(url), urlsplit(stored)
+        if parts.password != REDACTED or not old.password:
+            return url
+        if (parts.scheme, parts.username, parts.hostname, parts.port) != (
+                old.scheme, old.username, old.hostname, old.port):
+            return url
+        return urlunsplit(parts._replace(netloc=old.netloc))
+    except ValueError:
+        return url
+
+
+def redact_spec(spec: ChangefeedSpecV2) -> dict[str, Any]:
+    body = spec.model_dump(mode="json")
+    body["sink_url"] = redact_url(spec.sink_url)
+    for src in body["sources"]:
+        src["url"] = redact_url(src["url"])
+    return body
+
+
+def lag_seconds(ts: int, now: float | None = None) -> float | None:
+    """Seconds between now and a ts (``physical_ms << 18 | logical``); None before any ts."""
+    if ts <= 0:
+        return None
+    now_ms = (time.time() if now is None else now) * 1000.0
+    return round(max(0.0, now_ms - (ts >> 18)) / 1000.0, 3)
+
+
+class Accepted(BaseModel):
+    """A command was accepted; follow it at ``follow`` (and in the event feed from ``seq``)."""
+
+    accepted: bool = True
+    detail: str = ""
+    seq: int | None = Field(None, description="Sequence of the recorded event in its domain stream.")
+    follow: str = Field("", description="Where to watch the effect (a resource URL).")
+    events: str = Field("", description="The event feed from just before this command.")
+
+
+class ChangefeedOut(BaseModel):
+    id: str
+    state: str
+    spec: dict[str, Any] = Field(description="The changefeed spec with passwords redacted.")
+    checkpoint_ts: int
+    resolved_ts: int
+    lag_s: float | None
+    tables: int
+    tables_by_state: dict[str, int]
+
+
+class CheckpointOut(BaseModel):
+    stream_seq: int
+    ts: int
+
+
+class TableOut(BaseModel):
+    changefeed: str
+    source: str
+    database: str
+    table: str
+    key: str
+    state: str
+    primary: str | None
+    secondary: str | None
+    members: dict[str, str]
+    error: str | None
+    checkpoint_ts: int
+    resolved_ts: int
+    lag_s: float | None
+    checkpoint: CheckpointOut | None = Field(None, description="The span's stored checkpoint.")
+    snapshot: dict[str, Any] | None = Field(None, description="Initial-load progress, when any.")
+
+
+class MemberOut(BaseModel):
+    member_id: str
+    incarnation: str
+    address: str
+    draining: bool
+    tables: int
+    primary: int
+    secondary: int
+
+
+class SourceOut(BaseModel):
+    id: str
+    url: str
+    changefeeds: list[str]
+    resolved_ts: int | None
+    resolved_lag_s: float | None
+    capture_leader: str | None
+
+
+class LeaderOut(BaseModel):
+    service: str
+    leader: str
+    epoch: int
+    revision: int
+
+
+class DeadLetterOut(BaseModel):
+    seq: int
+    subject: str
+    origin_stream: str
+    original_subject: str
+    original_seq: int | None
+    kind: str
+    reason: str
+    time: str | None
+    headers: dict[str, str]
+    data: str = Field(description="The payload as text (bytes that are not UTF-8 are escaped).")
+    size: int
+
+
+class StatusOut(BaseModel):
+    changefeeds: list[ChangefeedOut]
+    members: list[MemberOut]
+    ddl_locks: list[dict[str, Any]]
+    ddl_locks_error: str | None = None
+
+
+class MoveIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    dest: str = Field(min_length=1, max_length=200, description="Member to move the table to.")
+
+
+class ResignIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    epoch: int | None = Field(None, ge=1, description="Only resign if the leader is at this epoch.")
+    reason: str = Field("", max_length=500)
+
+
+class UnlockIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["exec", "skip"]
+    owner: str | None = Field(None, min_length=1, max_length=1000,
+                              description="exec: the shard (span) that executes the DDL.")
+    reason: str = Field("", max_length=500)
+
+
+class ReasonIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field("", max_length=500)

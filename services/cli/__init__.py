@@ -1,0 +1,1 @@
+"""The ``sluice`` command line: the operator API over HTTP (``SLUICE_API_URL``)."""

@@ -1,0 +1,383 @@
+"""``sluice``: the operator API from a terminal. Human tables by default, ``--json`` for scripts.
+
+The API URL and token come from ``--url``/``--token`` or ``SLUICE_API_URL``/``SLUICE_API_TOKEN``.
+Exit codes: 0 done, 1 the API refused (its message is printed), 2 usage errors.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from libs.config import Settings
+from services.cli import render
+from services.cli.client import ApiClient, ApiError
+
+app = typer.Typer(help="Operate Sluice through its API.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+changefeed_app = typer.Typer(help="Changefeeds: create, inspect, pause, delete.", no_args_is_help=True)
+member_app = typer.Typer(help="Members (sink-workers): list, drain.", no_args_is_help=True)
+ddl_app = typer.Typer(help="Shard DDL locks: list, show, unlock, force-remove.", no_args_is_help=True)
+leader_app = typer.Typer(help="Leaders of the control services: list, resign.", no_args_is_help=True)
+dl_app = typer.Typer(help="Dead letters: list, replay, discard.", no_args_is_help=True)
+app.add_typer(changefeed_app, name="changefeed")
+app.add_typer(member_app, name="member")
+app.add_typer(ddl_app, name="ddl")
+app.add_typer(leader_app, name="leader")
+app.add_typer(dl_app, name="dead-letter")
+
+
+class Cli:
+    def __init__(self, client: ApiClient, as_json: bool) -> None:
+        self.client = client
+        self.json = as_json
+
+    def run(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
+        try:
+            if method == "GET":
+                return self.client.get(path, **params)
+            return self.client.call(method, path, body if body is not None or method != "POST" else {})
+        except ApiError as exc:
+            render.console.print(f"[red]error[/red] {exc.status or ''} {exc.message}".replace("  ", " "))
+            raise typer.Exit(1) from None
+
+    def show(self, value: Any, human: Any = None) -> None:
+        if self.json or human is None:
+            render.as_json(value)
+        else:
+            human(value)
+
+    def accepted(self, answer: dict[str, Any]) -> None:
+        if self.json:
+            render.as_json(answer)
+        else:
+            follow = f" (follow: {answer['follow']})" if answer.get("follow") else ""
+            render.console.print(f"accepted: {answer.get('detail', '')}{follow}")
+
+
+def _cli(ctx: typer.Context) -> Cli:
+    obj: Cli = ctx.obj
+    return obj
+
+
+@app.callback()
+def main_options(ctx: typer.Context,
+                 url: Annotated[str | None, typer.Option(help="API base URL (env SLUICE_API_URL).")] = None,
+                 token: Annotated[str | None, typer.Option(
+                     help="Bearer token (env SLUICE_API_TOKEN).", show_default=False)] = None,
+                 as_json: Annotated[bool, typer.Option("--json", help="JSON output for scripts.")] = False,
+                 ) -> None:
+    settings = Settings()
+    secret = token or (settings.api_token.get_secret_value() if settings.api_token else None)
+    client = ApiClient(url or settings.api_url, secret)
+    ctx.obj = Cli(client, as_json)
+    ctx.call_on_close(client.close)
+
+
+# -- status ---------------------------------------------------------------------------------------
+
+@app.command()
+def status(ctx: typer.Context) -> None:
+    """Every changefeed's lag, every member and every pending DDL lock."""
+    cli = _cli(ctx)
+    body = cli.run("GET", "/status")
+    if cli.json:
+        render.as_json(body)
+        return
+    render.changefeeds(body["changefeeds"])
+    render.members(body["members"])
+    if body.get("ddl_locks_error"):
+        render.console.print(f"DDL locks: unknown ({body['ddl_locks_error']})")
+    else:
+        render.ddl_locks(body["ddl_locks"])
+
+
+# -- changefeeds ----------------------------------------------------------------------------------
+
+def _read_spec(path: Path) -> dict[str, Any]:
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"cannot read a JSON spec from {path}: {exc}") from None
+    if not isinstance(spec, dict):
+        raise typer.BadParameter(f"{path} must hold a JSON object (a changefeed spec)")
+    return spec
+
+
+@changefeed_app.command("list")
+def changefeed_list(ctx: typer.Context) -> None:
+    cli = _cli(ctx)
+    cli.show(cli.run("GET", "/changefeeds"), render.changefeeds)
+
+
+@changefeed_app.command("get")
+def changefeed_get(ctx: typer.Context, changefeed: str) -> None:
+    cli = _cli(ctx)
+    cli.show(cli.run("GET", f"/changefeeds/{changefeed}"))
+
+
+@changefeed_app.command("create")
+def changefeed_create(ctx: typer.Context,
+                      spec_file: Annotated[Path, typer.Argument(help="JSON file with the changefeed spec.")],
+                      ) -> None:
+    """Create a changefeed from a spec (id, sources, filter, routes, sink_url, start...)."""
+    cli = _cli(ctx)
+    cli.accepted(cli.run("POST", "/changefeeds", _read_spec(spec_file)))
+
+
+@changefeed_app.command("update")
+def changefeed_update(ctx: typer.Context, changefeed: str, spec_file: Path) -> None:
+    """Replace a changefeed's spec (passwords shown as *** keep their stored value)."""
+    cli = _cli(ctx)
+    cli.accepted(cli.run("PUT", f"/changefeeds/{changefeed}", _read_spec(spec_file)))
+
+
+@changefeed_app.command("pause")
+def changefeed_pause(ctx: typer.Context, changefeed: str) -> None:
+    cli = _cli(ctx)
+    cli.accepted(cli.run("POST", f"/changefeeds/{changefeed}/pause"))
+
+
+@changefeed_app.command("resume")
+def changefeed_resume(ctx: typer.Context, changefeed: str) -> None:
+    cli = _cli(ctx)
+    cli.accepted(cli.run("POST", f"/changefeeds/{changefeed}/resume"))
+
+
+@changefeed_app.command("delete")
+def changefeed_delete(ctx: typer.Context, changefeed: str) -> None:
+    cli = _cli(ctx)
+    cli.accepted(cli.run("DELETE", f"/changefeeds/{changefeed}"))
+
+
+@changefeed_app.command("tables")
+def changefeed_tables(ctx: typer.Context, changefeed: str) -> None:
+    """Where each table runs, its state, checkpoint lag and initial-load progress."""
+    cli = _cli(ctx)
+    cli.show(cli.run("GET", f"/changefeeds/{changefeed}/tables"), render.tables)
+
+
+@changefeed_app.command("move")
+def changefeed_move(ctx: typer.Context, changefeed: str, source: str, database: str, table: str,
+                    to: Annotated[str, typer.Option("--to", help="Destination member.")]) -> None:
+    """Move one table of a changefeed to another member."""
+    cli = _cli(ctx)
+    cli.accepted(cli.run("POST", f"/changefeeds/{changefeed}/tables/{source}/{database}/{table}/move",
+                         {"dest": to}))
+
+
+def _snapshot_totals(tables: list[dict[str, Any]]) -> dict[str, tuple[int, int, str]]:
+    out = {}
+    for t in tables:
+        snap = t.get("snapshot")
+        if snap:
+            name = f"{t['source']}/{t['database']}.{t['table']}"
+            out[name] = (int(snap.get("rows_copied") or 0),
+                         int(snap.get("rows_estimate") or 0), str(snap.get("state", "")))
+    return out
+
+
+@changefeed_app.command("snapshot")
+def changefeed_snapshot(ctx: typer.Context, changefeed: str,
+                        wait: Annotated[bool, typer.Option(help="Follow until every copy is done.")] = False,
+                        timeout: Annotated[float, typer.Option(help="Give up after this many s.")] = 3600,
+                        ) -> None:
+    """Initial-load progress of every table: rows copied of the estimate, with progress bars."""
+    cli = _cli(ctx)
+    totals = _snapshot_totals(cli.run("GET", f"/changefeeds/{changefeed}/tables"))
+    if cli.json or not wait:
+        if cli.json:
+            render.as_json({k: {"rows_copied": v[0], "rows_estimate": v[1], "state": v[2]}
+                            for k, v in totals.items()})
+        else:
+            render.table("initial load", ["table", "state", "rows copied", "estimate"],
+                         ([k, v[2], v[0], v[1] or None] for k, v in sorted(totals.items())))
+        return
+    deadline = time.monotonic() + timeout
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=render.console) as bars:
+        ids = {}
+        while True:
+            for name, (done, est, state) in sorted(totals.items()):
+                if name not in ids:
+                    ids[name] = bars.add_task(name, total=est or None)
+                bars.update(ids[name], completed=done, total=est or None, description=f"{name} {state}")
+            if all(state in ("done", "finished", "complete", "completed") for _, _, state in totals.values()):
+                return
+            if time.monotonic() > deadline:
+                render.console.print("timed out waiting for the initial load")
+                raise typer.Exit(1)
+            time.sleep(1.0)
+            totals = _snapshot_totals(cli.run("GET", f"/changefeeds/{changefeed}/tables"))
+
+
+@app.command()
+def rebalance(ctx: typer.Context) -> None:
+    """Ask the scheduler to even out tables across members."""
+    cli = _cli(ctx)
+    cli.accepted(cli.run("POST", "/rebalance"))
+
+
+@app.command()
+def sources(ctx: typer.Context) -> None:
+    """Sources of the changefeeds, with their resolved-ts lag and capture leader."""
+    cli = _cli(ctx)
+
+    def human(items: list[dict[str, Any]]) -> None:
+        render.table("sources", ["source", "url", "changefeeds", "resolved lag", "capture"],
+                     ([s["id"], s["url"], ",".join(s["changefeeds"]), render.lag(s.get("resolved_lag_s")),
+                       s.get("capture_leader")] for s in items))
+
+    cli.show(cli.run("GET", "/sources"), human)
+
+
+# -- members --------------------------------------------------------------------------------------
+
+@member_app.command("list")
+def member_list(ctx: typer.Context) -> None:
+    cli = _cli(ctx)
+    cli.show(cli.run("GET", "/members"), render.members)
+
+
+@member_app.command("drain")
+def member_drain(ctx: typer.Context, member: str,
+                 wait: Annotated[bool, typer.Option(help="Show progress until the member is empty.")] = False,
+                 timeout: Annotated[float, typer.Option(help="Give up after this many s.")] = 600,
+                 ) -> None:
+    """Move every table off a member (it keeps running, with nothing to do)."""
+    cli = _cli(ctx)
+    before = cli.run("GET", f"/members/{member}")
+    cli.accepted(cli.run("POST", f"/members/{member}/drain"))
+    if not wait:
+        return
+    total = int(before.get("tables") or 0)
+    deadline = time.monotonic() + timeout
+    with Progress(TextColumn("draining {task.fields[member]}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=render.console, disable=cli.json) as bars:
+        task = bars.add_task("drain", total=max(total, 1), member=member)
+        while True:
+            try:
+                left = int(cli.client.get(f"/members/{member}").get("tables") or 0)
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                left = 0  # the member left: nothing runs there any more
+            total = max(total, left)
+            bars.update(task, total=max(total, 1), completed=total - left)
+            if left == 0:
+                break
+            if time.monotonic() > deadline:
+                render.console.print(f"timed out with {left} table(s) still on {member}")
+                raise typer.Exit(1)
+            time.sleep(0.5)
+    if cli.json:
+        render.as_json({"member": member, "tables": 0, "drained": True})
+    else:
+        render.console.print(f"{member} is drained")
+
+
+# -- DDL locks ------------------------------------------------------------------------------------
+
+@ddl_app.command("list")
+def ddl_list(ctx: typer.Context) -> None:
+    cli = _cli(ctx)
+    cli.show(cli.run("GET", "/ddl-locks"), render.ddl_locks)
+
+
+@ddl_app.command("show")
+def ddl_show(ctx: typer.Context, changefeed: str, target: str) -> None:
+    cli = _cli(ctx)
+    cli.show(cli.run("GET", f"/ddl-locks/{changefeed}/{target}"))
+
+
+@ddl_app.command("unlock")
+def ddl_unlock(ctx: typer.Context, changefeed: str, target: str,
+               mode: Annotated[str, typer.Option(help="exec: the owner runs the DDL; skip: nobody does.")],
+               owner: Annotated[str | None, typer.Option(help="exec: the shard (span) that runs it.")] = None,
+               reason: str = "") -> None:
+    if mode not in ("exec", "skip"):
+        raise typer.BadParameter("--mode must be exec or skip")
+    cli = _cli(ctx)
+    cli.accepted(cli.run("POST", f"/ddl-locks/{changefeed}/{target}/unlock",
+                         {"mode": mode, "owner": owner, "reason": reason}))
+
+
+@ddl_app.command("force-remove")
+def ddl_force_remove(ctx: typer.Context, changefeed: str, target: str, reason: str = "") -> None:
+    cli = _cli(ctx)
+    cli.accepted(cli.run("POST", f"/ddl-locks/{changefeed}/{target}/force-remove", {"reason": reason}))
+
+
+# -- leaders --------------------------------------------------------------------------------------
+
+@leader_app.command("list")
+def leader_list(ctx: typer.Context) -> None:
+    cli = _cli(ctx)
+    cli.show(cli.run("GET", "/leaders"), lambda items: render.table(
+        "leaders", ["service", "leader", "epoch"], ([x["service"], x["leader"], x["epoch"]] for x in items)))
+
+
+@leader_app.command("resign")
+def leader_resign(ctx: typer.Context, service: str,
+                  epoch: Annotated[int | None, typer.Option(help="Only at this epoch.")] = None,
+                  reason: str = "") -> None:
+    """Ask a service's leader to step down; another replica takes over."""
+    cli = _cli(ctx)
+    cli.accepted(cli.run("POST", f"/leaders/{service}/resign", {"epoch": epoch, "reason": reason}))
+
+
+# -- dead letters ---------------------------------------------------------------------------------
+
+@dl_app.command("list")
+def dl_list(ctx: typer.Context, after: int = 0, limit: int = 100) -> None:
+    cli = _cli(ctx)
+    cli.show(cli.run("GET", "/dead-letters", after=after, limit=limit), lambda items: render.table(
+        "dead letters", ["seq", "from", "kind", "reason"],
+        ([d["seq"], d["original_subject"], d["kind"], d["reason"][:80]] for d in items)))
+
+
+@dl_app.command("replay")
+def dl_replay(ctx: typer.Context, seq: int) -> None:
+    """Republish a dead letter to its original subject and remove it."""
+    cli = _cli(ctx)
+    cli.accepted(cli.run("POST", f"/dead-letters/{seq}/replay"))
+
+
+@dl_app.command("discard")
+def dl_discard(ctx: typer.Context, seq: int) -> None:
+    cli = _cli(ctx)
+    cli.accepted(cli.run("DELETE", f"/dead-letters/{seq}"))
+
+
+# -- events ---------------------------------------------------------------------------------------
+
+@app.command()
+def events(ctx: typer.Context,
+           since: Annotated[str | None, typer.Option(help="Resume cursor (domain:seq,...).")] = None,
+           domain: Annotated[list[str] | None, typer.Option(help="Domains to follow (repeat).")] = None,
+           limit: Annotated[int | None, typer.Option(help="Stop after this many events.")] = None) -> None:
+    """Follow the control-domain events; every line carries the cursor to resume from."""
+    cli = _cli(ctx)
+    params: dict[str, Any] = {"since": since, "domain": domain, "limit": limit}
+    try:
+        for frame in cli.client.events({k: v for k, v in params.items() if v is not None}):
+            if frame.get("event") != "event":
+                continue
+            data = frame["data"]
+            if cli.json:
+                render.console.out(json.dumps({"cursor": frame.get("id"), **data}), highlight=False)
+            else:
+                render.console.out(f"{frame.get('id')}  {data.get('type')}  "
+                                   f"{json.dumps(data.get('data'), sort_keys=True)[:200]}", highlight=False)
+    except ApiError as exc:
+        render.console.print(f"error {exc.status} {exc.message}")
+        raise typer.Exit(1) from None
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,71 @@
+"""Human output: tables and durations; ``--json`` bypasses all of this."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console(highlight=False, soft_wrap=True)
+
+
+def as_json(value: Any) -> None:
+    console.out(json.dumps(value, indent=2, sort_keys=True), highlight=False)
+
+
+def lag(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 120:
+        return f"{value:.1f}s"
+    if value < 7200:
+        return f"{value / 60:.1f}m"
+    return f"{value / 3600:.1f}h"
+
+
+def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    t = Table(title=title, title_justify="left", show_lines=False)
+    for col in columns:
+        t.add_column(col)
+    count = 0
+    for row in rows:
+        t.add_row(*("-" if v is None else str(v) for v in row))
+        count += 1
+    if count == 0:
+        console.print(f"{title}: none")
+    else:
+        console.print(t)
+
+
+def changefeeds(items: list[dict[str, Any]]) -> None:
+    table("changefeeds", ["id", "state", "lag", "checkpoint ts", "tables", "by state"],
+          ([c["id"], c["state"], lag(c.get("lag_s")), c["checkpoint_ts"], c["tables"],
+            " ".join(f"{k}={v}" for k, v in c.get("tables_by_state", {}).items())] for c in items))
+
+
+def members(items: list[dict[str, Any]]) -> None:
+    table("members", ["member", "draining", "tables", "primary", "secondary", "address"],
+          ([m["member_id"], "yes" if m["draining"] else "no", m["tables"], m["primary"],
+            m["secondary"], m.get("address") or None] for m in items))
+
+
+def ddl_locks(items: list[dict[str, Any]]) -> None:
+    table("DDL locks", ["changefeed", "target", "state", "owner", "shards", "conflict/error"],
+          ([lk.get("changefeed"), lk.get("target"), lk.get("state"), lk.get("owner"),
+            len(lk.get("shards") or []), lk.get("conflict") or lk.get("error")] for lk in items))
+
+
+def tables(items: list[dict[str, Any]]) -> None:
+    def progress(t: dict[str, Any]) -> str | None:
+        snap = t.get("snapshot")
+        if not snap:
+            return None
+        done, est = snap.get("rows_copied"), snap.get("rows_estimate")
+        return f"{snap.get('state', '?')} {done}/{est}" if est else f"{snap.get('state', '?')} {done}"
+
+    table("tables", ["source", "database", "table", "state", "primary", "secondary", "lag", "snapshot"],
+          ([t["source"], t["database"], t["table"], t["state"], t.get("primary"), t.get("secondary"),
+            lag(t.get("lag_s")), progress(t)] for t in items))
