@@ -184,7 +184,10 @@ def system(mariadb: MariaDB, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         system.start_worker()
         for proc in system.processes.values():
             proc.wait_healthy(90)
-        capture.wait_healthy(10)
+        # start=current: capture fixes its start position only once it reads; a change made
+        # before that would not be captured. Its first resolved mark says it is reading.
+        system.wait(lambda: _value(_metrics(capture), "sluice_capture_resolved_ts", source=SOURCE) > 0,
+                    90, "capture's first resolved mark")
         yield system
     finally:
         system.stop()
