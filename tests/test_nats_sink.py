@@ -12,11 +12,18 @@ from nats.js import JetStreamContext
 from pyspark.sql import SparkSession
 
 from contracts import REGISTRY
-from contracts.events.rows import DdlExecutedV1
+from contracts.events.rows import DdlExecutedV1, RowImageV1, RowsChangedV1, SourcePositionV1
 from contracts.events.sink import SinkRowChangedV1
 from libs.localservers.nats_server import NatsServer
 from services.sink_worker.checkpoints import Checkpoint, CheckpointStore
-from services.sink_worker.sinks.nats_stream import StreamUrlError, is_stream_sink, parse_stream_url
+from services.sink_worker.sinks.nats_stream import (
+    ChangeSource,
+    StreamUrlError,
+    ddl_message,
+    is_stream_sink,
+    parse_stream_url,
+    row_messages,
+)
 from tests import test_sort_apply as data_path
 from tests.test_sort_apply import PEOPLE, Harness, dele, ins, upd
 
@@ -50,10 +57,51 @@ def test_sink_url_parsing() -> None:
             parse_stream_url(bad)
 
 
+def _source_event(ts: int, rows: list[RowImageV1], part: int = 0) -> ChangeSource:
+    return ChangeSource(f"ev-{ts}-{part}", RowsChangedV1(
+        source="s1", database="shop_1", table="people_1", ts=ts << 18, seq=ts * 10 + part, part=part,
+        last_part=True, position=SourcePositionV1(binlog_file="b.000001", binlog_pos=ts), meta=PEOPLE,
+        rows=rows))
+
+
 @pytest.mark.parametrize("fmt", ["sluice", "debezium"])
+def test_messages_keep_every_change_in_order_with_stable_ids(fmt: str) -> None:
+    target = parse_stream_url(f"nats://h:4222/S?subject=out&format={fmt}")
+    # Given out of order: the messages follow (ts, seq, part), then the row index.
+    events = [_source_event(2, [dele(1, "ann", 2)]),
+              _source_event(1, [upd((1, "ann", 1), (1, "ann", 2))], part=1),
+              _source_event(1, [ins(1, "ann", 1)], part=0)]
+    msgs = row_messages(target, "cf", "shop", "people", ["id"], events)
+    again = row_messages(target, "cf", "shop", "people", ["id"], list(reversed(events)))
+    assert [m.msg_id for m in msgs] == [m.msg_id for m in again] == [
+        "cf:ev-1-0:0", "cf:ev-1-1:0", "cf:ev-2-0:0"]
+    assert {m.subject for m in msgs} == {"out.shop.people"}
+    ddl = ddl_message(target, "cf", "shop", "people", ChangeSource("ev-3", DdlExecutedV1(
+        source="s1", database="shop_1", table="people_1", ts=3 << 18, seq=30, statement="ALTER TABLE x",
+        position=SourcePositionV1(binlog_file="b.000001", binlog_pos=3), meta_after=PEOPLE)))
+    assert (ddl.subject, ddl.msg_id) == ("out.shop.people.ddl", "cf:ev-3:ddl")
+    if fmt == "sluice":
+        decoded = [REGISTRY.decode(m.payload).event for m in msgs]
+        assert all(isinstance(e, SinkRowChangedV1) for e in decoded)
+        assert [(e.op, e.database, e.target_schema, e.ts >> 18, e.part) for e in decoded] == [
+            ("insert", "shop_1", "shop", 1, 0), ("update", "shop_1", "shop", 1, 1),
+            ("delete", "shop_1", "shop", 2, 0)]
+        assert isinstance(REGISTRY.decode(ddl.payload).event, DdlExecutedV1)
+    else:
+        bodies = [json.loads(m.payload) for m in msgs]
+        assert [b["op"] for b in bodies] == ["c", "u", "d"]
+        assert bodies[1]["before"] == {"id": 1, "name": "ann", "age": 1}
+        assert bodies[1]["after"] == {"id": 1, "name": "ann", "age": 2} and bodies[2]["after"] is None
+        wanted = {"name": "cf", "server": "s1", "db": "shop_1", "table": "people_1", "ts_ms": 1,
+                  "part": 0, "row": 0}
+        assert {k: bodies[0]["source"][k] for k in wanted} == wanted
+        assert json.loads(ddl.payload)["ddl"] == "ALTER TABLE x"
+
+
 async def test_every_change_is_republished_in_order_once(
-        fmt: str, rows_js: JetStreamContext, checkpoints: CheckpointStore, spark: SparkSession,
+        rows_js: JetStreamContext, checkpoints: CheckpointStore, spark: SparkSession,
         nats_server: NatsServer) -> None:
+    fmt = "sluice"  # the Debezium envelope with real processes: tests/test_observability.py
     stream = f"OUT_{uuid4().hex[:8].upper()}"
     prefix = f"out.{stream.lower()}"
     h = Harness(rows_js, checkpoints, spark, f"{nats_server.url}/{stream}?subject={prefix}&format={fmt}")
