@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     spark_driver_java_options: str = Field(
         "", description="spark.driver.extraJavaOptions (JVM flags of the local driver, e.g. JIT settings)."
     )
+    spark_driver_host: str = Field(
+        "127.0.0.1", description="Address a Spark cluster's executors reach the driver at (driver.host)."
+    )
 
     # Sink-worker data path
     sink_max_events_per_round: int = Field(

@@ -31,6 +31,7 @@ _lock = threading.Lock()
 _session: SparkSession | None = None
 
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _prepare_environment() -> None:
@@ -56,8 +57,10 @@ def _build(settings: Settings) -> SparkSession:
         .config("spark.sql.shuffle.partitions", str(settings.spark_shuffle_partitions))
         .config("spark.driver.memory", settings.spark_driver_memory)
         .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.host", settings.spark_driver_host)
+        # Loopback unless a cluster's executors must reach the driver from other hosts.
+        .config("spark.driver.bindAddress", "127.0.0.1" if settings.spark_driver_host in _LOOPBACK
+                else "0.0.0.0")
         # No Hive metastore (metastore_db/, derby.log) in the working directory.
         .config("spark.sql.catalogImplementation", "in-memory")
         .config("spark.python.worker.reuse", "true")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from libs.config import Settings
 
@@ -42,7 +45,7 @@ def test_compose_runs_every_service_against_jaeger() -> None:
 
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"nats", "mariadb", "postgres", "jaeger"} <= set(services)
+    assert {"nats-1", "mariadb-1", "postgres", "jaeger"} <= set(services)
     modules = {p.name for p in (ROOT / "services").iterdir() if (p / "__main__.py").exists()}
     started = set()
     for spec in services.values():
@@ -58,3 +61,111 @@ def test_compose_runs_every_service_against_jaeger() -> None:
                 assert "SLUICE_NATS_URL" in env_text, spec
                 assert "healthcheck" in spec, spec
     assert started == modules, f"services without a compose entry: {sorted(modules - started)}"
+
+
+def _compose() -> dict[str, Any]:
+    import yaml
+
+    return dict(yaml.safe_load((ROOT / "docker-compose.yml").read_text()))
+
+
+def _sluice_services(services: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """compose name -> (sluice service, spec) of every container that runs a Sluice service."""
+    out = {}
+    for name, spec in services.items():
+        command = spec.get("command") or []
+        if command and str(command[0]).startswith("sluice-"):
+            out[name] = (str(command[0]).removeprefix("sluice-"), spec)
+    return out
+
+
+def test_compose_stack_is_complete_and_consistent() -> None:
+    from libs.service import DEFAULT_PORTS
+
+    services = _compose()["services"]
+    settings = {f"SLUICE_{n.upper()}" for n in Settings.model_fields}
+    nats_nodes = [f"nats-{i}" for i in (1, 2, 3)]
+    # NATS: a 3-node JetStream cluster, every node routed to every other.
+    for node in nats_nodes:
+        spec = services[node]
+        assert spec["image"].startswith("nats:") and "healthcheck" in spec
+        command = " ".join(spec["command"])
+        assert "-js" in spec["command"] and "--cluster_name sluice" in command, node
+        assert all(f"nats://{n}:6222" in command for n in nats_nodes), node
+    # Two MariaDB sources with a ROW binlog of full images, distinct server ids.
+    server_ids = set()
+    for db in ("mariadb-1", "mariadb-2"):
+        command = services[db]["command"]
+        for flag in ("--log-bin=binlog", "--binlog-format=ROW", "--binlog-row-image=FULL",
+                     "--binlog-row-metadata=FULL"):
+            assert flag in command, (db, flag)
+        server_ids.add(next(c for c in command if c.startswith("--server-id=")))
+    assert len(server_ids) == 2
+    assert services["postgres"]["image"].startswith("postgres:")
+    assert {"4318:4318", "16686:16686"} <= set(services["jaeger"]["ports"])
+    # Spark standalone: master on 7077 and a worker registered with it.
+    assert "org.apache.spark.deploy.master.Master" in services["spark-master"]["command"]
+    assert "7077" in services["spark-master"]["command"]
+    worker_cmd = services["spark-worker"]["command"]
+    assert "org.apache.spark.deploy.worker.Worker" in worker_cmd and "spark://spark-master:7077" in worker_cmd
+    # Grafana with the provisioned dashboard; Prometheus with its config.
+    mounts = " ".join(services["grafana"]["volumes"])
+    assert "./infra/grafana/provisioning:/etc/grafana/provisioning" in mounts
+    assert "./infra/grafana/dashboards:/var/lib/grafana/dashboards" in mounts
+    prometheus_mounts = " ".join(services["prometheus"]["volumes"])
+    assert "./infra/prometheus.yml:/etc/prometheus/prometheus.yml" in prometheus_mounts
+
+    sluice = _sluice_services(services)
+    replicas: dict[str, int] = {}
+    for name, (service, spec) in sluice.items():
+        replicas[service] = replicas.get(service, 0) + 1
+        env = {k: str(v) for k, v in spec["environment"].items()}
+        assert spec["image"] == "sluice:latest" and spec["build"]["dockerfile"] == "infra/Dockerfile", name
+        assert env["SLUICE_NATS_URL"].split(",") == [f"nats://{n}:4222" for n in nats_nodes], name
+        assert env["SLUICE_STREAM_REPLICAS"] == "3", name
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
+        assert env["SLUICE_INSTANCE_ID"] == name, name
+        unknown = {k for k in env if k.startswith("SLUICE_")} - settings
+        assert not unknown, f"{name}: settings that do not exist: {unknown}"
+        port = DEFAULT_PORTS[service]
+        assert env["SLUICE_HTTP_PORT"] == str(port), name
+        assert f"127.0.0.1:{port}/healthz" in " ".join(spec["healthcheck"]["test"]), name
+        assert set(spec["depends_on"]) >= set(nats_nodes), name
+        if service == "sink-worker":
+            assert env["SLUICE_SPARK_MASTER"] == "spark://spark-master:7077", name
+            assert env["SLUICE_SPARK_DRIVER_HOST"] == spec["hostname"] == name
+            assert env["SLUICE_DOWNSTREAM_URL"].startswith("postgresql://sluice:sluice@postgres:5432/")
+        if service == "capture":
+            source = env["SLUICE_SOURCE_URL"]
+            assert any(f"@{db}:3306/" in source for db in ("mariadb-1", "mariadb-2")), name
+    assert replicas == {"capture": 2, "member": 2, "scheduler": 2, "replication-manager": 2,
+                        "ddl-lock": 2, "api": 2, "sink-worker": 3}
+    assert {s["environment"]["SLUICE_SOURCE_ID"] for n, (svc, s) in sluice.items() if svc == "capture"} == {
+        "src1", "src2"}
+    # Prometheus scrapes exactly the Sluice containers, on their ports.
+    import yaml
+
+    prometheus = yaml.safe_load((ROOT / "infra" / "prometheus.yml").read_text())
+    targets = {t for job in prometheus["scrape_configs"] if job["job_name"] != "prometheus"
+               for cfg in job["static_configs"] for t in cfg["targets"]}
+    assert targets == {f"{name}:{DEFAULT_PORTS[svc]}" for name, (svc, _) in sluice.items()}
+    # No host port is published twice.
+    published = [str(p).split(":")[0] for spec in services.values() for p in spec.get("ports", [])]
+    assert len(published) == len(set(published)), published
+
+
+def test_docker_compose_config_validates() -> None:
+    import shutil
+
+    candidates = [["docker", "compose"], ["docker-compose"]]
+    for cli in candidates:
+        if shutil.which(cli[0]) is None:
+            continue
+        probe = subprocess.run([*cli, "version"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            continue
+        out = subprocess.run([*cli, "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+                             capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return
+    pytest.skip("no Docker Compose client on this machine (docker compose / docker-compose)")

@@ -7,6 +7,8 @@ import json
 import logging
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -16,7 +18,9 @@ from opentelemetry.trace import SpanKind
 
 from libs.config import Settings
 from libs.localservers.nats_server import NatsServer
+from libs.nats_client import connect
 from libs.telemetry.logs import JsonFormatter
+from libs.telemetry.metrics import NATS_RECONNECTS, render_latest
 from libs.telemetry.tracing import process_span, setup_tracing, tracer
 
 EXPORTER = InMemorySpanExporter()
@@ -70,3 +74,21 @@ def test_settings_secrets_are_not_in_repr() -> None:
     assert s.nats_password is not None and s.nats_password.get_secret_value() == "hunter2"
     assert "hunter2" not in repr(s) and "tok-123" not in repr(s)
     assert "hunter2" not in s.model_dump_json()
+
+
+async def test_nats_reconnects_are_counted(tmp_path: Path) -> None:
+    server = NatsServer(data_dir=tmp_path / "nats").start()
+    nc = await connect(Settings(nats_url=server.url), name="reconnect-test")
+    try:
+        before = NATS_RECONNECTS._value.get()
+        server.restart()  # same port and data: the client reconnects by itself
+        deadline = time.monotonic() + 30
+        while NATS_RECONNECTS._value.get() <= before:
+            assert time.monotonic() < deadline, "no reconnect counted"
+            await asyncio.sleep(0.1)  # polling the counter with a deadline
+        assert nc.is_connected
+        text = render_latest()[0].decode()
+        assert f"sluice_nats_reconnects_total {before + 1}" in text
+    finally:
+        await nc.close()
+        server.stop()

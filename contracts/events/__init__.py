@@ -1,5 +1,5 @@
 """Event models, one module per domain. Importing this package fills the registry."""
 
-from contracts.events import changefeeds, leadership, members, rows, scheduling, shard_ddl, snapshots
+from contracts.events import changefeeds, leadership, members, rows, scheduling, shard_ddl, sink, snapshots
 
-__all__ = ["changefeeds", "leadership", "members", "rows", "scheduling", "shard_ddl", "snapshots"]
+__all__ = ["changefeeds", "leadership", "members", "rows", "scheduling", "shard_ddl", "sink", "snapshots"]

@@ -57,7 +57,8 @@ from libs.eventstore import DomainLog, Fenced, StoredEvent
 from libs.scheduling import Dispatch, SetState
 from libs.service import ServiceRuntime
 from libs.streams import HEARTBEAT_SUBJECTS, announce_subject, dispatch_subject
-from libs.telemetry.tracing import publish_span
+from libs.telemetry.metrics import lag_seconds
+from libs.telemetry.tracing import extract_context, publish_span, tracer
 from services.replication_manager.core import Output, ReplicationCore
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,10 @@ SETS = Gauge("sluice_replication_sets", "Replication sets by state.", ["state"])
 CHECKPOINT_TS = Gauge("sluice_replication_checkpoint_ts", "Published changefeed checkpoint ts.",
                       ["changefeed"])
 CONFLICTS = Gauge("sluice_replication_conflicts", "Spans more than one member may be writing.")
+CHECKPOINT_LAG = Gauge("sluice_changefeed_checkpoint_lag_seconds",
+                       "Wall clock minus the commit time of the changefeed's published checkpoint.",
+                       ["changefeed"])
+MEMBER_SPANS = Gauge("sluice_replication_member_spans", "Spans whose primary is this member.", ["member"])
 
 
 class ReplicationService:
@@ -99,9 +104,13 @@ class ReplicationService:
                 inputs.put_nowait(("member", stored.event))
 
         def on_schedule(stored: StoredEvent) -> None:
+            if isinstance(stored.event, AddTableV1 | MoveTableV1 | RemoveTableV1):
+                # Every dispatch for this span joins the trace of the task that asked for it.
+                sender.trace_of[span_of(stored.event.span)] = extract_context(stored.headers)
             if isinstance(stored.event, SpansChangedV1 | AddTableV1 | MoveTableV1 | RemoveTableV1):
                 inputs.put_nowait(("schedule", stored.event))
 
+        sender = _Sender(self, leadership)
         members = DomainFollower(self.js, "members", members_fold, MembersState, restore=MembersState.restore,
                                  on_event=on_member, name="rm_members", settings=settings)
         schedule = DomainFollower(self.js, "schedule", schedule_fold, ScheduleState,
@@ -115,12 +124,12 @@ class ReplicationService:
                                wanted=schedule.state.wanted,
                                max_task_concurrency=settings.scheduler_max_task_concurrency,
                                started_at=started)
+        sender.core = core
         log.info("replication-manager leading; waiting for the live members' reports", extra={
             "epoch": leadership.epoch, "awaiting": sorted(core.manager.awaiting),
             "known_spans": len(recorded.sets), "replay_s": round(time.monotonic() - started, 3)})
         policy = SnapshotPolicy(settings.control_snapshot_every)
         policy.opened(domain_log)
-        sender = _Sender(self, leadership, core)
 
         async def on_heartbeat(msg: Msg) -> None:
             try:
@@ -223,6 +232,15 @@ class ReplicationService:
             placement[span.key] = rs.primary
         for state, n in by_state.items():
             SETS.labels(state).set(n)
+        per_member: dict[str, int] = dict.fromkeys(core.incarnations, 0)
+        for primary in placement.values():
+            if primary is not None:
+                per_member[primary] = per_member.get(primary, 0) + 1
+        MEMBER_SPANS.clear()  # members that left drop out
+        for member, n in per_member.items():
+            MEMBER_SPANS.labels(member).set(n)
+        for cf, cp in core.tracker.changefeeds.items():
+            CHECKPOINT_LAG.labels(cf).set(lag_seconds(cp.checkpoint_ts))
         errors = core.manager.errors
         CONFLICTS.set(len(errors))
         self.runtime.status["replication"] = {
@@ -245,17 +263,19 @@ class _Sender:
     An identical dispatch already on its way is not sent twice (ticks resend what is still
     missing; the member treats duplicates as no-ops anyway, this only saves traffic)."""
 
-    def __init__(self, service: ReplicationService, leadership: Leadership, core: ReplicationCore) -> None:
+    def __init__(self, service: ReplicationService, leadership: Leadership) -> None:
         self.service = service
         self.leadership = leadership
-        self.core = core
+        self.core: ReplicationCore | None = None
+        self.trace_of: dict[Any, Any] = {}
+        """span -> trace context of the newest schedule task for it (one entry per span)."""
         self.inputs: asyncio.Queue[tuple[str, Any]] | None = None
         self._inflight: set[tuple[str, object, str]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def send(self, d: Dispatch) -> None:
         key = (d.member, d.span, d.action.value)
-        if key in self._inflight:
+        if key in self._inflight or self.core is None:
             return
         incarnation = self.core.incarnations.get(d.member)
         if incarnation is None:
@@ -274,7 +294,11 @@ class _Sender:
             payload = REGISTRY.encode(dispatch_request(d, incarnation), producer=service.runtime.producer,
                                       epoch=d.epoch)
             subject = dispatch_subject(d.member)
-            with publish_span(subject, {}) as (_span, headers):
+            with tracer().start_as_current_span(
+                    f"dispatch {d.action.value}", context=self.trace_of.get(d.span),
+                    attributes={"sluice.span": d.span.key, "sluice.member": d.member,
+                                "sluice.epoch": d.epoch}), \
+                    publish_span(subject, {}) as (_span, headers):
                 try:
                     msg = await service.nc.request(subject, payload, headers=headers,
                                                    timeout=service.settings.dispatch_timeout_s)

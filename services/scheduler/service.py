@@ -45,6 +45,7 @@ from libs.eventstore import DomainLog, StoredEvent
 from libs.scheduling import ChangefeedId, Span
 from libs.service import ServiceRuntime
 from libs.streams import command_subject
+from libs.telemetry.tracing import tracer
 from services.scheduler.core import SchedulerCore
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,10 @@ class SchedulerService:
                     await domain_log.append(event)
                     policy.appended()
                 for event in core.round(members.state, replication.state, now):
-                    await domain_log.append(event)
+                    # The root of the task's trace: the manager's dispatches and the worker's
+                    # handling continue it (context in the NATS headers).
+                    with tracer().start_as_current_span(f"schedule {REGISTRY.key_of(type(event))[0]}"):
+                        await domain_log.append(event)
                     policy.appended()
                     TASKS.labels(REGISTRY.key_of(type(event))[0]).inc()
                     log.info("recorded %s", REGISTRY.key_of(type(event))[0],

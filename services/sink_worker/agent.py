@@ -63,7 +63,7 @@ from libs.control.convert import dispatch_of, status_ref
 from libs.scheduling import AgentOutcome, AgentVerdict, MemberAgentState, TableState, TableStatus
 from libs.scheduling import Span as SchedSpan
 from libs.streams import LEADER_BUCKET, announce_subject, dispatch_subject, heartbeat_subject
-from libs.telemetry.tracing import process_span
+from libs.telemetry.tracing import inject_headers, process_span
 from services.sink_worker.pipeline import Pipeline, SpanConfig
 from services.sink_worker.span import Span
 
@@ -302,7 +302,9 @@ class SinkAgent:
                                         status=status_ref(status))
             self.publish_status()
             if msg.reply:
-                await msg.respond(REGISTRY.encode(answer, producer=self.producer))
+                # The answer carries the trace context too, so the manager's side can continue it.
+                await self.nc.publish(msg.reply, REGISTRY.encode(answer, producer=self.producer),
+                                      headers=inject_headers())
 
     # ------------------------------------------------------------------ pipeline side
 

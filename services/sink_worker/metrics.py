@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import Counter, Gauge, Histogram
+
+from libs.telemetry.metrics import lag_seconds
+
+__all__ = ["lag_seconds", "ts_to_seconds"]
 
 ROWS_APPLIED = Counter("sluice_sink_rows_applied", "Final row images written downstream.",
                        ["changefeed", "op"])
@@ -35,11 +37,6 @@ def ts_to_seconds(ts: int) -> float:
     """A Sluice ts (``physical_ms << 18 | logical``) as Unix seconds."""
     return (ts >> 18) / 1000.0
 
-
-def lag_seconds(ts: int, now: float | None = None) -> float:
-    if ts <= 0:
-        return 0.0
-    return max(0.0, (time.time() if now is None else now) - ts_to_seconds(ts))
 
 # Initial load (services/sink_worker/snapshot.py).
 SNAPSHOT_ROWS = Counter("sluice_snapshot_rows_copied", "Rows an initial load copied downstream.",

@@ -57,6 +57,14 @@ from services.sink_worker.pull import PulledEvent, PullResult, SpanReader, lates
 from services.sink_worker.shard_ddl import ShardDdl, execute_on_target, lock_ref, rewritten
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.factory import open_sink
+from services.sink_worker.sinks.nats_stream import (
+    ChangeSource,
+    StreamMessage,
+    StreamPublisher,
+    ddl_message,
+    is_stream_sink,
+    row_messages,
+)
 from services.sink_worker.snapshot import InitialLoads, SnapshotRequest, snapshot_mode
 from services.sink_worker.sort_job import SortResult, SpanCut, SpanInput, event_records, run_sort
 from services.sink_worker.span import KeylessTableError, Span, route_of, shard_ref, target_for
@@ -74,6 +82,9 @@ class PipelineOptions:
     apply_partitions: int = 4
     stop_grace_s: float = 4.0
     checkpoint_interval_s: float = 1.0
+    stream_replicas: int = 1
+    """Replicas and duplicate window of a stream the NATS sink creates."""
+    dedup_window_s: float = 120.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PipelineOptions:
@@ -84,6 +95,8 @@ class PipelineOptions:
             # Read once libs/config.py defines SLUICE_SINK_CHECKPOINT_INTERVAL_S; the default until then.
             checkpoint_interval_s=float(getattr(settings, "sink_checkpoint_interval_s",
                                                 cls.checkpoint_interval_s)),
+            stream_replicas=settings.stream_replicas,
+            dedup_window_s=settings.dedup_window_s,
         )
 
 
@@ -175,6 +188,9 @@ class _Outcome:
     refused: str | None = None
     """... or "refused" (the DDL leaves the table without a usable key)."""
     error: str | None = None
+    publish: list[StreamMessage] | None = None
+    """NATS sink: the batch's messages; written (and the DDL applied) once all are acked."""
+    publish_ddl: bool = False
 
 
 @dataclass
@@ -241,6 +257,7 @@ class Pipeline:
         self.last_report: RoundReport | None = None
         # (sink url, schema, table) -> meta JSON the target was last brought to by this process.
         self._schemas: dict[tuple[str, str | None, str], str] = {}
+        self._publishers: dict[str, StreamPublisher] = {}
         self.shard_ddl: ShardDdl | None = None
         """Shard DDL coordination; without it a sharded target's DDL blocks its spans."""
 
@@ -312,6 +329,10 @@ class Pipeline:
         for rt in [*self.spans.values(), *self.prepared.values()]:
             await rt.reader.close()
         self.prepared.clear()
+        for publisher in self._publishers.values():
+            with contextlib.suppress(Exception):
+                await publisher.close()
+        self._publishers.clear()
 
     # ------------------------------------------------------------------ two-phase scheduling
 
@@ -462,7 +483,9 @@ class Pipeline:
             cuts: dict[str, SpanCut] = {}
             if any(w.fresh and not w.refused for w in works):
                 try:
-                    cuts, outcomes = await self._in_thread(works, stopping)
+                    with _batch_span(works):
+                        cuts, outcomes = await self._in_thread(works, stopping)
+                        await self._publish_streams(works, outcomes)
                 except RoundAbandoned:
                     report.abandoned = True
                     report.duration_s = time.monotonic() - started
@@ -735,6 +758,9 @@ class Pipeline:
 
     def _apply_sink(self, spark: SparkSession, sink_url: str, works: list[_Work], sort: SortResult,
                     outcomes: dict[str, _Outcome], abort: threading.Event) -> None:
+        if is_stream_sink(sink_url):
+            self._plan_stream(sink_url, works, sort, outcomes)
+            return
         batch_works = [w for w in works if sort.cuts[w.rt.span.kv_key].batch_events and w.plan]
         try:
             sink = open_sink(sink_url)
@@ -747,7 +773,7 @@ class Pipeline:
                 origins = {w.rt.span.kv_key: w.origin for w in batch_works if w.origin is not None}
                 t0 = time.monotonic()
                 with tracer().start_as_current_span(
-                        "apply", links=_links(w.fresh[0] for w in batch_works),
+                        "apply",
                         attributes={"sluice.sink": sink.__repr__(), "sluice.spans": len(keys)}):
                     result = run_apply(spark, sort.batch.where(F.col("span").isin(keys)), plans,
                                        self.options.apply_partitions, origins)
@@ -786,6 +812,76 @@ class Pipeline:
                 m.ROUND_ERRORS.labels("ddl").inc()
                 log.exception("DDL failed", extra={"span": w.rt.span.name, "statement": ddl.event.statement})
                 outcome.error = f"DDL at ts {ddl.ts} failed: {exc!r}"
+
+    def _plan_stream(self, sink_url: str, works: list[_Work], sort: SortResult,
+                     outcomes: dict[str, _Outcome]) -> None:
+        """NATS sink: every change of each span's batch (the sort job's cut, deduplicated by
+        event id), in order, plus the DDL barrier; published on the event loop afterwards."""
+        try:
+            publisher = self._publisher(sink_url)
+        except Exception as exc:
+            for w in works:
+                outcomes[w.rt.span.kv_key] = _Outcome(error=f"NATS sink: {exc}")
+            return
+        for w in works:
+            cut = sort.cuts[w.rt.span.kv_key]
+            outcome = outcomes.setdefault(w.rt.span.kv_key, _Outcome())
+            seen: set[str] = set()
+            batch: list[ChangeSource] = []
+            for e in w.fresh:
+                if (not e.dead and not e.is_ddl and w.start.ts < e.ts <= cut.limit_ts
+                        and e.event_id not in seen):
+                    seen.add(e.event_id)
+                    batch.append(ChangeSource(e.event_id, e.event))
+            schema: str | None = w.rt.span.database
+            table = w.rt.span.table
+            key: tuple[str, ...] = ()
+            if w.plan is not None:
+                schema, table, key = w.plan.table.schema, w.plan.table.name, w.plan.table.key
+            messages = row_messages(publisher.target, w.rt.span.changefeed, schema, table, key, batch)
+            if cut.ddl_id is not None:
+                if w.rt.shards > 1:
+                    outcome.blocked = (f"DDL at ts {cut.ddl_ts} on a target with {w.rt.shards} upstream "
+                                       "shards waits for shard DDL coordination")
+                else:
+                    ddl = next(e for e in w.fresh if e.event_id == cut.ddl_id)
+                    messages.append(ddl_message(publisher.target, w.rt.span.changefeed, schema, table,
+                                                ChangeSource(ddl.event_id, ddl.event)))
+                    outcome.publish_ddl = True
+            outcome.publish = messages
+
+    def _publisher(self, sink_url: str) -> StreamPublisher:
+        publisher = self._publishers.get(sink_url)
+        if publisher is None:
+            publisher = self._publishers[sink_url] = StreamPublisher(
+                sink_url, replicas=self.options.stream_replicas, dedup_window_s=self.options.dedup_window_s)
+        return publisher
+
+    async def _publish_streams(self, works: list[_Work], outcomes: dict[str, _Outcome]) -> None:
+        """Publish the NATS sink batches in order; a span counts as written only once every
+        message of its batch is acknowledged by the stream (else nothing advances for it)."""
+        for w in works:
+            outcome = outcomes.get(w.rt.span.kv_key)
+            if outcome is None or outcome.publish is None:
+                continue
+            t0 = time.monotonic()
+            try:
+                with tracer().start_as_current_span("publish changes", attributes={
+                        "sluice.span": w.rt.span.name, "sluice.messages": len(outcome.publish)}):
+                    await self._publisher(w.rt.config.sink_url).publish(outcome.publish)
+            except Exception as exc:
+                m.ROUND_ERRORS.labels("publish").inc()
+                log.warning("NATS sink publish failed", exc_info=True, extra={"span": w.rt.span.name})
+                outcome.error, outcome.publish = f"NATS sink publish failed: {exc!r}", None
+                continue
+            m.APPLY_SECONDS.observe(time.monotonic() - t0)
+            rows = len(outcome.publish) - (1 if outcome.publish_ddl else 0)
+            m.ROWS_APPLIED.labels(w.rt.span.changefeed, "publish").inc(rows)
+            m.BATCH_ROWS.observe(rows)
+            w.rt.rows_written += rows
+            outcome.rows += rows
+            outcome.written, outcome.ddl_applied = True, outcome.publish_ddl
+            outcome.publish = None
 
     def _count_written(self, works: list[_Work], result: ApplyResult,
                        outcomes: dict[str, _Outcome]) -> None:
@@ -964,6 +1060,19 @@ def target_id(sink_url: str, table: TargetTable) -> str:
     carrying the sink URL, which may hold a password, into Spark's data."""
     digest = hashlib.sha256(sink_url.encode()).hexdigest()[:12]
     return f"{digest}:{table.schema or ''}.{table.name}"
+
+
+@contextlib.contextmanager
+def _batch_span(works: list[_Work]) -> Any:
+    """The span of a round's sort and apply, a child of the publish span of the oldest change in
+    the round: that change's trace runs from capture's publish through the sink's pull, sort and
+    apply. A batch merges many traces; it links to the first change of every other span."""
+    firsts = [w.fresh[0] for w in works if w.fresh and not w.refused]
+    firsts.sort(key=lambda e: e.ts)
+    parent = extract_context(firsts[0].headers) if firsts else None
+    with tracer().start_as_current_span("sink batch", context=parent, links=_links(firsts[1:]),
+                                        attributes={"sluice.spans": len(firsts)}) as span:
+        yield span
 
 
 def _links(events: Any) -> list[trace.Link]:

@@ -1,0 +1,1 @@
+"""Runnable examples for event-stream consumers (see contracts/README.md)."""
