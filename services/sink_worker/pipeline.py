@@ -452,7 +452,8 @@ class Pipeline:
         copies, then one at the copy's low watermark, where streaming starts."""
         assert self.initial_loads is not None
         decision, start = await self.initial_loads.decide(SnapshotRequest(
-            rt.span, rt.config.source_url, rt.config.sink_url, rt.config.key_policy, mode, rt.shards))
+            rt.span, rt.config.source_url, rt.config.sink_url, rt.config.key_policy, mode, rt.shards,
+            rt.config.router))
         if decision == "copying":
             rt.checkpoint = None
             rt.state = "snapshot"

@@ -38,6 +38,7 @@ from nats.js.kv import KeyValue
 from pyspark.sql import SparkSession
 
 from libs.config import Settings
+from libs.routing import Router
 from libs.streams import ROWS_STREAM, SNAPSHOT_BUCKET, token
 from services.capture.table_meta import load_table_info
 from services.sink_worker import metrics as m
@@ -54,7 +55,7 @@ from services.sink_worker.snapshot_job import (
     run_copy,
 )
 from services.sink_worker.snapshot_plan import Chunk, SnapshotProgress
-from services.sink_worker.span import Span, target_for
+from services.sink_worker.span import Span, shard_ref, target_for
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,8 @@ class SnapshotRequest:
     key_policy: Any
     mode: Literal["snapshot", "snapshot-only"]
     shards: int = 1
+    router: Router | None = None
+    """The changefeed's routes: the copy lands in the same target (and origin column) as the stream."""
 
 
 Decision = Literal["copying", "stream", "done"]
@@ -298,7 +301,10 @@ class InitialLoads:
             if unsupported:
                 raise ValueError(f"columns of types capture does not carry: {[c.name for c in unsupported]}")
             meta = info.meta()
-            target = target_for(span, database, table, meta, req.key_policy)
+            target = target_for(span, database, table, meta, req.key_policy, req.router)
+            ref = shard_ref(span, database, table)
+            found = req.router.origin_for(ref) if req.router is not None else None
+            origin = (found.name, found.value(ref)) if found is not None else None
             chunk_key = tuple(meta.primary_key)
             if not progress.planned or progress.key != list(chunk_key):
                 progress.rows_estimate = estimate_rows(conn, database, table)
@@ -314,7 +320,8 @@ class InitialLoads:
             # As the stream does for a single-shard target: columns follow the source's metadata.
             sink.reconcile_schema(target)
         job = CopyJob(source_url=req.source_url, database=database, table=table, chunk_key=chunk_key,
-                      target=target, sink_url=req.sink_url, write_rows=self.options.write_rows)
+                      target=target, sink_url=req.sink_url, write_rows=self.options.write_rows,
+                      origin=origin)
         return job, progress.pending(decode_key(meta, chunk_key))
 
     async def _copy_wave(self, job: CopyJob, wave: list[Chunk]) -> dict[int, int]:

@@ -156,6 +156,8 @@ class CopyJob:
     target: TargetTable
     sink_url: str
     write_rows: int = 5000
+    origin: tuple[str, str] | None = None
+    """The origin column's name and value every copied row gains (a routed shard with one)."""
 
 
 def _read_batches(job: CopyJob, chunk: Chunk, columns: Sequence[str]) -> Iterator[list[tuple[Any, ...]]]:
@@ -187,10 +189,11 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
     the chunk's size."""
     from services.sink_worker.sinks.factory import open_sink
 
-    meta = job.target.meta
-    names = [c.name for c in meta.columns]
-    converters = [_converter(c) for c in meta.columns]
-    key_index = [names.index(k) for k in job.target.key]
+    origin = job.origin
+    # The origin column is the target's, not the source's: read the others, then add it.
+    columns = [c for c in job.target.meta.columns if origin is None or c.name != origin[0]]
+    names = [c.name for c in columns]
+    converters = [_converter(c) for c in columns]
     # Multi-row statements as large as one write batch (still capped by the sink's statement
     # size): a fresh table takes big inserts best, and each statement is a round trip.
     sink = open_sink(job.sink_url, chunk_rows=job.write_rows)
@@ -222,8 +225,10 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
             changes = []
             for raw in rows:
                 values = [None if v is None else conv(v) for v, conv in zip(raw, converters, strict=True)]
-                changes.append(Upsert(key=tuple(values[i] for i in key_index),
-                                      row=dict(zip(names, values, strict=True))))
+                row = dict(zip(names, values, strict=True))
+                if origin is not None:
+                    row[origin[0]] = origin[1]
+                changes.append(Upsert(key=tuple(row[k] for k in job.target.key), row=row))
             sink.apply_partition(job.target, changes)
             written += len(changes)
     finally:
