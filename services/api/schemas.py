@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.events.changefeeds import ChangefeedSpecV2
+from libs.telemetry.metrics import lag_seconds as telemetry_lag_seconds
 
 REDACTED = "***"
 
@@ -48,11 +48,10 @@ def redact_spec(spec: ChangefeedSpecV2) -> dict[str, Any]:
 
 
 def lag_seconds(ts: int, now: float | None = None) -> float | None:
-    """Seconds between now and a ts (``physical_ms << 18 | logical``); None before any ts."""
+    """Seconds between now and a ts, rounded for display; None before any ts (not 0: unknown)."""
     if ts <= 0:
         return None
-    now_ms = (time.time() if now is None else now) * 1000.0
-    return round(max(0.0, now_ms - (ts >> 18)) / 1000.0, 3)
+    return round(telemetry_lag_seconds(ts, now), 3)
 
 
 class Accepted(BaseModel):
