@@ -204,8 +204,16 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiStack]:
         with stack.client() as c:
             wait_ready(c)
             spec = {"id": CF, "sources": [{"id": "src1", "url": "mysql://repl:hunter2@127.0.0.1:3306/"}],
-                    "sink_url": "sqlite:///orders.db"}
+                    "sink_url": "sqlite:///orders.db", "initial_load": "binlog-only"}
             assert c.post("/api/v1/changefeeds", json=spec).status_code == 202
+
+        # The scheduler must want the three spans before their replication sets appear: a set
+        # of a span it does not want (yet) is one it removes.
+        def scheduler_wants_them() -> bool:
+            health = scheduler.health() or {}
+            return int(health.get("scheduling", {}).get("wanted_spans", 0)) >= 3
+
+        wait_until(scheduler_wants_them, 30, "the scheduler to want the changefeed's three spans")
         stack.append("members",
                      LeaderElectedV1(service="member", candidate="peer", epoch=1),
                      MemberJoinedV2(member_id="w1", incarnation="i1", address="10.0.0.1"),
