@@ -164,12 +164,13 @@ def test_tables_members_sources(api_stack: ApiStack) -> None:
 
 
 def _move_once_settled(c: Any, url: str, dest: str, within: float = 30.0) -> Any:
-    """Ask for a move until the scheduler's answer is not "a task in flight": its own balance
-    round may be moving the span this moment, a passing refusal an operator would retry."""
+    """Ask for a move until the scheduler's answer is not a passing refusal (a task in flight,
+    the replication view rebuilding after a leader change): an operator would retry those."""
     deadline = time.monotonic() + within
     while True:
         r = c.post(url, json={"dest": dest})
-        if r.status_code != 409 or "task in flight" not in r.text or time.monotonic() > deadline:
+        passing = any(w in r.text for w in ("task in flight", "rebuilding", "try again"))
+        if r.status_code != 409 or not passing or time.monotonic() > deadline:
             return r
         time.sleep(0.5)
 
@@ -365,7 +366,13 @@ def test_leader_resign(api_stack: ApiStack) -> None:
         before = c.get(f"{V1}/leaders/scheduler").json()
         assert before["leader"] == api_stack.scheduler.instance_id and before["epoch"] >= 1
         assert any(x["service"] == "scheduler" for x in c.get(f"{V1}/leaders").json())
-        r = c.post(f"{V1}/leaders/scheduler/resign", json={"epoch": before["epoch"] + 1000})
+        # 404 while the scheduler is between leases (no leader listens): wait for one.
+        deadline = time.monotonic() + 30
+        while True:
+            r = c.post(f"{V1}/leaders/scheduler/resign", json={"epoch": before["epoch"] + 1000})
+            if r.status_code != 404 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert r.status_code == 409 and "epoch" in r.json()["detail"]
         assert c.post(f"{V1}/leaders/scheduler/resign", json={"epoch": "x"}).status_code == 422
         assert c.post(f"{V1}/leaders/nobody/resign", json={}).status_code == 404
