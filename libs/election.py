@@ -12,6 +12,17 @@ Safety does not rest on the TTL alone (Zeppelin's "simple lock" trusts timing; w
   anybody else can win.
 - Every append to the domain log is fenced on the last sequence (``DomainLog``), so even a
   leader that acts late cannot write after its successor's ``LeaderElected``.
+
+A follower that finds the lease held also probes the holder (``liveness_subject``: only the
+leader of that epoch listens, for the length of its term). "No responders", twice
+``PROBE_CONFIRM_S`` apart, means the server holds no subscription of that term any more: the
+process is gone (``kill -9`` closes its connection at once) or cut off from the server. The
+follower then deletes the lease at the revision it saw (compare-and-delete: a renew in between
+keeps it) and campaigns at once instead of waiting for the TTL. A slow or stopped leader keeps
+its connection and its subscription, so a probe times out and changes nothing: it is only ever
+replaced by the TTL. Either way the fences above hold, because they never relied on the lease
+being exclusive in time: the successor's epoch is higher, its ``LeaderElected`` moves the
+domain log's last sequence, and members refuse the older epoch once they saw the newer one.
 """
 
 from __future__ import annotations
@@ -29,13 +40,15 @@ from uuid import uuid4
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from contracts.events.leadership import LeaderResignedV1
 from libs.eventstore.domain_log import DomainLog, Fenced
-from libs.streams import LEADER_BUCKET, leader_command_subject
+from libs.streams import LEADER_BUCKET, leader_command_subject, token
 from libs.telemetry.metrics import IS_LEADER, LEADER_EPOCH, LEADER_STEPDOWNS
 
 log = logging.getLogger(__name__)
@@ -44,6 +57,35 @@ log = logging.getLogger(__name__)
 # renew spends in flight and the difference between our clock's rate and the server's.
 TRUST_FRACTION = 0.8
 _STREAM_IN_USE = 10058
+# A second "no responders" this long after the first confirms that a holder is gone (and does
+# not only subscribe a moment late at the start of its term).
+PROBE_CONFIRM_S = 0.2
+# Longest wait for the holder's answer, as a fraction of the TTL; silence counts as alive.
+PROBE_TIMEOUT_FRACTION = 0.1
+
+
+def liveness_subject(bucket: str, key: str, epoch: int) -> str:
+    """Answered by the holder of ``key``'s lease at ``epoch`` while its term lasts."""
+    return f"sluice.leader.alive.{token(bucket)}.{token(key)}.{epoch}"
+
+
+async def probe(nc: Client, subject: str, wait_s: float) -> str:
+    """``"gone"`` when nobody subscribes ``subject`` (the server says so at once), ``"alive"``
+    when somebody answers, ``"silent"`` when nobody answers in time (slow or stopped: alive for
+    every decision here) or the probe itself failed."""
+    try:
+        await nc.request(subject, b"", timeout=wait_s)
+    except NoRespondersError:
+        return "gone"
+    except (TimeoutError, NatsTimeoutError, NatsError, OSError):
+        return "silent"
+    return "alive"
+
+
+def holder_gone(verdicts: list[str], confirmations: int = 2) -> bool:
+    """Take a lease over early only when every one of at least ``confirmations`` probes of the
+    same term found nobody: any answer or silence means the holder may still be acting."""
+    return len(verdicts) >= confirmations and all(v == "gone" for v in verdicts)
 
 
 @dataclass(frozen=True)
@@ -105,8 +147,11 @@ class Election:
     """Campaign for, hold and resign one service's lease."""
 
     def __init__(self, js: JetStreamContext, service: str, candidate: str, ttl: float, *,
-                 bucket: str = LEADER_BUCKET, key: str | None = None, replicas: int = 1) -> None:
+                 bucket: str = LEADER_BUCKET, key: str | None = None, replicas: int = 1,
+                 nc: Client | None = None) -> None:
         self.js = js
+        self.nc = nc
+        """With a client, a held lease is probed and taken over when its holder is gone."""
         self.service = service
         self.candidate = candidate
         self.ttl = ttl
@@ -177,10 +222,38 @@ class Election:
     def _value(self, token: str, epoch: int) -> bytes:
         return json.dumps({"candidate": self.candidate, "epoch": epoch, "token": token}).encode()
 
+    def liveness_subject(self, epoch: int) -> str:
+        return liveness_subject(self.bucket, self.key, epoch)
+
+    async def holder_gone(self, holder: LeaderInfo) -> bool:
+        """True when the holder's term has no subscriber on two probes in a row."""
+        if self.nc is None:
+            return False
+        subject = self.liveness_subject(holder.epoch)
+        wait_s = max(0.05, self.ttl * PROBE_TIMEOUT_FRACTION)
+        verdicts = [await probe(self.nc, subject, wait_s)]
+        if verdicts[0] == "gone":
+            await asyncio.sleep(PROBE_CONFIRM_S)
+            verdicts.append(await probe(self.nc, subject, wait_s))
+        return holder_gone(verdicts)
+
+    async def take_over(self, holder: LeaderInfo) -> bool:
+        """Delete a gone holder's lease at the revision we saw; a renew since keeps it."""
+        kv = await self.setup()
+        try:
+            await kv.delete(self.key, last=holder.revision)
+        except (BadRequestError, KeyWrongLastSequenceError):
+            return False
+        log.warning("lease holder gone (no responders); lease released early",
+                    extra={"service": self.service, "holder": holder.candidate, "epoch": holder.epoch})
+        return True
+
     async def try_acquire(self) -> Leadership | None:
         """One attempt: returns a running Leadership when this candidate won, else None."""
-        if await self.current() is not None:
-            return None
+        holder = await self.current()
+        if holder is not None:
+            if not (await self.holder_gone(holder) and await self.take_over(holder)):
+                return None
         kv = await self.setup()
         token = uuid4().hex
         sent_at = time.monotonic()
@@ -309,7 +382,7 @@ async def run_leader_loop(js: JetStreamContext, *, service: str, candidate: str,
     ``leader_command_subject(service)`` during its term and then steps down like on shutdown,
     sitting out one TTL so that another replica wins the next election.
     """
-    election = Election(js, service, candidate, ttl, bucket=bucket, replicas=replicas)
+    election = Election(js, service, candidate, ttl, bucket=bucket, replicas=replicas, nc=nc)
 
     def show(leader: bool, info: LeaderInfo | None) -> None:
         if status is not None:
@@ -352,8 +425,12 @@ async def _lead(election: Election, leadership: Leadership, domain_log: DomainLo
     """One term. Returns why it ended: shutdown, resigned, lease-expired, lease-taken, fenced or
     error."""
     service = election.service
-    commands = None
+    commands = alive = None
     if nc is not None:
+        try:
+            alive = await serve_liveness(nc, election, leadership)
+        except (NatsError, OSError) as failure:  # followers then wait for the TTL
+            log.warning("cannot answer liveness probes: %s", failure, extra={"service": service})
         try:
             commands = await _serve_leader_commands(nc, leadership)
         except (NatsError, OSError) as failure:  # leading matters more than being resignable
@@ -396,9 +473,10 @@ async def _lead(election: Election, leadership: Leadership, domain_log: DomainLo
                     break
                 body = asyncio.create_task(_until_lost(leadership))  # work finished: keep the lease
     finally:
-        if commands is not None:
-            with contextlib.suppress(Exception):
-                await commands.unsubscribe()
+        for sub in (commands, alive):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
         for task in (body, lost_wait, stop_wait, resign_wait):
             task.cancel()
         # return_exceptions: the tasks' own cancellation is expected; ours still propagates.
@@ -421,6 +499,20 @@ async def _lead(election: Election, leadership: Leadership, domain_log: DomainLo
             await asyncio.gather(keeper, return_exceptions=True)
     log.info("leader term ended", extra={"service": service, "epoch": leadership.epoch, "reason": reason})
     return reason
+
+
+async def serve_liveness(nc: Client, election: Election, leadership: Leadership) -> Any:
+    """Answer the followers' probes of this term. Flushed, so the server knows the subscription
+    before the term does anything a follower could notice."""
+
+    async def on_probe(msg: Msg) -> None:
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(str(leadership.epoch).encode())
+
+    sub = await nc.subscribe(election.liveness_subject(leadership.epoch), cb=on_probe)
+    await nc.flush(timeout=max(1, round(election.ttl)))
+    return sub
 
 
 async def _serve_leader_commands(nc: Client, leadership: Leadership) -> Any:

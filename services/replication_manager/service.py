@@ -15,7 +15,8 @@ A term:
    where the replay ended), ticks. Each input returns dispatches, sent as request/reply on
    ``dispatch_subject(member)`` carrying this epoch and the member's incarnation, and events
    appended (fenced) to the replication stream. Checkpoint advances are recorded at most every
-   ``replication_checkpoint_interval_s``.
+   ``replication_checkpoint_interval_s``, except the term's first, looked for after every input
+   once the sets are rebuilt (a failover should not also wait an interval).
 
 The lease is checked before every dispatch: a leader that was stopped past its lease never
 sends one after it resumes, and a member that has seen a newer epoch refuses one that was
@@ -148,6 +149,7 @@ class ReplicationService:
         sub = await self.nc.subscribe(HEARTBEAT_SUBJECTS, cb=on_heartbeat)
         sender.inputs = inputs
         last_tick = last_checkpoint = time.monotonic()
+        advanced = False
 
         async def record(out: Output) -> None:
             for event in out.events:
@@ -181,14 +183,22 @@ class ReplicationService:
                 if now - last_tick >= settings.replication_tick_s:
                     last_tick = now
                     await record(core.tick(now))
-                if now - last_checkpoint >= settings.replication_checkpoint_interval_s:
-                    last_checkpoint = now
-                    for event in core.checkpoint_events():
+                # Until this term has published a checkpoint, look after every input (the first
+                # report that moves the slowest span); from then on at most every interval.
+                due = now - last_checkpoint >= settings.replication_checkpoint_interval_s
+                if due or (core.ready and not advanced):
+                    events = core.checkpoint_events()
+                    for event in events:
                         await domain_log.append(event)
                         policy.appended()
                         CHECKPOINT_TS.labels(event.changefeed).set(event.checkpoint_ts)
-                    await policy.maybe_snapshot(domain_log)
-                    self._publish_status(core, leadership)
+                    if events:
+                        advanced = True
+                        last_checkpoint = now
+                    if due:
+                        last_checkpoint = now
+                        await policy.maybe_snapshot(domain_log)
+                        self._publish_status(core, leadership)
         finally:
             stop.set()
             with contextlib.suppress(Exception):

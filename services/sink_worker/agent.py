@@ -3,12 +3,12 @@
 It wraps ``libs.scheduling.MemberAgentState`` (what a member accepts and what its tables go
 through) and connects it to NATS and to the worker's pipeline:
 
-- heartbeats: every ``heartbeat_interval_s`` (and at once after any table transition or a new
-  leader's announce) a ``member.heartbeat`` on ``heartbeat_subject(member)`` with the member
-  id, this process' incarnation (a fresh uuid per start), its address, whether it drains or
-  leaves, the newest replication-manager epoch it has seen, a sequence number and every
-  span's state, checkpoint and resolved ts. The member service reads it as liveness, the
-  replication-manager as the member's complete report.
+- heartbeats: every ``heartbeat_interval_s`` (and at once after any table transition, a round
+  that moved a checkpoint or a new leader's announce) a ``member.heartbeat`` on
+  ``heartbeat_subject(member)`` with the member id, this process' incarnation (a fresh uuid
+  per start), its address, whether it drains or leaves, the newest replication-manager epoch
+  it has seen, a sequence number and every span's state, checkpoint and resolved ts. The
+  member service reads it as liveness, the replication-manager as the member's complete report.
 - dispatches: request/reply on ``dispatch_subject(member)``. A dispatch for another
   incarnation (meant for this member id's previous process) or from an epoch older than the
   newest seen is refused and counted (``sluice_sink_dispatches_total{verdict}``,
@@ -404,13 +404,19 @@ class SinkAgent:
                     t1: float) -> None:
         """Progress of the spans that ran: reported in the next heartbeat, and written rounds
         go to the writer log. ``before``: each span's (checkpoint ts, rows written) before."""
+        moved = False
         for s, rt in pipeline.spans.items():
             span = sched_span(s)
             if rt.checkpoint is not None:
+                moved = moved or rt.checkpoint.ts != before.get(s, (0, 0))[0]
                 self.state.update_progress(span, rt.checkpoint.ts, rt.resolved_ts)
             prev_ts, prev_rows = before.get(s, (0, rt.rows_written))
             if rt.rows_written > prev_rows and rt.checkpoint is not None:
                 self.writer_log.wrote(span, prev_ts, rt.checkpoint.ts, rt.rows_written - prev_rows, t0, t1)
+        if moved:
+            # Report progress now rather than up to a heartbeat interval later: the changefeed
+            # checkpoint (and a new replication-manager's first one) waits for it.
+            self._beat_now.set()
 
     def status(self) -> dict[str, Any]:
         return {

@@ -8,7 +8,7 @@ tests read from the file stdout is redirected to:
     {"event": "stepdown", "epoch": 7, "reason": "lease-expired"}
 
 Usage: python tests/helpers/candidate.py --url nats://... --bucket B --domain D --service S
-       --candidate ID --ttl 1.0
+       --candidate ID --ttl 1.0 [--probe]
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ async def main() -> None:
     for name in ("url", "bucket", "domain", "service", "candidate"):
         parser.add_argument(f"--{name}", required=True)
     parser.add_argument("--ttl", type=float, required=True)
+    parser.add_argument("--probe", action="store_true",
+                        help="probe a lease holder and take over when it is gone (as services do)")
     args = parser.parse_args()
 
     stopping = asyncio.Event()
@@ -79,7 +81,8 @@ async def main() -> None:
     try:
         await run_leader_loop(nc.jetstream(), service=args.service, candidate=args.candidate,
                               domain=args.domain, producer=f"{args.service}/{args.candidate}",
-                              ttl=args.ttl, work=tick, stopping=stopping, bucket=args.bucket)
+                              ttl=args.ttl, work=tick, stopping=stopping, bucket=args.bucket,
+                              nc=nc if args.probe else None)
     finally:
         await nc.drain()
     say(event="exit")
