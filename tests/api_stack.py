@@ -233,6 +233,15 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiStack]:
         stack.kv_put(SNAPSHOT_BUCKET, key, {"changefeed": CF, "source": "src1", "database": "shop",
                                             "table": "a", "state": "copying", "rows_copied": 500,
                                             "rows_estimate": 1000, "chunks_done": 5, "chunks_total": 10})
+        # The tests' commands go to the real scheduler: it must lead and have folded the seeded
+        # replication state (ready, three sets, both members usable) or it refuses them.
+        def scheduler_settled() -> bool:
+            health = scheduler.health() or {}
+            sched = health.get("scheduling", {})
+            return (bool(health.get("leader")) and bool(sched.get("replication_ready"))
+                    and int(sched.get("sets", 0)) == 3 and len(sched.get("usable_members", [])) == 2)
+
+        wait_until(scheduler_settled, 30, "the scheduler to lead over the seeded replication state")
         with stack.client() as c:
             wait_until(lambda: len(c.get(f"/api/v1/changefeeds/{CF}/tables").json()) == 3, 30,
                        "tables in the read model")

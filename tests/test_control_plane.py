@@ -28,6 +28,7 @@ from tests.helpers.control_plane import (
     TABLES,
     Recorder,
     Workload,
+    diagnostics,
     double_writes,
     eventually,
     health,
@@ -57,14 +58,7 @@ class Cluster:
         return {n: p for n, p in self.system.processes.items() if n.startswith("sink-worker") and p.alive()}
 
     def diagnostics(self) -> str:
-        lines = [f"placement: {self.recorder.placement()}"]
-        for name, proc in self.system.processes.items():
-            h = proc.health() if proc.alive() else None
-            state = {k: h.get(k) for k in ("leader", "epoch", "replication", "scheduling", "members")
-                     if h and k in h} if h else "down"
-            agent = {k: v["state"] for k, v in (h or {}).get("agent", {}).get("tables", {}).items()}
-            lines.append(f"--- {name}: {state} {agent if agent else ''}\n{proc.tail_log(6)}")
-        return "\n".join(lines)
+        return diagnostics(self.system, self.recorder)
 
     async def wait(self, check: Any, within: float, what: str) -> Any:
         return await eventually(check, within, what, diagnostics=self.diagnostics)

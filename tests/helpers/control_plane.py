@@ -44,13 +44,14 @@ TABLES = [f"t{i}" for i in range(8)]
 
 
 class Workload:
-    """Paced transactions over ``TABLES`` of one database: inserts, updates, deletes."""
+    """Paced transactions over ``tables`` of one database: inserts, updates, deletes."""
 
-    def __init__(self, conn: Any, db: str, seed: int = 4) -> None:
+    def __init__(self, conn: Any, db: str, seed: int = 4, tables: list[str] = TABLES) -> None:
         self.conn = conn
         self.db = db
+        self.tables = list(tables)
         self.rng = random.Random(seed)
-        self.ids: dict[str, list[int]] = {t: [] for t in TABLES}
+        self.ids: dict[str, list[int]] = {t: [] for t in self.tables}
         self.next_id = 0
         self.txns = 0
         self._stop = threading.Event()
@@ -59,7 +60,7 @@ class Workload:
     def create(self) -> None:
         with self.conn.cursor() as cur:
             cur.execute(f"CREATE DATABASE IF NOT EXISTS `{self.db}`")
-            for t in TABLES:
+            for t in self.tables:
                 cur.execute(f"CREATE TABLE IF NOT EXISTS `{self.db}`.`{t}` (id BIGINT PRIMARY KEY, "
                             "v INT NOT NULL, note VARCHAR(40) NULL)")
 
@@ -67,7 +68,7 @@ class Workload:
         rng = self.rng
         with self.conn.cursor() as cur:
             cur.execute("BEGIN")
-            for t in rng.sample(TABLES, 2):
+            for t in rng.sample(self.tables, 2):
                 ids = self.ids[t]
                 roll = rng.random()
                 if roll < 0.6 or len(ids) < 5:
@@ -188,7 +189,8 @@ class Recorder:
             d.answer = answer
 
     async def start(self, url: str) -> None:
-        self.nc = await nats.connect(url)
+        # Reconnect for as long as it takes: the chaos suite restarts the nats-server under it.
+        self.nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         js = self.nc.jetstream()
         await self.nc.subscribe("sluice.dispatch.*", cb=self._on_dispatch)
         for domain, handler in (("replication", self._on_replication), ("members", self._on_member)):
@@ -276,6 +278,18 @@ async def eventually(check: Callable[[], Awaitable[Any] | Any], within: float, w
             extra = f"\n{diagnostics()}" if diagnostics is not None else ""
             raise AssertionError(f"timed out after {within:.0f}s waiting for {what}{extra}")
         await asyncio.sleep(interval)  # polling a condition against a deadline
+
+
+def diagnostics(system: LocalSystem, recorder: Recorder) -> str:
+    """Where every span runs and what every process says (leadership, agent) with its log tail."""
+    lines = [f"placement: {recorder.placement()}"]
+    for name, proc in system.processes.items():
+        h = proc.health() if proc.alive() else None
+        state = {k: h.get(k) for k in ("leader", "epoch", "replication", "scheduling", "members")
+                 if h and k in h} if h else "down"
+        agent = {k: v["state"] for k, v in (h or {}).get("agent", {}).get("tables", {}).items()}
+        lines.append(f"--- {name}: {state} {agent if agent else ''}\n{proc.tail_log(6)}")
+    return "\n".join(lines)
 
 
 async def health(proc: ServiceProcess) -> dict[str, Any] | None:
