@@ -20,6 +20,7 @@ lint:
 schemas:
     .venv/bin/python -m contracts.generate
 
-# Benchmarks (not part of the test suite); see BENCHMARKS.md.
-bench:
-    .venv/bin/python -m benchmarks.run_all
+# Every benchmark, and the release report at the top of BENCHMARKS.md (not part of the test
+# suite; ~30 min; `just bench --quick` for a smoke run). Needs `.venv/bin/pip install -e '.[bench]'`.
+bench *ARGS:
+    .venv/bin/python -m benchmarks.run_all {{ARGS}}

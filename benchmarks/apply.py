@@ -61,6 +61,7 @@ from typing import Any
 import nats
 from nats.js import api
 
+from benchmarks.output import Figures, add_json_option
 from contracts import REGISTRY
 from contracts.events.rows import (
     ColumnKind,
@@ -888,6 +889,35 @@ def print_report(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict
                   f">= half of LOAD DATA: {met_load}")
 
 
+def figures_of(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict[str, float],
+               naive_rows: int, out: Figures) -> Figures:
+    final = work.final_rows()
+    insert_s, load_s = baselines.get("insert"), baselines.get("load")
+    insert_rate = final / insert_s if insert_s else None
+    load_rate = final / load_s if load_s else None
+    parts = []
+    if insert_rate:
+        parts.append(f"multi-row INSERT {insert_rate:,.0f} rows/s")
+    if load_rate:
+        parts.append(f"LOAD DATA {load_rate:,.0f} rows/s")
+    baseline = "; ".join(parts) + f" (of the {final:,} final rows, same database)" if parts else None
+    target = ">= multi-row INSERT and >= half of LOAD DATA" if insert_rate and load_rate else None
+    for run in spark_runs:
+        c = run.config
+        rate = work.rows / run.seconds
+        met = rate >= insert_rate and rate >= load_rate / 2 if insert_rate and load_rate else None
+        ratios = (f"; {rate / insert_rate:.2f}x INSERT, {rate / load_rate:.2f}x LOAD DATA"
+                  if insert_rate and load_rate else "")
+        out.add(f"apply path ({c.label}: {c.max_events_per_round:,} events/round, {c.apply_partitions}/"
+                f"{c.shuffle_partitions} partitions{', C1 JIT' if c.java_options else ''}"
+                f"{'' if c.warm else ', cold worker'}), {work.rows:,} row changes{ratios}; peak RSS "
+                f"{_mib(run.peak_rss)}", rate, "changes/s", baseline=baseline, target=target, met=met)
+    if "naive" in baselines:
+        out.add(f"row-at-a-time autocommit apply ({naive_rows:,} changes)", naive_rows / baselines["naive"],
+                "changes/s")
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -920,7 +950,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--fast-db", action="store_true",
                         help="MariaDB without durable commits (flush_log_at_trx_commit=2, sync_binlog=0)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    add_json_option(parser)
     args = parser.parse_args(argv)
+    out = Figures("apply")
     if args.worker:
         print("BENCH " + json.dumps(asyncio.run(_worker(json.loads(args.worker)))), flush=True)
         sys.stdin.read()
@@ -971,6 +1003,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             verify(db, schema, expected, name)
             _say(f"  {baselines[name]:.1f} s, verified")
         print_report(work, runs, baselines, publish_s, naive_rows, durable=not args.fast_db)
+        out.extra["durable"] = not args.fast_db
+        figures_of(work, runs, baselines, naive_rows, out).write(args.json)
     finally:
         db.cleanup()
         nats_server.stop()

@@ -16,6 +16,7 @@ import random
 import time
 from collections import deque
 
+from benchmarks.output import Figures, add_json_option
 from libs.scheduling import (
     ChangefeedCheckpoint,
     Coordinator,
@@ -83,7 +84,9 @@ def main() -> None:
     parser.add_argument("--members", type=int, default=10)
     parser.add_argument("--changefeeds", type=int, default=10)
     parser.add_argument("--seed", type=int, default=1)
+    add_json_option(parser)
     args = parser.parse_args()
+    out = Figures("bench_scheduling")
 
     cluster = Cluster(args.members, args.spans, args.changefeeds, args.seed)
     started = time.perf_counter()
@@ -96,10 +99,12 @@ def main() -> None:
     print(f"schedule {args.spans} spans over {args.members} members to Replicating: "
           f"{elapsed:.3f} s ({cluster.rounds} rounds, {cluster.dispatches} dispatches, "
           f"{args.spans / elapsed:,.0f} spans/s; per-member load {loads[0]}..{loads[-1]})")
+    schedule_s, schedule_dispatches = elapsed, cluster.dispatches
 
     checkpoint = ChangefeedCheckpoint("all", START_TS)
     started = time.perf_counter()
     update = checkpoint.advance(cluster.wanted, cluster.manager.sets)
+    checkpoint_ms = (time.perf_counter() - started) * 1000
     print(f"checkpoint over {args.spans} spans: {(time.perf_counter() - started) * 1000:.1f} ms "
           f"(checkpoint_ts={update.checkpoint_ts})")
 
@@ -115,6 +120,13 @@ def main() -> None:
     print(f"drain {drained} ({args.spans // args.members} spans, max "
           f"{cluster.coordinator.max_task_concurrency} moves in flight): {elapsed:.3f} s "
           f"({cluster.rounds - before} rounds; {moved} spans replicating elsewhere)")
+    out.add(f"{args.spans:,} spans over {args.members} members scheduled to Replicating "
+            f"({schedule_dispatches:,} dispatches)", schedule_s, "s",
+            baseline=None, target="< 30 s", met=schedule_s < 30)
+    out.add(f"one changefeed checkpoint computed over {args.spans:,} spans", checkpoint_ms, "ms")
+    out.add(f"drain one member ({args.spans // args.members:,} spans moved, at most "
+            f"{cluster.coordinator.max_task_concurrency} moves in flight)", elapsed, "s")
+    out.write(args.json)
 
 
 if __name__ == "__main__":

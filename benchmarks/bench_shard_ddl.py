@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import nats  # noqa: E402
 
+from benchmarks.output import Figures, add_json_option  # noqa: E402
 from contracts import REGISTRY  # noqa: E402
 from contracts.events.changefeeds import ChangefeedSpecV2, RouteRuleV1, SourceRefV1  # noqa: E402
 from contracts.events.rows import ColumnV1, TableMetaV1  # noqa: E402
@@ -155,7 +156,12 @@ def _fresh_dir(base: Path) -> None:
     base.mkdir(parents=True)
 
 
-async def main(shard_counts: list[int], rounds: int, base: Path) -> None:
+def _ms(values: list[float]) -> float:
+    return statistics.median(values) * 1000
+
+
+async def main(shard_counts: list[int], rounds: int, base: Path, out: Figures | None = None) -> None:
+    out = out or Figures("bench_shard_ddl")
     _fresh_dir(base)
     server = NatsServer(data_dir=base / "nats").start()
     proc: ServiceProcess | None = None
@@ -194,6 +200,13 @@ async def main(shard_counts: list[int], rounds: int, base: Path) -> None:
             print(f"{n:>3} shards: last Info -> lock resolved {_fmt([f[0] for f in figures])}; "
                   f"-> first non-owner post-DDL row {_fmt([f[1] for f in figures])}; "
                   f"-> every shard's post-DDL row {_fmt([f[2] for f in figures])}")
+            baseline = f"single-shard target's DDL + first row, no lock: median {_ms(single):.0f} ms"
+            resolved = _ms([f[0] for f in figures])
+            out.add(f"{n} shards: last shard's Info -> lock resolved (median of {rounds})", resolved, "ms",
+                    baseline=baseline, target="< 1 s" if n >= 64 else None,
+                    met=resolved < 1000 if n >= 64 else None)
+            out.add(f"{n} shards: last shard's Info -> every shard's post-DDL row written "
+                    f"(median of {rounds})", _ms([f[2] for f in figures]), "ms", baseline=baseline)
         await nc.close()
     finally:
         if proc is not None and proc.alive():
@@ -207,5 +220,8 @@ if __name__ == "__main__":
     parser.add_argument("--shards", type=int, nargs="+", default=[4, 64])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=ROOT / ".sluice" / "bench-shard-ddl")
+    add_json_option(parser)
     args = parser.parse_args()
-    asyncio.run(main(args.shards, args.rounds, args.dir))
+    figures = Figures("bench_shard_ddl")
+    asyncio.run(main(args.shards, args.rounds, args.dir, figures))
+    figures.write(args.json)

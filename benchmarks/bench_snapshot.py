@@ -32,6 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.output import Figures, add_json_option
 from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
 from libs.spark import get_spark, stop_spark
@@ -118,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallelism", type=int, default=4)
     parser.add_argument("--write-rows", type=int, default=5000)
     parser.add_argument("--spark-master", default="local[*]")
+    add_json_option(parser)
     args = parser.parse_args(argv)
+    out = Figures("bench_snapshot")
     with tempfile.TemporaryDirectory(prefix="sluice-bench-snapshot-") as tmpdir:
         tmp = Path(tmpdir)
         source = MariaDB(data_dir=tmp / "source", server_id=11).start()
@@ -142,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
             ratio = snap_rate / load_rate
             print(f"{'initial load (Spark copy)':<28}{snap_s:>10.2f}{snap_rate:>12,.0f}{ratio:>15.2f}")
             print("checksums equal: " + str(snap == load))
+            out.add(f"initial load copy of {args.rows:,} rows ({chunks} chunks of {args.chunk_rows:,}, "
+                    f"{args.parallelism} per wave), checksums equal to LOAD DATA's", snap_rate, "rows/s",
+                    baseline=f"LOAD DATA LOCAL INFILE of the same rows {load_rate:,.0f} rows/s "
+                             f"({ratio:.2f}x of it)",
+                    target=f">= half of LOAD DATA ({load_rate / 2:,.0f} rows/s)",
+                    met=snap_rate >= load_rate / 2)
+            out.write(args.json)
         finally:
             stop_spark()
             for server in (source, down):
