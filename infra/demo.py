@@ -550,6 +550,11 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         wait_for(lambda: len(a.try_get("/members") or []) >= args.workers
                  and {ld["service"] for ld in a.try_get("/leaders") or []} >= set(services),
                  120, "every sink-worker to join and every control service to elect a leader", stop)
+        # A member takes spans only once it reported to the replication-manager leader; a
+        # changefeed created before that would start every span on the first worker and stay
+        # there until the periodic balance.
+        wait_for(functools.partial(_scheduler_sees, system, args.workers), 120,
+                 "the scheduler to see every sink-worker as usable", stop)
         for ld in api.get("/leaders"):
             if ld["service"] in services:
                 say(f"    leader of {ld['service']:<20} {ld['leader']} (epoch {ld['epoch']})")
@@ -647,6 +652,14 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         say("stopping every service and server")
         shutdown(system)
         say("stopped")
+
+
+def _scheduler_sees(system: LocalSystem, workers: int) -> bool:
+    for name, proc in system.processes.items():
+        health = proc.health() if name.startswith("scheduler-") else None
+        if health and health.get("leader"):
+            return len(health.get("scheduling", {}).get("usable_members", [])) >= workers
+    return False
 
 
 def _healthy(proc: ServiceProcess) -> bool:
