@@ -178,6 +178,26 @@ class _Work:
     """The shard DDL at the head of the span was carried out in the driver: its cut."""
 
 
+def _row_changes(work: _Work) -> int:
+    return sum(len(e.event.rows) for e in work.fresh if isinstance(e.event, RowsChangedV1))
+
+
+def split_rows(total: int, weights: list[int]) -> list[int]:
+    """``total`` split in proportion to ``weights`` (equal parts when they are all 0), in whole
+    rows that add up to ``total``: the largest remainders get the leftover rows."""
+    if not weights:
+        return []
+    if sum(weights) <= 0:
+        weights = [1] * len(weights)
+    whole = sum(weights)
+    exact = [total * w / whole for w in weights]
+    shares = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: exact[i] - shares[i], reverse=True)
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
 @dataclass
 class _Outcome:
     written: bool = False
@@ -886,19 +906,28 @@ class Pipeline:
 
     def _count_written(self, works: list[_Work], result: ApplyResult,
                        outcomes: dict[str, _Outcome]) -> None:
-        rows = 0
+        """Count each target's rows once, and give every span its share of them.
+
+        Spans routed into one target are applied as one merged image, so the apply job only
+        knows the target's counts: a span's share is its part of the round's row changes."""
+        by_target: dict[str, list[_Work]] = {}
         for w in works:
             assert w.plan is not None
-            counts = result.per_target.get(w.plan.target_id)
+            by_target.setdefault(w.plan.target_id, []).append(w)
+        rows = 0
+        for target_id, group in by_target.items():
+            counts = result.per_target.get(target_id)
             if counts is None:
                 continue
-            cf = w.rt.span.changefeed
+            cf = group[0].rt.span.changefeed
             m.ROWS_APPLIED.labels(cf, "upsert").inc(counts.upserted)
             m.ROWS_APPLIED.labels(cf, "delete").inc(counts.deleted)
             m.UNIQUE_CONFLICTS.labels(cf).inc(counts.conflicts_removed)
-            w.rt.rows_written += counts.upserted + counts.deleted
-            outcomes.setdefault(w.rt.span.kv_key, _Outcome()).rows += counts.upserted + counts.deleted
-            rows += counts.upserted + counts.deleted
+            total = counts.upserted + counts.deleted
+            rows += total
+            for w, share in zip(group, split_rows(total, [_row_changes(w) for w in group]), strict=True):
+                w.rt.rows_written += share
+                outcomes.setdefault(w.rt.span.kv_key, _Outcome()).rows += share
         m.BATCH_ROWS.observe(rows)
 
     def _ensure_schema(self, sink: Sink, sink_url: str, table: TargetTable, *, reconcile: bool) -> None:
