@@ -126,8 +126,14 @@ class ServiceRuntime:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(server_task, timeout=5)
         stop_wait.cancel()
+        # main has finished its work (or was cancelled), so there is nothing left for a drain to
+        # wait for but the subscriptions' queues, and a drain cut short by a timeout leaves
+        # nats-py's gathered future unretrieved (an asyncio ERROR at every stop): flush what was
+        # published, then close.
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._nc.drain(), timeout=5)
+            await asyncio.wait_for(self._nc.flush(), timeout=5)
+        with contextlib.suppress(Exception):
+            await self._nc.close()
         shutdown_tracing()
         log.info("service stopped", extra={"service": self.name})
         if failure is not None:

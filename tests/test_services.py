@@ -31,8 +31,15 @@ def test_services_serve_health_and_stop_cleanly_on_sigterm(all_services: list[Se
             text = resp.read().decode()
         assert "sluice_nats_reconnects_total" in text
     for proc in all_services:
+        logged_before_stop = proc.log_path.stat().st_size
         code = proc.terminate(timeout=20)
         assert code == 0, f"{proc.instance_id} exited {code}:\n{proc.tail_log()}"
+        # A clean stop is quiet: an ERROR here would page an operator for nothing.
+        with open(proc.log_path, "rb") as log:
+            log.seek(logged_before_stop)
+            stop_lines = log.read().decode(errors="replace").splitlines()
+        errors = [line for line in stop_lines if '"level": "ERROR"' in line]
+        assert not errors, f"{proc.instance_id} logged errors while stopping:\n" + "\n".join(errors)
 
 
 def test_service_without_nats_is_not_ready_and_still_stops(tmp_path: Path) -> None:
