@@ -165,6 +165,28 @@ async def leader_with_ticks(rlog: RawLog, after_epoch: int = 0, ticks: int = 3) 
     return found[0]
 
 
+async def resumed_leader_stays_fenced(rlog: RawLog, old: Candidate, first: Entry, second: Entry,
+                                      within: float) -> None:
+    """A leader that was stopped past its lease and resumed steps down, its successor keeps
+    leading, and nothing of the old epoch lands after the successor's LeaderElected."""
+
+    async def old_stepped_down() -> bool:
+        return any(line["event"] == "stepdown" and line["epoch"] == first.epoch for line in old.lines())
+
+    await eventually(old_stepped_down, within, "the resumed leader to step down")
+    seen = len(rlog.ticks(second.epoch))
+
+    async def more_ticks() -> bool:
+        await rlog.refresh()
+        return len(rlog.ticks(second.epoch)) >= seen + 5
+
+    await eventually(more_ticks, within, "the new leader to keep ticking")
+    late = [t for t in rlog.ticks(first.epoch) if t.seq > second.seq]
+    assert late == [], f"the old epoch wrote after its successor's LeaderElected: {late}"
+    # A follower now: it never claimed the lease again.
+    assert [line["epoch"] for line in old.lines() if line["event"] == "leader"] == [first.epoch]
+
+
 # --------------------------------------------------------------------------- in-process
 
 
@@ -313,25 +335,9 @@ async def test_sigstopped_leader_steps_down_and_is_fenced(js: JetStreamContext, 
         finally:
             old.signal(signal.SIGCONT)
         assert second.data["candidate"] == new.name
-
-        async def old_stepped_down() -> bool:
-            return any(line["event"] == "stepdown" and line["epoch"] == first.epoch for line in old.lines())
-
-        await eventually(old_stepped_down, 10, "the resumed leader to step down")
         # Let the new leader keep ticking for a while after the old one woke up.
-        seen = len(rlog.ticks(second.epoch))
-
-        async def more_ticks() -> bool:
-            await rlog.refresh()
-            return len(rlog.ticks(second.epoch)) >= seen + 5
-
-        await eventually(more_ticks, 10, "the new leader to keep ticking")
-
-        late = [t for t in rlog.ticks(first.epoch) if t.seq > second.seq]
-        assert late == [], f"the old epoch wrote after its successor's LeaderElected: {late}"
+        await resumed_leader_stays_fenced(rlog, old, first, second, 10)
         assert old.proc.poll() is None, "the old leader should step down, not crash"
-        # The old one is a follower now: it never claimed the lease again.
-        assert [line["epoch"] for line in old.lines() if line["event"] == "leader"] == [first.epoch]
         assert old.stop() == 0 and new.stop() == 0
     except BaseException:
         for c in candidates:

@@ -26,7 +26,14 @@ from nats.js import JetStreamContext
 from libs.election import Election, LeaderInfo, holder_gone, liveness_subject, probe
 from libs.localservers.nats_server import NatsServer
 from libs.streams import domain_stream
-from tests.test_election import CANDIDATE, REPO, Candidate, RawLog, eventually, leader_with_ticks
+from tests.test_election import (
+    CANDIDATE,
+    REPO,
+    Candidate,
+    RawLog,
+    leader_with_ticks,
+    resumed_leader_stays_fenced,
+)
 
 # Long enough that a takeover by the TTL and one by the probe cannot be mistaken for each other.
 TTL = 5.0
@@ -165,20 +172,7 @@ async def test_stopped_leader_waits_for_the_ttl_and_stays_fenced(js: JetStreamCo
         # The lease was renewed at most TTL/3 before the stop: expiry needs at least 2/3 TTL.
         assert takeover >= 0.5 * TTL, f"a stopped leader was replaced after {takeover:.2f}s, before its TTL"
 
-        async def old_stepped_down() -> bool:
-            return any(line["event"] == "stepdown" and line["epoch"] == first.epoch for line in old.lines())
-
-        await eventually(old_stepped_down, 20, "the resumed leader to step down")
-        seen = len(rlog.ticks(second.epoch))
-
-        async def more_ticks() -> bool:
-            await rlog.refresh()
-            return len(rlog.ticks(second.epoch)) >= seen + 5
-
-        await eventually(more_ticks, 20, "the new leader to keep ticking")
-        late = [t for t in rlog.ticks(first.epoch) if t.seq > second.seq]
-        assert late == [], f"the old epoch wrote after its successor's LeaderElected: {late}"
-        assert [line["epoch"] for line in old.lines() if line["event"] == "leader"] == [first.epoch]
+        await resumed_leader_stays_fenced(rlog, old, first, second, 20)
     except BaseException:
         for c in procs:
             print(c.diagnostics())
