@@ -49,6 +49,7 @@ from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport
 from services.sink_worker.shard_ddl import ShardDdl
 from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
 from services.sink_worker.span import Span
+from services.sink_worker.warm_up import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class SinkWorker:
             agent.warm = self._warm_spark
             agent.status_sink = self.status
         self._spark_warming: asyncio.Task[SparkSession] | None = None
+        self._spark_warmed = False
         self.checkpoints = CheckpointStore(js, checkpoint_bucket, replicas=settings.stream_replicas)
         # Spans of a changefeed in a snapshot mode copy their table before they stream.
         self.initial_loads = InitialLoads(js, self._spark, SnapshotOptions.from_settings(settings),
@@ -117,12 +119,27 @@ class SinkWorker:
         self.spark_started = True
         return session
 
+    def _warm_session(self) -> SparkSession:
+        """The session, started and run once through a round's plans (``warm_up``)."""
+        session = self._spark()
+        if not self._spark_warmed:
+            try:
+                seconds = warm_up(session, self.pipeline.options.apply_partitions)
+            except Exception:
+                # Only the first round gets slower: nothing to refuse a span for.
+                log.warning("Spark warm-up failed; the first round pays the cold start", exc_info=True)
+            else:
+                log.info("Spark warmed up", extra={"seconds": round(seconds, 3)})
+            self._spark_warmed = True
+        return session
+
     async def _warm_spark(self) -> None:
-        """Start Spark (seconds of JVM start) while a span prepares rather than in its first
-        round: the previous owner keeps writing meanwhile (two-phase scheduling's point)."""
+        """Start and warm Spark (seconds of JVM start and first plans) while a span prepares
+        rather than in its first round: the previous owner keeps writing meanwhile (two-phase
+        scheduling's point)."""
         task = self._spark_warming
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = self._spark_warming = asyncio.ensure_future(asyncio.to_thread(self._spark))
+            task = self._spark_warming = asyncio.ensure_future(asyncio.to_thread(self._warm_session))
         await asyncio.shield(task)
 
     # ------------------------------------------------------------------ main
@@ -139,7 +156,7 @@ class SinkWorker:
             await self.agent.start()
             # A member is there to take spans over, often when another one dies: a cold JVM
             # would add its start-up to every failover onto this worker, so it starts now.
-            self._spark_warming = asyncio.ensure_future(asyncio.to_thread(self._spark))
+            self._spark_warming = asyncio.ensure_future(asyncio.to_thread(self._warm_session))
             self._spark_warming.add_done_callback(_log_warm_failure)
             drain = asyncio.create_task(self._drain_on_stop(), name="drain")
         try:
