@@ -81,11 +81,15 @@ async def _worker_round(system: LocalSystem, rec: Recorder, writer_log: Path) ->
         writing = time.time() - killed
     except AssertionError:  # a cold Spark round on an overloaded machine: recorded as missing
         writing = float("nan")
-    # Bring the worker back (a new incarnation) so the next round has three again.
+    # Bring the worker back (a new incarnation) so the next round has three again, and wait
+    # until it is ready (Spark warm), as a rolling restart would before it kills the next one:
+    # spans failing over onto a cold worker would measure its JVM start, not the failover.
     proc = system.start_worker(int(victim.rsplit("-", 1)[1]))
-    await asyncio.to_thread(proc.wait_healthy, 60)
+    started = time.time()
+    await asyncio.to_thread(proc.wait_ready, 180)
     print(f"  worker {victim} ({len(lost)} spans): member.left after {detected:.2f} s, replicating "
-          f"elsewhere after {replicating:.2f} s, written again after {writing:.2f} s")
+          f"elsewhere after {replicating:.2f} s, written again after {writing:.2f} s; restarted, "
+          f"ready after {time.time() - started:.1f} s")
     return detected, replicating, writing
 
 

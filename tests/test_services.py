@@ -55,3 +55,17 @@ def test_service_without_nats_is_not_ready_and_still_stops(tmp_path: Path) -> No
         assert "cannot connect to NATS" in proc.tail_log()
     finally:
         proc.kill()
+
+
+def test_sink_worker_is_ready_once_spark_is_warm(service_env: dict[str, str], tmp_path: Path) -> None:
+    proc = ServiceProcess("services.sink_worker", service_env, tmp_path / "logs").start()
+    try:
+        proc.wait_healthy(timeout=60)
+        # Readiness waits for the warm-up (a JVM start and a round's plans): generous deadline.
+        body = proc.wait_ready(timeout=180)
+        assert body["failing"] == [], body
+        assert "Spark warmed up" in proc.log_path.read_text()
+        health = proc.health()
+        assert health is not None and health["status"] == "ok"
+    finally:
+        proc.kill()

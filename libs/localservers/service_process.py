@@ -76,6 +76,19 @@ class ServiceProcess:
         assert health is not None
         return health
 
+    def wait_ready(self, timeout: float = 60) -> dict[str, Any]:
+        """Until ``/readyz`` answers 200; its body."""
+        def check() -> bool:
+            if not self.alive():
+                raise RuntimeError(f"{self.instance_id} exited; log:\n{self.tail_log()}")
+            try:
+                return self.get_json("/readyz")[0] == 200
+            except (OSError, ValueError):
+                return False
+
+        wait_until(check, timeout, f"{self.instance_id} /readyz", interval=0.1)
+        return self.get_json("/readyz")[1]
+
     def tail_log(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -35,6 +35,9 @@ async def run(runtime: ServiceRuntime) -> None:
     worker = SinkWorker(runtime.nc.jetstream(), settings, runtime.stopping,
                         lambda: get_spark(settings), status=runtime.status, agent=agent, shard_ddl=shard_ddl)
     runtime.add_ready_check("changefeeds", lambda: worker.changefeeds_replayed)
+    if agent is not None:
+        # A member warms Spark at start; until then a span it takes pays the cold start.
+        runtime.add_ready_check("spark_warm", lambda: worker.spark_warm)
     try:
         await worker.run()
     finally:

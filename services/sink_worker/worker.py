@@ -133,6 +133,12 @@ class SinkWorker:
             self._spark_warmed = True
         return session
 
+    @property
+    def spark_warm(self) -> bool:
+        """Spark started and ran a round's plans once (or tried to): spans taken now start at
+        full speed. The member's readiness, so a rolling restart waits for it."""
+        return self._spark_warmed
+
     async def _warm_spark(self) -> None:
         """Start and warm Spark (seconds of JVM start and first plans) while a span prepares
         rather than in its first round: the previous owner keeps writing meanwhile (two-phase
