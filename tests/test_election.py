@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from uuid import uuid4
 
 import pytest
@@ -165,6 +165,16 @@ async def leader_with_ticks(rlog: RawLog, after_epoch: int = 0, ticks: int = 3) 
     return found[0]
 
 
+C = TypeVar("C", bound="Candidate")
+
+
+async def leader_and_follower(rlog: RawLog, candidates: list[C]) -> tuple[Entry, C, C]:
+    """The first leader that ticks, its candidate and the other one (of two)."""
+    first = await leader_with_ticks(rlog)
+    leader = next(c for c in candidates if c.name == first.data["candidate"])
+    return first, leader, next(c for c in candidates if c is not leader)
+
+
 async def resumed_leader_stays_fenced(rlog: RawLog, old: Candidate, first: Entry, second: Entry,
                                       within: float) -> None:
     """A leader that was stopped past its lease and resumed steps down, its successor keeps
@@ -297,9 +307,7 @@ async def test_sigkill_leader_fails_over_within_two_ttl(js: JetStreamContext, na
     candidates += [Candidate(n, nats_server.url, bucket, domain, tmp_path) for n in ("a", "b")]
     rlog = RawLog(js, domain_stream(domain))
     try:
-        first = await leader_with_ticks(rlog)
-        leader = next(c for c in candidates if c.name == first.data["candidate"])
-        other = next(c for c in candidates if c is not leader)
+        first, leader, other = await leader_and_follower(rlog, candidates)
 
         leader.signal(signal.SIGKILL)
         killed_at = datetime.now().astimezone()
@@ -325,9 +333,7 @@ async def test_sigstopped_leader_steps_down_and_is_fenced(js: JetStreamContext, 
     candidates += [Candidate(n, nats_server.url, bucket, domain, tmp_path) for n in ("a", "b")]
     rlog = RawLog(js, domain_stream(domain))
     try:
-        first = await leader_with_ticks(rlog)
-        old = next(c for c in candidates if c.name == first.data["candidate"])
-        new = next(c for c in candidates if c is not old)
+        first, old, new = await leader_and_follower(rlog, candidates)
 
         old.signal(signal.SIGSTOP)
         try:

@@ -31,6 +31,7 @@ from tests.test_election import (
     REPO,
     Candidate,
     RawLog,
+    leader_and_follower,
     leader_with_ticks,
     resumed_leader_stays_fenced,
 )
@@ -133,9 +134,7 @@ async def test_killed_leader_is_replaced_before_its_lease_expires(js: JetStreamC
     procs, domain = pair
     rlog = RawLog(js, domain_stream(domain))
     try:
-        first = await leader_with_ticks(rlog)
-        old = next(c for c in procs if c.name == first.data["candidate"])
-        other = next(c for c in procs if c is not old)
+        first, old, other = await leader_and_follower(rlog, procs)
         old.signal(signal.SIGKILL)
         killed_at = datetime.now().astimezone()
         old.proc.wait()
@@ -157,9 +156,7 @@ async def test_stopped_leader_waits_for_the_ttl_and_stays_fenced(js: JetStreamCo
     procs, domain = pair
     rlog = RawLog(js, domain_stream(domain))
     try:
-        first = await leader_with_ticks(rlog)
-        old = next(c for c in procs if c.name == first.data["candidate"])
-        new = next(c for c in procs if c is not old)
+        first, old, new = await leader_and_follower(rlog, procs)
         old.signal(signal.SIGSTOP)
         stopped_at = datetime.now().astimezone()
         try:

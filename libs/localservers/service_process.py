@@ -58,36 +58,38 @@ class ServiceProcess:
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read() or b"null")
 
-    def health(self) -> dict[str, Any] | None:
+    def _answer(self, path: str) -> dict[str, Any] | None:
+        """The body of ``path`` when it answers 200, else None (not up, or failing)."""
         try:
-            status, body = self.get_json("/healthz")
+            status, body = self.get_json(path)
         except (OSError, ValueError):
             return None
         return body if status == 200 else None
 
-    def wait_healthy(self, timeout: float = 30) -> dict[str, Any]:
+    def health(self) -> dict[str, Any] | None:
+        return self._answer("/healthz")
+
+    def _wait_for(self, path: str, timeout: float) -> dict[str, Any]:
+        answers: list[dict[str, Any]] = []
+
         def check() -> bool:
             if not self.alive():
                 raise RuntimeError(f"{self.instance_id} exited; log:\n{self.tail_log()}")
-            return self.health() is not None
+            body = self._answer(path)
+            if body is None:
+                return False
+            answers.append(body)
+            return True
 
-        wait_until(check, timeout, f"{self.instance_id} /healthz", interval=0.1)
-        health = self.health()
-        assert health is not None
-        return health
+        wait_until(check, timeout, f"{self.instance_id} {path}", interval=0.1)
+        return answers[-1]
+
+    def wait_healthy(self, timeout: float = 30) -> dict[str, Any]:
+        return self._wait_for("/healthz", timeout)
 
     def wait_ready(self, timeout: float = 60) -> dict[str, Any]:
         """Until ``/readyz`` answers 200; its body."""
-        def check() -> bool:
-            if not self.alive():
-                raise RuntimeError(f"{self.instance_id} exited; log:\n{self.tail_log()}")
-            try:
-                return self.get_json("/readyz")[0] == 200
-            except (OSError, ValueError):
-                return False
-
-        wait_until(check, timeout, f"{self.instance_id} /readyz", interval=0.1)
-        return self.get_json("/readyz")[1]
+        return self._wait_for("/readyz", timeout)
 
     def tail_log(self, lines: int = 40) -> str:
         try:
