@@ -258,9 +258,10 @@ class ShardWorkload:
 # ------------------------------------------------------------------------- the api's view
 
 class Api:
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, token: str) -> None:
         self.base_url = base_url
-        self.client = httpx.Client(base_url=base_url + "/api/v1", timeout=10.0)
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.client = httpx.Client(base_url=base_url + "/api/v1", timeout=10.0, headers=self.headers)
 
     def get(self, path: str) -> Any:
         resp = self.client.get(path)
@@ -280,14 +281,14 @@ class Api:
 class DdlFeed:
     """Follows the ddl domain through the api's event feed and prints each lock event."""
 
-    def __init__(self, api_url: str, stop: threading.Event) -> None:
+    def __init__(self, api_url: str, headers: dict[str, str], stop: threading.Event) -> None:
         self.url = api_url + "/api/v1/events"
         self.stop = stop
         self.seq = 0
         self.counts: dict[str, int] = {}
         self.synced: set[str] = set()
         self.expected = 0
-        self.client = httpx.Client(timeout=httpx.Timeout(10.0, read=60.0))
+        self.client = httpx.Client(timeout=httpx.Timeout(10.0, read=60.0), headers=headers)
         self._sock: socket.socket | None = None
         self.thread = threading.Thread(target=self._run, name="ddl-feed", daemon=True)
 
@@ -533,6 +534,9 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         say(f"starting nats-server, 2 MariaDB sources (ROW binlog) and the {args.downstream} downstream "
             f"in {args.dir}")
         system.start_infra()
+        assert system.nats is not None
+        say(f"NATS requires a user: each service connects as its own role with least-privilege "
+            f"permissions; the stack's passwords are in {system.nats.data_dir / 'auth.json'} (0600)")
         workload = ShardWorkload(system, args.seed, args.rate, args.txn_rows)
         workload.create()
         say(f"each source holds {', '.join(f'{s}.{t}' for s in SCHEMAS for t in TABLES)}: "
@@ -544,7 +548,9 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         system.start_services()
         for proc in system.processes.values():
             wait_for(functools.partial(_healthy, proc), 120, f"{proc.instance_id} /healthz", stop)
-        api = Api(system.processes["api-1"].base_url)
+        api = Api(system.processes["api-1"].base_url, system.api_token)
+        say(f"the api runs with auth on; its operator token is {system.api_token} "
+            "(Authorization: Bearer <token>, or SLUICE_API_TOKEN for the CLI)")
         a = api
         services = ("member", "scheduler", "replication-manager", "ddl-lock")
         wait_for(lambda: len(a.try_get("/members") or []) >= args.workers
@@ -569,7 +575,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         say(f"changefeed '{CHANGEFEED}' created through the api: route *:shop_*.orders_* -> "
             f"{TARGET[0]}.{TARGET[1]} on {system.sink_url} (initial load: copy, then stream)")
 
-        ddl_feed = DdlFeed(api.base_url, stop)
+        ddl_feed = DdlFeed(api.base_url, api.headers, stop)
         ddl_feed.start()
         progress = Progress(system, api, workload)
         workload.plan_ddl(args.seconds * 0.2, args.seconds * 0.6)
@@ -629,7 +635,12 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
             say(f"checksum {TARGET[0]}.{TARGET[1]}: {outcome} -> DIFFERENT")
         say(f"RESULT: {'EQUAL' if ok else 'DIFFERENT'} ({time.monotonic() - begun:.0f}s after start)")
         say(f"API docs: {api.base_url}/docs   logs: {args.dir / 'logs'}")
-        say(f"CLI: SLUICE_API_URL={api.base_url} .venv/bin/sluice status   "
+        assert system.nats is not None
+        say(f"read the streams as the read-only NATS user: user 'reader', password from "
+            f"{system.nats.data_dir / 'auth.json'}, server {system.nats.plain_url}")
+        say(f"    curl -H 'Authorization: Bearer {system.api_token}' {api.base_url}/api/v1/changefeeds")
+        say(f"CLI: SLUICE_API_URL={api.base_url} SLUICE_API_TOKEN={system.api_token} "
+            ".venv/bin/sluice status   "
             f"(also: changefeed tables {CHANGEFEED}, member list, ddl list)")
         if not args.no_wait:
             say("the system keeps running; press Ctrl-C to stop it")

@@ -5,7 +5,8 @@ run from the same view and discovery as a standalone sink-worker runs them."""
 
 from __future__ import annotations
 
-import fnmatch
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -14,17 +15,24 @@ from nats.js.errors import NotFoundError
 from pydantic import BaseModel
 
 from contracts.events.changefeeds import (
+    ChangefeedCheckV1,
     ChangefeedCreatedV2,
+    ChangefeedCreatedV3,
     ChangefeedSpecV2,
     ChangefeedStateChangedV1,
     ChangefeedUpdatedV2,
+    ChangefeedUpdatedV3,
     TableFilterV1,
+    spec_v3,
 )
+from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV1
 from libs.eventstore import EventStore
+from libs.routing import RoutingConfigError, TableFilter
 from libs.source_tables import source_tables
 from libs.streams import ROWS_STREAM, domain_events_subject, domain_stream, domain_subjects, token
 
 DOMAIN = "changefeeds"
+log = logging.getLogger(__name__)
 
 
 async def _store(js: JetStreamContext, producer: str) -> EventStore:
@@ -34,20 +42,24 @@ async def _store(js: JetStreamContext, producer: str) -> EventStore:
 
 
 async def record_changefeed(js: JetStreamContext, spec: ChangefeedSpecV2, requested_by: str, *,
-                            expected_last_subject_seq: int | None = None) -> int:
+                            expected_last_subject_seq: int | None = None,
+                            failed_checks: list[ChangefeedCheckV1] | None = None) -> int:
     """Append ``changefeed.created``; with ``expected_last_subject_seq`` only if nobody appended
     to the changefeeds log since (else ``AppendConflict``)."""
     store = await _store(js, requested_by)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedCreatedV2(spec=spec, requested_by=requested_by),
+                              ChangefeedCreatedV3(spec=spec_v3(spec), requested_by=requested_by,
+                                                  failed_checks=failed_checks or []),
                               expected_last_subject_seq=expected_last_subject_seq)
 
 
 async def record_update(js: JetStreamContext, spec: ChangefeedSpecV2, requested_by: str, *,
-                        expected_last_subject_seq: int | None = None) -> int:
+                        expected_last_subject_seq: int | None = None,
+                        failed_checks: list[ChangefeedCheckV1] | None = None) -> int:
     store = await _store(js, requested_by)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedUpdatedV2(spec=spec, requested_by=requested_by),
+                              ChangefeedUpdatedV3(spec=spec_v3(spec), requested_by=requested_by,
+                                                  failed_checks=failed_checks or []),
                               expected_last_subject_seq=expected_last_subject_seq)
 
 
@@ -61,45 +73,106 @@ async def record_state(js: JetStreamContext, changefeed_id: str,
                               expected_last_subject_seq=expected_last_subject_seq)
 
 
+TableKey = tuple[str, str, str, str]
+"""``(changefeed, source, database, table)`` of a stopped table."""
+
+
+async def record_table_event(js: JetStreamContext, event: TableStoppedV1 | TableActionRequestedV1,
+                             producer: str, *, expected_last_subject_seq: int | None = None) -> int:
+    """Append a stopped table's incident or an operator's action to the changefeeds log."""
+    store = await _store(js, producer)
+    return await store.append(domain_events_subject(DOMAIN), event,
+                              expected_last_subject_seq=expected_last_subject_seq)
+
+
 @dataclass
 class ChangefeedView:
     """The changefeeds as their event log says they are now."""
 
     specs: dict[str, ChangefeedSpecV2] = field(default_factory=dict)
     states: dict[str, str] = field(default_factory=dict)
+    failed_checks: dict[str, list[ChangefeedCheckV1]] = field(default_factory=dict)
+    """Checks that failed at the last create/update, accepted with skip_checks."""
+
+    # --- poison: tables stopped by their downstream (contracts/events/table_incidents.py) ---
+    stopped: dict[TableKey, TableStoppedV1] = field(default_factory=dict)
+    """Each table's open incident (none once an operator acted on it)."""
+    skipped: dict[TableKey, dict[str, int]] = field(default_factory=dict)
+    """Each table's skipped keys (key JSON -> the ts the skip covers up to)."""
+
+    def _fold_incident(self, event: TableStoppedV1 | TableActionRequestedV1) -> None:
+        ref = event.table
+        key = (ref.changefeed, ref.source, ref.database, ref.table)
+        if isinstance(event, TableStoppedV1):
+            self.stopped[key] = event
+            return
+        open_ = self.stopped.get(key)
+        if open_ is None or open_.incident != event.incident:
+            return  # late, repeated or for an older incident: nothing to do
+        del self.stopped[key]
+        if event.action == "skip" and open_.key is not None:
+            keys = self.skipped.setdefault(key, {})
+            keys[open_.key] = max(open_.upto_ts, keys.get(open_.key, 0))
+    # --- end poison ---
 
     def apply(self, event: BaseModel) -> bool:
         """Fold one event; True when it changed anything the worker acts on."""
-        if isinstance(event, ChangefeedCreatedV2):
+        if isinstance(event, TableStoppedV1 | TableActionRequestedV1):
+            self._fold_incident(event)
+            return False
+        if isinstance(event, ChangefeedCreatedV2 | ChangefeedCreatedV3):
             cf = event.spec.id
-            changed = self.specs.get(cf) != event.spec or self.states.get(cf) != "running"
-            self.specs[cf] = event.spec
+            spec = spec_v3(event.spec)
+            changed = self.specs.get(cf) != spec or self.states.get(cf) != "running"
+            self.specs[cf] = spec
             self.states[cf] = "running"
+            self._checks(cf, event)
             return changed
-        if isinstance(event, ChangefeedUpdatedV2):
+        if isinstance(event, ChangefeedUpdatedV2 | ChangefeedUpdatedV3):
             cf = event.spec.id
-            changed = self.specs.get(cf) != event.spec
-            self.specs[cf] = event.spec
+            spec = spec_v3(event.spec)
+            changed = self.specs.get(cf) != spec
+            self.specs[cf] = spec
             self.states.setdefault(cf, "running")  # an update does not resume a paused feed
+            self._checks(cf, event)
             return changed
         if isinstance(event, ChangefeedStateChangedV1):
             changed = self.states.get(event.id) != event.state
             self.states[event.id] = event.state
             if event.state == "deleted":
                 self.specs.pop(event.id, None)
+                self.failed_checks.pop(event.id, None)
             return changed
         return False  # leader.elected, snapshots and other housekeeping
+
+    def _checks(self, cf: str, event: BaseModel) -> None:
+        failed = getattr(event, "failed_checks", None) or []
+        if failed:
+            self.failed_checks[cf] = list(failed)
+        else:
+            self.failed_checks.pop(cf, None)
 
     def running(self) -> list[ChangefeedSpecV2]:
         return [spec for cf, spec in sorted(self.specs.items()) if self.states.get(cf) == "running"]
 
 
 def table_selected(flt: TableFilterV1, database: str, table: str) -> bool:
-    """A table is in when ``database.table`` matches an include glob and no exclude glob."""
-    name = f"{database}.{table}"
-    if not any(fnmatch.fnmatchcase(name, pattern) for pattern in flt.include):
-        return False
-    return not any(fnmatch.fnmatchcase(name, pattern) for pattern in flt.exclude)
+    """A table is in when ``database.table`` matches an include pattern and no exclude pattern:
+    ``routing.TableFilter``'s patterns (a glob, or a regex after ``~``), the one implementation
+    the api validates a filter with."""
+    compiled = _compiled_filter(tuple(flt.include), tuple(flt.exclude))
+    return compiled is not None and compiled.selected(database, table)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_filter(include: tuple[str, ...], exclude: tuple[str, ...]) -> TableFilter | None:
+    try:
+        return TableFilter(include, exclude)
+    except RoutingConfigError as exc:
+        # The api refuses such a filter; one stored before that check selects nothing (loudly)
+        # rather than stopping discovery for every other changefeed.
+        log.error("table filter include=%s exclude=%s selects nothing: %s", include, exclude, exc)
+        return None
 
 
 SpanKey = tuple[str, str, str, str]

@@ -57,7 +57,11 @@ def _float32(value: Any) -> str:
     f32 = struct.unpack("<f", packed)[0]
     for digits in range(1, 10):
         text = f"{f32:.{digits}g}"
-        if struct.pack("<f", float(text)) == packed:
+        try:
+            same = struct.pack("<f", float(text)) == packed
+        except OverflowError:  # rounded up past FLT_MAX (3.403e38 near the largest float): not it
+            continue
+        if same:
             return _number(Decimal(text))
     return _number(f32)
 

@@ -27,6 +27,13 @@ class Settings(BaseSettings):
     nats_password: SecretStr | None = Field(None, description="NATS password.")
     nats_token: SecretStr | None = Field(None, description="NATS auth token.")
     nats_creds_file: str | None = Field(None, description="Path of a NATS .creds file.")
+    # --- NATS TLS (natsauth) ---
+    nats_tls_ca_file: str | None = Field(
+        None, description="CA (PEM) that signed the NATS server's certificate; setting it turns TLS on.")
+    nats_tls_cert_file: str | None = Field(None, description="Client certificate (PEM) presented to NATS.")
+    nats_tls_key_file: str | None = Field(
+        None, description="Private key (PEM) of the NATS client certificate.")
+    # --- end NATS TLS ---
     nats_connect_timeout_s: float = Field(
         30.0, gt=0, description="How long a starting service waits for NATS before it fails."
     )
@@ -42,8 +49,13 @@ class Settings(BaseSettings):
 
     # Leadership
     lease_ttl_s: float = Field(3.0, gt=0.2, description="Leader lease TTL in seconds.")
-    member_ttl_s: float = Field(5.0, gt=0.2, description="A sink-worker is gone after this silence.")
-    heartbeat_interval_s: float = Field(1.0, gt=0, description="How often a sink-worker sends its heartbeat.")
+    # --- liveness: self-fence and detection (arithmetic in DESIGN.md, Leadership) ---
+    member_ttl_s: float = Field(3.0, gt=0.2, description="A sink-worker is gone after this silence.")
+    heartbeat_interval_s: float = Field(0.2, gt=0, description="How often a sink-worker sends its heartbeat.")
+    member_fence_s: float = Field(
+        1.0, gt=0, description="A sink-worker stops writing when no heartbeat was confirmed for this long."
+    )
+    # --- end liveness ---
     control_snapshot_every: int = Field(
         5000, ge=10, description="Control leaders snapshot their domain state every this many events."
     )
@@ -64,6 +76,11 @@ class Settings(BaseSettings):
         1.0, gt=0, description="How often changefeed checkpoint advances are recorded at most."
     )
     dispatch_timeout_s: float = Field(2.0, gt=0, description="Wait for a dispatch answer.")
+    # --- liveness: prepare deadline ---
+    replication_prepare_timeout_s: float = Field(
+        20.0, gt=0, description="A destination not Prepared after this is given up (move/add rolled back)."
+    )
+    # --- end liveness ---
 
     # Spark
     spark_master: str = Field("local[*]", description="Spark master URL for the data path jobs.")
@@ -136,11 +153,35 @@ class Settings(BaseSettings):
     source_id: str = Field("src1", description="capture: id of the source this process reads.")
     source_url: str = Field("mysql://root@127.0.0.1:3306/", description="capture: the source's URL.")
     source_server_id: int = Field(4101, ge=1, description="capture: replica server id for the binlog.")
+    # --- bigrows: rows larger than a NATS message
+    capture_max_message_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024 * 1024,
+        description="capture: largest encoded row-change message (one row alone in it, JSON with "
+                    "base64 for binary); larger ones are sent in chunks of the server's "
+                    "max_payload up to this, beyond it the table is stopped with a rejection.")
+    sink_pull_max_bytes: int = Field(
+        512 * 1024 * 1024, ge=1024 * 1024,
+        description="sink-worker: event bytes a span's reader keeps in memory (beyond them it "
+                    "keeps only positions); a transaction in progress may exceed it by its rest.")
+    # --- end bigrows
 
     # Operator API (services.api) and CLI (services.cli)
+    # --- api auth, roles and limits (apisec) ---
+    api_auth: bool = Field(
+        True, description="Require a token on every /api/v1 endpoint; false opens the api to anyone "
+                          "(development only).")
     api_token: SecretStr | None = Field(
-        None, description="Bearer token the api requires on mutating endpoints (unset: open).")
-    api_auth_reads: bool = Field(False, description="Require the api token on read-only endpoints too.")
+        None, description="An operator token (principal 'operator'); the CLI sends it too.")
+    api_tokens: SecretStr | None = Field(
+        None, description="Comma-separated principal:role:token entries; role is viewer or operator.")
+    api_tokens_file: str | None = Field(
+        None, description="File of principal:role:token lines (# comments), read at start.")
+    api_max_body_bytes: int = Field(
+        1_048_576, ge=1024, description="Largest request body the api reads; larger ones get 413.")
+    secrets_dir: str | None = Field(
+        None, description="Directory of secret files: URL password secret:NAME reads file NAME here "
+                          "(else env SLUICE_SECRET_<NAME>); read by libs.secret_refs.")
+    # --- end api auth ---
     api_command_timeout_s: float = Field(
         5.0, gt=0, description="How long the api waits for a leader to answer a command.")
     api_url: str = Field("http://127.0.0.1:8100", description="CLI: base URL of the api.")

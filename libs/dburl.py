@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from libs.secret_refs import SecretError, resolve_password
+
 Dialect = Literal["mysql", "postgresql", "sqlite"]
 
 _SCHEMES: dict[str, Dialect] = {
@@ -51,7 +53,9 @@ class DatabaseUrl:
         return default
 
 
-def parse_database_url(url: str) -> DatabaseUrl:
+def parse_database_url(url: str, *, resolve_secrets: bool = True) -> DatabaseUrl:
+    """Parse ``url``; a ``secret:NAME`` password is resolved (libs.secret_refs) unless
+    ``resolve_secrets`` is false (checking a spec's shape without its secrets)."""
     parts = urlsplit(url)
     dialect = _SCHEMES.get(parts.scheme.lower())
     if dialect is None:
@@ -75,7 +79,16 @@ def parse_database_url(url: str) -> DatabaseUrl:
         host=parts.hostname or "127.0.0.1",
         port=port,
         user=unquote(parts.username or ""),
-        password=unquote(parts.password or ""),
+        password=_password(unquote(parts.password or ""), resolve_secrets),
         database=parts.path.lstrip("/"),
         options=options,
     )
+
+
+def _password(given: str, resolve: bool) -> str:
+    if not resolve:
+        return given
+    try:
+        return resolve_password(given)
+    except SecretError as exc:
+        raise DatabaseUrlError(str(exc)) from None

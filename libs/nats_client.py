@@ -4,14 +4,42 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+from urllib.parse import urlsplit, urlunsplit
 
 import nats
 from nats.aio.client import Client
 
 from libs.config import Settings
+from libs.nats_tls import client_context
 from libs.telemetry.metrics import NATS_RECONNECTS
 
 log = logging.getLogger(__name__)
+
+
+def redact_url(url: str) -> str:
+    """``url`` (comma-separated servers) without the user info, for logs and errors."""
+    parts = []
+    for one in url.split(","):
+        split = urlsplit(one.strip())
+        if split.password is None and split.username is None:
+            parts.append(one.strip())
+            continue
+        host = split.hostname or ""
+        netloc = f"***@{host}" + (f":{split.port}" if split.port else "")
+        parts.append(urlunsplit(split._replace(netloc=netloc)))
+    return ",".join(parts)
+
+
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """The client TLS context of the settings: on when a CA or client certificate is set, or a
+    server URL says ``tls://``."""
+    wants = (settings.nats_tls_ca_file or settings.nats_tls_cert_file
+             or any(s.strip().startswith("tls://") for s in settings.nats_url.split(",")))
+    if not wants:
+        return None
+    return client_context(settings.nats_tls_ca_file, settings.nats_tls_cert_file,
+                          settings.nats_tls_key_file)
 
 
 async def connect(settings: Settings, name: str) -> Client:
@@ -34,6 +62,7 @@ async def connect(settings: Settings, name: str) -> Client:
         password=settings.nats_password.get_secret_value() if settings.nats_password else None,
         token=settings.nats_token.get_secret_value() if settings.nats_token else None,
         user_credentials=settings.nats_creds_file,
+        tls=tls_context(settings),
         reconnected_cb=on_reconnect,
         disconnected_cb=on_disconnect,
         error_cb=on_error,
@@ -45,6 +74,6 @@ async def connect(settings: Settings, name: str) -> Client:
         return await asyncio.wait_for(connecting, timeout=settings.nats_connect_timeout_s)
     except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
         raise ConnectionError(
-            f"cannot connect to NATS at {settings.nats_url} within "
+            f"cannot connect to NATS at {redact_url(settings.nats_url)} within "
             f"{settings.nats_connect_timeout_s:.0f}s: {exc!r}"
         ) from exc

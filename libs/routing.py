@@ -14,8 +14,8 @@ Plain logic, no I/O. The words:
 Patterns, in rules and in the filter: a glob (``fnmatch`` syntax, case-sensitive like MySQL
 names on Linux), or a regular expression when the text starts with ``~`` (DM's convention),
 which must match the whole name. Rule patterns match one name part each, so a dot inside a
-name is just a character; filter patterns match ``schema.table`` as a whole, exactly like the
-sink-worker's ``table_selected`` does today, so moving the filter here changes nothing.
+name is just a character; filter patterns match ``schema.table`` as a whole. ``TableFilter`` is
+the one filter implementation: span discovery (``changefeeds.table_selected``) uses it too.
 
 Choices written down:
 
@@ -559,3 +559,47 @@ def validate_spec(spec: ChangefeedSpecV2,
     except RoutingConfigError as exc:
         return [RoutingProblem("invalid_rule", str(exc))]
     return router.validate(tables_meta)
+
+
+# --- poison: cross-shard unique conflicts (a warning, not a refusal) -----------------------------
+
+def _merging_patterns(rule: RouteRule, spec: ChangefeedSpecV2) -> tuple[NamePattern, ...]:
+    """The patterns that can make a rule match several tables (its source pattern only when
+    the changefeed has several sources)."""
+    source, schema, table = rule._patterns
+    return (source, schema, table) if len(spec.sources) > 1 else (schema, table)
+
+
+def unique_conflict_warnings(spec: ChangefeedSpecV2,
+                             tables_meta: Mapping[TableRef, TableMetaV1 | None] | None = None) -> list[str]:
+    """Warnings for the changefeed-creation answer (api, CLI): merged targets whose unique keys
+    would not include an origin column, so two shards holding one unique value conflict
+    downstream (``on_unique_conflict`` decides what then happens). Without metadata every rule
+    that may merge several tables is named; with it, every merged target with a unique key."""
+    if spec.origin_column is not None:
+        return []
+    try:
+        router = router_for(spec)
+    except RoutingConfigError:
+        return []  # refused by validate_spec anyway
+    policy = getattr(spec, "on_unique_conflict", "overwrite")
+    outcome = ("the target's tables stop with a conflict report" if policy == "error"
+               else "the other shard's row is removed (an event per row)")
+    advice = f"on_unique_conflict={policy}: {outcome}; set origin_column to keep shards apart"
+    if tables_meta is None:
+        return [f"route {rule.label} merges tables into {rule.target_schema}.{rule.target_table} without an "
+                "origin_column: a unique key there (other than the primary key) will not include one, so "
+                f"two shards holding the same unique value conflict ({advice})"
+                for rule in router.rules
+                if rule.fixed_target and not all(p.is_literal for p in _merging_patterns(rule, spec))]
+    out = []
+    for target, group in router.shard_groups(TableRef(*ref) for ref in tables_meta).items():
+        if not group.sharded:
+            continue
+        uniques = sorted({tuple(uk) for ref in group.shards if (meta := tables_meta.get(ref)) is not None
+                          for uk in meta.unique_keys if set(uk) != set(meta.primary_key)})
+        for unique in uniques:
+            out.append(f"merged target {target} has unique key ({', '.join(unique)}) without an origin "
+                       f"column across {len(group.shards)} shards: a value two shards hold conflicts "
+                       f"({advice})")
+    return out

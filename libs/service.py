@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
@@ -41,6 +44,14 @@ DEFAULT_PORTS = {
 }
 
 ReadyCheck = Callable[[], bool]
+
+# How long the exit waits for worker threads (``asyncio.to_thread``) once ``main`` is done. A
+# thread blocked in a JVM start or a Spark job cannot be interrupted from Python, and both
+# asyncio.run (shutdown_default_executor) and the interpreter (it joins executor threads at
+# exit) would wait for it without a bound: a sink-worker stopped while warming Spark hung
+# past its 20 s kill. Whatever such a thread still does writes nothing that matters: every
+# write path is awaited by ``main`` (checkpoints stored, NATS flushed) before this point.
+_THREADS_GRACE_S = 2.0
 
 
 class _Server(uvicorn.Server):
@@ -151,8 +162,48 @@ def run_service(name: str, main: Callable[[ServiceRuntime], Coroutine[Any, Any, 
     setup_logging(name, settings)
     setup_tracing(name)
     runtime = ServiceRuntime(name, settings, app=app)
+    code = 0
     try:
-        asyncio.run(runtime.run(main))
+        _run_bounded(runtime.run(main))
     except Exception:
         log.exception("service %s failed", name)
-        sys.exit(1)
+        code = 1
+    busy = _busy_threads(time.monotonic() + _THREADS_GRACE_S)
+    if busy:
+        log.warning("exiting with threads still busy", extra={"threads": busy[:10]})
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        sys.exit(code)
+
+
+def _busy_threads(deadline: float) -> list[str]:
+    """Names of the non-daemon threads still running at ``deadline`` (each gets until then)."""
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in threading.enumerate()
+            if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+
+
+def _run_bounded(coro: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run`` with a bounded wait for the default executor's threads."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(coro)
+    finally:
+        try:
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=_THREADS_GRACE_S))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            # Not loop.shutdown_default_executor(): even cancelled, it joins the executor's
+            # threads without a bound. close() shuts the executor down without waiting.
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()

@@ -31,6 +31,7 @@ from contracts.events.rows import ResolvedAdvancedV1, SourcePositionV1
 from contracts.events.scheduling import CheckpointAdvancedV1, RebuiltV1, SetChangedV1, SpanRefV1
 from libs.eventstore import DomainLog, EventStore
 from libs.localservers.common import wait_until
+from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
 from libs.streams import (
@@ -47,6 +48,12 @@ from services.sink_worker.span import Span as WorkerSpan
 
 T = TypeVar("T")
 TOKEN = "test-token-7f3a9c"
+VIEWER_TOKEN = "viewer-token-2b8e41"
+ALICE_TOKEN = "alice-token-90d1c7"
+# The source user's password: given to the api only as the secret "src-pw"; the secrets test
+# greps every stream, answer and log for it.
+CANARY = "canary-pw-5d1f0e7a93"
+SECRET = "src-pw"
 CF = "orders"
 # ts of 10 s ago: physical ms << 18.
 TS = int((time.time() - 10) * 1000) << 18
@@ -120,6 +127,14 @@ class ApiStack:
     ddl: DdlResponder
     tmp: Path
     env: dict[str, str]
+    source: MariaDB
+    responses: list[str] = field(default_factory=list)
+    """Every api answer the tests' clients received (the secrets test greps them)."""
+
+    @property
+    def source_url(self) -> str:
+        """The test source as a changefeed names it: its password is a secret reference."""
+        return f"mysql://repl:secret:{SECRET}@127.0.0.1:{self.source.port}/"
 
     @property
     def url(self) -> str:
@@ -127,7 +142,14 @@ class ApiStack:
 
     def client(self, token: str | None = TOKEN) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+        def keep(resp: httpx.Response) -> None:
+            if "text/event-stream" not in resp.headers.get("content-type", ""):
+                resp.read()
+                self.responses.append(resp.text)
+
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30,
+                            event_hooks={"response": [keep]})
 
     def append(self, domain: str, *events: Any) -> int:
         async def go() -> int:
@@ -166,14 +188,22 @@ def wait_ready(client: httpx.Client, timeout: float = 60) -> None:
 
 
 @pytest.fixture(scope="session")
-def api_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiStack]:
+def api_stack(tmp_path_factory: pytest.TempPathFactory, mariadb: MariaDB) -> Iterator[ApiStack]:
     tmp = tmp_path_factory.mktemp("api")
+    # The source the changefeeds name: a replication user with a password, and the tables the
+    # tests' routes and filters expect.
+    mariadb.execute("CREATE USER IF NOT EXISTS 'repl'@'%' IDENTIFIED BY '" + CANARY + "'",
+                    "GRANT REPLICATION SLAVE, REPLICATION CLIENT, SELECT ON *.* TO 'repl'@'%'",
+                    "CREATE DATABASE IF NOT EXISTS shop", "CREATE DATABASE IF NOT EXISTS shop_1",
+                    *(f"CREATE TABLE IF NOT EXISTS shop.{t} (id INT PRIMARY KEY)" for t in "abc"),
+                    "CREATE TABLE IF NOT EXISTS shop_1.orders_1 (id INT PRIMARY KEY)")
     server = NatsServer(data_dir=tmp / "nats").start()
     bg = BackgroundLoop()
     nc: Client = bg.run(nats.connect(server.url))
     env = {"SLUICE_NATS_URL": server.url, "SLUICE_LEASE_TTL_S": "1.5", "SLUICE_LOG_JSON": "true",
            "SLUICE_STATE_DB_URL": f"sqlite:///{tmp / 'state.db'}", "SLUICE_API_TOKEN": TOKEN,
-           "SLUICE_LOG_LEVEL": "DEBUG"}
+           "SLUICE_API_TOKENS": f"vic:viewer:{VIEWER_TOKEN},alice:operator:{ALICE_TOKEN}",
+           "SLUICE_LOG_LEVEL": "DEBUG", "SLUICE_SECRET_SRC_PW": CANARY}
 
     async def seed() -> None:
         js = nc.jetstream()
@@ -194,16 +224,16 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiStack]:
     bg.run(ddl.start(nc))
     api_proc = ServiceProcess("services.api", env, tmp / "logs").start()
     # No automatic balance: the tests move tables themselves and look at where they are.
-    scheduler_env = {**{k: v for k, v in env.items() if k != "SLUICE_API_TOKEN"},
+    scheduler_env = {**{k: v for k, v in env.items() if not k.startswith("SLUICE_API_TOKEN")},
                      "SLUICE_SCHEDULER_BALANCE_INTERVAL_S": "3600"}
     scheduler = ServiceProcess("services.scheduler", scheduler_env, tmp / "logs").start()
-    stack = ApiStack(server, api_proc, scheduler, bg, nc, ddl, tmp, env)
+    stack = ApiStack(server, api_proc, scheduler, bg, nc, ddl, tmp, env, mariadb)
     try:
         api_proc.wait_healthy(60)
         scheduler.wait_healthy(60)
         with stack.client() as c:
             wait_ready(c)
-            spec = {"id": CF, "sources": [{"id": "src1", "url": "mysql://repl:hunter2@127.0.0.1:3306/"}],
+            spec = {"id": CF, "sources": [{"id": "src1", "url": stack.source_url}],
                     "sink_url": "sqlite:///orders.db", "initial_load": "binlog-only"}
             assert c.post("/api/v1/changefeeds", json=spec).status_code == 202
 

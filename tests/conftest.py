@@ -44,3 +44,18 @@ def service_env(nats_server: NatsServer, tmp_path: Path) -> dict[str, str]:
         "SLUICE_DOWNSTREAM_URL": f"sqlite:///{tmp_path / 'downstream.db'}",
         "SLUICE_LOG_JSON": "true",
     }
+
+
+# Fixtures that start a real server, a SparkSession or a service process. A test that uses any of
+# them (directly or through another fixture) is an integration test even when its module forgot
+# the marker, so `-m "not integration"` stays a lane with no servers in it.
+_SERVER_FIXTURES = frozenset({
+    "nats_server", "nc", "js", "service_env", "mariadb", "mariadb_factory", "postgres",
+    "postgres_factory", "spark", "api_stack",
+})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)

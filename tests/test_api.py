@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from nats.js.errors import NotFoundError
 from sqlmodel import create_engine
 
 from contracts import REGISTRY
@@ -20,15 +21,26 @@ from libs.eventstore.deadletter import dead_letter
 from libs.localservers.common import wait_until
 from libs.streams import domain_events_subject
 from services.api.projections import Projections
-from tests.api_stack import CF, TOKEN, TS, ApiStack, lock_view, wait_ready
+from tests.api_stack import ALICE_TOKEN, CANARY, CF, TOKEN, TS, VIEWER_TOKEN, ApiStack, lock_view, wait_ready
 
 pytestmark = pytest.mark.integration
 V1 = "/api/v1"
 
 
 def spec(cf: str, **extra: Any) -> dict[str, Any]:
-    return {"id": cf, "sources": [{"id": "src1", "url": "mysql://root:pw@127.0.0.1:3306/"}],
-            "sink_url": "sqlite:///out.db", **extra}
+    # binlog-only: the changefeed's tables are the ones the ROWS stream holds (shop.a, b, c),
+    # not also the source's others (an initial load lists the source itself), so the scheduler's
+    # view stays still while a test compares read models.
+    return {"id": cf, "sources": [{"id": "src1", "url": _source["url"]}],
+            "sink_url": "sqlite:///out.db", "initial_load": "binlog-only", **extra}
+
+
+_source = {"url": ""}
+
+
+@pytest.fixture(autouse=True)
+def _source_url(api_stack: ApiStack) -> None:
+    _source["url"] = api_stack.source_url
 
 
 def errors_at(resp: httpx.Response) -> list[tuple[Any, ...]]:
@@ -36,23 +48,82 @@ def errors_at(resp: httpx.Response) -> list[tuple[Any, ...]]:
     return [tuple(e["loc"]) for e in resp.json()["detail"]]
 
 
-def test_mutations_need_the_token_reads_do_not(api_stack: ApiStack) -> None:
-    with api_stack.client(token=None) as anon, api_stack.client(token="wrong") as wrong:
-        assert anon.get(f"{V1}/changefeeds").status_code == 200
+def test_reads_need_a_viewer_token_and_mutations_an_operator_token(api_stack: ApiStack) -> None:
+    with api_stack.client(token=None) as anon, api_stack.client(token="wrong") as wrong, \
+            api_stack.client(token=VIEWER_TOKEN) as viewer:
         for c in (anon, wrong):
+            r = c.get(f"{V1}/changefeeds")
+            assert r.status_code == 401, r.text
+            assert c.get(f"{V1}/events", params={"since": "changefeeds:0", "limit": 1}).status_code == 401
             r = c.post(f"{V1}/changefeeds", json=spec("authcheck"))
             assert r.status_code == 401, r.text
             assert r.headers["www-authenticate"] == "Bearer"
             assert c.post(f"{V1}/rebalance").status_code == 401
             assert c.delete(f"{V1}/dead-letters/1").status_code == 401
-        assert anon.get(f"{V1}/changefeeds/authcheck").status_code == 404
+        assert viewer.get(f"{V1}/changefeeds").status_code == 200
+        assert viewer.get(f"{V1}/changefeeds/authcheck").status_code == 404
+        for r in (viewer.post(f"{V1}/changefeeds", json=spec("authcheck")),
+                  viewer.post(f"{V1}/rebalance"), viewer.delete(f"{V1}/dead-letters/1"),
+                  viewer.post(f"{V1}/changefeeds/{CF}/pause")):
+            assert r.status_code == 403, r.text
+            assert "operator" in r.json()["detail"]
+        assert viewer.get(f"{V1}/changefeeds/{CF}").json()["state"] == "running"
         assert anon.get("/docs").status_code == 200
         spec_doc = anon.get("/openapi.json").json()
         paths = set(spec_doc["paths"])
         assert {f"{V1}/changefeeds", f"{V1}/events", f"{V1}/leaders/{{service}}/resign"} <= paths
         assert "HTTPBearer" in spec_doc["components"]["securitySchemes"]
-    # The token is never written to the api's log, even at DEBUG.
-    assert TOKEN not in api_stack.api.log_path.read_text()
+        assert {"401"} <= set(spec_doc["paths"][f"{V1}/changefeeds"]["get"]["responses"])
+        assert {"401", "403", "413"} <= set(spec_doc["paths"][f"{V1}/changefeeds"]["post"]["responses"])
+    # No token is ever written to the api's log, even at DEBUG.
+    log = api_stack.api.log_path.read_text()
+    assert TOKEN not in log and VIEWER_TOKEN not in log and ALICE_TOKEN not in log
+
+
+def test_a_mutation_is_recorded_as_the_tokens_principal(api_stack: ApiStack) -> None:
+    with api_stack.client(token=ALICE_TOKEN) as alice, api_stack.client() as op:
+        assert alice.post(f"{V1}/changefeeds", json=spec("by-alice")).status_code == 202
+        assert op.post(f"{V1}/changefeeds/by-alice/pause").status_code == 202
+    events = _events(api_stack, "changefeeds")
+    mine = [e for e in events if (e["data"].get("spec") or {}).get("id") == "by-alice"
+            or e["data"].get("id") == "by-alice"]
+    assert [(e["type"], e["data"]["requested_by"]) for e in mine] == [
+        ("changefeed.created", "alice"), ("changefeed.state_changed", "operator")], mine
+    # Every mutation is in the api's log with its principal (the audit trail of changes).
+    audit = [json.loads(line) for line in api_stack.api.log_path.read_text().splitlines()
+             if '"api mutation"' in line]
+    assert {(a["principal"], a["method"], a["route"], a["status"]) for a in audit} >= {
+        ("alice", "POST", f"{V1}/changefeeds", 202),
+        ("operator", "POST", f"{V1}/changefeeds/{{changefeed_id}}/pause", 202)}, audit[-5:]
+
+
+def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(api_stack: ApiStack) -> None:
+    big = b'{"id": "x", "pad": "' + b"a" * (20 * 1024 * 1024) + b'"}'
+    began = time.monotonic()
+    with api_stack.client() as c:
+        r = c.post(f"{V1}/changefeeds", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert "SLUICE_API_MAX_BODY_BYTES" in r.json()["detail"]
+    assert time.monotonic() - began < 5, "a 20 MB body must be refused fast"
+    # Chunked (no Content-Length): counted as it arrives.
+    with api_stack.client() as c:
+        r = c.post(f"{V1}/changefeeds", content=iter([b"a" * 65536] * 40),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+
+
+def test_http_request_metrics_by_route_template(api_stack: ApiStack) -> None:
+    with api_stack.client() as c:
+        assert c.get(f"{V1}/changefeeds/{CF}").status_code == 200
+        assert c.get(f"{V1}/changefeeds/nope").status_code == 404
+        text = c.get("/metrics").text
+    route = f'route="{V1}/changefeeds/{{changefeed_id}}"'
+    lines = [ln for ln in text.splitlines() if ln.startswith("sluice_api_http_requests_total{")
+             and route in ln and 'method="GET"' in ln]
+    assert any('status="200"' in ln for ln in lines) and any('status="404"' in ln for ln in lines), \
+        [ln for ln in text.splitlines() if "http_requests_total" in ln]
+    assert any(ln.startswith("sluice_api_http_request_seconds_bucket{") and route in ln
+               for ln in text.splitlines())
 
 
 def test_changefeed_lifecycle(api_stack: ApiStack) -> None:
@@ -65,20 +136,20 @@ def test_changefeed_lifecycle(api_stack: ApiStack) -> None:
         assert body["events"] == f"{V1}/events?since=changefeeds:{body['seq'] - 1}"
         got = c.get(f"{V1}/changefeeds/life").json()  # read your own write: no waiting
         assert got["state"] == "running"
-        assert got["spec"]["sources"][0]["url"] == "mysql://root:***@127.0.0.1:3306/"
+        # A secret reference is a name, shown as it is.
+        assert got["spec"]["sources"][0]["url"] == api_stack.source_url
         assert got["spec"]["routes"][0]["target_table"] == "orders"
         assert "life" in [cf["id"] for cf in c.get(f"{V1}/changefeeds").json()]
 
         r = c.post(f"{V1}/changefeeds", json=spec("life"))
         assert r.status_code == 409 and "exists" in r.json()["detail"]
 
-        # An update sending the redacted URL back keeps the stored password.
         new = dict(got["spec"], filter={"include": ["shop_*.*"], "exclude": []})
         r = c.put(f"{V1}/changefeeds/life", json=new)
         assert r.status_code == 202, r.text
         assert c.get(f"{V1}/changefeeds/life").json()["spec"]["filter"]["include"] == ["shop_*.*"]
         stored = _stored_specs(api_stack, "life")
-        assert stored[-1].sources[0].url == "mysql://root:pw@127.0.0.1:3306/"
+        assert stored[-1].sources[0].url == api_stack.source_url
 
         assert c.post(f"{V1}/changefeeds/life/pause").status_code == 202
         assert c.get(f"{V1}/changefeeds/life").json()["state"] == "paused"
@@ -252,7 +323,7 @@ def test_ddl_locks_through_the_leader(api_stack: ApiStack) -> None:
         assert sent == {"action": "unlock", "changefeed": CF, "target": "shop.t", "mode": "exec",
                         "owner": f"{CF}/src1/shop.t", "requested_by": sent["requested_by"],
                         "reason": "checked by hand"}
-        assert sent["requested_by"].startswith("api/")
+        assert sent["requested_by"] == "operator"
         assert c.post(f"{V1}/ddl-locks/{CF}/shop.u/force-remove", json={"reason": "x"}).status_code == 202
         assert ddl.requests[-1]["action"] == "force_remove"
         assert c.get(f"{V1}/ddl-locks").json() == []
@@ -421,3 +492,86 @@ def test_read_models_rebuilt_by_replay_equal_the_live_ones(api_stack: ApiStack) 
 def _strip_lag(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in item.items() if k != "lag_s"} for item in items]
 
+
+
+def test_a_literal_password_is_refused_and_never_echoed(api_stack: ApiStack) -> None:
+    literal = spec("literal", sink_url=f"postgresql://u:{CANARY}@127.0.0.1:5432/x")
+    literal["sources"][0]["url"] = f"mysql://repl:{CANARY}@127.0.0.1:{api_stack.source.port}/"
+    with api_stack.client() as c:
+        r = c.post(f"{V1}/changefeeds", json=literal)
+        assert r.status_code == 422, r.text
+        msgs = {tuple(e["loc"]): e["msg"] for e in r.json()["detail"]}
+        assert set(msgs) >= {("body", "sink_url"), ("body", "sources", 0, "url")}, msgs
+        assert all("secret:NAME" in m and "SLUICE_SECRET_NAME" in m for m in msgs.values()), msgs
+        # A body the model itself refuses is not echoed either (no "input" in the errors).
+        r = c.post(f"{V1}/changefeeds", json={**literal, "unknown": CANARY})
+        assert r.status_code == 422 and CANARY not in r.text
+        r = c.put(f"{V1}/changefeeds/{CF}", json={**spec(CF), "sink_url": f"sqlite:///{CANARY}.db",
+                                                     "key_policy": CANARY})
+        assert r.status_code == 422 and CANARY not in r.text
+        assert c.get(f"{V1}/changefeeds/literal").status_code == 404
+
+
+def test_a_v2_changefeed_with_a_stored_password_still_works_and_is_never_shown(api_stack: ApiStack) -> None:
+    legacy_pw = "legacy-pw-31c9"
+    api_stack.append("changefeeds", ChangefeedCreatedV2(spec=ChangefeedSpecV2(
+        id="legacy", sources=[SourceRefV1(id="src1", url=f"mysql://repl:{legacy_pw}@127.0.0.1:3306/")],
+        sink_url="sqlite:///legacy.db")))
+    with api_stack.client() as c:
+        wait_until(lambda: c.get(f"{V1}/changefeeds/legacy").status_code == 200, 30,
+                   "legacy in the read model")
+        got = c.get(f"{V1}/changefeeds/legacy").json()
+        assert got["spec"]["sources"][0]["url"] == "mysql://repl:***@127.0.0.1:3306/"
+        assert legacy_pw not in c.get(f"{V1}/changefeeds").text
+        # Sending the redacted URL back keeps the stored password (the changefeed keeps working).
+        r = c.put(f"{V1}/changefeeds/legacy", json=dict(got["spec"], key_policy="unique"),
+                  params={"skip_checks": "true"})
+        assert r.status_code == 202, r.text
+    assert _stored_specs(api_stack, "legacy")[-1].sources[0].url.startswith(f"mysql://repl:{legacy_pw}@")
+    feed = json.dumps(_events(api_stack, "changefeeds"))
+    assert "legacy" in feed and legacy_pw not in feed
+    assert legacy_pw not in (api_stack.tmp / "state.db").read_bytes().decode("latin-1")
+    with api_stack.client() as c:
+        assert c.delete(f"{V1}/changefeeds/legacy").status_code == 202
+
+
+def _all_stream_bytes(stack: ApiStack) -> list[tuple[str, int, bytes]]:
+    """Every message (data and headers) of every stream on the server, KV buckets included."""
+    async def go() -> list[tuple[str, int, bytes]]:
+        js = stack.nc.jetstream()
+        out: list[tuple[str, int, bytes]] = []
+        for info in await js.streams_info():
+            name = info.config.name
+            assert name is not None
+            for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
+                try:
+                    msg = await js.get_msg(name, seq)
+                except NotFoundError:
+                    continue  # deleted or purged
+                headers = json.dumps(msg.headers or {}).encode()
+                out.append((name, seq, (msg.data or b"") + headers))
+        return out
+
+    return stack.bg.run(go())
+
+
+def test_zz_the_canary_password_appears_nowhere(api_stack: ApiStack) -> None:
+    """Runs last in this module: every changefeed the tests made names the source's password
+    as a secret, and the api resolved it to connect; the password itself is nowhere."""
+    with api_stack.client() as c:
+        assert c.post(f"{V1}/changefeeds", json=spec("canary")).status_code == 202
+        assert c.get(f"{V1}/changefeeds/canary").json()["failed_checks"] == []
+        assert c.get(f"{V1}/sources").status_code == 200
+        assert c.get(f"{V1}/status").status_code == 200
+    feed = json.dumps(_events(api_stack, "changefeeds"))
+    assert "canary" in feed and CANARY not in feed
+    messages = _all_stream_bytes(api_stack)
+    assert {n for n, _, _ in messages} >= {"SLUICE_CHANGEFEEDS", "SLUICE_ROWS"}
+    leaks = [(n, seq) for n, seq, data in messages if CANARY.encode() in data]
+    assert leaks == [], f"the canary password is in these stream messages: {leaks}"
+    assert api_stack.responses, "the clients recorded no answers"
+    assert not [r for r in api_stack.responses if CANARY in r], "an api answer holds the password"
+    logs = list((api_stack.tmp / "logs").iterdir())
+    assert logs
+    assert not [p.name for p in logs if CANARY in p.read_text(errors="replace")]
+    assert CANARY not in (api_stack.tmp / "state.db").read_bytes().decode("latin-1")

@@ -16,6 +16,7 @@ from nats.js.errors import NotFoundError
 
 from contracts.events.rows import CaptureRejectedV1, DdlExecutedV1, ResolvedAdvancedV1, RowsChangedV1
 from contracts.registry import REGISTRY
+from libs.chunks import ChunkJoiner, chunk_info
 from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
 from libs.streams import ROWS_STREAM, rejected_subject, resolved_subject, token
@@ -108,6 +109,8 @@ class Stored:
     id: str
     event: Any
     producer: str = ""
+    chunks: int = 0
+    """Chunk messages it was stored as (0: one message)."""
 
 
 async def read_messages(js: JetStreamContext, subject: str) -> list[Stored]:
@@ -121,6 +124,8 @@ async def read_messages(js: JetStreamContext, subject: str) -> list[Stored]:
     sub = await js.pull_subscribe(subject, stream=ROWS_STREAM, config=api.ConsumerConfig(
         ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL, inactive_threshold=30))
     out: list[Stored] = []
+    joiner = ChunkJoiner()
+    chunked: dict[str, int] = {}
     try:
         while True:
             try:
@@ -128,9 +133,17 @@ async def read_messages(js: JetStreamContext, subject: str) -> list[Stored]:
             except nats.errors.TimeoutError:
                 break
             for msg in msgs:
-                decoded = REGISTRY.decode(msg.data)
-                out.append(Stored(int(msg.metadata.sequence.stream), msg.subject, dict(msg.headers or {}),
-                                  decoded.envelope.id, decoded.event, decoded.envelope.producer))
+                seq, data, headers = int(msg.metadata.sequence.stream), msg.data, dict(msg.headers or {})
+                info = chunk_info(headers)
+                if info is not None:  # a message over max_payload: read as the whole it was cut from
+                    chunked[info.of] = chunked.get(info.of, 0) + 1
+                    joined = joiner.add(info, seq, data, headers)
+                    if joined is None:
+                        continue
+                    seq, data, headers = joined.first_seq, joined.data, joined.headers
+                decoded = REGISTRY.decode(data)
+                out.append(Stored(seq, msg.subject, headers, decoded.envelope.id, decoded.event,
+                                  decoded.envelope.producer, chunked.get(decoded.envelope.id, 0)))
             if msgs and msgs[-1].metadata.num_pending == 0:
                 break
     finally:

@@ -81,3 +81,12 @@ def test_compare_tables_reports_examples() -> None:
     assert compare_tables(up, list(reversed(up)), ["id"]).ok
     dup = compare_tables(up, [*up, up[0]], ["id"])
     assert dup.duplicate_keys == [("downstream", (0,))]
+
+
+def test_float32_extremes_normalise_without_overflow() -> None:
+    # Near FLT_MAX a shorter decimal can round past it (3.403e38): skipped, not an error.
+    column = ColumnV1(name="f", kind="float", sql_type="float")
+    top = normalize(3.40282e38, column)
+    assert top == normalize(3.402820018375656e38, column) == "#3402820" + "0" * 32
+    assert normalize(-3.40282e38, column).startswith("#-34028")
+    assert normalize(3.40282e38, column) != normalize(3.4028e38, column)

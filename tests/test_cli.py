@@ -56,7 +56,7 @@ def test_status_shows_lag_members_and_locks(api_stack: ApiStack) -> None:
 
 
 def test_changefeed_commands(api_stack: ApiStack, tmp_path: Path) -> None:
-    spec = {"id": "cli-cf", "sources": [{"id": "src1", "url": "mysql://root:pw@127.0.0.1:3306/"}],
+    spec = {"id": "cli-cf", "sources": [{"id": "src1", "url": api_stack.source_url}],
             "sink_url": "sqlite:///cli.db"}
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
@@ -80,6 +80,22 @@ def test_changefeed_commands(api_stack: ApiStack, tmp_path: Path) -> None:
     path.write_text(json.dumps(spec))
     code, out = sluice(api_stack, "changefeed", "create", str(path), token=None)
     assert code == 1 and "401" in out
+
+
+
+def test_create_refused_by_a_check_then_skip_checks(api_stack: ApiStack, tmp_path: Path) -> None:
+    spec = {"id": "cli-checks", "sources": [{"id": "src1", "url": api_stack.source_url}],
+            "sink_url": "sqlite:///cli.db",
+            "routes": [{"database": "nowhere_*", "target_schema": "x", "name": "nowhere"}]}
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    code, out = sluice(api_stack, "changefeed", "create", str(path))
+    assert code == 1 and "422" in out and "route nowhere matches no table" in out, out
+    code, out = sluice(api_stack, "changefeed", "create", str(path), "--skip-checks")
+    assert code == 0 and "failed checks" in out, out
+    code, out = sluice(api_stack, "changefeed", "list")
+    assert code == 0 and "failed checks: route_matches_nothing" in out.replace("\n", " "), out
+    assert sluice(api_stack, "changefeed", "delete", "cli-checks")[0] == 0
 
 
 def test_tables_snapshot_progress_and_move(api_stack: ApiStack) -> None:

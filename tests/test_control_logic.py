@@ -39,10 +39,10 @@ from libs.control.members import MembersState, MemberTracker, members_fold
 from libs.control.replication_state import ReplicationState
 from libs.control.schedule_state import ScheduleState
 from libs.eventstore import DomainLog
-from libs.scheduling import Span, TableState, TableStatus
+from libs.scheduling import MoveTable, Span, TableState, TableStatus
 from libs.streams import announce_subject, dispatch_subject, heartbeat_subject
 from services.replication_manager.core import ReplicationCore
-from services.scheduler.core import SchedulerCore
+from services.scheduler.core import Pending, SchedulerCore
 from services.sink_worker.agent import SinkAgent
 
 EPOCH = 10
@@ -217,6 +217,27 @@ def test_scheduler_counts_its_own_tasks_in_flight_when_balancing() -> None:
     assert core.pending == {}
     assert core.round(members, rep, 12.0) == []
     assert sorted(rep.index.load(m) for m in ("w1", "w2")) == [2, 2]
+
+
+def test_scheduler_does_not_count_a_span_where_it_only_prepares() -> None:
+    """A move that timed out in the scheduler while its destination still prepares: the span
+    runs on its old owner, so the loads must say so (issue: a fourth worker still warming
+    Spark was counted as holding two spans, and nothing was balanced any more)."""
+    core, _ = _scheduler()
+    members = _members("w1", "w2")
+    rep = _ready_replication({"w1": "inc-w1", "w2": "inc-w2"})
+    for s in SPANS[1:]:
+        rep.apply(_set_changed(s, "replicating", "w1"))
+    stuck = SetChangedV1(span=span_ref(SPANS[0]), state="prepare", primary="w1", secondary="w2",
+                         members={"w1": "primary", "w2": "secondary"})
+    rep.apply(stuck)
+    assert rep.index.load("w2") == 1  # the set alone would place it on w2
+    view = core.view(members, rep)
+    assert (view.load("w1"), view.load("w2")) == (4, 0)
+    # With its task in flight the scheduler counts it where it is going, as before.
+    core.pending[SPANS[0]] = Pending(MoveTable(SPANS[0], "w2"), "t", 0.0, accepted=True)
+    view = core.view(members, rep)
+    assert (view.load("w1"), view.load("w2")) == (3, 1)
 
 
 def test_scheduler_replans_rejected_timed_out_and_orphaned_tasks() -> None:

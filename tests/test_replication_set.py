@@ -712,12 +712,64 @@ def test_agent_one_task_per_span() -> None:
     agent = MemberAgentState("a")
     agent.handle_dispatch(dispatch(ADD_PREPARE))
     assert agent.handle_dispatch(dispatch(ADD_PREPARE)).verdict is AgentVerdict.DUPLICATE
-    assert agent.handle_dispatch(dispatch(REMOVE)).verdict is AgentVerdict.BUSY
+    assert agent.handle_dispatch(dispatch(ADD_COMMIT)).verdict is AgentVerdict.BUSY
     assert agent.rejected_busy == 1
     # A newer leader's dispatch replaces the deposed leader's task.
     assert agent.handle_dispatch(dispatch(REMOVE, epoch=EPOCH + 1)).verdict is AgentVerdict.ACCEPTED
     assert agent.state_of(SPAN) is T.STOPPING
     assert agent.handle_dispatch(dispatch(ADD_PREPARE, epoch=EPOCH + 1)).verdict is AgentVerdict.BUSY
+
+
+def test_agent_remove_cuts_a_prepare_short() -> None:
+    """A span that only prepares writes nothing: the leader's remove (a prepare given up after
+    its deadline) is carried out at once, not refused as busy."""
+    agent = MemberAgentState("a")
+    agent.handle_dispatch(dispatch(ADD_PREPARE))
+    out = agent.handle_dispatch(dispatch(REMOVE))
+    assert out.verdict is AgentVerdict.ACCEPTED and out.status.state is T.STOPPING
+    assert agent.rejected_busy == 0
+    agent.stopped(SPAN)
+    assert agent.state_of(SPAN) is T.STOPPED
+
+
+def test_a_prepare_past_its_deadline_is_rolled_back() -> None:
+    """A move whose destination never becomes Prepared goes back to Replicating on the primary
+    (which never stopped writing); an add goes back to Absent; the task finishes either way."""
+    manager = ReplicationManager(EPOCH, live_members=["a", "b", "c"], prepare_timeout_s=10.0)
+    for m in ("a", "b", "c"):
+        manager.handle_report(MemberReport(m, EPOCH, (), True, 1))
+    other = Span("cf", "src", "db", "u")
+    manager.handle_tasks([AddTable(SPAN, "a", 10)])
+    manager.handle_report(MemberReport("a", EPOCH, (TableStatus(SPAN, T.REPLICATING, 10, 10),), False, 2))
+    assert manager.sets[SPAN].state is SetState.REPLICATING
+    manager.handle_tasks([MoveTable(SPAN, "b"), AddTable(other, "c", 5)])
+    manager.handle_report(MemberReport("b", EPOCH, (TableStatus(SPAN, T.PREPARING, 10, 10),), False, 2))
+    manager.handle_report(MemberReport("c", EPOCH, (TableStatus(other, T.PREPARING, 5, 5),), False, 2))
+    assert manager.tick(100.0) == []  # the deadline starts at the first tick that sees it
+    assert manager.prepare_deadlines(105.0) == {SPAN: ("b", 5.0), other: ("c", 5.0)}
+    assert manager.tick(109.9) == []
+    sent = manager.tick(110.0)
+    assert sorted((d.member, d.action) for d in sent) == [("b", REMOVE), ("c", REMOVE)]
+    moved, added = manager.sets[SPAN], manager.sets[other]
+    assert describe(moved, []) == "replicating [a=P b=U] | -"
+    assert describe(added, []) == "absent [c=U] | -"
+    assert manager.running == {} and manager.prepare_timeouts == 2
+    assert manager.prepare_deadlines(110.0) == {}
+    # The members let go of the spans: nothing of either prepare remains.
+    manager.handle_report(MemberReport("b", EPOCH, (TableStatus(SPAN, T.STOPPED),), False, 3))
+    manager.handle_report(MemberReport("c", EPOCH, (TableStatus(other, T.STOPPED),), False, 3))
+    assert describe(moved, []) == "replicating [a=P] | -"
+    assert describe(added, []) == "absent [] | -"
+
+
+def test_a_late_prepared_after_the_deadline_is_not_promoted() -> None:
+    rs = ReplicationSet(SPAN, epoch=EPOCH, checkpoint_ts=10)
+    rs.handle_add_table("a", 10)
+    status(rs, "a", T.REPLICATING, 10)
+    rs.handle_move_table("b")
+    assert describe(rs, rs.abandon_prepare()) == "replicating [a=P b=U] | remove->b"
+    assert describe(rs, status(rs, "b", T.PREPARED)) == "replicating [a=P b=U] | remove->b"
+    assert rs.abandon_prepare() == []  # only a Prepare is given up
 
 
 def test_agent_misc_verdicts() -> None:

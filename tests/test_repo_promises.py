@@ -79,6 +79,69 @@ def _sluice_services(services: dict[str, Any]) -> dict[str, tuple[str, dict[str,
     return out
 
 
+def _host_port(mapping: Any) -> str:
+    """The host port of a ``[bind:]host:container`` mapping (the bind may be ``${VAR:-ip}``)."""
+    return str(mapping).rsplit(":", 2)[-2]
+
+
+# --- compose is safe to start (apisec) ---
+_BIND = "${SLUICE_BIND:-127.0.0.1}:"
+
+
+def test_compose_holds_no_password_and_takes_them_from_env_file() -> None:
+    import re
+
+    text = (ROOT / "docker-compose.yml").read_text()
+    services = _compose()["services"]
+    for name, spec in services.items():
+        for key, value in (spec.get("environment") or {}).items():
+            if re.search(r"PASSWORD|TOKEN|SECRET", key) and not key.endswith("_FILE") \
+                    and key != "SLUICE_SECRETS_DIR":
+                assert str(value).startswith("${") and ":?" in str(value), (name, key, value)
+            if "://" in str(value) and "@" in str(value):
+                password = str(value).split("://", 1)[1].split("@", 1)[0].partition(":")[2]
+                assert not password or password.startswith("secret:"), (name, key)
+    used = set(re.findall(r"\$\{([A-Z0-9_]+)", text))
+    used |= {s["environment"] for s in _compose()["secrets"].values()}
+    example = (ROOT / ".env.example").read_text()
+    assert all(re.search(rf"^#? ?{v}=", example, re.MULTILINE) for v in used), (used, example)
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
+    assert "sluice" not in " ".join(re.findall(r"PASSWORD\w*: *(\S+)", text))
+
+
+def test_compose_ports_bind_to_localhost_unless_the_operator_opts_in() -> None:
+    services = _compose()["services"]
+    for name, spec in services.items():
+        for mapping in spec.get("ports", []):
+            assert str(mapping).startswith(_BIND), (name, mapping)
+    # Anyone reaching a Spark master can run code on the cluster.
+    assert not services["spark-master"].get("ports")
+
+
+def test_compose_images_are_pinned() -> None:
+    import re
+
+    for name, spec in _compose()["services"].items():
+        image = str(spec["image"])
+        repo, _, tag = image.rpartition(":")
+        assert repo and tag and tag != "latest", (name, image)
+        # A release (15.10, 2.10.22-alpine), not a moving major (15, 10.11) or latest.
+        assert re.search(r"\d+\.\d+", tag), f"{name}: {image} is not pinned to a release"
+
+
+def test_compose_grafana_has_no_anonymous_access_and_health_uses_readyz() -> None:
+    services = _compose()["services"]
+    grafana = services["grafana"]["environment"]
+    assert str(grafana["GF_AUTH_ANONYMOUS_ENABLED"]).lower() == "false"
+    assert "GF_AUTH_ANONYMOUS_ORG_ROLE" not in grafana
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD__FILE"].startswith("/run/secrets/")
+    for name, (_, spec) in _sluice_services(services).items():
+        assert "/readyz" in " ".join(spec["healthcheck"]["test"]), name
+        if name.startswith("api-"):
+            assert str(spec["environment"]["SLUICE_API_TOKEN"]).startswith("${SLUICE_API_TOKEN:?")
+# --- end compose is safe to start ---
+
+
 def test_compose_stack_is_complete_and_consistent() -> None:
     from libs.service import DEFAULT_PORTS
 
@@ -102,7 +165,7 @@ def test_compose_stack_is_complete_and_consistent() -> None:
         server_ids.add(next(c for c in command if c.startswith("--server-id=")))
     assert len(server_ids) == 2
     assert services["postgres"]["image"].startswith("postgres:")
-    assert {"4318:4318", "16686:16686"} <= set(services["jaeger"]["ports"])
+    assert {_host_port(p) for p in services["jaeger"]["ports"]} >= {"4318", "16686"}
     # Spark standalone: master on 7077 and a worker registered with it.
     assert "org.apache.spark.deploy.master.Master" in services["spark-master"]["command"]
     assert "7077" in services["spark-master"]["command"]
@@ -120,7 +183,7 @@ def test_compose_stack_is_complete_and_consistent() -> None:
     for name, (service, spec) in sluice.items():
         replicas[service] = replicas.get(service, 0) + 1
         env = {k: str(v) for k, v in spec["environment"].items()}
-        assert spec["image"] == "sluice:latest" and spec["build"]["dockerfile"] == "infra/Dockerfile", name
+        assert spec["image"].startswith("sluice:") and spec["build"]["dockerfile"] == "infra/Dockerfile", name
         assert env["SLUICE_NATS_URL"].split(",") == [f"nats://{n}:4222" for n in nats_nodes], name
         assert env["SLUICE_STREAM_REPLICAS"] == "3", name
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
@@ -129,12 +192,13 @@ def test_compose_stack_is_complete_and_consistent() -> None:
         assert not unknown, f"{name}: settings that do not exist: {unknown}"
         port = DEFAULT_PORTS[service]
         assert env["SLUICE_HTTP_PORT"] == str(port), name
-        assert f"127.0.0.1:{port}/healthz" in " ".join(spec["healthcheck"]["test"]), name
+        assert f"127.0.0.1:{port}/readyz" in " ".join(spec["healthcheck"]["test"]), name
         assert set(spec["depends_on"]) >= set(nats_nodes), name
         if service == "sink-worker":
             assert env["SLUICE_SPARK_MASTER"] == "spark://spark-master:7077", name
             assert env["SLUICE_SPARK_DRIVER_HOST"] == spec["hostname"] == name
-            assert env["SLUICE_DOWNSTREAM_URL"].startswith("postgresql://sluice:sluice@postgres:5432/")
+            assert env["SLUICE_DOWNSTREAM_URL"].startswith(
+                "postgresql://sluice:secret:postgres_password@postgres:5432/")
         if service == "capture":
             source = env["SLUICE_SOURCE_URL"]
             assert any(f"@{db}:3306/" in source for db in ("mariadb-1", "mariadb-2")), name
@@ -150,7 +214,7 @@ def test_compose_stack_is_complete_and_consistent() -> None:
                for cfg in job["static_configs"] for t in cfg["targets"]}
     assert targets == {f"{name}:{DEFAULT_PORTS[svc]}" for name, (svc, _) in sluice.items()}
     # No host port is published twice.
-    published = [str(p).split(":")[0] for spec in services.values() for p in spec.get("ports", [])]
+    published = [_host_port(p) for spec in services.values() for p in spec.get("ports", [])]
     assert len(published) == len(set(published)), published
 
 
@@ -164,7 +228,8 @@ def test_docker_compose_config_validates() -> None:
         probe = subprocess.run([*cli, "version"], capture_output=True, text=True)
         if probe.returncode != 0:
             continue
-        out = subprocess.run([*cli, "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+        out = subprocess.run([*cli, "--env-file", str(ROOT / ".env.example"),
+                              "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
                              capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 0, out.stdout + out.stderr
         return

@@ -6,7 +6,9 @@ random order across members. Hypothesis draws the interleaving: deliveries, lost
 dispatches, lost reports and reports overtaking older ones, pipelines preparing, applying,
 stopping (slowly) or failing on their own, heartbeats, scheduling rounds, resends, member deaths
 (noticed later), restarts under the same id, joins, drains, operator moves and rebalances,
-spans (un)wanted, and leader changes whose deposed leader keeps dispatching for a while. Walks
+spans (un)wanted, leader changes whose deposed leader keeps dispatching for a while, members
+whose prepares never finish (a destination that never gets ready) and time passing beyond the
+manager's prepare deadline. Walks
 start from a steady state (all wanted spans replicating) unless said otherwise. After every step:
 
 - every set keeps its invariants (at most one primary, roles consistent) and no conflict arises;
@@ -48,6 +50,7 @@ from libs.scheduling import (
 
 UNIVERSE = [Span(cf, "src", "db", f"t{i}") for cf in ("cf1", "cf2") for i in range(4)]
 START_TS = 100
+PREPARE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -70,7 +73,11 @@ class Sim:
         self.members: dict[str, SimMember] = {}
         self.infos: dict[str, MemberInfo] = {}
         self.unnoticed_deaths: list[str] = []
-        self.manager = ReplicationManager(self.epoch, max_task_concurrency=2)
+        # Members whose prepares never finish (Spark never warm, a pull that hangs).
+        self.stuck: set[str] = set()
+        self.clock = 0.0
+        self.manager = ReplicationManager(self.epoch, max_task_concurrency=2,
+                                          prepare_timeout_s=PREPARE_TIMEOUT_S)
         self.zombie: ReplicationManager | None = None
         self.zombie_coordinator: Coordinator | None = None
         self.coordinator = self._coordinator()
@@ -182,7 +189,8 @@ class Sim:
         agent = self.members[name].agent
         table = agent.tables[span]
         if table.state is TableState.PREPARING:
-            agent.prepared(span)
+            if name not in self.stuck:
+                agent.prepared(span)
         elif table.state is TableState.STOPPING:
             agent.stopped(span)
         elif table.state is TableState.REPLICATING:
@@ -231,7 +239,17 @@ class Sim:
         self.send(outcome.dispatches)
 
     def tick(self) -> None:
-        self.send(self.manager.tick())
+        self.send(self.manager.tick(self.clock))
+
+    def time_passes(self, i: int) -> None:
+        """Wall-clock time goes by: up to twice the prepare deadline."""
+        self.clock += PREPARE_TIMEOUT_S * (i % 5) / 2
+
+    def toggle_stuck(self, i: int) -> None:
+        """The member's prepares stop finishing (or start again)."""
+        name = self.pick(i)
+        if name is not None:
+            self.stuck ^= {name}
 
     def kill(self, i: int) -> None:
         if len(self.members) <= 1:
@@ -240,6 +258,7 @@ class Sim:
         assert name is not None
         del self.members[name]
         self.infos.pop(name, None)
+        self.stuck.discard(name)
         self.unnoticed_deaths.append(name)
 
     def notice_death(self) -> None:
@@ -292,7 +311,7 @@ class Sim:
         known = old.span_checkpoints()  # what the new leader replays from the domain log
         live = [*self.members, *self.unnoticed_deaths]  # the member service's view
         self.manager = ReplicationManager(self.epoch, live_members=live, known_spans=known,
-                                          max_task_concurrency=2)
+                                          max_task_concurrency=2, prepare_timeout_s=PREPARE_TIMEOUT_S)
         self.send(self.manager.take_startup_dispatches())
         self.zombie, self.zombie_coordinator = old, self.coordinator
         self.coordinator = self._coordinator()
@@ -347,6 +366,7 @@ class Sim:
     # -- quiescence ----------------------------------------------------------------------------
 
     def settle(self) -> None:
+        self.stuck.clear()
         self.zombie_stops()
         while self.unnoticed_deaths:
             self.notice_death()
@@ -396,12 +416,13 @@ OP_WEIGHTS = {
     "tick": 2, "pump": 2, "kill": 1, "notice_death": 2, "restart": 1, "join": 1, "toggle_drain": 1,
     "operator_move": 4, "rebalance": 1, "toggle_wanted": 1, "leader_change": 1, "zombie_acts": 2,
     "zombie_stops": 1, "lose_dispatch": 1, "duplicate_dispatch": 1, "lose_report": 1,
-    "overtake_report": 1, "abandon": 1, "advance_all": 2, "finish_stop": 2,
+    "overtake_report": 1, "abandon": 1, "advance_all": 2, "finish_stop": 2, "time_passes": 1,
+    "toggle_stuck": 1,
 }
 OPS = [op for op, weight in OP_WEIGHTS.items() for _ in range(weight)]
 INDEXED = {"deliver_dispatch", "deliver_report", "heartbeat", "kill", "restart", "toggle_drain",
            "toggle_wanted", "lose_dispatch", "duplicate_dispatch", "lose_report", "overtake_report",
-           "advance_all"}
+           "advance_all", "time_passes", "toggle_stuck"}
 DOUBLE_INDEXED = {"progress", "operator_move", "abandon", "finish_stop"}
 
 
@@ -506,3 +527,80 @@ def test_the_walks_reach_the_interesting_situations() -> None:
     for situation in ("span removed", "span moved", "death during a move", "leader change",
                       "stale dispatch rejected", "undetermined member"):
         assert seen[situation] > 0, (situation, seen)
+
+
+def _stuck_destination_run(seed: int, ops: list[tuple[str, int, int]]) -> Sim:
+    """A member joins whose prepares never finish; the cluster keeps running around it."""
+    sim = Sim(seed)
+    sim.wanted = dict.fromkeys(UNIVERSE, START_TS)  # 8 spans on 3 members: 2 to move to a 4th
+    sim.settle()
+    sim.advance_all(seed)
+    sim.join()
+    stuck = max(sim.members)
+    sim.stuck.add(stuck)
+    sim.coordinator.request_rebalance()  # the new, empty member is the destination of moves
+    for op, i, j in ops:
+        if op == "toggle_stuck" or (op in ("kill", "restart") and sim.pick(i) == stuck):
+            continue  # it stays stuck (and alive) for the whole walk
+        apply(sim, op, i, j)
+        sim.check()
+    # Liveness with the stuck member still there: rounds with time passing. Every prepare on
+    # it is given up within its deadline and its span keeps (or gets back) a live writer.
+    sim.zombie_stops()
+    while sim.unnoticed_deaths:
+        sim.notice_death()
+    sim.infos[stuck] = MemberInfo(stuck)  # a walk may have set it draining
+    for i, span in enumerate(UNIVERSE):
+        if span not in sim.wanted:
+            sim.toggle_wanted(i)  # every span wanted again: enough load for the stuck member
+    sim.coordinator.request_rebalance()
+    timeouts = sim.manager.prepare_timeouts
+    chosen = False
+    for _ in range(40):
+        sim.time_passes(1)
+        before = sim.manager.prepare_timeouts
+        sim.tick()
+        timeouts += sim.manager.prepare_timeouts - before
+        sim.check()
+        sim.pump(finish_stops=True)
+        for member in sim.members.values():
+            member.inbox.append(Heartbeat(sim.manager.epoch))
+        sim.pump(finish_stops=True)
+        sim.schedule()
+        sim.check()
+        chosen = chosen or any(rs.secondary == stuck for rs in sim.manager.sets.values())
+        for span, (member, left) in sim.manager.prepare_deadlines(sim.clock).items():
+            assert left >= 0, f"{span} preparing on {member} past its deadline ({left} s)"
+    m = sim.manager
+    assert timeouts > 0 or not chosen, "the stuck member's prepares never expired"
+    sim.tick()  # no time passes: it only starts the deadlines of the adds of the last round
+    deadlines = m.prepare_deadlines(sim.clock)
+    for span in sim.wanted:
+        rs = m.sets[span]
+        if rs.primary is None:
+            # Only an add onto the stuck member, inside its deadline (a dead member's span
+            # re-added there); never a span left without a set or half-moved.
+            assert rs.state is SetState.PREPARE and rs.secondary == stuck and span in deadlines, rs
+            continue
+        assert rs.primary != stuck and rs.state in (SetState.REPLICATING, SetState.PREPARE), rs
+        table = sim.members[rs.primary].agent.tables[span]
+        assert table.state is TableState.REPLICATING, (span, rs.primary, table.state)
+    # Once it gets ready, everything converges as usual (with the member taking its share).
+    sim.settle()
+    sim.check_no_lost_table()
+    return sim
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), ops=st.lists(op_strategy, max_size=80))
+def test_a_destination_that_never_finishes_prepare(seed: int, ops: list[tuple[str, int, int]]) -> None:
+    """Moves and adds onto a member whose prepare never finishes are rolled back within the
+    prepare deadline; the spans keep replicating on their old owners (never left half-moved)
+    and nothing is lost once the member gets ready."""
+    _stuck_destination_run(seed, ops)
+
+
+def test_a_destination_that_never_finishes_prepare_is_given_up() -> None:
+    """The plain case: the fourth member takes moves, never prepares, and they are rolled back."""
+    sim = _stuck_destination_run(7, [])
+    assert sim.manager.prepare_timeouts > 0

@@ -42,6 +42,7 @@ def test_services_serve_health_and_stop_cleanly_on_sigterm(all_services: list[Se
         assert not errors, f"{proc.instance_id} logged errors while stopping:\n" + "\n".join(errors)
 
 
+@pytest.mark.integration
 def test_service_without_nats_is_not_ready_and_still_stops(tmp_path: Path) -> None:
     # Nothing listens on this port: the service must fail its start-up clearly, not hang.
     from libs.localservers.common import free_port

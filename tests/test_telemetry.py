@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -76,6 +77,7 @@ def test_settings_secrets_are_not_in_repr() -> None:
     assert "hunter2" not in s.model_dump_json()
 
 
+@pytest.mark.integration
 async def test_nats_reconnects_are_counted(tmp_path: Path) -> None:
     server = NatsServer(data_dir=tmp_path / "nats").start()
     nc = await connect(Settings(nats_url=server.url), name="reconnect-test")

@@ -1,5 +1,16 @@
 """Event models, one module per domain. Importing this package fills the registry."""
 
-from contracts.events import changefeeds, leadership, members, rows, scheduling, shard_ddl, sink, snapshots
+from contracts.events import (
+    changefeeds,
+    leadership,
+    members,
+    rows,
+    scheduling,
+    shard_ddl,
+    sink,
+    snapshots,
+    table_incidents,  # poison: tables stopped by their downstream
+)
 
 __all__ = ["changefeeds", "leadership", "members", "rows", "scheduling", "shard_ddl", "sink", "snapshots"]
+__all__ += ["table_incidents"]

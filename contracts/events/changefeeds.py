@@ -23,7 +23,8 @@ class SourceRefV1(BaseModel):
 
 
 class TableFilterV1(BaseModel):
-    """Glob patterns over ``database.table``; a table is in when it matches an include and no exclude."""
+    """Patterns over ``database.table`` (a glob, or a regular expression after ``~`` matching the
+    whole name); a table is in when it matches an include and no exclude."""
 
     model_config = ConfigDict(extra="forbid")
     include: list[str] = Field(default_factory=lambda: ["*.*"])
@@ -139,3 +140,79 @@ class ChangefeedStateChangedV1(BaseModel):
     state: Literal["running", "paused", "deleted"]
     requested_by: str = ""
     reason: str = ""
+
+
+# --- v3 of changefeed.created / changefeed.updated: secrets as references and creation checks
+# (apisec), and the cross-shard unique-conflict policy (poison).
+
+class ChangefeedCheckV1(BaseModel):
+    """A creation check the api ran and that failed, accepted anyway with ``skip_checks``."""
+
+    model_config = ConfigDict(extra="forbid")
+    check: str = Field(min_length=1, description="e.g. source_reachable, binlog_format, sink_writable")
+    target: str = Field("", description="The source id, 'sink' or the route the check is about.")
+    message: str = Field(min_length=1, description="What failed and the fix.")
+
+
+UniqueConflictPolicy = Literal["error", "overwrite"]
+
+
+class ChangefeedSpecV3(ChangefeedSpecV2):
+    """v3 adds what a merged target does when a shard's row takes a unique value another
+    shard's row holds (only targets without an origin column can have such a conflict)."""
+
+    on_unique_conflict: UniqueConflictPolicy = Field(
+        "error", description="error: the target's spans stop with a conflict report; overwrite: the "
+                             "other shard's row is removed, with an event per removed row. Setting "
+                             "origin_column avoids the conflict altogether.")
+
+
+def _spec_v2_to_v3(spec: dict[str, Any]) -> dict[str, Any]:
+    # v2 changefeeds removed the other shard's row silently: keep that, now explicit.
+    return {**spec, "on_unique_conflict": "overwrite"}
+
+
+def spec_v3(spec: ChangefeedSpecV2) -> ChangefeedSpecV3:
+    """A spec as v3: a v2 one built in code keeps v2's behaviour, as its upcast does."""
+    if isinstance(spec, ChangefeedSpecV3):
+        return spec
+    return ChangefeedSpecV3.model_validate(_spec_v2_to_v3(spec.model_dump()))
+
+
+_V3_DOC = ("v3: source and sink URLs hold no password; a password is a reference to a named "
+           "secret, ``secret:NAME`` in the URL's password place, resolved by each service from "
+           "its secrets directory or SLUICE_SECRET_<NAME>. ``failed_checks`` lists the creation "
+           "checks that failed when the operator accepted the changefeed with skip_checks. "
+           "The spec gains ``on_unique_conflict``.")
+
+
+@register("changefeed.created", 3)
+class ChangefeedCreatedV3(BaseModel):
+    __doc__ = _V3_DOC
+    model_config = ConfigDict(extra="forbid")
+    spec: ChangefeedSpecV3
+    requested_by: str = ""
+    failed_checks: list[ChangefeedCheckV1] = Field(default_factory=list)
+
+
+@register("changefeed.updated", 3)
+class ChangefeedUpdatedV3(BaseModel):
+    __doc__ = _V3_DOC
+    model_config = ConfigDict(extra="forbid")
+    spec: ChangefeedSpecV3
+    requested_by: str = ""
+    failed_checks: list[ChangefeedCheckV1] = Field(default_factory=list)
+
+
+# v2 events may hold literal passwords in their URLs: they keep working (the resolver passes a
+# literal through) and every api output redacts them; no check was recorded for them. They
+# removed another shard's row silently on a unique conflict: the upcast keeps that, explicitly.
+@upcaster("changefeed.created", 2)
+def _created_v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v2_to_v3(data["spec"]), "failed_checks": []}
+
+
+@upcaster("changefeed.updated", 2)
+def _updated_v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v2_to_v3(data["spec"]), "failed_checks": []}
+# --- end v3

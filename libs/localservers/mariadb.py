@@ -123,6 +123,9 @@ class MariaDB:
             "--innodb-buffer-pool-size=64M",
             "--innodb-log-file-size=32M",
             "--max-connections=300",
+            # Rows up to 1 GB (LONGBLOB, JSON) in both directions: written to a source, and
+            # written by a sink to a downstream (one row alone is one statement).
+            "--max-allowed-packet=1G",
             "--performance-schema=OFF",
             f"--innodb-flush-log-at-trx-commit={1 if self.durable else 2}",
             f"--sync-binlog={1 if self.durable else 0}",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from libs.localservers.common import free_port, wait_until
+from libs.localservers.nats_server import NatsServer
 
 
 @dataclass
@@ -43,6 +44,8 @@ class ServiceProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, "SLUICE_HTTP_PORT": str(self.port),
                "SLUICE_INSTANCE_ID": self.instance_id}
+        # A service runs as its own NATS role, never as the admin user of the stack's URL.
+        env |= NatsServer.credentials_for(self.module, env)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=env, stdout=log,
                                          stderr=subprocess.STDOUT)

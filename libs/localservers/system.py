@@ -5,6 +5,7 @@ service as real processes. The demo, the end-to-end tests and the benchmarks sta
 from __future__ import annotations
 
 import itertools
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -17,6 +18,7 @@ from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
+from libs.nats_auth import API
 
 Downstream = Literal["sqlite", "postgres", "mariadb"]
 
@@ -42,17 +44,21 @@ class LocalSystem:
     plane (member, scheduler, replication-manager) distributes the spans over them."""
     worker_env: dict[str, str] = field(default_factory=dict)
     control_env: dict[str, str] = field(default_factory=dict)
+    nats_tls: bool = False
+    """nats-server requires TLS with client certificates (authentication is always on)."""
     nats: NatsServer | None = None
     source_dbs: list[MariaDB] = field(default_factory=list)
     downstream_db: MariaDB | PostgreSQL | None = None
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
+    api_token: str = field(default_factory=lambda: secrets.token_urlsafe(18))
+    """The api's operator token: the api runs with auth on, as in production."""
     _server_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     # ------------------------------------------------------------------ infrastructure
 
     def start_infra(self) -> None:
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        self.nats = NatsServer(data_dir=self.base_dir / "nats").start()
+        self.nats = NatsServer(data_dir=self.base_dir / "nats", tls=self.nats_tls).start()
         for i in range(self.sources):
             db = MariaDB(data_dir=self.base_dir / f"source{i + 1}", server_id=next(self._server_ids))
             self.source_dbs.append(db.start())
@@ -102,7 +108,7 @@ class LocalSystem:
         for w in range(self.workers):
             self.start_worker(w + 1)
         if self.with_api:
-            self._start("api-1", "services.api")
+            self._start("api-1", "services.api", {"SLUICE_API_TOKEN": self.api_token})
 
     def start_control(self, service: str, replica: int) -> ServiceProcess:
         """(Re)start one replica of a leader-elected control service."""
@@ -141,9 +147,10 @@ class LocalSystem:
         )
 
     async def create_changefeed(self, spec: ChangefeedSpecV2, requested_by: str = "demo") -> int:
-        """Record the changefeed in its domain stream, as the api does for an operator."""
+        """Record the changefeed in its domain stream, as the api does for an operator (and with
+        the api's NATS user)."""
         assert self.nats is not None
-        nc = await nats.connect(self.nats.url)
+        nc = await nats.connect(**self.nats.client_options(API))
         try:
             return await record_changefeed(nc.jetstream(), spec, requested_by)
         finally:

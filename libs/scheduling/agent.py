@@ -137,6 +137,12 @@ class MemberAgentState:
         if table is None:
             table = AgentTable(span)
         task = self._live_task(table)
+        preempts = (dispatch.action is DispatchAction.REMOVE
+                    and table.state in (TableState.PREPARING, TableState.PREPARED))
+        if task is not None and preempts and task.action is not dispatch.action:
+            # A span that only prepares writes nothing, so a remove may cut its add short: it
+            # is how the leader gives up a destination that never finishes preparing.
+            task = None
         if task is not None:
             verdict = AgentVerdict.DUPLICATE if task.action is dispatch.action else AgentVerdict.BUSY
             if verdict is AgentVerdict.BUSY:

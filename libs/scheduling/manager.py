@@ -59,9 +59,14 @@ class ReplicationManager:
         live_members: Iterable[MemberId] = (),
         known_spans: Mapping[Span, tuple[int, int]] | None = None,
         max_task_concurrency: int = DEFAULT_MAX_TASK_CONCURRENCY,
+        prepare_timeout_s: float | None = None,
     ) -> None:
         self.epoch = epoch
         self.max_task_concurrency = max_task_concurrency
+        self.prepare_timeout_s = prepare_timeout_s
+        # (span, secondary) -> when a tick first saw that secondary preparing the span.
+        self._preparing_since: dict[tuple[Span, MemberId], float] = {}
+        self.prepare_timeouts = 0
         self.sets: dict[Span, ReplicationSet] = {}
         self.index = SetIndex()
         self.running: dict[Span, ScheduleTask] = {}
@@ -279,18 +284,55 @@ class ReplicationManager:
 
     # -- periodic and operator ----------------------------------------------------------------
 
-    def tick(self) -> list[Dispatch]:
-        """Resend what in-flight sets wait for; call every few seconds, not per message."""
+    def tick(self, now: float | None = None) -> list[Dispatch]:
+        """Resend what in-flight sets wait for; call every few seconds, not per message.
+
+        With ``now`` (a monotonic clock) and ``prepare_timeout_s``, a secondary that is still
+        not Prepared ``prepare_timeout_s`` after a tick first saw it preparing is given up
+        (``ReplicationSet.abandon_prepare``): the set returns to Replicating or Absent, the
+        task finishes, and the scheduler plans the span again. The deadline is measured from
+        the first tick that saw the prepare, so it fires at most one tick period late."""
         if not self._ready:
             return []
         out: list[Dispatch] = []
+        if now is not None and self.prepare_timeout_s is not None:
+            out.extend(self._expire_prepares(now, self.prepare_timeout_s))
+        given_up = {d.span for d in out}
         for span in [*self.index.unstable, *self.index.lingering]:
             rs = self.sets.get(span)
-            if rs is None:
+            if rs is None or span in given_up:
                 continue
             out.extend(rs.tick())
             self._after(rs)
         return out
+
+    def _expire_prepares(self, now: float, timeout_s: float) -> list[Dispatch]:
+        out: list[Dispatch] = []
+        seen: dict[tuple[Span, MemberId], float] = {}
+        for span in self.index.unstable:
+            rs = self.sets.get(span)
+            if rs is None or rs.error is not None or rs.state is not SetState.PREPARE or rs.secondary is None:
+                continue
+            key = (span, rs.secondary)
+            seen[key] = self._preparing_since.get(key, now)
+        self._preparing_since = seen
+        for (span, _member), since in list(seen.items()):
+            if now - since < timeout_s:
+                continue
+            rs = self.sets[span]
+            out.extend(rs.abandon_prepare())
+            self.prepare_timeouts += 1
+            del self._preparing_since[(span, _member)]
+            self._after(rs)
+        return out
+
+    def prepare_deadlines(self, now: float) -> dict[Span, tuple[MemberId, float]]:
+        """Spans whose secondary is preparing, with it and the seconds left before it is given
+        up (for operators: a destination that does not finish its prepare is visible)."""
+        if self.prepare_timeout_s is None:
+            return {}
+        return {span: (member, round(self.prepare_timeout_s - (now - since), 3))
+                for (span, member), since in self._preparing_since.items()}
 
     def resolve_conflict(self, span: Span, keep: MemberId) -> list[Dispatch]:
         rs = self.sets.get(span)

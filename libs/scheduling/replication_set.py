@@ -311,6 +311,27 @@ class ReplicationSet:
         return [self._send(m, DispatchAction.REMOVE) for m in self.members
                 if self.reported.get(m) is not TableState.STOPPING]
 
+    def abandon_prepare(self) -> list[Dispatch]:
+        """The secondary did not become Prepared in time (a destination that never finishes
+        its prepare): give the move or add up instead of waiting for ever.
+
+        The secondary is asked to remove the span and stays undetermined until it reports
+        Stopped/Absent (it wrote nothing, but a late Prepared must not be promoted); the set
+        goes back to Replicating on its primary (a move) or to Absent (an add), both states a
+        later scheduling round acts on. Only Prepare is given up: in Commit the secondary is
+        Prepared and the step waits for the old primary to stop, which must not be cut short.
+        """
+        if self.removed or self.error is not None or self.state is not SetState.PREPARE:
+            return []
+        member = self.secondary
+        if member is None:
+            return []
+        self._demote(member)
+        # So tick() resends the remove until the member answers (or dies).
+        self.reported.setdefault(member, TableState.PREPARING)
+        self.state = SetState.REPLICATING if self.primary is not None else SetState.ABSENT
+        return [self._send(member, DispatchAction.REMOVE)]
+
     # -- member inputs ------------------------------------------------------------------------
 
     def handle_member_status(

@@ -3,23 +3,64 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, FastAPI
+from typing import Any
 
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+
+from services.api.auth import AUTH_RESPONSES, WRITE_RESPONSES, TokenTable
 from services.api.context import ApiContext
-from services.api.routes import changefeeds, cluster, ddl, deadletters, events, leaders
+from services.api.http_guards import BodyLimit, RequestMetrics
+from services.api.routes import changefeeds, cluster, ddl, deadletters, events, leaders, table_errors
 
 API_PREFIX = "/api/v1"
+_READ_METHODS = {"get", "head", "options"}
+
+
+async def field_errors_only(request: Request, exc: Exception) -> JSONResponse:
+    """422 with where and what (``loc``, ``msg``, ``type``) but never the input: a refused body
+    may hold a password, and the answer must not echo it."""
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    return JSONResponse(status_code=422, content={"detail": [
+        {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+        for e in errors]})
 
 
 def create_app(ctx: ApiContext) -> FastAPI:
     app = FastAPI(
         title="Sluice operator API", version="1",
         description="Changefeeds, tables, members, DDL locks, leaders, dead letters and the event "
-                    "feed. Mutating endpoints need `Authorization: Bearer <SLUICE_API_TOKEN>` when "
-                    "a token is configured. Commands answer 202 with where to follow them.")
+                    "feed. Every endpoint needs `Authorization: Bearer <token>` (unless "
+                    "SLUICE_API_AUTH=false): a viewer token reads, an operator token also changes "
+                    "things. Commands answer 202 with where to follow them; bodies over "
+                    "SLUICE_API_MAX_BODY_BYTES get 413.")
     app.state.ctx = ctx
+    app.add_exception_handler(RequestValidationError, field_errors_only)
+    app.state.tokens = TokenTable.from_settings(ctx.settings)
     api = APIRouter(prefix=API_PREFIX)
-    for module in (changefeeds, cluster, ddl, leaders, deadletters, events):
-        api.include_router(module.router)
+    for module in (changefeeds, cluster, ddl, leaders, deadletters, events, table_errors):
+        api.include_router(module.router, responses=AUTH_RESPONSES)
     app.include_router(api)
+    # Added last is outermost: the metrics see the body limit's 413s too.
+    app.add_middleware(BodyLimit, limit=ctx.settings.api_max_body_bytes)
+    app.add_middleware(RequestMetrics)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description,
+                              routes=app.routes)
+            for path, operations in doc.get("paths", {}).items():
+                if not path.startswith(API_PREFIX):
+                    continue
+                for method, op in operations.items():
+                    if method not in _READ_METHODS:
+                        for code, resp in WRITE_RESPONSES.items():
+                            op.setdefault("responses", {}).setdefault(str(code), dict(resp))
+                    op["responses"].setdefault("413", {"description": "Body over the limit"})
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

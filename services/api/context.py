@@ -10,6 +10,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from libs.config import Settings
+from services.api.auth import current_principal
 from services.api.projections import Projections
 
 
@@ -24,7 +25,8 @@ class ApiContext:
 
     @property
     def requested_by(self) -> str:
-        return f"api/{self.settings.instance_id}"
+        """The principal of the current request's token: who a command is recorded as."""
+        return current_principal.get()
 
     def ready(self) -> bool:
         return (self.nc is not None and self.nc.is_connected and self.projections is not None

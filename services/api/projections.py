@@ -30,6 +30,7 @@ from libs.control.schedule_state import ScheduleState, schedule_fold
 from libs.eventstore import StoredEvent
 from libs.scheduling import Span
 from services.api.models import ChangefeedRow, MemberRow, ProjectionPosition, SpanRow
+from services.api.schemas import redact_spec
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,9 @@ class Projections:
             checkpoints = self.replication.state.checkpoints
             out["changefeeds"] = [
                 ChangefeedRow(id=cf, state=view.states.get(cf, "running"),
-                              spec_json=spec.model_dump_json(),
+                              spec_json=json.dumps(redact_spec(spec)),
+                              failed_checks_json=json.dumps(
+                                  [c.model_dump() for c in view.failed_checks.get(cf, [])]),
                               checkpoint_ts=checkpoints.get(cf, (0, 0))[0],
                               resolved_ts=checkpoints.get(cf, (0, 0))[1])
                 for cf, spec in sorted(view.specs.items())]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.events.changefeeds import ChangefeedSpecV2
+from libs.secret_refs import is_reference
 from libs.telemetry.metrics import lag_seconds as telemetry_lag_seconds
 
 REDACTED = "***"
@@ -17,12 +19,21 @@ def redact_url(url: str) -> str:
     """``url`` with its password replaced by ``***`` (everything else kept)."""
     try:
         parts = urlsplit(url)
-        if not parts.password:
-            return url
+        if not parts.password or is_reference(unquote(parts.password)):
+            return url  # a secret's name is not the secret
         host = parts.netloc.rsplit("@", 1)[1]
         return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{REDACTED}@{host}"))
     except ValueError:
         return "<unparseable URL>"
+
+
+# user:password@ inside URLs anywhere in a text; a secret:NAME reference is left as it is.
+_URL_PASSWORD = re.compile(r"(://[^:/@\s\"']*:)(?!secret:)([^@\s\"'/]+)(@)")
+
+
+def redact_urls_in_text(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***`` (raw payloads)."""
+    return _URL_PASSWORD.sub(lambda m: f"{m.group(1)}{REDACTED}{m.group(3)}", text)
 
 
 def unredact_url(url: str, stored: str) -> str:
@@ -62,6 +73,8 @@ class Accepted(BaseModel):
     seq: int | None = Field(None, description="Sequence of the recorded event in its domain stream.")
     follow: str = Field("", description="Where to watch the effect (a resource URL).")
     events: str = Field("", description="The event feed from just before this command.")
+    warnings: list[str] = Field(default_factory=list,
+                                description="Accepted, but worth a look (e.g. cross-shard unique conflicts).")
 
 
 class ChangefeedOut(BaseModel):
@@ -73,6 +86,9 @@ class ChangefeedOut(BaseModel):
     lag_s: float | None
     tables: int
     tables_by_state: dict[str, int]
+    failed_checks: list[dict[str, str]] = Field(
+        default_factory=list, description="Creation checks that failed when it was accepted with "
+                                          "skip_checks (check, target, message).")
 
 
 class CheckpointOut(BaseModel):
@@ -96,6 +112,9 @@ class TableOut(BaseModel):
     lag_s: float | None
     checkpoint: CheckpointOut | None = Field(None, description="The span's stored checkpoint.")
     snapshot: dict[str, Any] | None = Field(None, description="Initial-load progress, when any.")
+    incident: dict[str, Any] | None = Field(
+        None, description="The downstream refused a change for good: the table waits for an operator "
+                          "(POST .../errors/{incident}/skip|retry|resume).")
 
 
 class MemberOut(BaseModel):

@@ -16,9 +16,12 @@ log = logging.getLogger(__name__)
 def api_main(ctx: ApiContext) -> ServiceMain:
     async def main(runtime: ServiceRuntime) -> None:
         settings = runtime.settings
-        if settings.api_token is None:
-            log.warning("SLUICE_API_TOKEN is not set: mutating endpoints are open to anyone who "
-                        "reaches the api")
+        if not settings.api_auth:
+            log.warning("SLUICE_API_AUTH is false: every endpoint is open to anyone who reaches "
+                        "the api")
+        elif settings.api_token is None and settings.api_tokens is None and not settings.api_tokens_file:
+            log.error("no api token is configured (SLUICE_API_TOKEN, SLUICE_API_TOKENS or "
+                      "SLUICE_API_TOKENS_FILE): every request is refused with 401")
         engine = make_engine(settings.state_db_url)
         projections = Projections(runtime.nc.jetstream(), engine, settings)
         ctx.nc = runtime.nc

@@ -7,14 +7,35 @@ which field to fix, exactly like the model's own validation errors."""
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from contracts.events.changefeeds import ChangefeedSpecV2
 from libs.dburl import DatabaseUrlError, parse_database_url
 from libs.routing import OriginColumn, Router, RouteRule, RoutingConfigError, TableFilter
+from libs.secret_refs import literal_password
+from services.api.schemas import REDACTED
 
 
 def _error(loc: list[str | int], msg: str) -> dict[str, Any]:
     return {"loc": ["body", *loc], "msg": msg, "type": "value_error"}
+
+
+def _literal_password(what: str) -> str:
+    return (f"the {what} URL holds a password; passwords are never stored in a changefeed. Put it "
+            "in a named secret (file $SLUICE_SECRETS_DIR/NAME or environment variable "
+            "SLUICE_SECRET_NAME of the api, capture and sink-worker) and write "
+            "user:secret:NAME@host in the URL instead")
+
+
+def password_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
+    """URLs holding a literal password (a secret reference or the api's ``***`` is fine)."""
+    errors: list[dict[str, Any]] = []
+    if literal_password(spec.sink_url) and urlsplit(spec.sink_url).password != REDACTED:
+        errors.append(_error(["sink_url"], _literal_password("sink")))
+    for i, source in enumerate(spec.sources):
+        if literal_password(source.url) and urlsplit(source.url).password != REDACTED:
+            errors.append(_error(["sources", i, "url"], _literal_password("source")))
+    return errors
 
 
 def spec_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
@@ -24,7 +45,7 @@ def spec_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
         return [_error([], f"the spec holds text that is not valid Unicode: {exc}")]
     errors: list[dict[str, Any]] = []
     try:
-        parse_database_url(spec.sink_url)
+        parse_database_url(spec.sink_url, resolve_secrets=False)
     except (DatabaseUrlError, ValueError) as exc:
         errors.append(_error(["sink_url"], f"sink URL refused: {exc}"))
     seen: set[str] = set()
@@ -33,7 +54,7 @@ def spec_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
             errors.append(_error(["sources", i, "id"], f"source id {source.id!r} is listed twice"))
         seen.add(source.id)
         try:
-            url = parse_database_url(source.url)
+            url = parse_database_url(source.url, resolve_secrets=False)
         except (DatabaseUrlError, ValueError) as exc:
             errors.append(_error(["sources", i, "url"], f"source URL refused: {exc}"))
             continue

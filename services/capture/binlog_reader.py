@@ -259,11 +259,49 @@ def _fix_negative_time2(value: Any) -> Any:
     return -(2 * whole_up - dt.timedelta(seconds=1) - magnitude)
 
 
-def _fix_row(values: dict[str, Any] | None, time2: tuple[str, ...]) -> dict[str, Any] | None:
-    if values is None or not time2:
+def _fix_year(value: Any) -> Any:
+    """pymysqlreplication decodes YEAR as ``byte + 1900``, but the stored byte 0 is YEAR 0000
+    (valid years are 1901..2155 and 0000), which it turns into 1900: no target would take it
+    back as 0000 (MariaDB refuses 1900, others keep a wrong year)."""
+    return 0 if value == 1900 else value
+
+
+def _binary_padder(width: int) -> Any:
+    """BINARY(n) is fixed width, padded with 0x00; the binlog leaves the trailing zero bytes
+    out (as it does a CHAR's trailing spaces) and the reader does not put them back, so a value
+    ending in zero bytes would shrink on any target that keeps bytes as given."""
+    def pad(value: Any) -> Any:
+        if value == "":  # the reader's spelling of an empty binary string
+            value = b""
+        if isinstance(value, bytes | bytearray) and len(value) < width:
+            return bytes(value).ljust(width, b"\0")
+        return value
+    return pad
+
+
+Repairs = tuple[tuple[str, Any], ...]
+
+
+def _repairs(event: Any) -> Repairs:
+    """Per column, the fix for a value pymysqlreplication decodes wrongly (see the _fix_*)."""
+    out: list[tuple[str, Any]] = []
+    for c in event.columns:
+        if c.type == FIELD_TYPE.TIME2:
+            out.append((str(c.name), _fix_negative_time2))
+        elif c.type == FIELD_TYPE.YEAR:
+            out.append((str(c.name), _fix_year))
+        elif (c.type == FIELD_TYPE.STRING and c.character_set_name == "binary"
+              and int(getattr(c, "max_length", 0) or 0) > 0):
+            out.append((str(c.name), _binary_padder(int(c.max_length))))
+    return tuple(out)
+
+
+def _fix_row(values: dict[str, Any] | None, repairs: Repairs) -> dict[str, Any] | None:
+    if values is None or not repairs:
         return values
-    for name in time2:
-        values[name] = _fix_negative_time2(values.get(name))
+    for name, fix in repairs:
+        if name in values:
+            values[name] = fix(values[name])
     return values
 
 
@@ -281,19 +319,20 @@ def _convert(event: Any, current_file: str) -> Item | None:
     timestamp = int(event.timestamp)
     if isinstance(event, WriteRowsEvent | UpdateRowsEvent | DeleteRowsEvent):
         columns = _columns(event)
-        t2 = tuple(c.name for c in columns if c.type_code == FIELD_TYPE.TIME2)
+        repairs = _repairs(event)
         if isinstance(event, UpdateRowsEvent):
             op: RowOp = "update"
-            images = tuple(RowImage(_fix_row(r["before_values"], t2), _fix_row(r["after_values"], t2),
+            images = tuple(RowImage(_fix_row(r["before_values"], repairs),
+                                    _fix_row(r["after_values"], repairs),
                                     r.get("before_none_sources", {}), r.get("after_none_sources", {}))
                            for r in event.rows)
         elif isinstance(event, WriteRowsEvent):
             op = "insert"
-            images = tuple(RowImage(None, _fix_row(r["values"], t2), {}, r.get("none_sources", {}))
+            images = tuple(RowImage(None, _fix_row(r["values"], repairs), {}, r.get("none_sources", {}))
                            for r in event.rows)
         else:
             op = "delete"
-            images = tuple(RowImage(_fix_row(r["values"], t2), None, r.get("none_sources", {}), {})
+            images = tuple(RowImage(_fix_row(r["values"], repairs), None, r.get("none_sources", {}), {})
                            for r in event.rows)
         return Rows(position, timestamp, str(event.schema), str(event.table), op, columns, images)
     if isinstance(event, XidEvent):

@@ -20,3 +20,9 @@ REJECTIONS = Counter("sluice_capture_rejections", "Inputs capture refused to rep
                      ["source", "kind"])
 SESSIONS = Counter("sluice_capture_sessions", "Binlog reading sessions started, by how they ended.",
                    ["source", "outcome"])
+CHUNKS_PUBLISHED = Counter("sluice_capture_chunks_published",
+                           "Chunk messages published for messages over the server's max_payload.",
+                           ["source"])
+OVERSIZED = Counter("sluice_capture_oversized_messages",
+                    "Messages over SLUICE_CAPTURE_MAX_MESSAGE_BYTES; their table is stopped.",
+                    ["source"])

@@ -21,8 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from nats.errors import MaxPayloadError
-
 from contracts.events.rows import (
     CaptureRejectedV1,
     DdlExecutedV1,
@@ -35,9 +33,15 @@ from contracts.events.rows import (
 from libs.streams import ddl_subject, rejected_subject, rows_subject
 from services.capture import metrics
 from services.capture.binlog_reader import Begin, Commit, Heartbeat, Item, Position, Query, ReaderFailed, Rows
-from services.capture.publisher import Publisher
+from services.capture.publisher import MessageTooLarge, Publisher
 from services.capture.statements import classify
-from services.capture.table_meta import BinlogColumn, TableInfo, binlog_table_info, load_table_info
+from services.capture.table_meta import (
+    BinlogColumn,
+    TableInfo,
+    binlog_table_info,
+    load_table_info,
+    reconcile_members,
+)
 from services.capture.ts_clock import TsClock, wall_ms
 from services.capture.values import UnsupportedValue, encode_value
 
@@ -107,7 +111,10 @@ class MetaStore:
 
 
 class _RowTooLarge(Exception):
-    pass
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"{size} > {limit}")
+        self.size = size
+        self.limit = limit
 
 
 @dataclass
@@ -213,7 +220,12 @@ class SourcePipeline:
             buffer = txn.tables[key] = _TableBuffer(info, item.position)
         buffer.position = item.position
         try:
-            images = [self._image(item.op, buffer.info, item.columns, image) for image in item.images]
+            if _raw_size(item.images) > _LARGE_RAW:
+                # base64 of tens of MB takes seconds on a busy machine: not on the event loop,
+                # where it would hold up the lease renewals.
+                images = await asyncio.to_thread(self._images, item, buffer.info)
+            else:
+                images = self._images(item, buffer.info)
         except UnsupportedValue as exc:
             del txn.tables[key]
             await self.reject("unsupported_type", key, f"{exc}; capture stopped for this table",
@@ -227,9 +239,12 @@ class SourcePipeline:
                                          or buffer.size > self._part_bytes):
                 try:
                     await self._send_part(txn, key, buffer, last=False, keep=1)
-                except _RowTooLarge:
-                    await self._too_large(txn, key, buffer)
+                except _RowTooLarge as exc:
+                    await self._too_large(txn, key, buffer, exc)
                     return
+
+    def _images(self, item: Rows, info: TableInfo) -> list[RowImageV1]:
+        return [self._image(item.op, info, item.columns, image) for image in item.images]
 
     def _image(self, op: RowOp, info: TableInfo, columns: tuple[BinlogColumn, ...], image: Any) -> RowImageV1:
         before = None if image.before is None else _encode_row(info, columns, image.before,
@@ -250,6 +265,8 @@ class SourcePipeline:
             log.info("table metadata merged from the binlog: information_schema differs", extra={
                 "source": self.source, "table": ".".join(key), "binlog_columns": names})
             info = binlog_table_info(key[0], key[1], columns, info)
+        else:
+            info = reconcile_members(info, columns)
         self._infos[key] = info
         bad = info.unsupported()
         if bad:
@@ -287,11 +304,11 @@ class SourcePipeline:
         msg_id = f"{self.source}:{txn.begin.file}:{txn.begin.pos}:{key[0]}.{key[1]}:{buffer.part}"
         try:
             await self.publisher.send(rows_subject(self.source, *key), event, msg_id, rows=len(rows))
-        except MaxPayloadError:
-            # The size estimate missed (wide rows): halve the part. Same input, same split, so a
-            # re-read still publishes the same ids.
+        except MessageTooLarge as exc:
+            # Over the message limit (a message over max_payload goes in chunks, up to it): halve
+            # the part. Same input, same split, so a re-read still publishes the same ids.
             if len(rows) == 1:
-                raise _RowTooLarge from None
+                raise _RowTooLarge(exc.size, exc.limit) from None
             mid = len(rows) // 2
             await self._publish_rows(txn, key, buffer, rows[:mid], last=False)
             await self._publish_rows(txn, key, buffer, rows[mid:], last=last)
@@ -299,11 +316,12 @@ class SourcePipeline:
         self.next_seq += 1
         buffer.part += 1
 
-    async def _too_large(self, txn: _Txn, key: TableKey, buffer: _TableBuffer) -> None:
+    async def _too_large(self, txn: _Txn, key: TableKey, buffer: _TableBuffer, exc: _RowTooLarge) -> None:
         txn.tables.pop(key, None)
         await self.reject("unsupported_type", key,
-                          "a row is larger than the NATS max_payload even alone in a message; "
-                          "capture stopped for this table", buffer.position)
+                          f"a row change encodes to {exc.size} bytes, over the limit of {exc.limit} "
+                          f"bytes (SLUICE_CAPTURE_MAX_MESSAGE_BYTES); capture stopped for this table",
+                          buffer.position)
 
     def _is_stopped(self, key: TableKey, position: Position) -> bool:
         if key not in self.stopped:
@@ -323,8 +341,8 @@ class SourcePipeline:
                 if buffer.rows:
                     try:
                         await self._send_part(txn, key, buffer, last=True)
-                    except _RowTooLarge:
-                        await self._too_large(txn, key, buffer)
+                    except _RowTooLarge as exc:
+                        await self._too_large(txn, key, buffer, exc)
         self._group_end(position)
 
     async def _query(self, item: Query) -> None:
@@ -448,6 +466,19 @@ def _encode_row(info: TableInfo, columns: tuple[BinlogColumn, ...], values: dict
         except UnsupportedValue as exc:
             raise UnsupportedValue(f"column {spec.name} ({spec.sql_type}): {exc}") from None
     return out
+
+
+_LARGE_RAW = 1024 * 1024
+
+
+def _raw_size(images: Any) -> int:
+    """Bytes of the binlog images' string and binary values (``len`` only: cheap)."""
+    size = 0
+    for image in images:
+        for values in (image.before, image.after):
+            if values:
+                size += sum(len(v) for v in values.values() if isinstance(v, str | bytes | bytearray))
+    return size
 
 
 def _approx_size(image: RowImageV1) -> int:

@@ -9,6 +9,11 @@ a resolved mark first waits for every earlier ack, so "ts <= resolved is in the 
 Resolved marks are also the fence between two captures of one source: each carries
 ``Nats-Expected-Last-Subject-Sequence`` = the stream sequence of the mark it follows, so a
 capture that lost its lease and did not notice yet cannot publish a mark after its successor's.
+
+A message larger than the server's max_payload (the client knows it from the server's INFO)
+is published as ordered chunks on the same subject (``libs/chunks.py``), each with its own
+deterministic id; the sink joins them again. Beyond ``max_message_bytes`` a message is refused
+(``MessageTooLarge``) and the pipeline stops the table with a rejection.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError
 from pydantic import BaseModel
 
-from contracts.events.rows import ResolvedAdvancedV1
+from contracts.events.rows import ResolvedAdvancedV1, RowsChangedV1
 from contracts.registry import REGISTRY
+from libs.chunks import chunk_size_for, digest_of, needs_chunks, split
 from libs.streams import ROWS_STREAM, resolved_subject
 from libs.telemetry.tracing import publish_span
 from services.capture import metrics
+from services.capture.large_encode import approx_size, encode_rows_deterministic
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,7 @@ log = logging.getLogger(__name__)
 # ts and position it is all the state a capture needs to continue exactly where it left off.
 NEXT_SEQ_HEADER = "Sluice-Next-Seq"
 _WRONG_LAST_SEQ = frozenset({10071})
+_CHUNK_WINDOW_BYTES = 4 * 1024 * 1024
 
 
 class LeaseLost(Exception):
@@ -44,6 +52,15 @@ class LeaseLost(Exception):
 
 class Fenced(Exception):
     """Another capture published a resolved mark for this source after the one we followed."""
+
+
+class MessageTooLarge(Exception):
+    """One message is over ``max_message_bytes``: it is not published, even in chunks."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"message of {size} bytes over the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
 
 
 class PublishFailed(Exception):
@@ -60,7 +77,8 @@ class _InFlight:
 class Publisher:
     def __init__(self, js: JetStreamContext, source: str, producer: str, *,
                  is_valid: Callable[[], bool], epoch: int = 0, window: int = 256,
-                 ack_timeout: float = 10.0) -> None:
+                 ack_timeout: float = 10.0, max_payload: Callable[[], int] | None = None,
+                 max_message_bytes: int = 256 * 1024 * 1024) -> None:
         self.js = js
         self.source = source
         self.producer = producer
@@ -72,6 +90,9 @@ class Publisher:
         self.resolved_stream_seq = 0  # stream sequence of the last resolved mark of the source
         self._resolved_subject = resolved_subject(source)
         self._latency = metrics.PUBLISH_LATENCY.labels(source)
+        # The server's max_payload, as its INFO told the client (nats-py keeps it current).
+        self._max_payload = max_payload or (lambda: 1024 * 1024)
+        self.max_message_bytes = max_message_bytes
 
     def _check_lease(self) -> None:
         if not self._is_valid():
@@ -85,16 +106,47 @@ class Publisher:
         """Publish one row/DDL/rejection message; its ack is awaited by ``flush`` (or when the
         window is full)."""
         self._check_lease()
-        payload, type_ = self._encode(event, msg_id)
-        with publish_span(subject, {api.Header.MSG_ID.value: msg_id}) as (_span, headers):
-            future = await self.js.publish_async(subject, payload, headers=headers,
-                                                 stream=ROWS_STREAM, wait_stall=self._ack_timeout)
-        self._in_flight.append(_InFlight(future, time.perf_counter(), subject))
+        max_payload = self._max_payload()
+        if isinstance(event, RowsChangedV1) and approx_size(event) > chunk_size_for(max_payload) // 2:
+            # Likely to need chunks: the deterministic encoding, in a thread (large_encode.py).
+            payload = await asyncio.to_thread(encode_rows_deterministic, event, event_id=msg_id)
+            type_ = REGISTRY.key_of(RowsChangedV1)[0]
+        else:
+            payload, type_ = self._encode(event, msg_id)
+        if needs_chunks(len(payload), max_payload):
+            if len(payload) > self.max_message_bytes:
+                metrics.OVERSIZED.labels(self.source).inc()
+                raise MessageTooLarge(len(payload), self.max_message_bytes)
+            await self._send_chunks(subject, payload, msg_id, getattr(event, "ts", 0), max_payload)
+        else:
+            await self._publish_one(subject, payload, {api.Header.MSG_ID.value: msg_id})
         metrics.MESSAGES_PUBLISHED.labels(self.source, type_).inc()
         if rows:
             metrics.ROWS_PUBLISHED.labels(self.source).inc(rows)
+
+    async def _publish_one(self, subject: str, payload: bytes, headers: dict[str, str]) -> None:
+        with publish_span(subject, headers) as (_span, traced):
+            future = await self.js.publish_async(subject, payload, headers=traced,
+                                                 stream=ROWS_STREAM, wait_stall=self._ack_timeout)
+        self._in_flight.append(_InFlight(future, time.perf_counter(), subject))
         while len(self._in_flight) > self._window:
             await self._settle_one()
+
+    async def _send_chunks(self, subject: str, payload: bytes, msg_id: str, ts: int,
+                           max_payload: int) -> None:
+        # Chunks are published in order on one connection, so they are stored in order. At
+        # most _CHUNK_WINDOW_BYTES of them wait for their acks: the lease renewals share this
+        # connection, and behind a whole 64 MB row queued at once they would arrive too late.
+        count = 0
+        window = max(1, _CHUNK_WINDOW_BYTES // max_payload)
+        digest = await asyncio.to_thread(digest_of, payload)
+        for chunk_id, chunk_headers, piece in split(payload, msg_id, ts, max_payload, digest):
+            await self._publish_one(subject, piece, {api.Header.MSG_ID.value: chunk_id, **chunk_headers})
+            count += 1
+            while len(self._in_flight) > window:
+                await self._settle_one()
+        metrics.CHUNKS_PUBLISHED.labels(self.source).inc(count)
+        await self.flush()
 
     async def _settle_one(self) -> None:
         item = self._in_flight.popleft()

@@ -126,7 +126,8 @@ class Capture:
     def _show_progress(self, reader: BinlogReader, pipeline: SourcePipeline) -> None:
         self._show(position=str(pipeline.position), read_position=str(reader.position),
                    last_ts=pipeline.clock.last, resolved_ts=pipeline.resolved_ts,
-                   resolved_position=str(pipeline.resolved_position), next_seq=pipeline.next_seq)
+                   resolved_position=str(pipeline.resolved_position), next_seq=pipeline.next_seq,
+                   stopped_tables=sorted(".".join(key) for key in pipeline.stopped))
 
     # ------------------------------------------------------------------- run
 
@@ -232,8 +233,10 @@ class Capture:
     async def _session(self, leadership: Leadership) -> None:
         assert self.options is not None
         options = self.options
+        nc = self.js._nc
         publisher = Publisher(self.js, self.source, self.producer, is_valid=leadership.valid,
-                              epoch=leadership.epoch)
+                              epoch=leadership.epoch, max_payload=lambda: nc.max_payload,
+                              max_message_bytes=self.settings.capture_max_message_bytes)
         conn = await asyncio.to_thread(connect, options)
         try:
             problems = await asyncio.to_thread(check_source, conn)

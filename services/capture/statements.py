@@ -111,3 +111,63 @@ def classify(query: str, default_db: str) -> Statement:
                 return Statement("dml", (_qualified(m.group(1), m.group(2), default_db),))
         return Statement("dml")
     return Statement("other")
+
+
+# ---------------------------------------------------------------- for the sink's DDL plan
+
+def strip_comments(query: str) -> str:
+    """The statement as the server runs it: comments out, versioned comments' text kept."""
+    return _strip_comments(query)
+
+
+def renames(query: str, default_db: str) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+    """The ``(old, new)`` table pairs a statement renames, in the order the server applies
+    them: ``RENAME TABLE a TO b, c TO d`` or ``ALTER TABLE a ... RENAME TO b``; [] otherwise."""
+    text = _strip_comments(query)
+    m = _RENAME.match(text)
+    if m:
+        pairs = []
+        for part in re.split(r"\s*,\s*(?=(?:[^`]|`[^`]*`)*$)", m.group(1)):
+            names = [_qualified(q.group(1), q.group(2), default_db)
+                     for q in _QUAL_RE.finditer(re.sub(r"\s+TO\s+", " ", part, flags=re.IGNORECASE))]
+            if len(names) == 2:
+                pairs.append((names[0], names[1]))
+        return pairs
+    m = _ALTER.match(text)
+    if m:
+        old = _qualified(m.group(1), m.group(2), default_db)
+        pairs = []
+        for r in _ALTER_RENAME.finditer(m.group(3)):
+            new = _qualified(r.group(1), r.group(2), default_db)
+            pairs.append((old, new))
+            old = new
+        return pairs
+    return []
+
+
+def alter_clauses(query: str) -> list[str] | None:
+    """The comma-separated clauses of an ``ALTER TABLE`` (commas inside parentheses and quotes
+    do not split), or None when the statement is not one."""
+    m = _ALTER.match(_strip_comments(query))
+    if m is None:
+        return None
+    body, depth, quote = m.group(3), 0, ""
+    clauses: list[str] = []
+    current: list[str] = []
+    for ch in body:
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "'\"`":
+            quote = ch
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            clauses.append("".join(current).strip())
+            current = []
+            continue
+        current.append(ch)
+    clauses.append("".join(current).strip())
+    return [c for c in clauses if c]

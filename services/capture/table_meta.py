@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from contracts.events.rows import ColumnKind, ColumnV1, TableMetaV1
@@ -172,7 +172,9 @@ def _binlog_sql_type(col: BinlogColumn) -> str:
     if col.set_values is not None:
         return "set(" + ",".join(_quote(v) for v in col.set_values) + ")"
     if col.enum_values is not None:
-        return "enum(" + ",".join(_quote(v) for v in col.enum_values if v) + ")"
+        # The reader puts the invalid-value '' first; a declared '' member stays.
+        members = col.enum_values[1:] if col.enum_values[:1] == ("",) else col.enum_values
+        return "enum(" + ",".join(_quote(v) for v in members) + ")"
     kind = kind_for_binlog_type(col.type_code, col.charset)
     name = {"int": "bigint", "float": "double", "decimal": "decimal", "string": "longtext",
             "bytes": "longblob", "set": "set", "date": "date", "datetime": "datetime(6)",
@@ -183,3 +185,57 @@ def _binlog_sql_type(col: BinlogColumn) -> str:
 
 def _quote(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
+
+
+def reconcile_members(info: TableInfo, columns: Sequence[BinlogColumn]) -> TableInfo:
+    """ENUM/SET members as the binlog's values are decoded with them.
+
+    information_schema (and SHOW CREATE TABLE) spell member names in utf8mb3, so a 4-byte
+    character ('😀') reads '?': a target created from that would refuse the value. The binlog's
+    member list has it right, and the reader maps each value through that list, so it wins.
+    The reader decodes those names as UTF-8 and drops ones that are not ('é' of a latin1 ENUM
+    becomes ''): its values would be wrong, so such a column is marked unsupported (refused
+    visibly) instead.
+    """
+    from services.sink_worker.values import SqlTypeError, parse_sql_type
+
+    by_name = {c.name: c for c in columns}
+    specs: list[ColumnSpec] = []
+    changed = False
+    for spec in info.columns:
+        col = by_name.get(spec.name)
+        binlog = None if col is None else (col.set_values if col.set_values is not None
+                                            else col.enum_values)
+        if binlog is None or spec.kind not in ("string", "set"):
+            specs.append(spec)
+            continue
+        try:
+            parsed = parse_sql_type(spec.sql_type)
+        except SqlTypeError:
+            specs.append(spec)
+            continue
+        if parsed.base not in ("enum", "set"):
+            specs.append(spec)
+            continue
+        declared = [str(a) for a in parsed.args]
+        members = list(binlog)
+        if parsed.base == "enum" and len(members) == len(declared) + 1 and members[0] == "":
+            members = members[1:]  # the reader's index 0: the invalid-value ''
+        if members == declared:
+            specs.append(spec)
+        elif len(members) == len(declared) and all(
+                _same_but_lossy(d, m) for d, m in zip(declared, members, strict=True)):
+            body = ",".join(_quote(m) for m in members)
+            specs.append(replace(spec, sql_type=f"{parsed.base}({body})"))
+            changed = True
+        else:
+            specs.append(replace(spec, kind=None, sql_type=f"{spec.sql_type} (members the binlog "
+                                 "reader cannot decode: only UTF-8 compatible ENUM/SET names)"))
+            changed = True
+    return replace(info, columns=tuple(specs), _meta=None) if changed else info
+
+
+def _same_but_lossy(declared: str, binlog: str) -> bool:
+    """``declared`` is ``binlog`` with each character utf8mb3 cannot hold shown as '?'."""
+    return len(declared) == len(binlog) and all(
+        d == b or (d == "?" and ord(b) > 0xFFFF) for d, b in zip(declared, binlog, strict=True))

@@ -58,6 +58,8 @@ class Cli:
         else:
             follow = f" (follow: {answer['follow']})" if answer.get("follow") else ""
             render.console.print(f"accepted: {answer.get('detail', '')}{follow}")
+            for warning in answer.get("warnings") or []:
+                render.console.print(f"[yellow]warning[/yellow] {warning}")
 
 
 def _cli(ctx: typer.Context) -> Cli:
@@ -121,20 +123,29 @@ def changefeed_get(ctx: typer.Context, changefeed: str) -> None:
     cli.show(cli.run("GET", f"/changefeeds/{changefeed}"))
 
 
+SkipChecks = Annotated[bool, typer.Option(
+    "--skip-checks", help="Accept even when the creation checks fail (shown as failed_checks).")]
+
+
+def _skip(skip_checks: bool) -> str:
+    return "?skip_checks=true" if skip_checks else ""
+
+
 @changefeed_app.command("create")
 def changefeed_create(ctx: typer.Context,
                       spec_file: Annotated[Path, typer.Argument(help="JSON file with the changefeed spec.")],
-                      ) -> None:
+                      skip_checks: SkipChecks = False) -> None:
     """Create a changefeed from a spec (id, sources, filter, routes, sink_url, start...)."""
     cli = _cli(ctx)
-    cli.accepted(cli.run("POST", "/changefeeds", _read_spec(spec_file)))
+    cli.accepted(cli.run("POST", "/changefeeds" + _skip(skip_checks), _read_spec(spec_file)))
 
 
 @changefeed_app.command("update")
-def changefeed_update(ctx: typer.Context, changefeed: str, spec_file: Path) -> None:
+def changefeed_update(ctx: typer.Context, changefeed: str, spec_file: Path,
+                      skip_checks: SkipChecks = False) -> None:
     """Replace a changefeed's spec (passwords shown as *** keep their stored value)."""
     cli = _cli(ctx)
-    cli.accepted(cli.run("PUT", f"/changefeeds/{changefeed}", _read_spec(spec_file)))
+    cli.accepted(cli.run("PUT", f"/changefeeds/{changefeed}" + _skip(skip_checks), _read_spec(spec_file)))
 
 
 @changefeed_app.command("pause")
@@ -169,6 +180,19 @@ def changefeed_move(ctx: typer.Context, changefeed: str, source: str, database: 
     cli = _cli(ctx)
     cli.accepted(cli.run("POST", f"/changefeeds/{changefeed}/tables/{source}/{database}/{table}/move",
                          {"dest": to}))
+
+
+@changefeed_app.command("table-error")
+def changefeed_table_error(
+        ctx: typer.Context, changefeed: str, source: str, database: str, table: str,
+        incident: Annotated[str, typer.Argument(help="The incident id `changefeed tables` shows.")],
+        action: Annotated[str, typer.Argument(
+            help="skip (dead-letter the refused change and go on), retry, or resume (after a fix).")],
+) -> None:
+    """Decide on a table its downstream stopped (a change refused for good)."""
+    cli = _cli(ctx)
+    cli.accepted(cli.run(
+        "POST", f"/changefeeds/{changefeed}/tables/{source}/{database}/{table}/errors/{incident}/{action}"))
 
 
 def _snapshot_totals(tables: list[dict[str, Any]]) -> dict[str, tuple[int, int, str]]:

@@ -40,9 +40,17 @@ def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> 
         console.print(t)
 
 
+def _state(c: dict[str, Any]) -> str:
+    """The state, with the creation checks it was accepted despite (skip_checks)."""
+    failed = c.get("failed_checks") or []
+    if not failed:
+        return str(c["state"])
+    return f"{c['state']} (failed checks: {', '.join(f['check'] for f in failed)})"
+
+
 def changefeeds(items: list[dict[str, Any]]) -> None:
     table("changefeeds", ["id", "state", "lag", "checkpoint ts", "tables", "by state"],
-          ([c["id"], c["state"], lag(c.get("lag_s")), c["checkpoint_ts"], c["tables"],
+          ([c["id"], _state(c), lag(c.get("lag_s")), c["checkpoint_ts"], c["tables"],
             " ".join(f"{k}={v}" for k, v in c.get("tables_by_state", {}).items())] for c in items))
 
 
@@ -66,6 +74,14 @@ def tables(items: list[dict[str, Any]]) -> None:
         done, est = snap.get("rows_copied"), snap.get("rows_estimate")
         return f"{snap.get('state', '?')} {done}/{est}" if est else f"{snap.get('state', '?')} {done}"
 
-    table("tables", ["source", "database", "table", "state", "primary", "secondary", "lag", "snapshot"],
+    def incident(t: dict[str, Any]) -> str | None:
+        stopped = t.get("incident")
+        if not stopped:
+            return None
+        return (f"{stopped['incident']}: {stopped['statement']} of key {stopped.get('key')} refused: "
+                f"{stopped['error']}")
+
+    table("tables", ["source", "database", "table", "state", "primary", "secondary", "lag", "snapshot",
+                     "incident"],
           ([t["source"], t["database"], t["table"], t["state"], t.get("primary"), t.get("secondary"),
-            lag(t.get("lag_s")), progress(t)] for t in items))
+            lag(t.get("lag_s")), progress(t), incident(t)] for t in items))

@@ -18,6 +18,8 @@ import time
 from typing import Any
 
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import Counter, Gauge
 from pydantic import BaseModel
 
@@ -28,7 +30,8 @@ from libs.control.snapshots import SnapshotPolicy
 from libs.election import Leadership
 from libs.eventstore import DomainLog, dead_letter
 from libs.service import ServiceRuntime
-from libs.streams import HEARTBEAT_SUBJECTS
+from libs.streams import HEARTBEAT_SUBJECTS, member_probe_subject
+from services.member.probe import MemberProbes
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,23 @@ class MemberService:
         state = domain_log.state
         assert isinstance(state, MembersState)
         tracker = self.tracker = MemberTracker(state, self.settings.member_ttl_s, time.monotonic())
+        probes = MemberProbes(self.settings.heartbeat_interval_s, self.settings.member_fence_s)
+        nc = self.runtime.nc
+        reconnects = nc.stats.get("reconnects", 0)
+        reconnected_at: float | None = None
+        probing: set[asyncio.Task[None]] = set()
+
+        async def probe(member: str, incarnation: str) -> None:
+            try:
+                await nc.request(member_probe_subject(member, incarnation), b"", timeout=0.5)
+            except NoRespondersError:
+                probes.no_responders(member, incarnation, time.monotonic())
+            except (TimeoutError, NatsTimeoutError):
+                pass  # alive but slow (or stopped): only the TTL replaces it
+            except Exception:
+                log.debug("member probe failed", exc_info=True)
+            else:
+                probes.answered(member, incarnation)
         policy = SnapshotPolicy(self.settings.control_snapshot_every)
         policy.opened(domain_log)
         queue: asyncio.Queue[MemberHeartbeatV1] = asyncio.Queue()
@@ -73,7 +93,7 @@ class MemberService:
         sub = await self.runtime.nc.subscribe(HEARTBEAT_SUBJECTS, cb=on_msg)
         log.info("member leader tracking heartbeats", extra={"epoch": leadership.epoch,
                                                              "members": sorted(state.members)})
-        check_every = max(0.05, self.settings.member_ttl_s / 10)
+        check_every = max(0.02, min(0.1, self.settings.member_ttl_s / 10))
         try:
             while True:
                 events: list[BaseModel] = []
@@ -82,8 +102,19 @@ class MemberService:
                 except TimeoutError:
                     pass
                 else:
+                    probes.heard(hb.member_id)
                     events.extend(tracker.on_heartbeat(hb, time.monotonic()))
-                events.extend(tracker.expire(time.monotonic()))
+                now = time.monotonic()
+                if nc.stats.get("reconnects", 0) != reconnects:
+                    reconnects, reconnected_at = nc.stats.get("reconnects", 0), now
+                for member, incarnation in probes.to_probe(state, tracker.last_seen, now):
+                    task = asyncio.create_task(probe(member, incarnation))
+                    probing.add(task)
+                    task.add_done_callback(probing.discard)
+                for left in probes.due(state, tracker.last_seen, now, reconnected_at):
+                    tracker.last_seen.pop(left.member_id, None)
+                    events.append(left)
+                events.extend(tracker.expire(now))
                 for event in events:
                     # Appending folds the event into `state`, which the tracker reads next.
                     await domain_log.append(event)
@@ -94,6 +125,8 @@ class MemberService:
                 await policy.maybe_snapshot(domain_log)
                 self._publish_status(state, tracker)
         finally:
+            for task in probing:
+                task.cancel()
             await sub.unsubscribe()
             self.runtime.status.pop("members", None)
 

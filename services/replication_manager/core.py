@@ -81,11 +81,13 @@ class ReplicationCore:
                  recorded: Mapping[Span, SetSummary] | None = None,
                  checkpoints: Mapping[ChangefeedId, tuple[int, int]] | None = None,
                  wanted: Mapping[ChangefeedId, Iterable[Span]] | None = None,
-                 max_task_concurrency: int = 10, started_at: float = 0.0) -> None:
+                 max_task_concurrency: int = 10, started_at: float = 0.0,
+                 prepare_timeout_s: float | None = None) -> None:
         self.epoch = epoch
         self.incarnations: dict[MemberId, str] = dict(alive)
         self.manager = ReplicationManager(epoch, live_members=self.incarnations, known_spans=known_spans,
-                                          max_task_concurrency=max_task_concurrency)
+                                          max_task_concurrency=max_task_concurrency,
+                                          prepare_timeout_s=prepare_timeout_s)
         self._recorded: dict[Span, tuple[object, ...]] = {s: v.shape for s, v in (recorded or {}).items()}
         self.tracker = CheckpointTracker()
         for cf, (checkpoint_ts, resolved_ts) in (checkpoints or {}).items():
@@ -213,7 +215,7 @@ class ReplicationCore:
     def tick(self, now: float) -> Output:
         index = self.manager.index
         touched = [*index.unstable, *index.lingering]
-        return self._after(touched, self.manager.tick(), now)
+        return self._after(touched, self.manager.tick(now), now)
 
     def checkpoint_events(self) -> list[CheckpointAdvancedV1]:
         """Advances of changefeed checkpoints since the last call (none while rebuilding)."""

@@ -124,7 +124,8 @@ class ReplicationService:
                                recorded=recorded.sets, checkpoints=recorded.checkpoints,
                                wanted=schedule.state.wanted,
                                max_task_concurrency=settings.scheduler_max_task_concurrency,
-                               started_at=started)
+                               started_at=started,
+                               prepare_timeout_s=settings.replication_prepare_timeout_s)
         sender.core = core
         log.info("replication-manager leading; waiting for the live members' reports", extra={
             "epoch": leadership.epoch, "awaiting": sorted(core.manager.awaiting),
@@ -264,6 +265,9 @@ class ReplicationService:
             "conflicts": [str(e) for e in errors],
             "ignored_reports": core.ignored_reports,
             "stale_reports": core.manager.stale_reports,
+            "prepare_timeouts": core.manager.prepare_timeouts,
+            "preparing": {span.key: {"member": member, "seconds_left": left} for span, (member, left)
+                          in sorted(core.manager.prepare_deadlines(time.monotonic()).items())},
         }
 
 

@@ -239,6 +239,21 @@ class _PendingAwareView(SchedulingView):
     def expect(self, pending: Iterable[Pending]) -> None:
         delta: dict[MemberId, int] = {}
         self._delta = delta
+        pending = list(pending)
+        tasked = {p.task.span for p in pending}
+        for span in self.index.unstable:
+            if span in tasked:
+                continue
+            # A secondary still preparing with no task of ours behind it (the task timed out,
+            # or a previous scheduler leader recorded it): the span is not placed there, it
+            # runs on its primary (or nowhere) until the prepare completes or is given up.
+            rs = self.sets.get(span)
+            if rs is None or rs.state is not SetState.PREPARE or rs.secondary is None:
+                continue
+            if rs.owner == rs.secondary:
+                delta[rs.secondary] = delta.get(rs.secondary, 0) - 1
+                if rs.primary is not None:
+                    delta[rs.primary] = delta.get(rs.primary, 0) + 1
         for p in pending:
             task = p.task
             rs = self.sets.get(task.span)

@@ -62,8 +62,15 @@ from libs.changefeeds import ChangefeedView
 from libs.control.convert import dispatch_of, status_ref
 from libs.scheduling import AgentOutcome, AgentVerdict, MemberAgentState, TableState, TableStatus
 from libs.scheduling import Span as SchedSpan
-from libs.streams import LEADER_BUCKET, announce_subject, dispatch_subject, heartbeat_subject
+from libs.streams import (
+    LEADER_BUCKET,
+    announce_subject,
+    dispatch_subject,
+    heartbeat_subject,
+    member_probe_subject,
+)
 from libs.telemetry.tracing import inject_headers, process_span
+from services.sink_worker.fence import SelfFence
 from services.sink_worker.pipeline import Pipeline, SpanConfig
 from services.sink_worker.span import Span
 
@@ -79,6 +86,8 @@ STALE_REJECTIONS = Counter("sluice_sink_stale_epoch_rejections",
                            "Dispatches and announces refused because a newer leader epoch was seen.")
 AGENT_TABLES = Gauge("sluice_sink_agent_tables", "Spans this member holds, by agent state.", ["state"])
 SEEN_EPOCH = Gauge("sluice_sink_seen_epoch", "Newest replication-manager epoch this member has seen.")
+FENCED = Counter("sluice_sink_fenced", "Times this worker fenced itself (heartbeats not confirmed in time) "
+                 "and started over as a new incarnation.")
 
 
 def sched_span(span: Span) -> SchedSpan:
@@ -142,7 +151,7 @@ class WriterLog:
 class SinkAgent:
     def __init__(self, nc: Client, *, member_id: str, address: str, heartbeat_interval_s: float,
                  wake: asyncio.Event | None = None, writer_log: str | None = None,
-                 producer: str = "") -> None:
+                 producer: str = "", fence_s: float | None = None) -> None:
         self.nc = nc
         self.member_id = member_id
         self.incarnation = uuid4().hex
@@ -172,6 +181,12 @@ class SinkAgent:
         self._pipeline: Pipeline | None = None
         self._view: ChangefeedView | None = None
         self.heartbeats_sent = 0
+        self.fence = SelfFence(fence_s) if fence_s is not None else None
+        """Writes are allowed only while heartbeats are confirmed (None: no fence, tests)."""
+        self._reconnects = 0
+        self._probe_sub: Subscription | None = None
+        self.started_at: float | None = None
+        """Monotonic time of ``start``: the member exists for the control plane from then on."""
 
     # ------------------------------------------------------------------ life cycle
 
@@ -180,7 +195,10 @@ class SinkAgent:
         SEEN_EPOCH.set(self.state.newest_epoch)
         self._subs.append(await self.nc.subscribe(dispatch_subject(self.member_id), cb=self._on_dispatch))
         self._subs.append(await self.nc.subscribe(announce_subject(REPLICATION), cb=self._on_announce))
+        self._reconnects = self.nc.stats.get("reconnects", 0)
+        await self._subscribe_probe()
         self._heartbeat = asyncio.create_task(self._heartbeats(), name="heartbeats")
+        self.started_at = time.monotonic()
         log.info("member agent started", extra={"member": self.member_id, "incarnation": self.incarnation,
                                                 "epoch": self.state.newest_epoch})
 
@@ -190,12 +208,18 @@ class SinkAgent:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs.clear()
+        if self._probe_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._probe_sub.unsubscribe()
+            self._probe_sub = None
         for task in self._preparing.values():
             task.cancel()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             with contextlib.suppress(BaseException):
                 await self._heartbeat
+        if self.started_at is None:
+            return  # never joined: nobody to tell that it leaves
         with contextlib.suppress(Exception):
             await self._send_heartbeat()
             await self.nc.flush(timeout=2)
@@ -219,7 +243,15 @@ class SinkAgent:
 
     async def _send_heartbeat(self) -> None:
         hb = self.heartbeat()
+        sent_at = time.monotonic()
         await self.nc.publish(heartbeat_subject(self.member_id), REGISTRY.encode(hb, producer=self.producer))
+        if self.fence is not None:
+            # Confirmed once the server answered the flush's PING: it has the heartbeat. Only on
+            # the connection this incarnation started with (see services/sink_worker/fence.py).
+            await asyncio.wait_for(self.nc.flush(), max(0.05, self.fence.bound_s))
+            if self.nc.stats.get("reconnects", 0) != self._reconnects:
+                self.fence.connection_lost()
+            self.fence.confirm(sent_at)
         self.heartbeats_sent += 1
         self.publish_status()
         counts: dict[str, int] = {s.value: 0 for s in TableState}
@@ -240,6 +272,52 @@ class SinkAgent:
 
     def beat_now(self) -> None:
         self._beat_now.set()
+
+    async def _subscribe_probe(self) -> None:
+        async def answer(msg: Msg) -> None:
+            if msg.reply:
+                await self.nc.publish(msg.reply, b"alive")
+
+        if self._probe_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._probe_sub.unsubscribe()
+        self._probe_sub = await self.nc.subscribe(member_probe_subject(self.member_id, self.incarnation),
+                                                  cb=answer)
+
+    def must_start_over(self) -> bool:
+        """Fenced while holding spans, or the connection was lost: this incarnation may no
+        longer write (the member leader may have found it gone meanwhile)."""
+        if self.fence is None or self.started_at is None:
+            return False
+        return self.fence.broken or (self.holds_spans() and not self.fence.may_write())
+
+    async def start_over(self, pipeline: Pipeline) -> None:
+        """After the fence: forget every span (the control plane moves or has moved them) and
+        go on as a new incarnation, which the member service records as left + joined."""
+        assert self.fence is not None
+        for task in list(self._preparing.values()):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        self._preparing.clear()
+        for span in list(self.state.tables):
+            await pipeline.drop_prepared(sink_span(span))
+            self.writer_log.stopped(span, None)
+        old = self.incarnation
+        self.incarnation = uuid4().hex
+        self.state = MemberAgentState(self.member_id, min_epoch=self.state.newest_epoch,
+                                      seq_start=max(time.time_ns(), self.state.seq + 1))
+        self.writer_log.incarnation = self.incarnation
+        self.fence.fenced += 1
+        self.fence.reset()
+        self._reconnects = self.nc.stats.get("reconnects", 0)
+        FENCED.inc()
+        await self._subscribe_probe()
+        self.span_stopped.set()
+        self.publish_status()
+        self._beat_now.set()
+        log.warning("fenced: heartbeats not confirmed in time; every span dropped, starting over",
+                    extra={"member": self.member_id, "old_incarnation": old, "incarnation": self.incarnation})
 
     def publish_status(self) -> None:
         if self.status_sink is not None:
@@ -422,6 +500,8 @@ class SinkAgent:
         return {
             "member_id": self.member_id, "incarnation": self.incarnation,
             "epoch": self.state.newest_epoch, "draining": self.draining,
+            "fence_remaining_s": self.fence.remaining_s() if self.fence is not None else None,
+            "fenced": self.fence.fenced if self.fence is not None else 0,
             "rejected_stale": self.state.rejected_stale,
             "tables": {span.key: _table(t) for span, t in sorted(self.state.tables.items())},
         }

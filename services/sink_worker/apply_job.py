@@ -3,14 +3,16 @@
 1. Explode: every row image of every event becomes a record keyed by ``(target, key)``; an
    update that changes the key becomes a delete of the old key followed by an upsert of the new
    one (sub-order 0 then 1), so the old row cannot survive under its old key.
-2. Collapse: repartition by a hash of ``(target, key)``, then a window over ``(target, key)``
+2. Collapse: repartition by a hash of ``(target, bucket)`` (``key_buckets``: keys a downstream
+   collation may compare as equal share a bucket), then a window over ``(target, key)``
    ordered by ``(ts, seq, part, row index, sub-order)`` keeps only the last record per key: the
    image the source had at the end of the batch. The window needs exactly the clustering the
    repartition made, so this is one shuffle, not two.
 3. Write: every partition writes its final images through the sink (``Sink.apply_partition``:
-   delete by key; upsert that first removes rows holding the same unique-key values under
-   another key). No lock spans partitions: the batch ends at a consistent point of the
-   source, so its final images satisfy every unique key together and the order in which
+   delete by key, all deletes before any upsert; upsert that first removes rows holding the
+   same unique-key values under another key). No lock spans partitions: the batch ends at a
+   consistent point of the source, so its final images satisfy every unique key together,
+   and keys the downstream compares as equal are in one partition, so the order in which
    partitions land does not matter (the TDSQL "lucy" case needs no lock here). The driver
    sums the counts each partition returns.
 
@@ -36,7 +38,11 @@ from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, Str
 
 from contracts import REGISTRY
 from contracts.events.rows import RowsChangedV1
-from services.sink_worker.sinks.base import Change, Delete, TargetTable, Upsert
+from services.sink_worker.key_buckets import key_bucket
+from services.sink_worker.poison import RowFailure, Statement
+from services.sink_worker.sinks.base import Change, Delete, PartitionResult, TargetTable, Upsert
+from services.sink_worker.sinks.error_class import ErrorClass
+from services.sink_worker.sinks.unique_guard import DELETED, ConflictGuard, UniqueConflictPolicy
 
 RECORD_SCHEMA = StructType([
     # The target's index in the round's list of targets: an int is cheaper than its id string
@@ -50,6 +56,11 @@ RECORD_SCHEMA = StructType([
     StructField("sub", IntegerType(), False),
     StructField("op", StringType(), False),  # "upsert" | "delete"
     StructField("image", BinaryType(), True),  # pickled dict of the contract's JSON values
+    # The partition: ``key_buckets.key_bucket``, equal for keys the downstream may see as equal.
+    StructField("bucket", IntegerType(), False),
+    # The span's index in the round's sorted span keys: which shard wrote a final image
+    # (``sinks.unique_guard`` tells a lucy reorder from a cross-shard conflict by it).
+    StructField("shard", IntegerType(), False),
 ])
 
 
@@ -73,6 +84,11 @@ class TargetCounts:
 class ApplyResult:
     per_target: dict[str, TargetCounts] = field(default_factory=dict)
     partitions: int = 0
+    overwritten: dict[str, list[str]] = field(default_factory=dict)
+    """Per target, the cross-shard conflicts removed under policy ``overwrite`` (JSON reports)."""
+    failures: dict[str, RowFailure] = field(default_factory=dict)
+    """Targets a downstream refused for good (``poison``): one refused change each. The rest
+    of such a target's batch may be written or not; it is not checkpointed."""
 
     @property
     def written(self) -> int:
@@ -82,7 +98,7 @@ class ApplyResult:
 _KEY_ENCODE = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
 
 
-def _key_json(image: dict[str, Any], key: tuple[str, ...]) -> str:
+def key_json(image: dict[str, Any], key: tuple[str, ...]) -> str:
     # The contract's JSON value of each key column: one canonical text per key value. Integer
     # keys (most of them) are spelled directly: exactly what the encoder writes, at a fifth
     # of the cost, and this runs for every row change.
@@ -97,12 +113,24 @@ def _key_json(image: dict[str, Any], key: tuple[str, ...]) -> str:
     return _KEY_ENCODE(values)
 
 
+def _bucket(image: dict[str, Any], key: tuple[str, ...]) -> int:
+    if len(key) == 1:
+        value = image[key[0]]
+        if type(value) is int:
+            return value & 0x7FFFFFFF  # no text to fold: the value itself spreads the keys
+        return key_bucket([value])
+    return key_bucket([image[c] for c in key])
+
+
 def _pack(image: dict[str, Any]) -> bytes:
     return pickle.dumps(image, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 SpanTargets = dict[str, tuple[int, tuple[str, ...], tuple[str, str] | None]]
 """span key -> (target index, key columns, origin column name and value or None)"""
+
+Skips = dict[str, dict[str, int]]
+"""span key -> {key JSON: ts}: that key's changes up to ts are left out (an operator's skip)."""
 
 
 _LATEST: dict[str, int] = {}
@@ -129,8 +157,15 @@ def event_rows(body: bytes | str) -> list[dict[str, Any]]:
 
 
 def explode_event(span_targets: SpanTargets, span: str, ts: int, seq: int, part: int,
-                  body: bytes) -> Iterator[tuple[Any, ...]]:
-    """One rows event to its row records (see ``RECORD_SCHEMA``)."""
+                  body: bytes, skips: Skips | None = None, shard: int = 0) -> Iterator[tuple[Any, ...]]:
+    """One rows event to its row records (see ``RECORD_SCHEMA``), without skipped keys."""
+    skipped = (skips or {}).get(span)
+    if skipped:
+        for record in explode_event(span_targets, span, ts, seq, part, body, shard=shard):
+            upto = skipped.get(record[1])
+            if upto is None or ts > upto:
+                yield record
+        return
     target, key, origin = span_targets[span]
     for idx, image in enumerate(event_rows(body)):
         op, before, after = image["op"], image.get("before"), image.get("after")
@@ -141,33 +176,58 @@ def explode_event(span_targets: SpanTargets, span: str, ts: int, seq: int, part:
             after = {name: value, **after} if after is not None else None
         if op == "insert":
             assert after is not None
-            yield (target, _key_json(after, key), ts, seq, part, idx, 0, "upsert", _pack(after))
+            yield (target, key_json(after, key), ts, seq, part, idx, 0, "upsert", _pack(after),
+                   _bucket(after, key), shard)
         elif op == "delete":
             assert before is not None
-            yield (target, _key_json(before, key), ts, seq, part, idx, 0, "delete", None)
+            yield (target, key_json(before, key), ts, seq, part, idx, 0, "delete", None,
+                   _bucket(before, key), shard)
         else:
             assert before is not None and after is not None
-            old, new = _key_json(before, key), _key_json(after, key)
+            old, new = key_json(before, key), key_json(after, key)
             if old != new:
-                yield (target, old, ts, seq, part, idx, 0, "delete", None)
-            yield (target, new, ts, seq, part, idx, 1, "upsert", _pack(after))
+                yield (target, old, ts, seq, part, idx, 0, "delete", None, _bucket(before, key), shard)
+            yield (target, new, ts, seq, part, idx, 1, "upsert", _pack(after), _bucket(after, key), shard)
 
 
 _EXPLODE_INPUT = ("span", "ts", "seq", "part", "body")
 
 
-def explode_partition(span_targets: SpanTargets, rows: Iterator[Row]) -> Iterator[tuple[Any, ...]]:
+def explode_partition(span_targets: SpanTargets, skips: Skips | None,
+                      rows: Iterator[Row]) -> Iterator[tuple[Any, ...]]:
     """``explode_event`` over a partition (rows of ``_EXPLODE_INPUT``, unpacked by position:
     cheaper than Row's lookups by name), without the garbage collector (``libs.gc_pause``)."""
     from libs.gc_pause import gc_paused
 
+    shard_of = shard_indexes(span_targets)
     with gc_paused():
         for span, ts, seq, part, body in rows:
-            yield from explode_event(span_targets, span, ts, seq, part, body)
+            yield from explode_event(span_targets, span, ts, seq, part, body, skips, shard_of[span])
 
 
-def write_partition(plans: list[TargetPlan], rows: Iterator[Row]) -> Iterator[tuple[str, int, int, int]]:
-    """Runs on an executor: decode one partition's final images and write them per target."""
+def shard_indexes(span_targets: SpanTargets) -> dict[str, int]:
+    """Each span's index in the round (the ``shard`` of its records)."""
+    return {span: i for i, span in enumerate(sorted(span_targets))}
+
+
+@dataclass(frozen=True)
+class GuardPlan:
+    """A merged target without an origin column whose unique keys are guarded (``unique_guard``)."""
+
+    policy: UniqueConflictPolicy
+    owners: dict[str, int]
+    """Key JSON -> the span index of the key's final image in the batch (``DELETED``: a delete)."""
+    shard_names: list[str]
+    target: str
+
+
+def write_partition(plans: list[TargetPlan], guards: dict[int, GuardPlan],
+                    rows: Iterator[Row]) -> Iterator[tuple[str, int, int, int, str | None, list[str]]]:
+    """Runs on an executor: decode one partition's final images and write them per target.
+
+    A target the downstream refuses for good (``sinks.error_class``) does not fail the
+    partition: its refused change is found (``poison.locate_poison``) and reported in the last
+    field, and the partition goes on with the other targets."""
     # Imported here: executors need them, the driver's import of this module does not.
     from libs.gc_pause import gc_paused
     from services.sink_worker.sinks.factory import open_sink
@@ -176,60 +236,140 @@ def write_partition(plans: list[TargetPlan], rows: Iterator[Row]) -> Iterator[tu
     with gc_paused():
         decoders = [RowDecoder(plan.table.meta) for plan in plans]
         changes: list[list[Change]] = [[] for _ in plans]
+        keys: list[list[str]] = [[] for _ in plans]
         # Positional fields (see final_images): Row lookups by name cost more than the rest.
-        for target, key_json, op, image in rows:
+        def decode_key(table: TargetTable, text: str) -> tuple[Any, ...]:
+            columns = {c.name: c for c in table.meta.columns}
+            return tuple(decode_value(columns[c].kind, columns[c].sql_type, v)
+                         for c, v in zip(table.key, json.loads(text), strict=True))
+
+        for target, key_json_, op, image, shard in rows:
             table = plans[target].table
             if op == "upsert":
                 decoded = decoders[target](pickle.loads(image))
                 key = tuple(decoded[c] for c in table.key)
-                changes[target].append(Upsert(key=key, row=decoded))
+                changes[target].append(Upsert(key=key, row=decoded, shard=shard))
             else:
-                columns = {c.name: c for c in table.meta.columns}
-                raw = json.loads(key_json)
-                key = tuple(decode_value(columns[c].kind, columns[c].sql_type, v)
-                            for c, v in zip(table.key, raw, strict=True))
-                changes[target].append(Delete(key=key))
+                changes[target].append(Delete(key=decode_key(table, key_json_)))
+            keys[target].append(key_json_)
         sinks: dict[str, Any] = {}
-        for plan, target_changes in zip(plans, changes, strict=True):
+        for index, (plan, target_changes, target_keys) in enumerate(zip(plans, changes, keys, strict=True)):
             if not target_changes:
                 continue
             sink = sinks.get(plan.sink_url)
             if sink is None:
                 sink = sinks[plan.sink_url] = open_sink(plan.sink_url)
-            result = sink.apply_partition(plan.table, target_changes)
-            yield (plan.target_id, result.deleted, result.upserted, result.conflicts_removed)
+            spec = guards.get(index)
+            guard = None if spec is None else ConflictGuard(
+                spec.policy, {decode_key(plan.table, k): v for k, v in spec.owners.items()},
+                spec.shard_names, spec.target)
+            try:
+                result = sink.apply_partition(plan.table, target_changes, guard)
+            except Exception as exc:
+                refused = _refusal(sink, plan.table, target_changes, target_keys, exc, guard)
+                if refused is None:
+                    raise
+                if isinstance(refused, RowFailure):
+                    yield (plan.target_id, 0, 0, 0, refused.to_json(), [])
+                    continue
+                result = refused
+            yield (plan.target_id, result.deleted, result.upserted, result.conflicts_removed, None,
+                   result.overwritten)
+
+
+def _refusal(sink: Any, table: TargetTable, changes: list[Change], keys: list[str],
+             exc: BaseException, guard: ConflictGuard | None = None) -> RowFailure | PartitionResult | None:
+    """The refused change of a failed write, None when the failure is transient, or the result
+    of a guarded target's second attempt that succeeded."""
+    from services.sink_worker.poison import describe_error, locate_poison
+    from services.sink_worker.sinks.error_class import classify
+
+    def kind(e: BaseException) -> ErrorClass:
+        return classify(getattr(sink, "dialect", ""), e)
+
+    if kind(exc) != "permanent":
+        return None
+    if guard is not None:
+        # A guarded target's partitions race for a unique value: the loser's plain INSERT fails
+        # until the winner commits. Once more as a whole, now that it has.
+        try:
+            result: PartitionResult = sink.apply_partition(table, changes, guard)
+            return result
+        except Exception as again:
+            if kind(again) != "permanent":
+                raise
+            exc = again
+    # Sorted as the sink writes them, so each bisected half locks rows in the same order.
+    index, error = locate_poison(lambda part: sink.apply_partition(table, part, guard), changes, kind, exc)
+    message, code = describe_error(error)
+    if index is None:
+        return RowFailure("batch", None, table.key, message, code)
+    statement: Statement = "upsert" if isinstance(changes[index], Upsert) else "delete"
+    return RowFailure(statement, keys[index], table.key, message, code)
 
 
 def final_images(spark: SparkSession, batch: DataFrame, span_targets: SpanTargets,
-                 partitions: int) -> DataFrame:
+                 partitions: int, skips: Skips | None = None) -> DataFrame:
     """The last record per (target, key) of the batch: ``target, key, op, image`` (as in
-    ``RECORD_SCHEMA``), in ``partitions`` partitions by a hash of (target, key)."""
+    ``RECORD_SCHEMA``), in ``partitions`` partitions by a hash of (target, bucket): keys the
+    downstream may compare as equal share a partition (``key_buckets``), whose write deletes
+    before it upserts."""
     # explode_partition yields RECORD_SCHEMA tuples by construction: no per-row type check.
-    exploded = batch.select(*_EXPLODE_INPUT).rdd.mapPartitions(partial(explode_partition, span_targets))
+    explode = partial(explode_partition, span_targets, skips)
+    exploded = batch.select(*_EXPLODE_INPUT).rdd.mapPartitions(explode)
     records = spark.createDataFrame(exploded, RECORD_SCHEMA, verifySchema=False)
-    # Hash-partitioned by (target, key) first: the window needs exactly that clustering, so
-    # Spark adds no second shuffle, and the write runs on these partitions as they are.
-    order = Window.partitionBy("target", "key").orderBy(
+    # Hash-partitioned by (target, bucket) first: a key has one bucket, so the window over
+    # (target, bucket, key) is the window over (target, key), and its clustering is satisfied
+    # by that partitioning: Spark adds no second shuffle, and the write runs on these
+    # partitions as they are.
+    order = Window.partitionBy("target", "bucket", "key").orderBy(
         F.desc("ts"), F.desc("seq"), F.desc("part"), F.desc("idx"), F.desc("sub"))
-    return (records.repartition(partitions, "target", "key")
+    return (records.repartition(partitions, "target", "bucket")
             .withColumn("_rn", F.row_number().over(order)).where(F.col("_rn") == 1)
-            .select("target", "key", "op", "image"))
+            .select("target", "key", "op", "image", "shard"))
 
 
 def run_apply(spark: SparkSession, batch: DataFrame, span_plans: dict[str, TargetPlan],
-              partitions: int, origins: dict[str, tuple[str, str]] | None = None) -> ApplyResult:
+              partitions: int, origins: dict[str, tuple[str, str]] | None = None,
+              skips: Skips | None = None, guarded: dict[str, UniqueConflictPolicy] | None = None,
+              span_names: dict[str, str] | None = None) -> ApplyResult:
     """Collapse ``batch`` (rows events of the sort job) and write it; ``span_plans`` maps each
     span key in the batch to its target, ``origins`` a span key to the origin column name and
-    value its rows gain (shard routing with an origin column)."""
+    value its rows gain (shard routing with an origin column), ``skips`` the keys an operator
+    skipped, ``guarded`` the merged targets (by id) whose unique keys need ``unique_guard`` and
+    their policy, ``span_names`` the names its reports use."""
     # Shards of one target share its plan (and its index): their rows collapse together.
     plans = list({plan.target_id: plan for plan in span_plans.values()}.values())
     index = {plan.target_id: i for i, plan in enumerate(plans)}
     span_targets: SpanTargets = {span: (index[plan.target_id], plan.table.key, (origins or {}).get(span))
                                  for span, plan in span_plans.items()}
-    final = final_images(spark, batch, span_targets, partitions)
-    counts = final.rdd.mapPartitions(partial(write_partition, plans)).collect()
+    final = final_images(spark, batch, span_targets, partitions, skips)
+    guards: dict[int, GuardPlan] = {}
+    if guarded:
+        # Who wrote each key's final image, for the guarded targets only: one more pass over
+        # the (cached) final images, so the write of every partition knows every owner.
+        final = final.cache()
+        names = [(span_names or {}).get(span, span) for span in sorted(span_targets)]
+        for plan in plans:
+            if plan.target_id in guarded:
+                table = plan.table
+                guards[index[plan.target_id]] = GuardPlan(
+                    guarded[plan.target_id], {}, names,
+                    f"{table.schema}.{table.name}" if table.schema else table.name)
+        for target, key, op, shard in (final.where(F.col("target").isin(list(guards)))
+                                       .select("target", "key", "op", "shard").collect()):
+            guards[target].owners[key] = DELETED if op == "delete" else shard
+    try:
+        counts = final.rdd.mapPartitions(partial(write_partition, plans, guards)).collect()
+    finally:
+        if guarded:
+            final.unpersist()
     result = ApplyResult(partitions=partitions)
-    for target_id, deleted, upserted, conflicts in counts:
+    for target_id, deleted, upserted, conflicts, failure, overwritten in counts:
+        if overwritten:
+            result.overwritten.setdefault(target_id, []).extend(overwritten)
+        if failure is not None:
+            result.failures.setdefault(target_id, RowFailure.from_json(failure))
         c = result.per_target.setdefault(target_id, TargetCounts())
         c.deleted += deleted
         c.upserted += upserted

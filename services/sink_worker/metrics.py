@@ -22,6 +22,8 @@ APPLY_SECONDS = Histogram("sluice_sink_apply_seconds", "Duration of one apply jo
 ROUND_SECONDS = Histogram("sluice_sink_round_seconds", "Duration of a whole round with work.")
 ROUND_ERRORS = Counter("sluice_sink_round_errors", "Failures of a stage of a round.", ["stage"])
 DDL_APPLIED = Counter("sluice_sink_ddl_applied", "DDL events applied to a target.", ["changefeed", "action"])
+DDL_FAILURES = Counter("sluice_sink_ddl_failures",
+                       "DDL events a downstream could not take (the table stops at the DDL).", ["changefeed"])
 CHECKPOINT_LAG = Gauge("sluice_sink_checkpoint_lag_seconds",
                        "Wall clock minus the commit time of a span's checkpoint ts.", ["changefeed", "span"])
 RESOLVED_LAG = Gauge("sluice_sink_checkpoint_behind_resolved_seconds",
@@ -29,6 +31,16 @@ RESOLVED_LAG = Gauge("sluice_sink_checkpoint_behind_resolved_seconds",
                      ["changefeed", "span"])
 CHECKPOINT_TS = Gauge("sluice_sink_checkpoint_ts", "A span's checkpoint ts.", ["changefeed", "span"])
 SPANS = Gauge("sluice_sink_spans", "Spans this worker runs, by state.", ["state"])
+TABLE_INCIDENTS = Counter("sluice_sink_table_incidents",
+                          "Times a span stopped because the downstream refused a change for good.",
+                          ["changefeed"])
+TABLE_STOPPED = Gauge("sluice_sink_table_stopped",
+                      "1 while a span is stopped by a downstream's permanent refusal (poison row).",
+                      ["changefeed", "span"])
+CROSS_SHARD_CONFLICTS = Counter("sluice_sink_cross_shard_unique_conflicts",
+                                "Unique values of a merged target held by another shard's row, by what "
+                                "happened (refused: the target stopped; overwritten: the row removed).",
+                                ["changefeed", "action"])
 KEYLESS_REFUSED = Counter("sluice_sink_keyless_refusals",
                           "Times a span was refused because its table has no usable key.", ["changefeed"])
 
@@ -51,3 +63,5 @@ SNAPSHOT_CHUNKS_DONE = Gauge("sluice_snapshot_span_chunks_done",
                              ["changefeed", "span"])
 SNAPSHOT_FAILURES = Counter("sluice_snapshot_failures", "Initial-load runs that failed (retried later).",
                             ["changefeed"])
+CHUNK_SETS_JOINED = Counter("sluice_sink_chunk_sets_joined",
+                            "Events larger than the NATS max_payload joined from their chunks.")

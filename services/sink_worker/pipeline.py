@@ -23,10 +23,10 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import re
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal
@@ -38,21 +38,25 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from contracts.events.changefeeds import ChangefeedSpecV2, InitialLoad, KeyPolicy
-from contracts.events.rows import DdlExecutedV1, RowsChangedV1, SourcePositionV1, TableMetaV1
+from contracts.events.rows import DdlExecutedV1, RowImageV1, RowsChangedV1, SourcePositionV1, TableMetaV1
 from libs.config import Settings
 from libs.dburl import parse_database_url
+from libs.eventstore.deadletter import dead_letter
 from libs.gc_pause import gc_paused
 from libs.routing import Router, Target, router_for
 from libs.streams import ROWS_STREAM, token
 from libs.telemetry.tracing import extract_context, tracer
 from services.sink_worker import metrics as m
-from services.sink_worker.apply_job import ApplyResult, TargetPlan, run_apply
+from services.sink_worker.apply_job import ApplyResult, TargetPlan, key_json, run_apply
 from services.sink_worker.checkpoints import (
     Checkpoint,
     CheckpointMoved,
     CheckpointRegression,
     CheckpointStore,
 )
+from services.sink_worker.ddl_plan import ddl_action
+from services.sink_worker.fence import Fenced, SelfFence  # liveness: self-fence
+from services.sink_worker.poison import IncidentAction, TableIncident
 from services.sink_worker.pull import PulledEvent, PullResult, SpanReader, latest_resolved
 from services.sink_worker.shard_ddl import ShardDdl, execute_on_target, lock_ref, rewritten
 from services.sink_worker.sinks.base import Sink, TargetTable
@@ -65,10 +69,12 @@ from services.sink_worker.sinks.nats_stream import (
     is_stream_sink,
     row_messages,
 )
+from services.sink_worker.sinks.unique_guard import UniqueConflictError, UniqueConflictPolicy
 from services.sink_worker.snapshot import InitialLoads, SnapshotRequest, snapshot_mode
 from services.sink_worker.sort_job import SortResult, SpanCut, SpanInput, event_records, run_sort
 from services.sink_worker.span import KeylessTableError, Span, route_of, shard_ref, target_for
 from services.sink_worker.start_point import start_at_position, start_at_time
+from services.sink_worker.table_errors import DdlFailure, ddl_failed
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +91,8 @@ class PipelineOptions:
     stream_replicas: int = 1
     """Replicas and duplicate window of a stream the NATS sink creates."""
     dedup_window_s: float = 120.0
+    pull_max_bytes: int = 512 * 1024 * 1024
+    """Event bytes a span's reader keeps in memory (large rows: see pull.py)."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PipelineOptions:
@@ -97,6 +105,7 @@ class PipelineOptions:
                                                 cls.checkpoint_interval_s)),
             stream_replicas=settings.stream_replicas,
             dedup_window_s=settings.dedup_window_s,
+            pull_max_bytes=settings.sink_pull_max_bytes,
         )
 
 
@@ -113,6 +122,8 @@ class SpanConfig:
     source_url: str = ""
     start_time: datetime | None = None
     start_position: SourcePositionV1 | None = None
+    on_unique_conflict: UniqueConflictPolicy = "error"
+    """A merged target's unique value held by another shard's row (``sinks.unique_guard``)."""
 
     @classmethod
     def of(cls, spec: ChangefeedSpecV2, source: str) -> SpanConfig:
@@ -121,7 +132,9 @@ class SpanConfig:
         return cls(sink_url=spec.sink_url, key_policy=spec.key_policy, start=spec.start,
                    router=router_for(spec), initial_load=spec.initial_load,
                    source_url=ref.url if ref is not None else "", start_time=spec.start_time,
-                   start_position=spec.start_position.get(ref.id) if ref is not None else None)
+                   start_position=spec.start_position.get(ref.id) if ref is not None else None,
+                   # A v2 spec (never upcast: built in code) keeps the behaviour v2 had.
+                   on_unique_conflict=getattr(spec, "on_unique_conflict", "overwrite"))
 
 
 @dataclass
@@ -141,6 +154,15 @@ class SpanRuntime:
     dead_lettered: int = 0
     last_batch_events: int = 0
     shards: int = 1
+    ddl_error: DdlFailure | None = None
+    """The DDL the span stopped at because its downstream cannot take it (``table_errors``)."""
+    incident: TableIncident | None = None
+    """Stopped by a downstream's permanent refusal (``poison``): no round runs the span until
+    an operator skips, retries or resumes it."""
+    skips: dict[str, int] = field(default_factory=dict)
+    """Key JSON -> ts: that key's changes up to ts are left out (skipped by an operator)."""
+    skip_reasons: dict[str, TableIncident] = field(default_factory=dict)
+    """Skipped keys whose events are not dead-lettered yet, with the incident they ended."""
 
     def status(self) -> dict[str, Any]:
         cp = self.checkpoint
@@ -156,6 +178,10 @@ class SpanRuntime:
         }
         if self.error:
             out["error"] = self.error
+        if self.ddl_error is not None:
+            out["ddl_error"] = self.ddl_error.as_status()
+        if self.incident is not None:
+            out["incident"] = self.incident.status()
         return out
 
 
@@ -175,7 +201,14 @@ class _Work:
     shard_wait: str | None = None
     """Stopped at a shard DDL, waiting for its operation: why (nothing moves)."""
     shard_cut: SpanCut | None = None
-    """The shard DDL at the head of the span was carried out in the driver: its cut."""
+    """The DDL at the head of the span was carried out in the driver (a shard DDL, a rename
+    away, a finished re-copy): its cut."""
+    recopying: bool = False
+    """A DDL at the head of the span re-copies its table (``ddl_plan``): nothing streams."""
+    recopy_key: str | None = None
+    """The finished re-copy's progress key, deleted once the checkpoint is past its DDL."""
+    ddl_failure: DdlFailure | None = None
+    """The DDL at the head of the span cannot be carried out downstream."""
 
 
 def _row_changes(work: _Work) -> int:
@@ -208,6 +241,9 @@ class _Outcome:
     refused: str | None = None
     """... or "refused" (the DDL leaves the table without a usable key)."""
     error: str | None = None
+    ddl_failure: DdlFailure | None = None
+    incident: TableIncident | None = None
+    """The downstream refused one of the batch's changes for good: the span stops."""
     publish: list[StreamMessage] | None = None
     """NATS sink: the batch's messages; written (and the DDL applied) once all are acked."""
     publish_ddl: bool = False
@@ -231,24 +267,6 @@ class RoundAbandoned(Exception):
     """The worker is stopping and the round did not finish within the grace period."""
 
 
-_DROP_RE = re.compile(r"^\s*DROP\s+(TEMPORARY\s+)?TABLE\b", re.IGNORECASE)
-_TRUNCATE_RE = re.compile(r"^\s*TRUNCATE\b", re.IGNORECASE)
-_COMMENT_RE = re.compile(r"^\s*(/\*.*?\*/|--[^\n]*\n|#[^\n]*\n)", re.DOTALL)
-
-
-def ddl_action(ddl: DdlExecutedV1) -> Literal["drop", "truncate", "reconcile", "ignore"]:
-    """What a DDL does to its target. Never the statement text itself: it is MySQL syntax, and
-    the target may be PostgreSQL or SQLite; the sink derives its own DDL from ``meta_after``."""
-    statement = ddl.statement
-    while (match := _COMMENT_RE.match(statement)) is not None:
-        statement = statement[match.end():]
-    if _DROP_RE.match(statement):
-        return "drop"
-    if _TRUNCATE_RE.match(statement):
-        return "truncate"
-    return "reconcile" if ddl.meta_after is not None else "ignore"
-
-
 def _missing_key_columns(event: RowsChangedV1, key: tuple[str, ...]) -> str | None:
     for i, row in enumerate(event.rows):
         for image in (row.before, row.after):
@@ -260,6 +278,9 @@ def _missing_key_columns(event: RowsChangedV1, key: tuple[str, ...]) -> str | No
 
 
 class Pipeline:
+    def _reader(self, span: Span) -> SpanReader:
+        return SpanReader(self.js, span, self.rows_stream, max_bytes=self.options.pull_max_bytes)
+
     def __init__(self, js: JetStreamContext, checkpoints: CheckpointStore,
                  spark: Callable[[], SparkSession], options: PipelineOptions | None = None,
                  rows_stream: str = ROWS_STREAM, initial_loads: InitialLoads | None = None) -> None:
@@ -273,6 +294,10 @@ class Pipeline:
         self.spans: dict[Span, SpanRuntime] = {}
         self.prepared: dict[Span, SpanRuntime] = {}
         """Spans loaded by ``prepare`` that do not run (write) yet."""
+        # --- liveness: self-fence ---
+        self.fence: SelfFence | None = None
+        """Checked before every write of a round (``Fenced`` ends the round, nothing advances)."""
+        # --- end liveness ---
         self.rounds = 0
         self.last_report: RoundReport | None = None
         # (sink url, schema, table) -> meta JSON the target was last brought to by this process.
@@ -280,6 +305,12 @@ class Pipeline:
         self._publishers: dict[str, StreamPublisher] = {}
         self.shard_ddl: ShardDdl | None = None
         """Shard DDL coordination; without it a sharded target's DDL blocks its spans."""
+        self.known_skips: dict[Span, dict[str, int]] = {}
+        """Keys operators skipped, per span, from the changefeeds log (spans run here or not)."""
+        self.new_incidents: list[tuple[Span, TableIncident]] = []
+        self.new_overwrites: list[tuple[str, str]] = []
+        """(changefeed, conflict JSON) of rows removed under ``on_unique_conflict = overwrite``."""
+        """Spans stopped since the worker last recorded them in the changefeeds log."""
 
     def attach_shard_ddl(self, shard_ddl: ShardDdl) -> None:
         self.shard_ddl = shard_ddl
@@ -312,11 +343,13 @@ class Pipeline:
                 rt.checkpoint = rt.stored = None
                 rt.config = config
             if rt is None:
-                self.spans[span] = SpanRuntime(span, config, SpanReader(self.js, span, self.rows_stream))
+                self.spans[span] = SpanRuntime(span, config, self._reader(span))
             elif rt.config != config:
                 rt.config = config
                 if rt.state == "refused":  # a new key policy may allow the table now
                     rt.state, rt.error = "replicating", None
+        for span in wanted:
+            self.spans[span].skips.update(self.known_skips.get(span, {}))
         # Several upstream shards in one target: their DDL needs the ddl-lock, not this path.
         self._count_shards()
 
@@ -339,7 +372,7 @@ class Pipeline:
             rt.shards = max(known, local) if known is not None else max(local, 2)
 
     def _forget_gauges(self, span: Span) -> None:
-        for gauge in (m.CHECKPOINT_LAG, m.RESOLVED_LAG, m.CHECKPOINT_TS):
+        for gauge in (m.CHECKPOINT_LAG, m.RESOLVED_LAG, m.CHECKPOINT_TS, m.TABLE_STOPPED):
             with contextlib.suppress(KeyError):
                 gauge.remove(span.changefeed, span.name)
 
@@ -368,7 +401,7 @@ class Pipeline:
         checkpoint it prepared from."""
         rt = self.prepared.get(span)
         if rt is None:
-            rt = self.prepared[span] = SpanRuntime(span, config, SpanReader(self.js, span, self.rows_stream))
+            rt = self.prepared[span] = SpanRuntime(span, config, self._reader(span))
         rt.config = config
         start = await self.checkpoints.get(span)
         if start is None and self.initial_loads is not None and snapshot_mode(config.initial_load):
@@ -506,7 +539,11 @@ class Pipeline:
                 try:
                     with _batch_span(works):
                         cuts, outcomes = await self._in_thread(works, stopping)
+                        if self.fence is not None:  # liveness: self-fence
+                            self.fence.check()
                         await self._publish_streams(works, outcomes)
+                except Fenced:  # liveness: self-fence, the worker starts over
+                    raise
                 except RoundAbandoned:
                     report.abandoned = True
                     report.duration_s = time.monotonic() - started
@@ -515,6 +552,13 @@ class Pipeline:
                 except Exception as exc:
                     m.ROUND_ERRORS.labels("sort").inc()
                     log.exception("sort job failed")
+                    if spark_gone(exc) and not (stopping is not None and stopping.is_set()):
+                        # The driver's JVM died (e.g. out of memory): every later round would fail
+                        # the same way. Exit like a crash, so the supervisor starts a fresh process
+                        # and the control plane moves the spans meanwhile; nothing advanced.
+                        log.critical("the Spark JVM is gone; the worker exits to be restarted")
+                        logging.shutdown()
+                        os._exit(70)
                     report.errors.append(f"sort: {exc!r}")
                     for w in works:
                         if w.fresh and not w.refused:
@@ -561,8 +605,10 @@ class Pipeline:
         limit = max(1, self.options.max_events_per_round // len(runtimes))
         works: list[_Work] = []
         for rt in runtimes:
-            if rt.checkpoint is None or rt.state in ("snapshot", "done"):
-                continue  # copying (or copied, snapshot-only): nothing to stream
+            if rt.checkpoint is None or rt.state == "done":
+                continue  # copying its initial load (or copied, snapshot-only): nothing to stream
+            if rt.incident is not None:
+                continue  # stopped until an operator acts; its checkpoint stays where it is
             start = rt.checkpoint
             mark = marks.get(rt.span.source)
             try:
@@ -581,6 +627,8 @@ class Pipeline:
             await self._plan(work)
             if self.shard_ddl is not None and rt.shards > 1 and not work.refused:
                 await self._shard_ddl_at_head(work)
+            elif rt.shards <= 1 and not work.refused and not is_stream_sink(rt.config.sink_url):
+                await self._schema_ddl_at_head(work)
             report.events += len(work.fresh)
             works.append(work)
         return works
@@ -624,6 +672,8 @@ class Pipeline:
         if last_meta is not None:
             table = target_for(span, last_meta.database, last_meta.table, last_meta.meta, policy,
                                w.rt.config.router)
+            if w.rt.skip_reasons:
+                await self._park_skipped(w, table.key)
             w.plan = TargetPlan(target_id=target_id(w.rt.config.sink_url, table),
                                 sink_url=w.rt.config.sink_url, table=table)
             w.origin = self._origin_of(w, last_meta.database, last_meta.table)
@@ -687,6 +737,70 @@ class Pipeline:
                                                      "statement": ddl.statement})
         w.shard_cut = SpanCut(span.kv_key, limit_ts=head.ts, batch_events=0, batch_max_ts=None,
                               ddl_ts=head.ts, ddl_id=head.event_id)
+
+    async def _schema_ddl_at_head(self, w: _Work) -> None:
+        """A single-shard span whose next event is a DDL that re-copies its table or renamed it
+        away (``ddl_plan``): carried out here in the driver. The rows before the DDL were
+        applied by the normal round, which stopped the span just below it.
+
+        - ``leave``: the name's target is dropped and the span moves past the DDL.
+        - ``recopy``: the initial-load machinery copies the table into an emptied target; the
+          progress is recorded under the DDL's stream sequence, so a worker that takes the span
+          over (crash, move) finds the same DDL at the head and resumes the same copy. Once it
+          is done, the checkpoint moves to the copy's low watermark (at or past the DDL) and
+          the span streams on from there, as after an initial load.
+        """
+        head = next((e for e in w.fresh if not e.dead), None)
+        if head is None or not isinstance(head.event, DdlExecutedV1) or head.ts > w.horizon:
+            return
+        ddl = head.event
+        action = ddl_action(ddl)
+        if action not in ("recopy", "leave"):
+            return
+        rt, span = w.rt, w.rt.span
+        url = rt.config.sink_url
+        routed = route_of(span, ddl.database, ddl.table, rt.config.router)
+        self._schemas.pop((url, routed.schema, routed.table), None)
+        w.fresh = []
+
+        def failed(reason: str) -> None:
+            w.ddl_failure = ddl_failed(span, ddl.statement, head.ts, head.stream_seq, reason, rt.ddl_error)
+
+        if action == "leave":
+            table = TargetTable(schema=routed.schema, name=routed.table,
+                                meta=TableMetaV1(columns=[], primary_key=[]), key=())
+            try:
+                await asyncio.to_thread(lambda: open_sink(url).drop_table(table))
+            except Exception as exc:
+                m.ROUND_ERRORS.labels("ddl").inc()
+                failed(f"dropping the target of a table renamed away failed: {type(exc).__name__}: {exc}")
+                return
+            m.DDL_APPLIED.labels(span.changefeed, action).inc()
+            log.info("table renamed away upstream: its target is dropped",
+                     extra={"span": span.name, "ts": head.ts, "statement": ddl.statement})
+            w.shard_cut = SpanCut(span.kv_key, limit_ts=head.ts, batch_events=0, batch_max_ts=None,
+                                  ddl_ts=head.ts, ddl_id=head.event_id)
+            return
+        if self.initial_loads is None or not rt.config.source_url:
+            failed("the DDL changes existing rows upstream, so the table must be copied again, but "
+                   "this worker has no initial-load runner or no source URL for it")
+            return
+        request = SnapshotRequest(span, rt.config.source_url, url, rt.config.key_policy, "snapshot",
+                                  rt.shards, rt.config.router, recopy_of=head.stream_seq)
+        decision, start = await self.initial_loads.decide(request)
+        if decision == "copying" or start is None:
+            if not w.recopying and rt.state != "snapshot":
+                log.info("DDL changes existing rows: copying the table again",
+                         extra={"span": span.name, "ts": head.ts, "statement": ddl.statement})
+            w.recopying = True
+            return
+        resume_ts = max(head.ts, start.ts)
+        m.DDL_APPLIED.labels(span.changefeed, action).inc()
+        log.info("re-copy after DDL done; streaming on from its low watermark",
+                 extra={"span": span.name, "ddl_ts": head.ts, "low_watermark_ts": start.ts})
+        w.shard_cut = SpanCut(span.kv_key, limit_ts=resume_ts, batch_events=0, batch_max_ts=None,
+                              ddl_ts=resume_ts, ddl_id=head.event_id)
+        w.recopy_key = request.progress_key
 
     def _exec_shard_ddl(self, w: _Work, ddl: DdlExecutedV1, statements: tuple[str, ...]) -> None:
         """The owner brings the target to the shard's schema after the DDL
@@ -774,6 +888,8 @@ class Pipeline:
         for sink_url, keys in by_sink.items():
             if abort.is_set():
                 raise RoundAbandoned()
+            if self.fence is not None:  # liveness: self-fence, before each sink's write
+                self.fence.check()
             self._apply_sink(spark, sink_url, [by_key[k] for k in keys], sort, outcomes, abort)
         return sort.cuts, outcomes
 
@@ -792,14 +908,20 @@ class Pipeline:
                 keys = [w.rt.span.kv_key for w in batch_works]
                 plans = {w.rt.span.kv_key: w.plan for w in batch_works if w.plan is not None}
                 origins = {w.rt.span.kv_key: w.origin for w in batch_works if w.origin is not None}
+                skips = {w.rt.span.kv_key: dict(w.rt.skips) for w in batch_works if w.rt.skips}
+                guarded = {w.plan.target_id: w.rt.config.on_unique_conflict for w in batch_works
+                           if w.plan is not None and _needs_guard(w)}
+                names = {w.rt.span.kv_key: w.rt.span.name for w in batch_works}
                 t0 = time.monotonic()
                 with tracer().start_as_current_span(
                         "apply",
                         attributes={"sluice.sink": sink.__repr__(), "sluice.spans": len(keys)}):
                     result = run_apply(spark, sort.batch.where(F.col("span").isin(keys)), plans,
-                                       self.options.apply_partitions, origins)
+                                       self.options.apply_partitions, origins, skips, guarded, names)
                 m.APPLY_SECONDS.observe(time.monotonic() - t0)
                 self._count_written(batch_works, result, outcomes)
+                self._stop_refused(batch_works, result, sort, outcomes)
+                self._report_overwrites(batch_works, result)
         except Exception as exc:
             m.ROUND_ERRORS.labels("apply").inc()
             log.exception("apply job failed", extra={"sink": _redacted(sink_url)})
@@ -812,6 +934,8 @@ class Pipeline:
             return
         for w in works:
             outcome = outcomes.setdefault(w.rt.span.kv_key, _Outcome())
+            if outcome.incident is not None:
+                continue  # refused for good: nothing of its batch counts as written
             outcome.written = True
             cut = sort.cuts[w.rt.span.kv_key]
             if cut.ddl_id is None:
@@ -824,6 +948,8 @@ class Pipeline:
                 outcome.blocked = (f"DDL at ts {ddl.ts} on a target with {w.rt.shards} upstream shards "
                                    "waits for shard DDL coordination")
                 continue
+            if ddl_action(ddl.event) in ("recopy", "leave"):
+                continue  # carried out at the head of the span next round (_schema_ddl_at_head)
             try:
                 self._apply_ddl(sink, sink_url, w, ddl.event)
                 outcome.ddl_applied = True
@@ -831,8 +957,37 @@ class Pipeline:
                 outcome.refused = str(exc)
             except Exception as exc:
                 m.ROUND_ERRORS.labels("ddl").inc()
-                log.exception("DDL failed", extra={"span": w.rt.span.name, "statement": ddl.event.statement})
-                outcome.error = f"DDL at ts {ddl.ts} failed: {exc!r}"
+                log.debug("DDL failed", exc_info=True, extra={"span": w.rt.span.name})
+                outcome.ddl_failure = ddl_failed(w.rt.span, ddl.event.statement, ddl.ts, ddl.stream_seq,
+                                                 f"{type(exc).__name__}: {exc}", w.rt.ddl_error)
+                outcome.error = outcome.ddl_failure.message()
+
+    def _stop_refused(self, works: list[_Work], result: ApplyResult, sort: SortResult,
+                      outcomes: dict[str, _Outcome]) -> None:
+        """Every span of a target the downstream refused for good gets the incident: it stops,
+        and the other targets of the sink go on (they were written in full)."""
+        for w in works:
+            assert w.plan is not None
+            failure = result.failures.get(w.plan.target_id)
+            if failure is None:
+                continue
+            table = w.plan.table
+            target = f"{table.schema}.{table.name}" if table.schema else table.name
+            incident = TableIncident(id=uuid4().hex, target=target, failure=failure,
+                                     upto_ts=sort.cuts[w.rt.span.kv_key].limit_ts)
+            outcomes.setdefault(w.rt.span.kv_key, _Outcome()).incident = incident
+
+    def _report_overwrites(self, works: list[_Work], result: ApplyResult) -> None:
+        """Policy ``overwrite``: each removed row of another shard is counted, logged and kept
+        for the worker to record as an event."""
+        changefeeds = {w.plan.target_id: w.rt.span.changefeed for w in works if w.plan is not None}
+        for target_id, reports in result.overwritten.items():
+            cf = changefeeds[target_id]
+            for text in reports:
+                m.CROSS_SHARD_CONFLICTS.labels(cf, "overwritten").inc()
+                log.warning("cross-shard unique conflict: the other shard's row was removed",
+                            extra={"changefeed": cf, "conflict": text})
+                self.new_overwrites.append((cf, text))
 
     def _plan_stream(self, sink_url: str, works: list[_Work], sort: SortResult,
                      outcomes: dict[str, _Outcome]) -> None:
@@ -987,10 +1142,23 @@ class Pipeline:
         if w.shard_wait is not None:
             rt.state, rt.error = "blocked", w.shard_wait
             return
+        if w.ddl_failure is not None:
+            rt.state, rt.error, rt.ddl_error = "error", w.ddl_failure.message(), w.ddl_failure
+            report.errors.append(f"{rt.span.name}: {rt.error}")
+            return
+        if w.recopying:
+            rt.state, rt.error, rt.ddl_error = "snapshot", None, None
+            return
+        if outcome is not None and outcome.incident is not None:
+            self._stopped(rt, outcome.incident)
+            report.errors.append(f"{rt.span.name}: {rt.error}")
+            return
         if outcome is not None and outcome.error:
             rt.state, rt.error = "error", outcome.error
+            rt.ddl_error = outcome.ddl_failure
             report.errors.append(f"{rt.span.name}: {outcome.error}")
             return
+        rt.ddl_error = None
         if cut is None:
             handled = w.horizon  # nothing fresh: everything up to the horizon is applied
         else:
@@ -1028,12 +1196,26 @@ class Pipeline:
         due = wrote or time.monotonic() - rt.stored_at >= self.options.checkpoint_interval_s
         if proposed != rt.stored and due and not await self._store(rt, proposed):
             return
+        if w.recopy_key is not None and rt.stored == proposed and self.initial_loads is not None:
+            with contextlib.suppress(Exception):  # a leftover record is only clutter
+                await self.initial_loads.store.delete(rt.span, w.recopy_key)
         cf, name = rt.span.changefeed, rt.span.name
         m.CHECKPOINT_TS.labels(cf, name).set(proposed.ts)
         m.CHECKPOINT_LAG.labels(cf, name).set(m.lag_seconds(proposed.ts))
         if rt.resolved_ts:
             m.RESOLVED_LAG.labels(cf, name).set(
                 max(0.0, m.ts_to_seconds(rt.resolved_ts) - m.ts_to_seconds(proposed.ts)))
+
+    def _stopped(self, rt: SpanRuntime, incident: TableIncident) -> None:
+        rt.incident = incident
+        self.new_incidents.append((rt.span, incident))
+        rt.state, rt.error = "error", f"stopped: {incident.failure.describe()}"
+        m.TABLE_INCIDENTS.labels(rt.span.changefeed).inc()
+        if incident.failure.error.startswith(UniqueConflictError.__name__):
+            m.CROSS_SHARD_CONFLICTS.labels(rt.span.changefeed, "refused").inc()
+        m.TABLE_STOPPED.labels(rt.span.changefeed, rt.span.name).set(1)
+        log.error("span stopped: the downstream refused a change for good",
+                  extra={"span": rt.span.name, **incident.status()})
 
     async def _store(self, rt: SpanRuntime, checkpoint: Checkpoint) -> bool:
         """Write ``checkpoint`` over the one this worker last stored; False when it may not."""
@@ -1060,6 +1242,57 @@ class Pipeline:
                 with contextlib.suppress(Exception):
                     await self._store(rt, rt.checkpoint)
 
+    # ------------------------------------------------------------------ operator actions
+
+    def remember_skips(self, span: Span, skips: dict[str, int]) -> None:
+        """The keys skipped on ``span`` (whoever ran it then): left out whenever it runs here."""
+        self.known_skips[span] = dict(skips)
+        rt = self.spans.get(span)
+        if rt is not None:
+            rt.skips.update(skips)
+
+    def act(self, span: Span, incident: str, action: IncidentAction) -> bool:
+        """An operator's decision on the span's incident; False (and nothing changes) when the
+        span is not here or is not stopped by that incident, so a repeated, late or misrouted
+        decision is harmless.
+
+        ``skip`` leaves the refused key's changes up to the incident's batch out (they go to
+        the dead letters with the reason) and goes on; ``retry`` and ``resume`` run the span
+        again as it is (``resume`` after the downstream was fixed): a change refused again
+        stops it again, as a new incident."""
+        rt = self.spans.get(span)
+        if rt is None or rt.incident is None or rt.incident.id != incident:
+            return False
+        stopped = rt.incident
+        if action == "skip":
+            if stopped.failure.key is None:
+                return False  # no single row to skip: the batch only fails as a whole
+            rt.skips[stopped.failure.key] = max(stopped.upto_ts, rt.skips.get(stopped.failure.key, 0))
+            self.known_skips.setdefault(span, {})[stopped.failure.key] = rt.skips[stopped.failure.key]
+            rt.skip_reasons[stopped.failure.key] = stopped
+        rt.incident = None
+        rt.state, rt.error = "replicating", None
+        with contextlib.suppress(KeyError):
+            m.TABLE_STOPPED.remove(span.changefeed, span.name)
+        log.warning("operator %s on a stopped span", action, extra={"span": span.name, **stopped.status()})
+        return True
+
+    async def _park_skipped(self, w: _Work, key: tuple[str, ...]) -> None:
+        """Dead-letter (a copy of) each event that holds a skipped key's change, once per key."""
+        rt = w.rt
+        for skipped, upto in list(rt.skips.items()):
+            stopped = rt.skip_reasons.pop(skipped, None)
+            if stopped is None:
+                continue  # parked already
+            reason = (f"skipped by an operator (incident {stopped.id}): {stopped.failure.describe()}")
+            for e in w.fresh:
+                if e.dead or e.ts > upto or not isinstance(e.event, RowsChangedV1):
+                    continue
+                if any(skipped in _image_keys(image, key, w.origin) for image in e.event.rows):
+                    await dead_letter(self.js, e, reason, "skipped", self.rows_stream, seq=e.stream_seq,
+                                      ack=False)
+                    rt.dead_lettered += 1
+
     def _count_states(self) -> None:
         counts: dict[str, int] = {s: 0 for s in ("starting", "snapshot", "replicating", "done", "refused",
                                                  "blocked", "error")}
@@ -1067,6 +1300,27 @@ class Pipeline:
             counts[rt.state] += 1
         for state, n in counts.items():
             m.SPANS.labels(state).set(n)
+
+
+def _needs_guard(w: _Work) -> bool:
+    """A target several shards merge into, without an origin column, with a unique key besides
+    its key: a conflict delete there may remove another shard's row (``sinks.unique_guard``)."""
+    if w.plan is None or w.origin is not None or w.rt.shards <= 1:
+        return False
+    key = set(w.plan.table.key)
+    return any(unique and set(unique) != key for unique in w.plan.table.unique_keys)
+
+
+def _image_keys(image: RowImageV1, key: tuple[str, ...], origin: tuple[str, str] | None) -> list[str]:
+    """The key JSON (as the apply job spells it, origin column included) of a row change's images."""
+    out = []
+    for values in (image.before, image.after):
+        if values is None:
+            continue
+        full = {origin[0]: origin[1], **values} if origin is not None else values
+        if all(c in full for c in key):
+            out.append(key_json(full, key))
+    return out
 
 
 def _route_tokens(span: Span, router: Router | None) -> Target:
@@ -1115,3 +1369,24 @@ def _links(events: Any) -> list[trace.Link]:
         if len(links) >= 32:
             break
     return links
+
+
+def spark_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the py4j gateway to the JVM cannot be reached."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if type(cur).__name__ == "Py4JNetworkError":
+            return True
+        if isinstance(cur, ConnectionRefusedError) and cur.__traceback__ is not None and any(
+                "py4j" in frame.f_code.co_filename for frame, _ in _walk_tb(cur.__traceback__)):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def _walk_tb(tb: Any) -> Iterator[tuple[Any, int]]:
+    while tb is not None:
+        yield tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next

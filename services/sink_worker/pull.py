@@ -14,6 +14,15 @@ moves outside the range it has read (a rewind, or a checkpoint another process a
 
 Anything on a span's subjects that is not a valid event of that span goes to the dead-letter
 subject with its reason, and the span carries on after it.
+
+A message larger than the server's max_payload arrives as a set of chunk messages
+(``libs/chunks.py``). The reader joins a set into one event placed at its first chunk's stream
+sequence, so a checkpoint before the event always re-reads the whole set. An incomplete set at
+the end of a read (the rest not published yet, or a capture killed between chunks) is not kept:
+it becomes a ghost at its first chunk with the ts its chunks carry, so it holds the horizon
+below its ts exactly like an event not read yet, and its chunks are read again, from the first,
+when the buffer wants it. Memory: the buffer keeps at most ``max_bytes`` of event bodies
+(beyond them only ghosts), plus the rest of a transaction in progress and one set being joined.
 """
 
 from __future__ import annotations
@@ -33,10 +42,12 @@ from pydantic import BaseModel, ValidationError
 
 from contracts import REGISTRY, ContractError, Envelope
 from contracts.events.rows import DdlExecutedV1, ResolvedAdvancedV1, RowsChangedV1
+from libs.chunks import ChunkError, ChunkInfo, ChunkJoiner, Joined, chunk_info
 from libs.eventstore.deadletter import dead_letter
 from libs.gc_pause import gc_paused
 from libs.streams import ROWS_STREAM, resolved_subject, token
 from libs.telemetry.tracing import process_span
+from services.sink_worker import metrics as m
 from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
@@ -46,6 +57,13 @@ _FETCH_TIMEOUT_S = 2.0
 _MAX_FETCH_TIMEOUTS = 3
 # An idle span's consumer must survive the pauses between rounds; a dead worker's vanishes.
 _CONSUMER_INACTIVE_S = 120.0
+# A dead letter carries the message's body only below this size: it must fit one NATS message.
+# A larger body stays where it is in the ROWS stream, and the dead letter says where.
+_DEAD_LETTER_BODY_MAX = 512 * 1024
+# Bytes a fetch may bring (its count x the server's max_payload) when it may meet chunk
+# messages: the server drops a client as a slow consumer past 64 MiB pending to it. A reader
+# starts at that count and doubles it after every fetch without chunks, up to _FETCH_CHUNK.
+_FETCH_MAX_BYTES = 16 * 1024 * 1024
 
 
 class Garbage(Exception):
@@ -267,11 +285,17 @@ class SpanReader:
     or below the checkpoint ts are applied already and not kept at all.
     """
 
-    def __init__(self, js: JetStreamContext, span: Span, rows_stream: str = ROWS_STREAM) -> None:
+    def __init__(self, js: JetStreamContext, span: Span, rows_stream: str = ROWS_STREAM, *,
+                 max_bytes: int = 512 * 1024 * 1024) -> None:
         self.js = js
         self.span = span
         self.rows_stream = rows_stream
+        self.max_bytes = max_bytes
         self.buffer: list[PulledEvent] = []
+        self._bytes = 0  # body bytes in the buffer
+        self._large = False  # chunk messages seen since the last fetch
+        self._fetch_n = 0  # messages the last fetch asked for
+        self._joiner = ChunkJoiner()
         self.ghosts = _Ghosts()
         self.base = -1
         self.read_upto = -1
@@ -294,6 +318,8 @@ class SpanReader:
         self._consumer = name
         self._sub = await self.js.pull_subscribe_bind(name, stream=self.rows_stream)
         self.buffer = []
+        self._bytes = 0
+        self._joiner.clear()
         self.ghosts = _Ghosts()
         self._newest = -1
         self.base = checkpoint_seq
@@ -318,6 +344,7 @@ class SpanReader:
         else:
             self.base = checkpoint_seq
             self.buffer = [e for e in self.buffer if e.stream_seq > checkpoint_seq and e.ts > checkpoint_ts]
+            self._bytes = sum(len(e.data) for e in self.buffer)
             self._newest = max((e.ts for e in self.buffer), default=-1)
             while self.ghosts and (self.ghosts.first_seq() <= checkpoint_seq):
                 self.ghosts.popleft()
@@ -340,9 +367,21 @@ class SpanReader:
         info = await self.js.consumer_info(self.rows_stream, self._consumer)
         return int(info.num_pending or 0)
 
+    def _fetch_cap(self) -> int:
+        """Messages one fetch may ask for, so that chunk messages of the server's max_payload
+        stay under the subscription's pending bytes limit."""
+        max_payload = int(getattr(getattr(self.js, "_nc", None), "max_payload", 0) or 1024 * 1024)
+        safe = max(1, min(_FETCH_CHUNK, _FETCH_MAX_BYTES // max_payload))
+        if self._large:
+            self._large = False
+            self._fetch_n = safe
+        else:
+            self._fetch_n = min(_FETCH_CHUNK, max(safe, self._fetch_n * 2)) if self._fetch_n else safe
+        return self._fetch_n
+
     def _wants_body(self, limit: int) -> bool:
         """Whether the next event (in stream order) belongs in the buffer."""
-        if len(self.buffer) < limit:
+        if len(self.buffer) < limit and (not self.buffer or self._bytes < self.max_bytes):
             return True
         if self.buffer and not self.buffer[-1].last_part:
             return True  # the batch can only end at a transaction boundary
@@ -352,7 +391,18 @@ class SpanReader:
 
     def _keep(self, event: PulledEvent) -> None:
         self.buffer.append(event)
+        self._bytes += len(event.data)
         self._newest = max(self._newest, event.ts)
+
+    def _ghost(self, seq: int, ts: int) -> None:
+        self._spill_partial()
+        self.ghosts.append(seq, ts)
+
+    def _spill_partial(self) -> None:
+        """Chunk sets being joined become ghosts at their first chunk: read again later."""
+        for seq, ts in self._joiner.partial():
+            self.ghosts.append(seq, ts)
+        self._joiner.clear()
 
     async def _scan(self, limit: int, checkpoint_ts: int, until_seq: int | None) -> tuple[bool, int]:
         assert self._sub is not None
@@ -365,10 +415,11 @@ class SpanReader:
             if not body and (until_seq is None or self.read_upto >= until_seq):
                 break
             room = limit - len(self.buffer)
+            cap = self._fetch_cap()
             if not body:
-                want = min(_FETCH_CHUNK, pending)
+                want = min(cap, pending)
             else:  # past the limit only to finish a transaction: small steps
-                want = min(_FETCH_CHUNK, pending, room) if room > 0 else min(16, pending)
+                want = min(cap, pending, room) if room > 0 else min(16, cap, pending)
             try:
                 msgs = await self._sub.fetch(want, timeout=_FETCH_TIMEOUT_S)
             except (TimeoutError, NatsTimeoutError):
@@ -384,7 +435,18 @@ class SpanReader:
             timeouts = 0
             for msg in msgs:
                 pending = int(msg.metadata.num_pending or 0)
-                event = await self._take(msg)
+                try:
+                    info = chunk_info(msg.headers)
+                except ChunkError as exc:
+                    await self._take_garbage(msg, exc)
+                    dead += 1
+                    continue
+                if info is not None:
+                    event = await self._take_chunk(msg, info, checkpoint_ts, limit)
+                    if event is None:
+                        continue
+                else:
+                    event = await self._take(msg)
                 if event is None or event.dead:
                     dead += 1
                 if event is None:
@@ -394,9 +456,52 @@ class SpanReader:
                 elif not self.ghosts and self._wants_body(limit):
                     self._keep(event)
                 else:
-                    self.ghosts.append(event.stream_seq, event.ts)
+                    self._ghost(event.stream_seq, event.ts)
+        self._spill_partial()
         reached = pending == 0 or (until_seq is not None and self.read_upto >= until_seq)
         return reached, dead
+
+    async def _take_chunk(self, msg: Msg, info: ChunkInfo, checkpoint_ts: int,
+                          limit: int) -> PulledEvent | None:
+        """Join a chunk read in ``_scan``: the event once its set is complete, else None."""
+        seq = int(msg.metadata.sequence.stream)
+        self.read_upto = max(self.read_upto, seq)
+        self._large = True
+        if info.ts <= checkpoint_ts:
+            return None  # a late copy of an applied event
+        if self.ghosts or not self._wants_body(limit):
+            if info.index == 0 and not self._joiner.knows(info):
+                self._ghost(seq, info.ts)  # read again, whole, when the buffer wants it
+            return None
+        try:
+            joined = self._joiner.add(info, seq, msg.data or b"", msg.headers or {})
+        except ChunkError as exc:
+            await self._take_garbage(msg, exc)
+            return None
+        if joined is None:
+            return None
+        m.CHUNK_SETS_JOINED.inc()
+        return await self._take_joined(joined, msg.subject)
+
+    async def _take_joined(self, joined: Joined, subject: str) -> PulledEvent | None:
+        parked = _Parked(subject, joined.data, joined.headers)
+        try:
+            return decode_for_span(self.span, parked, joined.first_seq)
+        except Garbage as exc:
+            await self._park(parked, f"{exc.reason} (chunked message, stream seq "
+                                     f"{joined.first_seq}..{joined.last_seq})", exc.kind, joined.first_seq)
+            return exc.event
+
+    async def _take_garbage(self, msg: Msg, exc: ChunkError) -> None:
+        seq = int(msg.metadata.sequence.stream)
+        self.read_upto = max(self.read_upto, seq)
+        await dead_letter(self.js, msg, str(exc), "invalid_chunk", self.rows_stream, seq=seq, ack=False)
+
+    async def _park(self, parked: _Parked, reason: str, kind: str, seq: int) -> None:
+        if len(parked.data) > _DEAD_LETTER_BODY_MAX:
+            reason = f"{reason}; body of {len(parked.data)} bytes left in {self.rows_stream}"
+            parked = _Parked(parked.subject, b"", parked.headers)
+        await dead_letter(self.js, parked, reason, kind, self.rows_stream, seq=seq, ack=False)
 
     async def _take(self, msg: Msg) -> PulledEvent | None:
         """Decode a freshly read message; garbage is dead-lettered (None)."""
@@ -420,28 +525,61 @@ class SpanReader:
         await self.js.add_consumer(self.rows_stream, self._config(name, self.ghosts.first_seq()))
         try:
             sub = await self.js.pull_subscribe_bind(name, stream=self.rows_stream)
+            joiner = ChunkJoiner()
             try:
                 while self.ghosts and self._wants_body(limit):
                     try:
-                        msgs = await sub.fetch(min(_FETCH_CHUNK, len(self.ghosts)), timeout=_FETCH_TIMEOUT_S)
+                        # A ghost may be a chunk set of many messages: fetch what a set needs.
+                        cap = self._fetch_cap()
+                        want = cap if joiner else len(self.ghosts)
+                        msgs = await sub.fetch(min(cap, want), timeout=_FETCH_TIMEOUT_S)
                     except (TimeoutError, NatsTimeoutError):
-                        log.warning("ghost events no longer readable", extra={
-                            "span": self.span.name, "from_seq": self.ghosts.first_seq()})
+                        if not joiner:
+                            log.warning("ghost events no longer readable", extra={
+                                "span": self.span.name, "from_seq": self.ghosts.first_seq()})
                         return
                     for msg in msgs:
                         seq = int(msg.metadata.sequence.stream)
+                        try:
+                            info = chunk_info(msg.headers)
+                        except ChunkError:
+                            continue  # dead-lettered when first read
+                        self._large = self._large or info is not None
+                        if info is not None and (info.index > 0 or joiner.knows(info)):
+                            if not joiner.knows(info):
+                                continue  # the tail of a set whose start is not a ghost
+                            try:
+                                joined = joiner.add(info, seq, msg.data or b"", msg.headers or {})
+                            except ChunkError:
+                                return  # dead-lettered when first read; the ghost stays
+                            if (joined is not None and self.ghosts
+                                    and self.ghosts.first_seq() == joined.first_seq):
+                                self.ghosts.popleft()
+                                event = await self._take_joined(joined, msg.subject)
+                                if event is not None:
+                                    self._keep(event)
+                            continue
+                        if joiner:
+                            # Another message inside an incomplete set (two captures publishing
+                            # at once): the set stays a ghost until a later read finds it whole.
+                            return
                         while self.ghosts and self.ghosts.first_seq() < seq:
                             self.ghosts.popleft()  # gone from the stream meanwhile (limits)
                         if not self.ghosts or self.ghosts.first_seq() != seq:
                             continue  # garbage or a late copy, handled when first read
                         if not self._wants_body(limit):
                             break
+                        if info is not None:  # chunk 0 of a ghost: join the set, then keep it
+                            joiner.add(info, seq, msg.data or b"", msg.headers or {})
+                            continue
                         self.ghosts.popleft()
                         try:
                             self._keep(decode_for_span(self.span, msg, seq))
                         except Garbage as exc:
                             if exc.event is not None:  # dead-lettered when first read
                                 self._keep(exc.event)
+                    if joiner and msgs and not int(msgs[-1].metadata.num_pending or 0):
+                        return  # the rest of the set is not in the stream yet: wait for it
             finally:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -451,8 +589,7 @@ class SpanReader:
 
     async def dead_letter_event(self, event: PulledEvent, kind: str, reason: str) -> None:
         """Park an event the pipeline found unusable (e.g. a row without its key columns)."""
-        await dead_letter(self.js, _Parked(event.subject, event.data, event.headers), reason, kind,
-                          self.rows_stream, seq=event.stream_seq, ack=False)
+        await self._park(_Parked(event.subject, event.data, event.headers), reason, kind, event.stream_seq)
         self.buffer = [replace(e, dead=True) if e.stream_seq == event.stream_seq else e for e in self.buffer]
 
 

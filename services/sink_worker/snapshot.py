@@ -37,6 +37,7 @@ from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundErro
 from nats.js.kv import KeyValue
 from pyspark.sql import SparkSession
 
+from contracts.events.rows import TableMetaV1
 from libs.config import Settings
 from libs.routing import Router
 from libs.streams import ROWS_STREAM, SNAPSHOT_BUCKET, token
@@ -44,6 +45,7 @@ from services.capture.table_meta import load_table_info
 from services.sink_worker import metrics as m
 from services.sink_worker.checkpoints import Checkpoint
 from services.sink_worker.pull import ResolvedMark, latest_resolved
+from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.snapshot_job import (
     CopyJob,
@@ -55,7 +57,7 @@ from services.sink_worker.snapshot_job import (
     run_copy,
 )
 from services.sink_worker.snapshot_plan import Chunk, SnapshotProgress
-from services.sink_worker.span import Span, shard_ref, target_for
+from services.sink_worker.span import Span, route_of, shard_ref, target_for
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +101,12 @@ class SnapshotStore:
                                                           description="Sluice initial-load progress")
         return self
 
-    async def get(self, span: Span) -> tuple[SnapshotProgress | None, int]:
-        """The span's progress and its revision (0: none)."""
+    async def get(self, span: Span, key: str | None = None) -> tuple[SnapshotProgress | None, int]:
+        """The span's progress (under ``key``, default the span's own) and its revision (0: none)."""
         await self.open()
         assert self._kv is not None
         try:
-            entry = await self._kv.get(span.kv_key)
+            entry = await self._kv.get(key or span.kv_key)
         except KeyDeletedError as exc:
             return None, int(exc.entry.revision or 0) if exc.entry is not None else 0
         except KeyNotFoundError:
@@ -113,14 +115,15 @@ class SnapshotStore:
             return None, int(entry.revision or 0)
         return SnapshotProgress.from_json(entry.value), int(entry.revision or 0)
 
-    async def put(self, span: Span, progress: SnapshotProgress, revision: int) -> int:
+    async def put(self, span: Span, progress: SnapshotProgress, revision: int, key: str | None = None) -> int:
         """Write over ``revision`` (0: create); ``SnapshotMoved`` when somebody else wrote."""
         await self.open()
         assert self._kv is not None
+        key = key or span.kv_key
         try:
             if revision == 0:
-                return int(await self._kv.create(span.kv_key, progress.to_json()))
-            return int(await self._kv.update(span.kv_key, progress.to_json(), last=revision))
+                return int(await self._kv.create(key, progress.to_json()))
+            return int(await self._kv.update(key, progress.to_json(), last=revision))
         except KeyWrongLastSequenceError as exc:
             raise SnapshotMoved(f"snapshot progress of {span.name} was written by another worker") from exc
         except Exception as exc:
@@ -129,11 +132,11 @@ class SnapshotStore:
                 raise SnapshotMoved(f"snapshot progress of {span.name} exists already") from exc
             raise
 
-    async def delete(self, span: Span) -> None:
+    async def delete(self, span: Span, key: str | None = None) -> None:
         await self.open()
         assert self._kv is not None
         with contextlib.suppress(KeyNotFoundError, KeyDeletedError):
-            await self._kv.delete(span.kv_key)
+            await self._kv.delete(key or span.kv_key)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,14 @@ class SnapshotRequest:
     shards: int = 1
     router: Router | None = None
     """The changefeed's routes: the copy lands in the same target (and origin column) as the stream."""
+    recopy_of: int | None = None
+    """A re-copy after a DDL (``ddl_plan``): the DDL's stream sequence. The progress is kept
+    under its own key (the span's first load keeps its record), the target is emptied before
+    the first chunk, and a table the source no longer has leaves no target."""
+
+    @property
+    def progress_key(self) -> str:
+        return self.span.kv_key if self.recopy_of is None else f"{self.span.kv_key}.recopy.{self.recopy_of}"
 
 
 Decision = Literal["copying", "stream", "done"]
@@ -173,7 +184,7 @@ class InitialLoads:
     async def decide(self, req: SnapshotRequest) -> tuple[Decision, Checkpoint | None]:
         """Where the span stands: still copying (a copy runs or was just started), ready to
         stream from the low watermark, or done (snapshot-only: nothing to stream)."""
-        progress, _ = await self.store.get(req.span)
+        progress, _ = await self.store.get(req.span, req.progress_key)
         if progress is not None:
             self.progress[req.span] = progress
         if progress is not None and progress.state == "done":
@@ -185,11 +196,11 @@ class InitialLoads:
         if task is not None and not task.done():
             return "copying", None
         if task is not None:
-            # Ended without "done" in the record: it failed (already logged and recorded).
             self._tasks.pop(req.span)
-            if not task.cancelled():
-                task.exception()
-            self._failed_at[req.span] = time.monotonic()
+            # A copy that ended well was another one's (a span re-copies after some DDLs); one
+            # that failed is already logged and recorded, and waits before it runs again.
+            if task.cancelled() or task.exception() is not None:
+                self._failed_at[req.span] = time.monotonic()
         failed = self._failed_at.get(req.span)
         if failed is None or time.monotonic() - failed >= self.options.retry_s:
             self._failed_at.pop(req.span, None)
@@ -232,7 +243,7 @@ class InitialLoads:
 
     async def _run(self, req: SnapshotRequest) -> None:
         span = req.span
-        progress, revision = await self.store.get(span)
+        progress, revision = await self.store.get(span, req.progress_key)
         if progress is None:
             progress = SnapshotProgress(changefeed=span.changefeed, source=span.source,
                                         database=span.database, table=span.table, mode=req.mode)
@@ -246,29 +257,30 @@ class InitialLoads:
         try:
             if progress.low_watermark_seq is None:
                 progress.state = "pending"
-                revision = await self.store.put(span, progress, revision)
+                revision = await self.store.put(span, progress, revision, req.progress_key)
                 mark, revision = await self._wait_mark(req, progress, revision, after_ms=0)
                 progress.low_watermark_ts, progress.low_watermark_seq = mark.ts, mark.stream_seq
             progress.state = "copying"
             job, chunks = await asyncio.to_thread(self._prepare, req, progress)
-            revision = await self.store.put(span, progress, revision)
+            revision = await self.store.put(span, progress, revision, req.progress_key)
             self._observe(span, progress)
             if progress.resumed_chunks:
                 log.info("snapshot resumes", extra={"span": span.name, "chunks_done": progress.chunks_done,
                                                     "chunks_total": progress.chunks_total})
-            for start in range(0, len(chunks), self.options.parallelism):
+            for start in range(0, len(chunks) if job is not None else 0, self.options.parallelism):
+                assert job is not None
                 wave = chunks[start:start + self.options.parallelism]
                 counts = await self._copy_wave(job, wave)
                 for chunk_id, rows in sorted(counts.items()):
                     progress.finish_chunk(chunk_id, rows)
                     m.SNAPSHOT_ROWS.labels(span.changefeed).inc(rows)
-                revision = await self.store.put(span, progress, revision)
+                revision = await self.store.put(span, progress, revision, req.progress_key)
                 self._observe(span, progress)
             mark, revision = await self._wait_mark(req, progress, revision,
                                                    after_ms=int(time.time() * 1000))
             progress.high_watermark_ts, progress.high_watermark_seq = mark.ts, mark.stream_seq
             progress.state, progress.finished_at = "done", time.time()
-            await self.store.put(span, progress, revision)
+            await self.store.put(span, progress, revision, req.progress_key)
             self._observe(span, progress)
             log.info("snapshot done", extra={"span": span.name, "rows": progress.rows_copied,
                                              "chunks": progress.chunks_total,
@@ -285,16 +297,33 @@ class InitialLoads:
             log.exception("snapshot failed", extra={"span": span.name})
             progress.state, progress.error = "failed", f"{type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
-                await self.store.put(span, progress, revision)
+                await self.store.put(span, progress, revision, req.progress_key)
             raise
 
-    def _prepare(self, req: SnapshotRequest, progress: SnapshotProgress) -> tuple[CopyJob, list[Chunk]]:
-        """Blocking (a thread): the table's metadata, the plan (first run only), the target."""
+    def _prepare(self, req: SnapshotRequest,
+                 progress: SnapshotProgress) -> tuple[CopyJob | None, list[Chunk]]:
+        """Blocking (a thread): the table's metadata, the plan (first run only), the target.
+        (None, []) for a re-copy of a table the source no longer has: its target is dropped."""
         span = req.span
         conn = connect_source(req.source_url)
         try:
-            database, table = _real_names(conn, span)
+            try:
+                database, table = _real_names(conn, span)
+            except LookupError:
+                if req.recopy_of is None:
+                    raise
+                database, table = span.database, span.table
             info = load_table_info(conn, database, table)
+            if info is None and req.recopy_of is not None:
+                # Gone since the DDL (e.g. gh-ost drops ``_t_del`` after its cut-over): at the low
+                # watermark the name holds nothing, so neither does its target.
+                routed = route_of(span, database, table, req.router)
+                open_sink(req.sink_url).drop_table(TargetTable(
+                    schema=routed.schema, name=routed.table, meta=TableMetaV1(columns=[], primary_key=[]),
+                    key=()))
+                log.info("re-copy: the table is gone upstream; its target is dropped",
+                         extra={"span": span.name})
+                return None, []
             if info is None:
                 raise LookupError(f"table {database}.{table} does not exist on source {span.source}")
             unsupported = info.unsupported()
@@ -315,6 +344,10 @@ class InitialLoads:
         finally:
             conn.close()
         sink = open_sink(req.sink_url)
+        if req.recopy_of is not None and not progress.done:
+            # Nothing copied yet: empty the target, so no row of the name's former table (or of
+            # its former shape) survives. Once a chunk is done, the target holds the copy.
+            sink.drop_table(target)
         sink.ensure_table(target)
         if req.shards == 1:
             # As the stream does for a single-shard target: columns follow the source's metadata.
@@ -366,7 +399,7 @@ class InitialLoads:
             if newest is None and progress.error is None:
                 progress.error = (f"waiting for the first resolved mark of source {req.span.source!r} "
                                   "(capture must be running for it)")
-                revision = await self.store.put(req.span, progress, revision)
+                revision = await self.store.put(req.span, progress, revision, req.progress_key)
                 self.progress[req.span] = progress
             await asyncio.sleep(0.2)
 

@@ -28,6 +28,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
 
 from contracts.events.rows import SourcePositionV1
+from libs.chunks import ChunkError, ChunkJoiner, chunk_info
 from libs.streams import ROWS_STREAM, token
 from services.sink_worker.checkpoints import Checkpoint
 from services.sink_worker.span import Span
@@ -95,6 +96,7 @@ async def start_at_position(js: JetStreamContext, span: Span, position: SourcePo
         filter_subjects=[f"sluice.rows.{src}.*.*", f"sluice.ddl.{src}.*.*"],
         inactive_threshold=30.0, mem_storage=True, num_replicas=1))
     last_seq, last_ts = 0, 0
+    joiner = ChunkJoiner()
     try:
         sub = await js.pull_subscribe_bind(name, stream=rows_stream)
         try:
@@ -105,8 +107,19 @@ async def start_at_position(js: JetStreamContext, span: Span, position: SourcePo
                     break
                 for msg in msgs:
                     seq = int(msg.metadata.sequence.stream)
+                    body = msg.data
                     try:
-                        data = json.loads(msg.data)["data"]
+                        info = chunk_info(msg.headers)
+                        if info is not None:  # a large event: judged by its whole, at its first chunk
+                            joined = joiner.add(info, seq, msg.data or b"", msg.headers or {})
+                            if joined is None:
+                                continue
+                            seq, body = joined.first_seq, joined.data
+                    except ChunkError:
+                        last_seq = seq  # garbage: the span's reader dead-letters it
+                        continue
+                    try:
+                        data = json.loads(body)["data"]
                         ts = int(data["ts"])
                         at = SourcePositionV1.model_validate(data["position"])
                     except Exception:

@@ -39,12 +39,15 @@ from nats.js.errors import NotFoundError
 from pyspark.sql import SparkSession
 
 from contracts import REGISTRY, ContractError
+from contracts.events.table_incidents import TableActionRequestedV1
 from libs.changefeeds import ChangefeedView, discover_spans
 from libs.config import Settings
 from libs.eventstore import dead_letter, ensure_deadletter_stream
 from libs.streams import CHECKPOINT_BUCKET, ROWS_STREAM, domain_events_subject, domain_stream
 from services.sink_worker.agent import SinkAgent
 from services.sink_worker.checkpoints import CheckpointStore
+from services.sink_worker.fence import Fenced
+from services.sink_worker.incidents import carry_out, record_incidents
 from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
 from services.sink_worker.shard_ddl import ShardDdl
 from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
@@ -105,6 +108,8 @@ class SinkWorker:
         self.pipeline = Pipeline(js, self.checkpoints, self._spark,
                                  pipeline_options or PipelineOptions.from_settings(settings), rows_stream,
                                  initial_loads=self.initial_loads)
+        if agent is not None:
+            self.pipeline.fence = agent.fence
         self.shard_ddl = shard_ddl
         if shard_ddl is not None:
             shard_ddl.specs = self.view.running
@@ -157,18 +162,21 @@ class SinkWorker:
         if self.shard_ddl is not None:
             await self.shard_ddl.start()
         drain: asyncio.Task[None] | None = None
+        join: asyncio.Task[None] | None = None
+        watch: asyncio.Task[None] | None = None
         if self.agent is not None:
             self.agent.attach(self.pipeline, self.view)
-            await self.agent.start()
             # A member is there to take spans over, often when another one dies: a cold JVM
             # would add its start-up to every failover onto this worker, so it starts now.
             self._spark_warming = asyncio.ensure_future(asyncio.to_thread(self._warm_session))
             self._spark_warming.add_done_callback(_log_warm_failure)
+            join = asyncio.create_task(self._join_when_warm(), name="join")
             drain = asyncio.create_task(self._drain_on_stop(), name="drain")
+            watch = asyncio.create_task(self._watch_fence(), name="fence")
         try:
             await self._rounds()
         finally:
-            for task in (follower, drain):
+            for task in (follower, join, drain, watch):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(BaseException):
@@ -185,6 +193,43 @@ class SinkWorker:
             if self.shard_ddl is not None:
                 await self.shard_ddl.close()
             self._publish_status()
+
+    async def _join_when_warm(self) -> None:
+        """Become a member (first heartbeat) only once Spark is warm: the scheduler chooses any
+        member as a destination, and one still starting its JVM held moved spans in Preparing
+        for as long as that took (a minute and more on a loaded machine) while it looked placed.
+        A failed start joins anyway: a prepare starts Spark again (``_warm_spark``)."""
+        assert self.agent is not None and self._spark_warming is not None
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._spark_warming)
+        await self.agent.start()
+
+    async def _watch_fence(self) -> None:
+        """When the fence deadline passes while a round may be writing, cancel its Spark jobs:
+        the check before each write stops the next one, this one stops the write in flight
+        (interrupted tasks roll their transactions back). The rounds loop then starts over."""
+        assert self.agent is not None and self.agent.fence is not None
+        fence = self.agent.fence
+        tripped = False
+        while True:
+            deadline = fence.deadline
+            wait = 0.05 if deadline is None else max(0.01, min(0.25, deadline - time.monotonic()))
+            await asyncio.sleep(wait)  # the fence deadline is a time, not an event
+            if not self.agent.must_start_over():
+                tripped = False
+                continue
+            if tripped:
+                continue
+            tripped = True
+            self._view_changed.set()  # wake a paused rounds loop: it starts over
+            if self.spark_started:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self._spark_factory().sparkContext.cancelAllJobs)
+
+    async def _start_over(self) -> None:
+        assert self.agent is not None
+        await self.pipeline.set_spans({})
+        await self.agent.start_over(self.pipeline)
 
     async def _drain_on_stop(self) -> None:
         """On SIGTERM: drain (spans move elsewhere while still replicating here), bounded."""
@@ -218,6 +263,11 @@ class SinkWorker:
         failures = 0
         while not self._halt.is_set():
             now = time.monotonic()
+            if self.agent is not None and self.agent.must_start_over():
+                try:
+                    await self._start_over()
+                except Exception:
+                    log.warning("starting over after the fence failed", exc_info=True)
             if self.agent is not None:
                 self._view_changed.clear()
                 try:
@@ -247,6 +297,11 @@ class SinkWorker:
             try:
                 report = await self.pipeline.round(self._halt)
                 failures = 0
+            except Fenced as exc:
+                # Nothing of this round advanced; the next loop starts over as a new incarnation.
+                log.warning("round stopped by the fence", extra={"reason": str(exc)})
+                report = RoundReport()
+                self._view_changed.set()  # no pause before starting over
             except Exception as exc:
                 failures += 1
                 log.exception("round failed")
@@ -254,6 +309,13 @@ class SinkWorker:
                 report = RoundReport(errors=[repr(exc)])
             if self.agent is not None:
                 self.agent.after_round(self.pipeline, before, t0, time.time())
+            if self.pipeline.new_incidents or self.pipeline.new_overwrites:
+                try:
+                    await record_incidents(self.js, self.changefeeds_stream, self.changefeeds_subject,
+                                           self.pipeline, self.settings.instance_id)
+                except Exception:
+                    log.warning("recording a stopped table failed; retrying after the next round",
+                                exc_info=True)
             self._publish_status()
             self._log_progress(report)
             if report.abandoned:
@@ -328,6 +390,8 @@ class SinkWorker:
         else:
             if self.view.apply(decoded.event):
                 self._view_changed.set()
+            if isinstance(decoded.event, TableActionRequestedV1):
+                carry_out(self.view, self.pipeline, decoded.event)
         self._folded_seq = seq
         if seq >= replay_end and not self.changefeeds_replayed:
             self.changefeeds_replayed = True

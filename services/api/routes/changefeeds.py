@@ -8,22 +8,25 @@ replica's read model shows the change (read your own write)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from sqlmodel import Session, select
 
-from contracts.events.changefeeds import ChangefeedSpecV2
+from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpecV2, ChangefeedSpecV3
 from libs.changefeeds import record_changefeed, record_state, record_update
 from libs.eventstore import AppendConflict
+from libs.routing import unique_conflict_warnings
 from services.api.auth import require_read, require_write
 from services.api.context import ApiContext, get_ctx, js_of, projections_of
 from services.api.models import ChangefeedRow, SpanRow
+from services.api.prechecks import run_checks
 from services.api.schemas import Accepted, ChangefeedOut, lag_seconds, redact_spec, unredact_url
-from services.api.validation import spec_problems
+from services.api.validation import password_problems, spec_problems
 
 router = APIRouter(prefix="/changefeeds", tags=["changefeeds"])
 _lock = asyncio.Lock()
@@ -31,12 +34,13 @@ _ATTEMPTS = 5
 
 
 def changefeed_out(row: ChangefeedRow, spans: list[SpanRow]) -> ChangefeedOut:
-    spec = ChangefeedSpecV2.model_validate_json(row.spec_json)
+    spec = ChangefeedSpecV3.model_validate_json(row.spec_json)
     by_state = Counter(s.state for s in spans)
     return ChangefeedOut(id=row.id, state=row.state, spec=redact_spec(spec),
                          checkpoint_ts=row.checkpoint_ts, resolved_ts=row.resolved_ts,
                          lag_s=lag_seconds(row.checkpoint_ts), tables=len(spans),
-                         tables_by_state=dict(sorted(by_state.items())))
+                         tables_by_state=dict(sorted(by_state.items())),
+                         failed_checks=json.loads(row.failed_checks_json))
 
 
 def list_changefeeds(ctx: ApiContext) -> list[ChangefeedOut]:
@@ -85,8 +89,22 @@ def _accepted(changefeed_id: str, seq: int, detail: str) -> Accepted:
                     events=f"/api/v1/events?since=changefeeds:{seq - 1}")
 
 
-def _validate(spec: ChangefeedSpecV2) -> None:
-    problems = spec_problems(spec)
+SKIP_CHECKS = Query(False, description="Record the changefeed even when creation checks fail; "
+                                      "the failures are shown as its failed_checks.")
+
+
+async def _prechecks(spec: ChangefeedSpecV2, skip: bool) -> list[ChangefeedCheckV1]:
+    """Run the creation checks; refuse with 422 (each failure with its fix) unless skipped."""
+    failed = await run_checks(spec)
+    if failed and not skip:
+        raise RequestValidationError([
+            {"loc": ["checks", f.check, f.target], "msg": f.message, "type": f"precheck.{f.check}"}
+            for f in failed])
+    return failed
+
+
+def _validate(spec: ChangefeedSpecV2, password_checked: bool = False) -> None:
+    problems = ([] if password_checked else password_problems(spec)) + spec_problems(spec)
     if problems:
         raise RequestValidationError(problems)
 
@@ -104,10 +122,14 @@ async def get_changefeed(changefeed_id: str, ctx: ApiContext = Depends(get_ctx))
 
 @router.post("", status_code=202, response_model=Accepted, dependencies=[Depends(require_write)],
              responses={409: {"description": "The id exists"}, 422: {"description": "Invalid spec"}})
-async def create_changefeed(spec: ChangefeedSpecV2, response: Response,
-                            ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+async def create_changefeed(spec: ChangefeedSpecV3, response: Response,
+                            ctx: ApiContext = Depends(get_ctx), skip_checks: bool = SKIP_CHECKS) -> Accepted:
     _validate(spec)
     view = projections_of(ctx).changefeeds
+    if spec.id in view.state.specs:  # before connecting anywhere; checked again when appending
+        raise HTTPException(409, f"changefeed {spec.id!r} exists "
+                                 f"({view.state.states.get(spec.id, 'running')})")
+    failed = await _prechecks(spec, skip_checks)
 
     def check() -> None:
         if spec.id in view.state.specs:
@@ -115,16 +137,24 @@ async def create_changefeed(spec: ChangefeedSpecV2, response: Response,
                                      f"({view.state.states.get(spec.id, 'running')})")
 
     seq = await _command(ctx, check, lambda expected: record_changefeed(
-        js_of(ctx), spec, ctx.requested_by, expected_last_subject_seq=expected))
+        js_of(ctx), spec, ctx.requested_by, expected_last_subject_seq=expected,
+        failed_checks=failed))
     response.headers["Location"] = f"/api/v1/changefeeds/{spec.id}"
-    return _accepted(spec.id, seq, "changefeed recorded; the scheduler starts its tables")
+    accepted = _accepted(spec.id, seq, "changefeed recorded; the scheduler starts its tables"
+                         + (f" (accepted with {len(failed)} failed checks: see its failed_checks)"
+                            if failed else ""))
+    accepted.warnings = unique_conflict_warnings(spec)
+    return accepted
 
 
 @router.put("/{changefeed_id}", status_code=202, response_model=Accepted,
             dependencies=[Depends(require_write)],
             responses={404: {"description": "Unknown changefeed"}, 422: {"description": "Invalid spec"}})
-async def update_changefeed(changefeed_id: str, spec: ChangefeedSpecV2,
-                            ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+async def update_changefeed(changefeed_id: str, spec: ChangefeedSpecV3,
+                            ctx: ApiContext = Depends(get_ctx), skip_checks: bool = SKIP_CHECKS) -> Accepted:
+    literal = password_problems(spec)
+    if literal:
+        raise RequestValidationError(literal)
     if spec.id != changefeed_id:
         raise RequestValidationError([{"loc": ["body", "id"], "type": "value_error",
                                        "msg": f"the id in the body ({spec.id!r}) is not the "
@@ -139,15 +169,20 @@ async def update_changefeed(changefeed_id: str, spec: ChangefeedSpecV2,
         "sink_url": unredact_url(spec.sink_url, stored.sink_url),
         "sources": [s.model_copy(update={"url": unredact_url(s.url, old_sources.get(s.id, ""))})
                     for s in spec.sources]})
-    _validate(spec)
+    # A kept password is the one stored before secrets were references (a v2 changefeed).
+    _validate(spec, password_checked=True)
+    failed = await _prechecks(spec, skip_checks)
 
     def check() -> None:
         if changefeed_id not in view.state.specs:
             raise HTTPException(404, f"changefeed {changefeed_id!r} does not exist")
 
     seq = await _command(ctx, check, lambda expected: record_update(
-        js_of(ctx), spec, ctx.requested_by, expected_last_subject_seq=expected))
-    return _accepted(changefeed_id, seq, "changefeed updated")
+        js_of(ctx), spec, ctx.requested_by, expected_last_subject_seq=expected,
+        failed_checks=failed))
+    accepted = _accepted(changefeed_id, seq, "changefeed updated")
+    accepted.warnings = unique_conflict_warnings(spec)
+    return accepted
 
 
 async def _set_state(ctx: ApiContext, changefeed_id: str, state: Literal["running", "paused", "deleted"],

@@ -16,7 +16,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from sqlmodel import Session, select
 
-from contracts.events.changefeeds import ChangefeedSpecV2
+from contracts.events.changefeeds import ChangefeedSpecV3
 from contracts.events.scheduling import ScheduleRequestV1, SpanRefV1
 from libs.streams import (
     CHECKPOINT_BUCKET,
@@ -82,9 +82,17 @@ async def table_out(ctx: ApiContext, row: SpanRow) -> TableOut:
         with contextlib.suppress(TypeError, ValueError):
             checkpoint = CheckpointOut(stream_seq=int(cp.get("stream_seq", 0)), ts=int(cp.get("ts", 0)))
     checkpoint_ts = max(row.checkpoint_ts, checkpoint.ts if checkpoint else 0)
+    # poison: a table its downstream stopped shows the incident until an operator acts on it
+    stopped = projections_of(ctx).changefeeds.state.stopped.get(
+        (row.changefeed, row.source, row.database, row.table))
+    state, error = row.state, row.error
+    if stopped is not None:
+        state, error = "error", (f"stopped: the downstream refused the {stopped.statement} of key "
+                                 f"{stopped.key} in {stopped.target}: {stopped.error}")
     return TableOut(changefeed=row.changefeed, source=row.source, database=row.database,
-                    table=row.table, key=row.key, state=row.state, primary=row.primary,
-                    secondary=row.secondary, members=json.loads(row.members_json), error=row.error,
+                    table=row.table, key=row.key, state=state, primary=row.primary,
+                    secondary=row.secondary, members=json.loads(row.members_json), error=error,
+                    incident=stopped.model_dump(mode="json") if stopped is not None else None,
                     checkpoint_ts=checkpoint_ts, resolved_ts=row.resolved_ts,
                     lag_s=lag_seconds(checkpoint_ts), checkpoint=checkpoint,
                     snapshot=await _kv_json(ctx, SNAPSHOT_BUCKET, key))
@@ -209,7 +217,7 @@ async def list_sources(ctx: ApiContext) -> list[SourceOut]:
         rows = list(session.exec(select(ChangefeedRow).order_by(ChangefeedRow.id)))
     sources: dict[str, tuple[str, list[str]]] = {}
     for row in rows:
-        for src in ChangefeedSpecV2.model_validate_json(row.spec_json).sources:
+        for src in ChangefeedSpecV3.model_validate_json(row.spec_json).sources:
             url, feeds = sources.setdefault(src.id, (redact_url(src.url), []))
             feeds.append(row.id)
     out = []

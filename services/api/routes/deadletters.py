@@ -10,10 +10,11 @@ from nats.js import api
 from nats.js.errors import NoStreamResponseError, NotFoundError
 
 from libs.eventstore.deadletter import H_KIND, H_REASON, H_SEQ, H_SUBJECT, RENAMED_PREFIX
+from libs.nats_auth import may_publish_as
 from libs.streams import DEADLETTER_STREAM
 from services.api.auth import require_read, require_write
 from services.api.context import ApiContext, get_ctx, js_of
-from services.api.schemas import Accepted, DeadLetterOut
+from services.api.schemas import Accepted, DeadLetterOut, redact_urls_in_text
 
 router = APIRouter(prefix="/dead-letters", tags=["dead letters"])
 _SCAN_LIMIT = 10_000
@@ -32,7 +33,9 @@ def _out(msg: api.RawStreamMsg) -> DeadLetterOut:
         original_seq=int(seq_text) if seq_text.isdigit() else None,
         kind=headers.get(H_KIND, ""), reason=headers.get(H_REASON, ""),
         time=stamp.isoformat() if stamp is not None else None,
-        headers=headers, data=data.decode("utf-8", errors="backslashreplace"), size=len(data))
+        # A parked changefeed event recorded before secrets were references may hold one.
+        headers=headers, data=redact_urls_in_text(data.decode("utf-8", errors="backslashreplace")),
+        size=len(data))
 
 
 async def _get(ctx: ApiContext, seq: int) -> api.RawStreamMsg:
@@ -78,6 +81,8 @@ async def get_dead_letter(seq: int = _SEQ, ctx: ApiContext = Depends(get_ctx)) -
 @router.post("/{seq}/replay", status_code=202, response_model=Accepted,
              dependencies=[Depends(require_write)],
              responses={404: {"description": "Unknown dead letter"},
+                        403: {"description": "The api's NATS user may not publish to the original "
+                                              "subject (a row, DDL or resolved mark)"},
                         409: {"description": "The original subject has no stream"}})
 async def replay_dead_letter(seq: int = _SEQ, ctx: ApiContext = Depends(get_ctx)) -> Accepted:
     msg = await _get(ctx, seq)
@@ -85,6 +90,10 @@ async def replay_dead_letter(seq: int = _SEQ, ctx: ApiContext = Depends(get_ctx)
     subject = headers.get(H_SUBJECT, "")
     if not subject:
         raise HTTPException(409, f"dead letter {seq} does not say where it came from")
+    if not may_publish_as(ctx.settings.nats_user, subject):
+        # Only a source's capture publishes its rows; the server would drop the replay.
+        raise HTTPException(403, f"the api's NATS user {ctx.settings.nats_user!r} may not publish to "
+                                 f"{subject!r}; only the producer of that subject may")
     # The original's own headers go back; the dead-letter ones and the renamed server headers
     # (expected sequences, rollups, the old message id) stay behind. The new id makes a
     # repeated replay of the same dead letter store it once.
@@ -92,6 +101,7 @@ async def replay_dead_letter(seq: int = _SEQ, ctx: ApiContext = Depends(get_ctx)
            if not k.startswith("Sluice-Dead-Letter-") and not k.startswith(RENAMED_PREFIX)
            and not k.lower().startswith("nats-")}
     out[api.Header.MSG_ID.value] = f"replay:{DEADLETTER_STREAM}:{seq}"
+    out["Sluice-Replayed-By"] = ctx.requested_by
     js = js_of(ctx)
     try:
         ack = await js.publish(subject, bytes(msg.data or b""), headers=out)

@@ -22,9 +22,11 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from contracts import REGISTRY, ContractError
+from contracts.events.changefeeds import ChangefeedSpecV2
 from libs.streams import DOMAINS, domain_events_subject, domain_stream
 from services.api.auth import require_read
 from services.api.context import ApiContext, get_ctx, js_of
+from services.api.schemas import redact_spec
 
 router = APIRouter(tags=["events"])
 Domain = Literal["members", "schedule", "replication", "ddl", "changefeeds"]
@@ -63,10 +65,15 @@ def _decode(domain: str, seq: int, raw: bytes) -> dict[str, Any]:
         return {"domain": domain, "seq": seq, "type": None, "error": f"{exc.kind}: {exc.reason}"}
     env = decoded.envelope
     version = REGISTRY.key_of(type(decoded.event))[1]
+    data = decoded.event.model_dump(mode="json")
+    spec = getattr(decoded.event, "spec", None)
+    if isinstance(spec, ChangefeedSpecV2):
+        # Changefeeds recorded before secrets were references may hold passwords.
+        data["spec"] = redact_spec(spec)
     return {"domain": domain, "seq": seq, "type": env.type, "version": version,
             "time": env.time.isoformat() if hasattr(env.time, "isoformat") else str(env.time),
             "producer": env.producer, "epoch": env.epoch,
-            "data": decoded.event.model_dump(mode="json")}
+            "data": data}
 
 
 async def _last_seq(js: JetStreamContext, domain: str) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.events.rows import TableMetaV1
+from services.sink_worker.sinks.unique_guard import ConflictGuard
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class Delete:
 class Upsert:
     key: tuple[Any, ...]
     row: Mapping[str, Any]
+    shard: int = -1
+    """Index of the span the change came from (``unique_guard``; -1: not tracked)."""
 
 
 Change = Delete | Upsert
@@ -54,6 +57,8 @@ class PartitionResult:
     deleted: int = 0
     upserted: int = 0
     conflicts_removed: int = 0
+    overwritten: list[str] = field(default_factory=list)
+    """Cross-shard conflicts removed under ``on_unique_conflict = overwrite`` (JSON reports)."""
 
 
 class Sink(ABC):
@@ -80,8 +85,10 @@ class Sink(ABC):
     def truncate_table(self, table: TargetTable) -> None: ...
 
     @abstractmethod
-    def apply_partition(self, table: TargetTable, changes: Iterable[Change]) -> PartitionResult:
-        """Write one partition's final images idempotently, in one transaction, retrying deadlocks."""
+    def apply_partition(self, table: TargetTable, changes: Iterable[Change],
+                        guard: ConflictGuard | None = None) -> PartitionResult:
+        """Write one partition's final images idempotently, in one transaction, retrying deadlocks.
+        With ``guard``, a unique conflict with another shard's row follows its policy."""
 
     @abstractmethod
     def fetch_rows(self, table: TargetTable) -> list[dict[str, Any]]:

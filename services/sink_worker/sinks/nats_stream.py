@@ -42,6 +42,7 @@ from nats.js.errors import NotFoundError
 from contracts import REGISTRY
 from contracts.events.rows import DdlExecutedV1, RowsChangedV1
 from contracts.events.sink import SinkRowChangedV1
+from libs.secret_refs import SecretError, is_reference, resolve_password
 from libs.streams import token
 from libs.telemetry.tracing import inject_headers
 
@@ -92,6 +93,11 @@ def parse_stream_url(url: str) -> StreamSinkUrl:
         auth, netloc = netloc.rsplit("@", 1)
         user, _, pw = auth.partition(":")
         user, password = unquote(user) or None, unquote(pw) or None
+        if password is not None and is_reference(password):
+            try:
+                password = resolve_password(password)
+            except SecretError as exc:
+                raise StreamUrlError(str(exc)) from None
     hosts = tuple(h for h in netloc.split(",") if h)
     if not hosts:
         raise StreamUrlError("a NATS sink URL needs a host: nats://host:4222/<STREAM>")

@@ -34,14 +34,23 @@ import random
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from contracts.events.rows import ColumnV1
 from libs.dburl import DatabaseUrl, parse_database_url
 from services.sink_worker.sinks.base import Change, Delete, PartitionResult, Sink, TargetTable, Upsert
+from services.sink_worker.sinks.unique_guard import ConflictGuard, UniqueConflict, UniqueConflictError
 from services.sink_worker.values import normalize_fetched, sql_type_for
 
 log = logging.getLogger("sluice.sink")
+
+
+@dataclass(frozen=True)
+class _Guarded:
+    guard: ConflictGuard
+    shards: Mapping[tuple[Any, ...], int]
+    """Upserted key -> the span index its change came from."""
 
 T = TypeVar("T")
 
@@ -274,7 +283,8 @@ class SqlSink(Sink):
 
     # ------------------------------------------------------------------ apply
 
-    def apply_partition(self, table: TargetTable, changes: Iterable[Change]) -> PartitionResult:
+    def apply_partition(self, table: TargetTable, changes: Iterable[Change],
+                        guard: ConflictGuard | None = None) -> PartitionResult:
         if not table.key:
             raise ValueError(f"table {table.name!r} has no key: the apply path needs one")
         colmap = self._columns(table)
@@ -290,6 +300,7 @@ class SqlSink(Sink):
         ordered = sorted(last.values(), key=lambda c: sort_key(c.key))
         deletes = [c.key for c in ordered if isinstance(c, Delete)]
         upserts: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        shards: dict[tuple[Any, ...], int] = {}
         names = colmap.keys()
         for c in ordered:
             if isinstance(c, Upsert):
@@ -300,17 +311,21 @@ class SqlSink(Sink):
                 for name, value in zip(table.key, c.key, strict=True):
                     row.setdefault(name, value)
                 upserts.append((c.key, row))
+                shards[c.key] = c.shard
         if not deletes and not upserts:
             return PartitionResult()
 
         def work(cur: Any) -> PartitionResult:
+            if guard is not None:
+                return self._apply(cur, table, colmap, deletes, upserts, _Guarded(guard, shards))
             return self._apply(cur, table, colmap, deletes, upserts)
 
         return self._run(work, f"apply partition of {table.name!r}")
 
     def _apply(self, cur: Any, table: TargetTable, colmap: Mapping[str, ColumnV1],
                deletes: Sequence[tuple[Any, ...]],
-               upserts: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> PartitionResult:
+               upserts: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+               guarded: _Guarded | None = None) -> PartitionResult:
         result = PartitionResult()
         ref = self._table_ref(table, for_params=True)
         key = table.key
@@ -319,6 +334,8 @@ class SqlSink(Sink):
             cur.execute(f"DELETE FROM {ref} WHERE {cond}", key_params)
             result.deleted += max(cur.rowcount, 0)
 
+        if guarded is not None:
+            upserts = self._same_partition_conflicts(table, colmap, upserts, guarded, result)
         for unique in table.unique_keys:
             if not unique or set(unique) == set(key):
                 continue  # the key itself: the upsert handles it
@@ -332,6 +349,9 @@ class SqlSink(Sink):
                     same_unique = self._match(unique, [row[c] for c in unique], colmap, params)
                     same_key = self._match(key, k, colmap, params)
                     conds.append(f"({same_unique} AND NOT ({same_key}))")
+                if guarded is not None:
+                    self._check_holders(cur, table, colmap, unique, holder_chunk, " OR ".join(conds),
+                                        params, guarded, result)
                 cur.execute(f"DELETE FROM {ref} WHERE {' OR '.join(conds)}", params)
                 result.conflicts_removed += max(cur.rowcount, 0)
 
@@ -358,9 +378,88 @@ class SqlSink(Sink):
                     else:
                         row_params.extend(v if adapt is None else adapt(v)
                                           for v, adapt in zip((row[c] for c in cols), adapters, strict=True))
-                cur.execute(self._upsert_sql(table, cols, len(row_chunk)), row_params)
+                if guarded is not None:
+                    cur.execute(self._insert_after_delete(cur, table, colmap, cols, row_chunk), row_params)
+                else:
+                    cur.execute(self._upsert_sql(table, cols, len(row_chunk)), row_params)
                 result.upserted += len(row_chunk)
         return result
+
+    def _insert_after_delete(self, cur: Any, table: TargetTable, colmap: Mapping[str, ColumnV1],
+                             cols: tuple[str, ...], rows: Sequence[dict[str, Any]]) -> str:
+        """A guarded target's upsert: delete by key, then a plain INSERT. MySQL's ON DUPLICATE
+        KEY UPDATE would otherwise update *another* row that holds the unique value (a shard's
+        row written concurrently by another partition); a plain INSERT fails instead, and the
+        refusal path finds the conflict. Returns the INSERT to run with the rows' parameters."""
+        keys = [tuple(row[c] for c in table.key) for row in rows]
+        cond, params = self._where_keys(table.key, keys, colmap)
+        cur.execute(f"DELETE FROM {self._table_ref(table, for_params=True)} WHERE {cond}", params)
+        marks = "(" + ", ".join([self.placeholder] * len(cols)) + ")"
+        return (f"INSERT INTO {self._table_ref(table, for_params=True)} "
+                f"({', '.join(self.pident(c) for c in cols)}) VALUES {', '.join([marks] * len(rows))}")
+
+    @staticmethod
+    def _same_partition_conflicts(table: TargetTable, colmap: Mapping[str, ColumnV1],
+                                  upserts: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+                                  guarded: _Guarded, result: PartitionResult
+                                  ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+        """Upserts of one partition that share a unique value: from different shards that is a
+        cross-shard conflict (policy ``error``: raised; ``overwrite``: the last one in key order
+        stays, the others are reported and left out)."""
+        dropped: set[tuple[Any, ...]] = set()
+        for unique in table.unique_keys:
+            if not unique or set(unique) == set(table.key):
+                continue
+            by_value: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
+            for k, row in upserts:
+                value = tuple(row.get(c) for c in unique)
+                if None not in value and k not in dropped:
+                    by_value.setdefault(value, []).append(k)
+            for value, keys in by_value.items():
+                if len({guarded.shards.get(k, -1) for k in keys}) < 2:
+                    continue
+                keeper = keys[-1]
+                guard = guarded.guard
+                for other in keys[:-1]:
+                    conflict = UniqueConflict(
+                        target=guard.target, unique_key=tuple(unique), value=value,
+                        shard=guard.shard_name(guarded.shards.get(keeper)), key=keeper,
+                        other_shard=guard.shard_name(guarded.shards.get(other)), other_key=other,
+                        action="refused" if guard.policy == "error" else "overwritten")
+                    if guard.policy == "error":
+                        raise UniqueConflictError(conflict)
+                    result.overwritten.append(conflict.to_json())
+                    dropped.add(other)
+        return [(k, row) for k, row in upserts if k not in dropped]
+
+    def _check_holders(self, cur: Any, table: TargetTable, colmap: Mapping[str, ColumnV1],
+                       unique: Sequence[str], holders: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+                       cond: str, params: list[Any], guarded: _Guarded, result: PartitionResult) -> None:
+        """Before the conflict delete: every row it would remove that another shard wrote is
+        refused (policy ``error``: raises) or reported (``overwrite``)."""
+        key = table.key
+        wanted = list(dict.fromkeys([*key, *unique]))
+        cols = ", ".join(self.pident(c) for c in wanted)
+        cur.execute(f"SELECT {cols} FROM {self._table_ref(table, for_params=True)} WHERE {cond}", params)
+        for raw in cur.fetchall():
+            found = {c: normalize_fetched(colmap[c], v) for c, v in zip(wanted, raw, strict=True)}
+            holder_key = tuple(found[c] for c in key)
+            value = tuple(found[c] for c in unique)
+            # The upserted row that wants the value (compared as the downstream returned it).
+            taker = next(((k, row) for k, row in holders
+                          if tuple(normalize_fetched(colmap[c], row[c]) for c in unique) == value),
+                         holders[0])
+            shard = guarded.shards.get(taker[0], -1)
+            guard = guarded.guard
+            if guard.removable(shard, holder_key):
+                continue
+            conflict = UniqueConflict(
+                target=guard.target, unique_key=tuple(unique), value=value, shard=guard.shard_name(shard),
+                key=taker[0], other_shard=guard.shard_name(guard.owners.get(holder_key)),
+                other_key=holder_key, action="refused" if guard.policy == "error" else "overwritten")
+            if guard.policy == "error":
+                raise UniqueConflictError(conflict)
+            result.overwritten.append(conflict.to_json())
 
     # ------------------------------------------------------------------ reading
 

@@ -1,0 +1,196 @@
+"""Creation checks (like DM's precheck): before a changefeed is recorded, the api connects to
+every source and the sink with the changefeed's own credentials (secrets resolved here) and
+checks what replication will need, so a changefeed that cannot work is refused with the fix
+instead of showing "running" with no tables.
+
+- every source: reachable; ROW binlog, FULL row image and FULL row metadata (capture's own
+  check, ``services.capture.source.check_source``); the grants replication needs
+  (REPLICATION SLAVE, REPLICATION CLIENT, SELECT);
+- the sink: reachable and writable;
+- every route rule: matches at least one table of the sources.
+
+Messages name what failed and the fix, never a password."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pymysql
+
+from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpecV2
+from libs.dburl import DatabaseUrl, DatabaseUrlError, parse_database_url
+from libs.routing import RouteRule, TableRef
+from services.capture.source import check_source
+
+CONNECT_TIMEOUT_S = 3
+# Each replication need, and the privilege names that grant it (MariaDB >= 10.5 shows
+# REPLICATION CLIENT as BINLOG MONITOR and may show REPLICATION SLAVE as REPLICATION REPLICA).
+SOURCE_GRANTS: dict[str, tuple[str, ...]] = {
+    "REPLICATION SLAVE": ("REPLICATION SLAVE", "REPLICATION REPLICA"),
+    "REPLICATION CLIENT": ("REPLICATION CLIENT", "BINLOG MONITOR"),
+    "SELECT": ("SELECT",),
+}
+_GRANT = re.compile(r"^GRANT (?P<privs>.+?) ON (?P<on>\S+) TO ", re.IGNORECASE)
+
+
+def _check(check: str, target: str, message: str) -> ChangefeedCheckV1:
+    return ChangefeedCheckV1(check=check, target=target, message=message)
+
+
+def _privileges(grants: Iterable[str], global_only: bool) -> set[str]:
+    out: set[str] = set()
+    for line in grants:
+        m = _GRANT.match(line.strip())
+        if m is None or (global_only and m.group("on") != "*.*"):
+            continue
+        out |= {p.strip().upper() for p in m.group("privs").split(",")}
+    return out
+
+
+def missing_source_grants(grants: Iterable[str]) -> list[str]:
+    """The replication needs that ``SHOW GRANTS`` lines do not cover (all global: ON *.*)."""
+    held = _privileges(list(grants), global_only=True)
+    if "ALL PRIVILEGES" in held or "ALL" in held:
+        return []
+    return [need for need, names in SOURCE_GRANTS.items() if not held & set(names)]
+
+
+def missing_mysql_sink_grants(grants: Iterable[str]) -> list[str]:
+    held = _privileges(grants, global_only=False)
+    if "ALL PRIVILEGES" in held or "ALL" in held:
+        return []
+    return [p for p in ("CREATE", "INSERT", "UPDATE", "DELETE") if p not in held]
+
+
+def unmatched_routes(spec: ChangefeedSpecV2, tables: dict[str, list[tuple[str, str]]]) -> list[str]:
+    """Labels of the route rules no table of the listed sources matches."""
+    refs = [TableRef(src, d, t) for src, ts in tables.items() for d, t in ts]
+    out = []
+    for r in spec.routes:
+        rule = RouteRule(schema=r.database, table=r.table, target_schema=r.target_schema,
+                         target_table=r.target_table, source=r.source, name=r.name)
+        if not any(rule.matches(ref) for ref in refs):
+            out.append(rule.label)
+    return out
+
+
+def _mysql(url: DatabaseUrl) -> Any:
+    return pymysql.connect(host=url.host, port=url.port, user=url.user or "root", password=url.password,
+                           database=url.database or None, connect_timeout=CONNECT_TIMEOUT_S,
+                           read_timeout=10, charset="utf8mb4", autocommit=True)
+
+
+def _unreachable(what: str, url: DatabaseUrl, exc: Exception) -> str:
+    # pymysql/psycopg messages name host and user but never the password.
+    reason = exc.args[1] if isinstance(exc, pymysql.err.MySQLError) and len(exc.args) > 1 else exc
+    return (f"cannot connect to {what} at {url.host}:{url.port} as {url.user or 'root'!r}: {reason}. "
+            "Start it or open the network path from the api, or fix the URL's host, user or secret")
+
+
+def _check_source(source_id: str, url_text: str, tables: dict[str, list[tuple[str, str]]]
+                  ) -> list[ChangefeedCheckV1]:
+    try:
+        url = parse_database_url(url_text)
+    except DatabaseUrlError as exc:
+        return [_check("source_secret", source_id, f"source {source_id}: {exc}")]
+    try:
+        conn = _mysql(url)
+    except (pymysql.err.MySQLError, OSError) as exc:
+        return [_check("source_reachable", source_id, f"source {source_id}: "
+                       + _unreachable("the source", url, exc))]
+    failed: list[ChangefeedCheckV1] = []
+    try:
+        for kind, message in check_source(conn):
+            failed.append(_check(kind, source_id, f"source {source_id}: {message}"))
+        with conn.cursor() as cur:
+            cur.execute("SHOW GRANTS")
+            missing = missing_source_grants(str(row[0]) for row in cur.fetchall())
+            if missing:
+                failed.append(_check(
+                    "source_grants", source_id,
+                    f"source {source_id}: user {url.user or 'root'!r} lacks {', '.join(missing)}; run "
+                    f"GRANT REPLICATION SLAVE, REPLICATION CLIENT, SELECT ON *.* TO "
+                    f"'{url.user or 'root'}'@'%'"))
+            cur.execute("SELECT TABLE_SCHEMA, TABLE_NAME FROM information_schema.TABLES WHERE "
+                        "TABLE_TYPE = 'BASE TABLE' AND TABLE_SCHEMA NOT IN "
+                        "('mysql', 'information_schema', 'performance_schema', 'sys')"
+                        + (" AND TABLE_SCHEMA = %s" if url.database else ""),
+                        (url.database,) if url.database else ())
+            tables[source_id] = [(str(d), str(t)) for d, t in cur.fetchall()]
+    except pymysql.err.MySQLError as exc:
+        failed.append(_check("source_reachable", source_id,
+                             f"source {source_id}: the checks' queries failed: {exc}"))
+    finally:
+        conn.close()
+    return failed
+
+
+def _check_sink(url_text: str) -> list[ChangefeedCheckV1]:
+    try:
+        url = parse_database_url(url_text)
+    except DatabaseUrlError as exc:
+        return [_check("sink_secret", "sink", f"sink: {exc}")]
+    if url.dialect == "sqlite":
+        directory = Path(url.path).parent
+        if not directory.is_dir() or not os.access(directory, os.W_OK):
+            return [_check("sink_writable", "sink",
+                           f"sink: directory {directory} does not exist or is not writable; create it "
+                           "or give the sink-worker's user write access")]
+        return []
+    if url.dialect == "mysql":
+        try:
+            conn = _mysql(url)
+        except (pymysql.err.MySQLError, OSError) as exc:
+            return [_check("sink_reachable", "sink", "sink: " + _unreachable("the sink", url, exc))]
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SHOW GRANTS")
+                missing = missing_mysql_sink_grants(str(row[0]) for row in cur.fetchall())
+        finally:
+            conn.close()
+        if missing:
+            return [_check("sink_writable", "sink",
+                           f"sink: user {url.user or 'root'!r} lacks {', '.join(missing)}; grant them on "
+                           "the target databases")]
+        return []
+    try:
+        pg = psycopg.connect(host=url.host, port=url.port, user=url.user or None,
+                             password=url.password or None, dbname=url.database or "postgres",
+                             connect_timeout=CONNECT_TIMEOUT_S)
+    except psycopg.Error as exc:
+        return [_check("sink_reachable", "sink", "sink: " + _unreachable("the sink", url, exc))]
+    try:
+        row = pg.execute("SELECT has_database_privilege(current_database(), 'CREATE')").fetchone()
+    finally:
+        pg.close()
+    if not row or not row[0]:
+        return [_check("sink_writable", "sink",
+                       f"sink: user {url.user!r} may not create schemas in {url.database or 'postgres'}; "
+                       "GRANT CREATE ON DATABASE to it")]
+    return []
+
+
+def run_checks_blocking(spec: ChangefeedSpecV2) -> list[ChangefeedCheckV1]:
+    tables: dict[str, list[tuple[str, str]]] = {}
+    failed: list[ChangefeedCheckV1] = []
+    for source in spec.sources:
+        failed += _check_source(source.id, source.url, tables)
+    failed += _check_sink(spec.sink_url)
+    # A route about a source that could not be listed is not judged: its failure says why.
+    if tables and len(tables) == len(spec.sources):
+        for label in unmatched_routes(spec, tables):
+            failed.append(_check("route_matches_nothing", label,
+                                 f"route {label} matches no table of the sources; fix its "
+                                 "source/database/table patterns or create the tables first"))
+    return failed
+
+
+async def run_checks(spec: ChangefeedSpecV2) -> list[ChangefeedCheckV1]:
+    """The checks off the event loop (the drivers block)."""
+    return await asyncio.to_thread(run_checks_blocking, spec)

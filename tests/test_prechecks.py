@@ -1,0 +1,106 @@
+"""Creation checks: a changefeed that cannot work is refused before 202 with the reason and the
+fix; --skip-checks records it anyway and it shows the failed checks (api process, real MariaDB)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import httpx
+import pytest
+
+from services.api.prechecks import missing_mysql_sink_grants, missing_source_grants
+from tests.api_stack import CANARY, ApiStack
+
+V1 = "/api/v1"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spec(stack: ApiStack, cf: str, **extra: Any) -> dict[str, Any]:
+    return {"id": cf, "sources": [{"id": "src1", "url": stack.source_url}],
+            "sink_url": "sqlite:///checked.db", **extra}
+
+
+def _refusals(resp: httpx.Response) -> dict[str, str]:
+    assert resp.status_code == 422, resp.text
+    assert CANARY not in resp.text
+    return {e["loc"][1]: e["msg"] for e in resp.json()["detail"]}
+
+
+def test_source_grants_are_read_from_show_grants() -> None:
+    ok = "GRANT REPLICATION SLAVE, BINLOG MONITOR, SELECT ON *.* TO `r`@`%`"
+    assert missing_source_grants([ok]) == []
+    assert missing_source_grants(["GRANT ALL PRIVILEGES ON *.* TO `root`@`%` WITH GRANT OPTION"]) == []
+    # SELECT on one database is not global: the initial load and capture read every table.
+    weak = ["GRANT USAGE ON *.* TO `u`@`%`", "GRANT SELECT ON `shop`.* TO `u`@`%`"]
+    assert missing_source_grants(weak) == ["REPLICATION SLAVE", "REPLICATION CLIENT", "SELECT"]
+    sink = ["GRANT SELECT, INSERT ON `t`.* TO `w`@`%`"]
+    assert missing_mysql_sink_grants(sink) == ["CREATE", "UPDATE", "DELETE"]
+
+
+@pytest.mark.integration
+def test_unreachable_source_sink_and_empty_route_are_each_refused(api_stack: ApiStack) -> None:
+    port = _closed_port()
+    with api_stack.client() as c:
+        bad_source = _spec(api_stack, "pc-src")
+        bad_source["sources"][0]["url"] = f"mysql://repl:secret:src-pw@127.0.0.1:{port}/"
+        got = _refusals(c.post(f"{V1}/changefeeds", json=bad_source))
+        assert list(got) == ["source_reachable"] and f"127.0.0.1:{port}" in got["source_reachable"]
+        assert "Start it" in got["source_reachable"]
+
+        got = _refusals(c.post(f"{V1}/changefeeds", json=_spec(
+            api_stack, "pc-sink", sink_url=f"mysql://writer@127.0.0.1:{port}/")))
+        assert list(got) == ["sink_reachable"] and f"127.0.0.1:{port}" in got["sink_reachable"]
+
+        got = _refusals(c.post(f"{V1}/changefeeds", json=_spec(api_stack, "pc-route", routes=[
+            {"database": "nope_*", "table": "*", "target_schema": "x", "name": "nope"}])))
+        assert list(got) == ["route_matches_nothing"] and "nope" in got["route_matches_nothing"]
+
+        missing = _spec(api_stack, "pc-secret")
+        missing["sources"][0]["url"] = f"mysql://repl:secret:not-there@127.0.0.1:{api_stack.source.port}/"
+        got = _refusals(c.post(f"{V1}/changefeeds", json=missing))
+        assert "SLUICE_SECRET_NOT_THERE" in got["source_secret"]
+
+        for cf in ("pc-src", "pc-sink", "pc-route", "pc-secret"):
+            assert c.get(f"{V1}/changefeeds/{cf}").status_code == 404
+
+
+@pytest.mark.integration
+def test_a_user_without_replication_grants_is_refused_with_the_grant_to_run(api_stack: ApiStack) -> None:
+    api_stack.source.execute("CREATE USER IF NOT EXISTS 'weak'@'%' IDENTIFIED BY 'weak-pw'")
+    spec = _spec(api_stack, "pc-grants")
+    spec["sources"][0]["url"] = f"mysql://weak:secret:src-pw@127.0.0.1:{api_stack.source.port}/"
+    with api_stack.client() as c:
+        # The secret holds another password than weak's: refused as unreachable (access denied).
+        got = _refusals(c.post(f"{V1}/changefeeds", json=spec))
+        assert "Access denied" in got["source_reachable"]
+    api_stack.source.execute(f"ALTER USER 'weak'@'%' IDENTIFIED BY '{CANARY}'")
+    with api_stack.client() as c:
+        got = _refusals(c.post(f"{V1}/changefeeds", json=spec))
+    assert "GRANT REPLICATION SLAVE, REPLICATION CLIENT, SELECT ON *.*" in got["source_grants"]
+    assert "REPLICATION SLAVE" in got["source_grants"].split(";")[0]
+
+
+@pytest.mark.integration
+def test_skip_checks_accepts_and_the_changefeed_shows_its_failed_checks(api_stack: ApiStack) -> None:
+    spec = _spec(api_stack, "pc-skipped", routes=[
+        {"database": "nope_*", "table": "*", "target_schema": "x", "name": "nope"}])
+    with api_stack.client() as c:
+        r = c.post(f"{V1}/changefeeds", json=spec, params={"skip_checks": "true"})
+        assert r.status_code == 202, r.text
+        assert "failed checks" in r.json()["detail"]
+        got = c.get(f"{V1}/changefeeds/pc-skipped").json()
+        failed = [(f["check"], f["target"]) for f in got["failed_checks"]]
+        assert failed == [("route_matches_nothing", "nope")]
+        listed = {cf["id"]: cf for cf in c.get(f"{V1}/changefeeds").json()}
+        assert listed["pc-skipped"]["failed_checks"] == got["failed_checks"]
+        # Fixed by an update that passes the checks: the failures are gone.
+        fixed = dict(spec, routes=[{"database": "shop_*", "table": "orders_*", "target_schema": "x"}])
+        assert c.put(f"{V1}/changefeeds/pc-skipped", json=fixed).status_code == 202
+        assert c.get(f"{V1}/changefeeds/pc-skipped").json()["failed_checks"] == []
+        assert c.delete(f"{V1}/changefeeds/pc-skipped").status_code == 202

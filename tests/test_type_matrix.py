@@ -1,0 +1,446 @@
+"""The type matrix: edge values of every column type MariaDB documents, through the real capture
+process and a real sink-worker (Spark) into MariaDB, PostgreSQL and SQLite downstreams at once,
+each compared with the upstream value normalised per type (``libs.checksum``).
+
+One source database, set up once for the module: a wide table with one column per value case
+(row i holds the case's i-th edge value, NULL past its last), tables keyed by one typed column
+(deletes and updates find the row by that key downstream), a table with generated columns, and
+one table per type no downstream can take faithfully, which capture must refuse visibly (a
+``capture.rejected`` event naming the column) and no downstream may hold.
+
+The parametrised test is the matrix: case x downstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import pymysql
+import pymysql.cursors
+import pytest
+
+from contracts import REGISTRY
+from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1
+from contracts.events.rows import CaptureRejectedV1, ColumnV1, TableMetaV1
+from libs.changefeeds import record_changefeed, record_state
+from libs.checksum import TableDiff, compare_tables
+from libs.localservers.mariadb import MariaDB
+from libs.localservers.nats_server import NatsServer
+from libs.localservers.postgres import PostgreSQL
+from libs.localservers.service_process import ServiceProcess
+from libs.streams import ROWS_STREAM, rejected_subject
+from services.capture.table_meta import load_table_info
+from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.factory import open_sink
+
+pytestmark = pytest.mark.integration
+
+DB = "type_matrix"
+SOURCE_ID = "typematrix"
+WIDE = "wide"
+
+
+def _fsp(text: str, fsp: int) -> str:
+    """``text`` with its fraction cut to ``fsp`` digits (MariaDB truncates, it never rounds)."""
+    whole, _, frac = text.partition(".")
+    return whole + ("." + frac[:fsp].ljust(fsp, "0") if fsp else "")
+
+
+@dataclass(frozen=True)
+class ValueCase:
+    """One column type and its edge values (SQL literals)."""
+
+    id: str
+    sql_type: str
+    values: tuple[str, ...]
+
+
+def _value_cases() -> list[ValueCase]:
+    cases = [
+        ValueCase("tinyint", "tinyint", ("-128", "127", "0")),
+        ValueCase("tinyint_u", "tinyint unsigned", ("0", "255")),
+        ValueCase("bool", "tinyint(1)", ("0", "1", "-1")),
+        ValueCase("smallint", "smallint", ("-32768", "32767")),
+        ValueCase("smallint_u", "smallint unsigned", ("0", "65535")),
+        ValueCase("mediumint", "mediumint", ("-8388608", "8388607")),
+        ValueCase("mediumint_u", "mediumint unsigned", ("0", "16777215")),
+        ValueCase("int", "int", ("-2147483648", "2147483647", "0")),
+        ValueCase("int_u", "int unsigned", ("0", "4294967295")),
+        ValueCase("bigint", "bigint", ("-9223372036854775808", "9223372036854775807")),
+        ValueCase("bigint_u", "bigint unsigned", ("0", "18446744073709551615", "9223372036854775808")),
+        ValueCase("zerofill", "int(6) unsigned zerofill", ("42", "0")),
+        ValueCase("decimal_65_30", "decimal(65,30)", (
+            "'" + "9" * 35 + "." + "9" * 30 + "'", "'-" + "9" * 35 + "." + "9" * 30 + "'",
+            "'0." + "0" * 29 + "1'", "0")),
+        ValueCase("decimal_65_0", "decimal(65,0)", ("'" + "9" * 65 + "'", "'-" + "9" * 65 + "'")),
+        ValueCase("decimal_5_2_u", "decimal(5,2) unsigned", ("'999.99'", "'0.01'", "0")),
+        ValueCase("decimal_10_0", "decimal(10,0)", ("-9999999999", "9999999999")),
+        ValueCase("float", "float", ("-3.40282e38", "3.40282e38", "1.17549e-38", "0", "0.1", "-1.5")),
+        ValueCase("double", "double", ("1.7976931348623157e308", "-1.7976931348623157e308",
+                                       "2.2250738585072014e-308", "0.1", "5e-324", "0")),
+        ValueCase("bit1", "bit(1)", ("b'0'", "b'1'")),
+        ValueCase("bit8", "bit(8)", ("b'10000001'", "b'0'", "b'11111111'")),
+        ValueCase("bit63", "bit(63)", ("b'" + "1" * 63 + "'", "b'1'")),
+        ValueCase("bit64", "bit(64)", ("b'" + "1" * 64 + "'", "b'1" + "0" * 63 + "'", "b'0'")),
+        ValueCase("date", "date", ("'1000-01-01'", "'9999-12-31'", "'2024-02-29'", "'1970-01-01'")),
+        ValueCase("year", "year", ("0", "1901", "2155", "2024")),
+        ValueCase("char_utf8mb4", "char(10) character set utf8mb4",
+                  ("'abc'", "''", "'😀x'", "'ab  '", "' lead'", "'ﬁÆß'")),
+        ValueCase("varchar_utf8mb4", "varchar(20) character set utf8mb4",
+                  ("'😀🎉'", "'a  '", "''", "'quote''s \\\\ back'", "'" + "é" * 20 + "'")),
+        ValueCase("varchar_latin1", "varchar(20) character set latin1",
+                  ("'é'", "'ÿ¤'", "''", "'a  '")),
+        ValueCase("char_latin1", "char(5) character set latin1", ("'Ünï'", "''")),
+        ValueCase("varchar_ascii", "varchar(10) character set ascii", ("'abc'", "'~'")),
+        ValueCase("varchar_utf8mb3", "varchar(10) character set utf8mb3", ("'ä€'", "''")),
+        ValueCase("tinytext", "tinytext", ("'😀'", "''")),
+        ValueCase("text", "text", ("'line\\nbreak\\ttab'", "''", "'😀 " + "x" * 300 + "'")),
+        ValueCase("mediumtext", "mediumtext", ("'ünï😀'", "''")),
+        ValueCase("longtext", "longtext", ("'" + "long " * 2000 + "'", "''")),
+        ValueCase("text_latin1", "text character set latin1", ("'çà'", "''")),
+        ValueCase("binary4", "binary(4)", ("x'01000000'", "x'00000000'", "''", "x'FFFFFFFF'",
+                                           "x'0001'")),
+        ValueCase("binary16", "binary(16)", ("x'0123456789ABCDEF0000000000000000'", "x'00'")),
+        ValueCase("varbinary", "varbinary(8)", ("x'6100'", "''", "x'00'", "x'FF00FF00'")),
+        ValueCase("tinyblob", "tinyblob", ("x'00'", "''", "x'FF'")),
+        ValueCase("blob", "blob", ("x'DEADBEEF0000'", "''", "x'00'")),
+        ValueCase("mediumblob", "mediumblob", ("x'00FF00'", "''")),
+        ValueCase("longblob", "longblob", ("x'" + "00AB" * 1000 + "'", "''")),
+        ValueCase("enum", "enum('a','b','')", ("'a'", "'b'", "''")),
+        ValueCase("enum_utf8", "enum('ä','😀','x y')", ("'😀'", "'x y'", "'ä'")),
+        ValueCase("set", "set('a','b','c')", ("''", "'a'", "'a,c'", "'a,b,c'", "'c,b'")),
+        ValueCase("set_utf8", "set('😀','ä','x')", ("'😀,x'", "''", "'ä'")),
+        ValueCase("json", "json", ("'{\"a\": 1, \"b\": [true, null, \"😀\"]}'", "'[]'", "'\"str\"'",
+                                   "'1.5'", "'{}'", "'{\"n\": 12345678901234567890}'")),
+    ]
+    for fsp in range(7):
+        cases.append(ValueCase(f"datetime{fsp}", f"datetime({fsp})", tuple(
+            f"'{_fsp(v, fsp)}'" for v in ("1000-01-01 00:00:00.000000", "9999-12-31 23:59:59.999999",
+                                          "2024-02-29 12:34:56.123456", "1970-01-01 00:00:01.000001"))))
+        cases.append(ValueCase(f"timestamp{fsp}", f"timestamp({fsp}) NULL", tuple(
+            f"'{_fsp(v, fsp)}'" for v in ("1970-01-01 00:00:01.000000", "2038-01-19 03:14:07.999999",
+                                          "2024-02-29 00:00:00.654321", "1970-01-01 00:00:01.000001"))))
+        cases.append(ValueCase(f"time{fsp}", f"time({fsp})", tuple(
+            f"'{_fsp(v, fsp)}'" for v in ("-838:59:59.000000", "838:59:59.999999", "00:00:00.000000",
+                                          "-00:00:01.000000", "25:00:00.000001", "-12:34:56.780000",
+                                          "-00:00:00.500000"))))
+    return cases
+
+
+VALUE_CASES = _value_cases()
+
+
+@dataclass(frozen=True)
+class KeyCase:
+    """A table keyed by one column of this type: deletes and updates address rows by it."""
+
+    id: str
+    sql_type: str
+    values: tuple[str, ...]
+
+    @property
+    def table(self) -> str:
+        return f"key_{self.id}"
+
+
+KEY_CASES = [
+    KeyCase("bigint_u", "bigint unsigned", ("0", "18446744073709551615", "9223372036854775808")),
+    KeyCase("decimal", "decimal(10,2)", ("'-1.50'", "'99999999.99'", "'0.01'")),
+    KeyCase("varchar", "varchar(10) character set utf8mb4", ("'😀'", "'a'", "'ünï'")),
+    KeyCase("char", "char(4)", ("'ab'", "'x'", "'abcd'")),
+    KeyCase("binary", "binary(4)", ("x'01000000'", "x'00000000'", "x'FF000000'")),
+    KeyCase("varbinary", "varbinary(6)", ("x'0100'", "x'01'", "x'00'")),
+    KeyCase("date", "date", ("'1000-01-01'", "'9999-12-31'", "'2024-02-29'")),
+    KeyCase("datetime", "datetime(6)", ("'1000-01-01 00:00:00'", "'9999-12-31 23:59:59.999999'",
+                                        "'2024-02-29 12:00:00.5'")),
+    KeyCase("timestamp", "timestamp(3)", ("'1970-01-01 00:00:01'", "'2038-01-19 03:14:07.999'",
+                                          "'2024-02-29 00:00:00'")),
+    KeyCase("time", "time(2)", ("'-838:59:59'", "'838:59:59.99'", "'-00:00:00.50'")),
+    KeyCase("year", "year", ("0", "1901", "2155")),
+    KeyCase("bit", "bit(8)", ("b'0'", "b'11111111'", "b'1'")),
+    KeyCase("enum", "enum('x','y','z')", ("'x'", "'z'", "'y'")),
+]
+
+# Types capture cannot hand over faithfully to every downstream: refused, never stored wrong.
+REFUSED = {
+    "point": "point", "linestring": "linestring", "polygon": "polygon", "geometry": "geometry",
+    "multipoint": "multipoint", "multilinestring": "multilinestring",
+    "multipolygon": "multipolygon", "geometrycollection": "geometrycollection",
+    "uuid": "uuid", "inet4": "inet4", "inet6": "inet6",
+    # The binlog reader decodes ENUM/SET names as UTF-8: a latin1 'é' would arrive as ''.
+    "enum_latin1": "enum('é','a') character set latin1",
+    "set_latin1": "set('é','a') character set latin1",
+}
+_REFUSED_VALUE = {
+    "point": "POINT(1, 2)", "linestring": "LINESTRING(POINT(0, 0), POINT(1, 1))",
+    "polygon": "POLYGON(LINESTRING(POINT(0, 0), POINT(1, 0), POINT(1, 1), POINT(0, 0)))",
+    "geometry": "POINT(3, 4)", "multipoint": "MULTIPOINT(POINT(0, 0), POINT(1, 1))",
+    "multilinestring": "MULTILINESTRING(LINESTRING(POINT(0, 0), POINT(1, 1)))",
+    "multipolygon": "MULTIPOLYGON(POLYGON(LINESTRING(POINT(0, 0), POINT(1, 0), POINT(1, 1), POINT(0, 0))))",
+    "geometrycollection": "GEOMETRYCOLLECTION(POINT(0, 0))",
+    "uuid": "'123e4567-e89b-12d3-a456-426614174000'", "inet4": "'192.168.0.1'", "inet6": "'::1'",
+    "enum_latin1": "'é'", "set_latin1": "'a,é'",
+}
+
+GENERATED = "generated"
+SINKS = ("mariadb", "postgres", "sqlite")
+
+
+def _setup_statements() -> list[str]:
+    out = [f"DROP DATABASE IF EXISTS {DB}", f"CREATE DATABASE {DB}"]
+    cols = ", ".join(f"c_{c.id} {c.sql_type}" for c in VALUE_CASES)
+    out.append(f"CREATE TABLE {DB}.{WIDE} (id INT PRIMARY KEY, {cols})")
+    for k in KEY_CASES:
+        out.append(f"CREATE TABLE {DB}.{k.table} (k {k.sql_type} NOT NULL PRIMARY KEY, n INT)")
+    out.append(f"CREATE TABLE {DB}.{GENERATED} (id INT PRIMARY KEY, a INT, s VARCHAR(10),"
+               " gv INT AS (a * 2) VIRTUAL, gs INT AS (a * 3) STORED,"
+               " gt VARCHAR(20) AS (CONCAT(s, '!')) PERSISTENT)")
+    for name, sql_type in REFUSED.items():
+        out.append(f"CREATE TABLE {DB}.refused_{name} (id INT PRIMARY KEY, v {sql_type})")
+    return out
+
+
+def _change_statements() -> list[str]:
+    """Inserts, then updates and deletes, in several transactions."""
+    out = []
+    rows = max(len(c.values) for c in VALUE_CASES) + 1
+    names = ", ".join(f"c_{c.id}" for c in VALUE_CASES)
+    for i in range(rows):
+        values = ", ".join(c.values[i] if i < len(c.values) else "NULL" for c in VALUE_CASES)
+        out.append(f"INSERT INTO {DB}.{WIDE} (id, {names}) VALUES ({i}, {values})")
+    # The first edge values once more through an update's after image (a row of NULLs that
+    # takes them), the last ones through an update's before image; one row goes.
+    out.append(f"INSERT INTO {DB}.{WIDE} (id) VALUES ({rows}), ({rows + 1})")
+    sets = ", ".join(f"c_{c.id} = {c.values[0]}" for c in VALUE_CASES)
+    out.append(f"UPDATE {DB}.{WIDE} SET {sets} WHERE id = {rows}")
+    out.append(f"UPDATE {DB}.{WIDE} SET id = {rows + 2} WHERE id = {len(VALUE_CASES[0].values) - 1}")
+    out.append(f"DELETE FROM {DB}.{WIDE} WHERE id = {rows + 1}")
+    for k in KEY_CASES:
+        for n, v in enumerate(k.values):
+            out.append(f"INSERT INTO {DB}.{k.table} (k, n) VALUES ({v}, {n})")
+        # The first edge value is updated by its key (and stays), the last one deleted by it.
+        out.append(f"UPDATE {DB}.{k.table} SET n = n + 100 WHERE k = {k.values[0]}")
+        out.append(f"DELETE FROM {DB}.{k.table} WHERE k = {k.values[-1]}")
+    out.append(f"INSERT INTO {DB}.{GENERATED} (id, a, s) VALUES (1, 5, 'x'), (2, NULL, NULL),"
+               " (3, -7, '😀')")
+    out.append(f"UPDATE {DB}.{GENERATED} SET a = a + 1, s = 'y' WHERE id = 1")
+    for name in REFUSED:
+        out.append(f"INSERT INTO {DB}.refused_{name} (id, v) VALUES (1, {_REFUSED_VALUE[name]})")
+    return out
+
+
+@dataclass
+class Replicated:
+    source: MariaDB
+    sink_urls: dict[str, str]
+    rejections: list[CaptureRejectedV1] = field(default_factory=list)
+    converged: dict[tuple[str, str], TableDiff] = field(default_factory=dict)
+    logs: str = ""
+
+
+_server_ids = itertools.count(4900)
+
+
+def _source_rows(source: MariaDB, table: str) -> tuple[list[dict[str, Any]], TableMetaV1]:
+    conn = source.connect()
+    try:
+        info = load_table_info(conn, DB, table)
+        assert info is not None, f"{DB}.{table} is missing upstream"
+        with conn.cursor(pymysql.cursors.DictCursor) as cur:
+            cur.execute("SET time_zone = '+00:00'")
+            cur.execute(f"SELECT * FROM {DB}.`{table}`")
+            rows = [dict(r) for r in cur.fetchall()]
+        return rows, info.meta()
+    finally:
+        conn.close()
+
+
+def _diff(source: MariaDB, sink_url: str, table: str, columns: list[str] | None = None) -> TableDiff:
+    """Upstream against downstream, over ``columns`` (default: all) plus the key."""
+    rows, meta = _source_rows(source, table)
+    key = tuple(meta.primary_key)
+    target = TargetTable(schema=DB, name=table, meta=meta, key=key)
+    down = open_sink(sink_url).fetch_rows(target)
+    wanted = [c for c in meta.columns if columns is None or c.name in key or c.name in columns]
+    return compare_tables(rows, down, key, columns=wanted)
+
+
+def _tables() -> list[str]:
+    return [WIDE, GENERATED, *(k.table for k in KEY_CASES)]
+
+
+async def _record_feeds(nats_url: str, sink_urls: dict[str, str], source: MariaDB) -> list[str]:
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        ids = []
+        for name, url in sink_urls.items():
+            spec = ChangefeedSpecV2(id=f"typematrix-{name}",
+                                    sources=[SourceRefV1(id=SOURCE_ID, url=source.url)],
+                                    filter=TableFilterV1(include=[f"{DB}.*"]), sink_url=url,
+                                    initial_load="binlog-only")
+            await record_changefeed(js, spec, requested_by="test")
+            ids.append(spec.id)
+        return ids
+    finally:
+        await nc.drain()
+
+
+async def _delete_feeds(nats_url: str, ids: list[str]) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        for cf in ids:
+            await record_state(nc.jetstream(), cf, "deleted", requested_by="test", reason="test over")
+    finally:
+        await nc.drain()
+
+
+async def _rejections(nats_url: str) -> list[CaptureRejectedV1]:
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        sub = await js.pull_subscribe(rejected_subject(SOURCE_ID), stream=ROWS_STREAM)
+        out: list[CaptureRejectedV1] = []
+        info = await sub.consumer_info()
+        pending = info.num_pending or 0
+        while pending > 0:
+            for msg in await sub.fetch(min(pending, 100), timeout=5):
+                event = REGISTRY.decode(msg.data).event
+                assert isinstance(event, CaptureRejectedV1)
+                out.append(event)
+                pending -= 1
+        await sub.unsubscribe()
+        return out
+    finally:
+        await nc.drain()
+
+
+@pytest.fixture(scope="module")
+def replicated(mariadb: MariaDB, postgres: PostgreSQL, nats_server: NatsServer,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicated]:
+    tmp = tmp_path_factory.mktemp("type_matrix")
+    downstream = MariaDB(data_dir=tmp / "down_mariadb", server_id=next(_server_ids)).start()
+    sink_urls = {"mariadb": downstream.url, "postgres": postgres.url,
+                 "sqlite": f"sqlite:///{tmp / 'down.db'}"}
+    env = {"SLUICE_NATS_URL": nats_server.url, "SLUICE_LEASE_TTL_S": "1.5",
+           "SLUICE_STATE_DB_URL": f"sqlite:///{tmp / 'state.db'}",
+           "SLUICE_DOWNSTREAM_URL": f"sqlite:///{tmp / 'downstream.db'}", "SLUICE_LOG_JSON": "true"}
+    logs = tmp / "logs"
+    mariadb.execute(*_setup_statements())
+    procs: list[ServiceProcess] = []
+    feeds: list[str] = []
+    try:
+        capture = ServiceProcess("services.capture", {
+            **env, "SLUICE_SOURCE_ID": SOURCE_ID,
+            "SLUICE_SOURCE_URL": f"{mariadb.url_for(DB)}?heartbeat=0.5",
+            "SLUICE_SOURCE_SERVER_ID": str(next(_server_ids)),
+        }, logs, instance_id="capture-typematrix").start()
+        procs.append(capture)
+        capture.wait_healthy(60)
+        feeds = asyncio.run(_record_feeds(nats_server.url, sink_urls, mariadb))
+        worker = ServiceProcess("services.sink_worker", {
+            **env, "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
+            "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_SINK_STANDALONE": "true",
+        }, logs, instance_id="worker-typematrix").start()
+        procs.append(worker)
+        worker.wait_healthy(60)
+        conn = mariadb.connect()
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SET time_zone = '+00:00'")
+                for statement in _change_statements():
+                    cur.execute(statement)
+            conn.commit()
+        finally:
+            conn.close()
+        result = Replicated(mariadb, sink_urls)
+        _wait_converged(result, procs, timeout=180)
+        # Capture reads the refused tables' rows last: wait for their rejections too.
+        deadline = time.monotonic() + 60
+        while True:
+            result.rejections = asyncio.run(_rejections(nats_server.url))
+            seen = {r.table for r in result.rejections}
+            if all(f"refused_{name}" in seen for name in REFUSED) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        result.logs = "\n".join(f"--- {p.instance_id}\n{p.tail_log(20)}" for p in procs)
+        yield result
+    finally:
+        if feeds:
+            asyncio.run(_delete_feeds(nats_server.url, feeds))
+        for p in procs:
+            p.kill()
+        downstream.cleanup()
+
+
+def _wait_converged(result: Replicated, procs: list[ServiceProcess], timeout: float) -> None:
+    """Until every table equals upstream on every downstream, or the deadline; what stays
+    different is left in ``result.converged`` for the matrix to report per case."""
+    deadline = time.monotonic() + timeout
+    todo = {(sink, table) for sink in result.sink_urls for table in _tables()}
+    while todo and time.monotonic() < deadline:
+        for p in procs:
+            assert p.alive(), f"{p.instance_id} died:\n{p.tail_log()}"
+        for sink, table in sorted(todo):
+            try:
+                diff = _diff(result.source, result.sink_urls[sink], table)
+            except Exception:  # the target table appears with its first batch
+                continue
+            result.converged[(sink, table)] = diff
+            if diff.ok:
+                todo.discard((sink, table))
+        if todo:
+            time.sleep(1.0)
+
+
+def _report(replicated: Replicated, sink: str, table: str, diff: TableDiff | None) -> str:
+    rejected = [f"{r.table}: {r.message}" for r in replicated.rejections if r.table == table]
+    return (f"{sink} {DB}.{table}: {diff if diff is not None else 'target never readable'}\n"
+            f"rejections: {rejected}\n{replicated.logs}")
+
+
+@pytest.mark.parametrize("sink", SINKS)
+@pytest.mark.parametrize("case", VALUE_CASES, ids=lambda c: c.id)
+def test_edge_values_arrive_unchanged(replicated: Replicated, case: ValueCase, sink: str) -> None:
+    diff = _diff(replicated.source, replicated.sink_urls[sink], WIDE, [f"c_{case.id}"])
+    assert diff.ok, _report(replicated, sink, WIDE, diff)
+    assert diff.upstream_count == max(len(c.values) for c in VALUE_CASES) + 2
+
+
+@pytest.mark.parametrize("sink", SINKS)
+@pytest.mark.parametrize("case", KEY_CASES, ids=lambda c: c.id)
+def test_typed_keys_find_their_rows(replicated: Replicated, case: KeyCase, sink: str) -> None:
+    diff = _diff(replicated.source, replicated.sink_urls[sink], case.table)
+    assert diff.ok, _report(replicated, sink, case.table, diff)
+    assert diff.upstream_count == len(case.values) - 1  # one deleted by its key
+
+
+@pytest.mark.parametrize("sink", SINKS)
+def test_generated_columns_hold_the_source_values(replicated: Replicated, sink: str) -> None:
+    diff = _diff(replicated.source, replicated.sink_urls[sink], GENERATED)
+    assert diff.ok, _report(replicated, sink, GENERATED, diff)
+    assert diff.upstream_count == 3
+
+
+@pytest.mark.parametrize("sql_type", sorted(REFUSED))
+def test_unrepresentable_types_are_refused_visibly(replicated: Replicated, sql_type: str) -> None:
+    table = f"refused_{sql_type}"
+    mine = [r for r in replicated.rejections if r.table == table]
+    assert [r.kind for r in mine] == ["unsupported_type"], \
+        f"expected one unsupported_type rejection for {table}, got {mine}"
+    assert f"v {REFUSED[sql_type].split(' character set')[0]}" in mine[0].message, mine[0].message
+    for sink, url in replicated.sink_urls.items():
+        meta = TableMetaV1(columns=[ColumnV1(name="id", kind="int", sql_type="int", nullable=False)],
+                           primary_key=["id"])
+        target = TargetTable(schema=DB, name=table, meta=meta, key=("id",))
+        try:
+            rows = open_sink(url).fetch_rows(target)
+        except Exception:  # no such table downstream: nothing was stored
+            continue
+        assert rows == [], f"{sink} holds rows of a refused {sql_type} table: {rows}"
