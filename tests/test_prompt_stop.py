@@ -75,7 +75,7 @@ async def test_sigterm_mid_copy_and_mid_round_under_load_then_resume_equal(
     db = "prompt_stop"
     workload = RandomWorkload(mariadb.connect(), db, seed=16)
     workload.create_tables()
-    await asyncio.to_thread(_prefill, mariadb, db, workload, 3_000)
+    await asyncio.to_thread(_prefill, mariadb, db, workload, 12_000)
     tables = ["accounts", "events", "select", "pairs", "empty_one"]
     sink = f"sqlite:///{tmp_path / 'down.db'}"
     logs = tmp_path / "logs"
@@ -95,10 +95,20 @@ async def test_sigterm_mid_copy_and_mid_round_under_load_then_resume_equal(
         # 1. In the middle of the copy.
         await _wait_progress(js, span, lambda p: p.chunks_done >= 2, 180,
                              "a wave of accounts chunks copied", [capture, worker])
-        took = await asyncio.to_thread(_timed_stop, worker)
-        assert took < STOP_BOUND_S, f"stopped in {took:.1f} s mid-copy:\n{worker.tail_log()}"
-        at_stop = await _progress(js, span)
-        assert at_stop is not None and at_stop.state != "done", at_stop
+        # Holding the table's write lock stalls the copy's next chunk reads, so the stop lands
+        # in the middle of the copy however fast the machine is (and while a read waits).
+        blocker = mariadb.connect()
+        try:
+            with blocker.cursor() as cur:
+                cur.execute(f"LOCK TABLES `{db}`.accounts WRITE")
+            took = await asyncio.to_thread(_timed_stop, worker)
+            assert took < STOP_BOUND_S, f"stopped in {took:.1f} s mid-copy:\n{worker.tail_log()}"
+            at_stop = await _progress(js, span)
+            assert at_stop is not None and at_stop.state != "done", at_stop
+        finally:
+            with blocker.cursor() as cur:
+                cur.execute("UNLOCK TABLES")
+            blocker.close()
 
         # 2. Streaming under the workload: stop while rounds write.
         worker = _worker(service_env, logs, "worker-pstop", **chunking)

@@ -42,6 +42,7 @@ from libs.scheduling import (
     MemberInfo,
     MemberReport,
     ReplicationManager,
+    ReplicationSet,
     SetState,
     Span,
     TableState,
@@ -85,6 +86,8 @@ class Sim:
         self.applied: dict[Span, int] = dict.fromkeys(UNIVERSE, START_TS)
         self.tracker = CheckpointTracker()
         self.span_checkpoints: dict[Span, int] = {}
+        self.sets_seen: dict[Span, ReplicationSet] = {}  # the set each span had at the last check
+        self.new_leader = False
         self.published: dict[str, int] = {}
         self.ts = START_TS
         for _ in range(3):
@@ -312,6 +315,7 @@ class Sim:
         live = [*self.members, *self.unnoticed_deaths]  # the member service's view
         self.manager = ReplicationManager(self.epoch, live_members=live, known_spans=known,
                                           max_task_concurrency=2, prepare_timeout_s=PREPARE_TIMEOUT_S)
+        self.new_leader = True  # its sets are new objects carrying the old leader's checkpoints
         self.send(self.manager.take_startup_dispatches())
         self.zombie, self.zombie_coordinator = old, self.coordinator
         self.coordinator = self._coordinator()
@@ -343,6 +347,13 @@ class Sim:
                 replicating[span] += table.state is TableState.REPLICATING
         assert max(replicating.values(), default=0) <= 1, f"two members Replicating: {replicating}"
         assert max(writers.values(), default=0) <= 1, f"double write: {writers}"
+        for span, rs in self.manager.sets.items():
+            if self.sets_seen.get(span, rs) is not rs and not self.new_leader:
+                # Removed and added again: a new life that starts from the changefeed's
+                # checkpoint (re-applying is idempotent), not from the removed span's.
+                self.span_checkpoints.pop(span, None)
+            self.sets_seen[span] = rs
+        self.new_leader = False
         for span, rs in self.manager.sets.items():
             previous = self.span_checkpoints.get(span, 0)
             assert rs.checkpoint_ts >= previous, f"{span} checkpoint went back"
@@ -569,8 +580,8 @@ def _stuck_destination_run(seed: int, ops: list[tuple[str, int, int]]) -> Sim:
         sim.schedule()
         sim.check()
         chosen = chosen or any(rs.secondary == stuck for rs in sim.manager.sets.values())
-        for span, (member, left) in sim.manager.prepare_deadlines(sim.clock).items():
-            assert left >= 0, f"{span} preparing on {member} past its deadline ({left} s)"
+        for span, (holder, left) in sim.manager.prepare_deadlines(sim.clock).items():
+            assert left >= 0, f"{span} preparing on {holder} past its deadline ({left} s)"
     m = sim.manager
     assert timeouts > 0 or not chosen, "the stuck member's prepares never expired"
     sim.tick()  # no time passes: it only starts the deadlines of the adds of the last round

@@ -39,9 +39,9 @@ def test_a_stopped_table_shows_its_incident_and_takes_one_decision(api_stack: Ap
     api_stack.append("changefeeds", _stopped("b", "inc-1"), _stopped("c", "inc-2", key=None))
     with api_stack.client() as c:
         def shown() -> bool:
-            return c.get(f"{TABLES}/b").json().get("incident") is not None
+            return all(c.get(f"{TABLES}/{t}").json().get("incident") is not None for t in "bc")
 
-        wait_until(shown, 30, "the api to show table b's incident")
+        wait_until(shown, 30, "the api to show the incidents of tables b and c")
         b = c.get(f"{TABLES}/b").json()
         assert b["state"] == "error" and b["incident"]["incident"] == "inc-1"
         assert b["incident"]["key"] == "[7]" and "CHECK" in b["error"] and "[7]" in b["error"]
