@@ -1,25 +1,32 @@
 """Large values stay out of the Spark jobs (``services/sink_worker/large_values.py``): the
-substitution itself (pure), and a pipeline round with a real SparkSession and SQLite that
-writes rows whose values went through the jobs as references (a threshold of 1 KiB stands in
-for the 1 MiB default, so the rows stay small)."""
+substitution itself (pure), a pipeline round with a real SparkSession and SQLite that writes
+rows whose values went through the jobs as references (a threshold of 1 KiB stands in for the
+1 MiB default, so the rows stay small), and a MariaDB downstream refusing a row above its
+max_allowed_packet for good."""
 
 from __future__ import annotations
 
 import base64
 import json
 import pickle
+from collections.abc import Callable
 
+import pymysql
 import pytest
 from nats.js import JetStreamContext
 from pyspark.sql import SparkSession
 
 from contracts import REGISTRY
 from contracts.events.rows import RowImageV1, RowsChangedV1, TableMetaV1
+from libs.localservers.mariadb import MariaDB
 from services.sink_worker.apply_job import event_rows, explode_event
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.large_values import REF_FIELD, LargeKeyError, LargeValues, holds_ref
 from services.sink_worker.pipeline import Pipeline, PipelineOptions
 from services.sink_worker.pull import PulledEvent
+from services.sink_worker.sinks.base import TargetTable, Upsert
+from services.sink_worker.sinks.error_class import classify
+from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.sort_job import event_records
 from tests import test_sort_apply as data_path
 from tests.test_sort_apply import _POS, Harness, col, fetch_rows
@@ -60,7 +67,8 @@ def test_values_above_the_threshold_become_references_and_come_back() -> None:
     rows = event_rows(body)
     assert rows[0]["after"]["note"] == "n" and rows[0]["after"]["t"] == "small"
     assert large.is_ref(rows[0]["after"]["b"]) and holds_ref(rows[0]["after"])
-    assert not holds_ref(rows[1]["after"]) or large.is_ref(rows[1]["after"]["t"])
+    assert large.is_ref(rows[1]["before"]["b"]) and large.is_ref(rows[1]["after"]["t"])
+    assert rows[1]["after"]["b"] == "AA==" and rows[1]["before"]["t"] is None
     # The apply job's explode keys and orders the stripped rows as it would the real ones.
     records = list(explode_event({"span": (0, ("id",), None)}, "span", 7, 1, 0, body))
     assert [(r[1], r[6], r[7]) for r in records] == [("[1]", 0, "upsert"), ("[2]", 0, "delete"),
@@ -68,7 +76,8 @@ def test_values_above_the_threshold_become_references_and_come_back() -> None:
     assert large.resolve(pickle.loads(records[0][8])) == {"id": 1, "note": "n", "b": big, "t": "small"}
     assert large.resolve(pickle.loads(records[2][8])) == {"id": 3, "note": "y", "b": "AA==", "t": text}
     # The store holds the pulled event's own values, not copies.
-    assert large.values[rows[0]["after"]["b"][REF_FIELD]] is e.event.rows[0].after["b"]  # type: ignore[index]
+    assert isinstance(e.event, RowsChangedV1) and e.event.rows[0].after is not None
+    assert large.values[rows[0]["after"]["b"][REF_FIELD]] is e.event.rows[0].after["b"]
 
 
 def test_small_bodies_and_other_tokens_are_left_alone() -> None:
@@ -76,6 +85,10 @@ def test_small_bodies_and_other_tokens_are_left_alone() -> None:
     large = LargeValues(len(e.data) + 1)
     assert not large.needs_strip(e)
     assert event_records("span", [e], large, ("id",))[0][-1] is e.data
+    many = _event([RowImageV1(op="insert", after={"id": i, "note": "n" * 20, "b": None, "t": None})
+                   for i in range(100)])
+    large = LargeValues(1024)
+    assert large.needs_strip(many) and large.strip(many, ("id",)) is many.data and not large
     # A reference of another round (or a JSON value shaped like one) is a value, not a reference.
     forged = {REF_FIELD: "0123:0"}
     assert not large.is_ref(forged) and large.resolve({"j": forged}) == {"j": forged}
@@ -129,3 +142,22 @@ async def test_a_round_writes_large_values_it_kept_out_of_spark(
     assert tags["incident"]["statement"] == "upsert" and tags["incident"]["key"] is None
     assert json.dumps(tags)  # the status (api, CLI, healthz) carries it as it is
     assert await h.checkpoint("tags") is None
+
+
+@pytest.mark.integration
+def test_a_row_above_the_downstreams_max_allowed_packet_is_a_permanent_refusal(
+        mariadb_factory: Callable[..., MariaDB]) -> None:
+    # The server would drop the connection (2006, retried forever): the sink says 1153 instead,
+    # so the table stops with an incident naming the row (services/sink_worker/poison.py).
+    server = mariadb_factory()
+    server.execute("SET GLOBAL max_allowed_packet = 4194304", "CREATE DATABASE pk")
+    table = TargetTable(schema="pk", name="docs", meta=DOCS, key=("id",))
+    sink = open_sink(server.url)
+    sink.ensure_table(table)
+    fits = {"id": 1, "note": "fits", "b": b"\x00" * (3 * 1024 * 1024 // 2), "t": None}
+    too_large = {"id": 2, "note": "too large", "b": b"\x00" * (3 * 1024 * 1024), "t": None}
+    assert sink.apply_partition(table, [Upsert(key=(1,), row=fits)]).upserted == 1
+    with pytest.raises(pymysql.err.OperationalError, match="max_allowed_packet") as refused:
+        sink.apply_partition(table, [Upsert(key=(2,), row=too_large)])
+    assert classify("mysql", refused.value) == "permanent"
+    assert [r["id"] for r in sink.fetch_rows(table)] == [1]

@@ -99,12 +99,15 @@ class LargeValues:
 
         The body is the ``rows.changed`` envelope in its newest version (the pulled event is
         decoded to it), holding what ``apply_job.event_rows`` reads: type, version, id and the
-        rows. Raises ``LargeKeyError`` for a large value in a ``key`` column."""
+        rows; the body itself when no value is large. Raises ``LargeKeyError`` for a large value in a ``key`` column."""
         assert isinstance(event.event, RowsChangedV1)
         key = tuple(key)
         type_, version = REGISTRY.key_of(type(event.event))
+        held = len(self.values)
         rows = [{"op": row.op, "before": self._strip_image(row.before, key),
                  "after": self._strip_image(row.after, key)} for row in event.event.rows]
+        if len(self.values) == held:
+            return event.data  # many small values: the body as it is
         return json.dumps({"type": type_, "version": version, "id": event.event_id,
                            "data": {"rows": rows}}, separators=(",", ":")).encode()
 
