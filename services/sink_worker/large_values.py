@@ -99,7 +99,8 @@ class LargeValues:
 
         The body is the ``rows.changed`` envelope in its newest version (the pulled event is
         decoded to it), holding what ``apply_job.event_rows`` reads: type, version, id and the
-        rows; the body itself when no value is large. Raises ``LargeKeyError`` for a large value in a ``key`` column."""
+        rows; the body itself when no value is large. Raises ``LargeKeyError`` for a large
+        value in a ``key`` column."""
         assert isinstance(event.event, RowsChangedV1)
         key = tuple(key)
         type_, version = REGISTRY.key_of(type(event.event))
