@@ -163,6 +163,11 @@ class Settings(BaseSettings):
         512 * 1024 * 1024, ge=1024 * 1024,
         description="sink-worker: event bytes a span's reader keeps in memory (beyond them it "
                     "keeps only positions); a transaction in progress may exceed it by its rest.")
+    sink_large_value_bytes: int = Field(
+        1024 * 1024, ge=1024,
+        description="sink-worker: values longer than this (contract encoding: base64 for binary) "
+                    "stay in the worker process; the Spark jobs carry a reference and the driver "
+                    "writes such rows itself. Keys above it stop their table.")
     # --- end bigrows
 
     # Operator API (services.api) and CLI (services.cli)

@@ -39,6 +39,7 @@ from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, Str
 from contracts import REGISTRY
 from contracts.events.rows import RowsChangedV1
 from services.sink_worker.key_buckets import key_bucket
+from services.sink_worker.large_values import LargeValues, holds_ref
 from services.sink_worker.poison import RowFailure, Statement
 from services.sink_worker.sinks.base import Change, Delete, PartitionResult, TargetTable, Upsert
 from services.sink_worker.sinks.error_class import ErrorClass
@@ -221,60 +222,123 @@ class GuardPlan:
     target: str
 
 
-def write_partition(plans: list[TargetPlan], guards: dict[int, GuardPlan],
-                    rows: Iterator[Row]) -> Iterator[tuple[str, int, int, int, str | None, list[str]]]:
+Deferred = list[tuple[str, bytes, int]]
+"""Upserts a partition leaves to the driver (images holding large-value references):
+``(key JSON, pickled image, shard)``."""
+
+PartitionReport = tuple[str, int, int, int, str | None, list[str], Deferred]
+
+
+def _decode_key(table: TargetTable, text: str) -> tuple[Any, ...]:
+    from services.sink_worker.values import decode_value
+
+    columns = {c.name: c for c in table.meta.columns}
+    return tuple(decode_value(columns[c].kind, columns[c].sql_type, v)
+                 for c, v in zip(table.key, json.loads(text), strict=True))
+
+
+def _guard(plan: TargetPlan, spec: GuardPlan | None) -> ConflictGuard | None:
+    if spec is None:
+        return None
+    return ConflictGuard(spec.policy, {_decode_key(plan.table, k): v for k, v in spec.owners.items()},
+                         spec.shard_names, spec.target)
+
+
+def _write(sink: Any, plan: TargetPlan, changes: list[Change], keys: list[str],
+           guard: ConflictGuard | None) -> PartitionResult | RowFailure:
+    """Write one target's changes; the refused change when the downstream refuses for good."""
+    try:
+        result: PartitionResult = sink.apply_partition(plan.table, changes, guard)
+        return result
+    except Exception as exc:
+        refused = _refusal(sink, plan.table, changes, keys, exc, guard)
+        if refused is None:
+            raise
+        return refused
+
+
+def write_partition(plans: list[TargetPlan], guards: dict[int, GuardPlan], defer_large: bool,
+                    rows: Iterator[Row]) -> Iterator[PartitionReport]:
     """Runs on an executor: decode one partition's final images and write them per target.
 
     A target the downstream refuses for good (``sinks.error_class``) does not fail the
-    partition: its refused change is found (``poison.locate_poison``) and reported in the last
-    field, and the partition goes on with the other targets."""
+    partition: its refused change is found (``poison.locate_poison``) and reported in the
+    fifth field, and the partition goes on with the other targets. With ``defer_large``, an
+    upsert whose image holds a large-value reference (``large_values``) is not written here:
+    it is handed back to the driver in the last field."""
     # Imported here: executors need them, the driver's import of this module does not.
     from libs.gc_pause import gc_paused
     from services.sink_worker.sinks.factory import open_sink
-    from services.sink_worker.values import RowDecoder, decode_value
+    from services.sink_worker.values import RowDecoder
 
     with gc_paused():
         decoders = [RowDecoder(plan.table.meta) for plan in plans]
         changes: list[list[Change]] = [[] for _ in plans]
         keys: list[list[str]] = [[] for _ in plans]
+        deferred: list[Deferred] = [[] for _ in plans]
         # Positional fields (see final_images): Row lookups by name cost more than the rest.
-        def decode_key(table: TargetTable, text: str) -> tuple[Any, ...]:
-            columns = {c.name: c for c in table.meta.columns}
-            return tuple(decode_value(columns[c].kind, columns[c].sql_type, v)
-                         for c, v in zip(table.key, json.loads(text), strict=True))
-
         for target, key_json_, op, image, shard in rows:
             table = plans[target].table
             if op == "upsert":
-                decoded = decoders[target](pickle.loads(image))
+                values = pickle.loads(image)
+                if defer_large and holds_ref(values):
+                    deferred[target].append((key_json_, image, shard))
+                    continue
+                decoded = decoders[target](values)
                 key = tuple(decoded[c] for c in table.key)
                 changes[target].append(Upsert(key=key, row=decoded, shard=shard))
             else:
-                changes[target].append(Delete(key=decode_key(table, key_json_)))
+                changes[target].append(Delete(key=_decode_key(table, key_json_)))
             keys[target].append(key_json_)
         sinks: dict[str, Any] = {}
         for index, (plan, target_changes, target_keys) in enumerate(zip(plans, changes, keys, strict=True)):
             if not target_changes:
+                if deferred[index]:
+                    yield (plan.target_id, 0, 0, 0, None, [], deferred[index])
                 continue
             sink = sinks.get(plan.sink_url)
             if sink is None:
                 sink = sinks[plan.sink_url] = open_sink(plan.sink_url)
-            spec = guards.get(index)
-            guard = None if spec is None else ConflictGuard(
-                spec.policy, {decode_key(plan.table, k): v for k, v in spec.owners.items()},
-                spec.shard_names, spec.target)
-            try:
-                result = sink.apply_partition(plan.table, target_changes, guard)
-            except Exception as exc:
-                refused = _refusal(sink, plan.table, target_changes, target_keys, exc, guard)
-                if refused is None:
-                    raise
-                if isinstance(refused, RowFailure):
-                    yield (plan.target_id, 0, 0, 0, refused.to_json(), [])
-                    continue
-                result = refused
+            result = _write(sink, plan, target_changes, target_keys, _guard(plan, guards.get(index)))
+            if isinstance(result, RowFailure):
+                # Refused for good: the target stops, so its large upserts are not written either.
+                yield (plan.target_id, 0, 0, 0, result.to_json(), [], [])
+                continue
             yield (plan.target_id, result.deleted, result.upserted, result.conflicts_removed, None,
-                   result.overwritten)
+                   result.overwritten, deferred[index])
+
+
+def write_deferred(plans: list[TargetPlan], guards: dict[int, GuardPlan], large: LargeValues,
+                   deferred: dict[str, Deferred], result: ApplyResult) -> None:
+    """Runs on the driver, after every partition: the upserts the partitions left because their
+    images hold large-value references, one row per statement, each with its values put back
+    just before it is decoded and written (so one decoded large row is held at a time). Keys
+    the downstream compares as equal are in one partition, whose deletes are written by now."""
+    from services.sink_worker.sinks.factory import open_sink
+    from services.sink_worker.values import RowDecoder
+
+    index = {plan.target_id: i for i, plan in enumerate(plans)}
+    for target_id, rows in deferred.items():
+        if target_id in result.failures:
+            continue  # the target is stopped: nothing more of its batch is written
+        plan = plans[index[target_id]]
+        sink = open_sink(plan.sink_url)
+        decoder = RowDecoder(plan.table.meta)
+        guard = _guard(plan, guards.get(index[target_id]))
+        counts = result.per_target.setdefault(target_id, TargetCounts())
+        for key_json_, image, shard in rows:
+            decoded = decoder(large.resolve(pickle.loads(image)))
+            upsert = Upsert(key=tuple(decoded[c] for c in plan.table.key), row=decoded, shard=shard)
+            del decoded
+            written = _write(sink, plan, [upsert], [key_json_], guard)
+            del upsert
+            if isinstance(written, RowFailure):
+                result.failures[target_id] = written
+                break
+            counts.upserted += written.upserted
+            counts.conflicts_removed += written.conflicts_removed
+            if written.overwritten:
+                result.overwritten.setdefault(target_id, []).extend(written.overwritten)
 
 
 def _refusal(sink: Any, table: TargetTable, changes: list[Change], keys: list[str],
@@ -332,12 +396,13 @@ def final_images(spark: SparkSession, batch: DataFrame, span_targets: SpanTarget
 def run_apply(spark: SparkSession, batch: DataFrame, span_plans: dict[str, TargetPlan],
               partitions: int, origins: dict[str, tuple[str, str]] | None = None,
               skips: Skips | None = None, guarded: dict[str, UniqueConflictPolicy] | None = None,
-              span_names: dict[str, str] | None = None) -> ApplyResult:
+              span_names: dict[str, str] | None = None, large: LargeValues | None = None) -> ApplyResult:
     """Collapse ``batch`` (rows events of the sort job) and write it; ``span_plans`` maps each
     span key in the batch to its target, ``origins`` a span key to the origin column name and
     value its rows gain (shard routing with an origin column), ``skips`` the keys an operator
     skipped, ``guarded`` the merged targets (by id) whose unique keys need ``unique_guard`` and
-    their policy, ``span_names`` the names its reports use."""
+    their policy, ``span_names`` the names its reports use, ``large`` the round's large values
+    (``large_values``: the batch's bodies hold references to them)."""
     # Shards of one target share its plan (and its index): their rows collapse together.
     plans = list({plan.target_id: plan for plan in span_plans.values()}.values())
     index = {plan.target_id: i for i, plan in enumerate(plans)}
@@ -359,13 +424,17 @@ def run_apply(spark: SparkSession, batch: DataFrame, span_plans: dict[str, Targe
         for target, key, op, shard in (final.where(F.col("target").isin(list(guards)))
                                        .select("target", "key", "op", "shard").collect()):
             guards[target].owners[key] = DELETED if op == "delete" else shard
+    defer = large is not None and len(large) > 0
     try:
-        counts = final.rdd.mapPartitions(partial(write_partition, plans, guards)).collect()
+        counts = final.rdd.mapPartitions(partial(write_partition, plans, guards, defer)).collect()
     finally:
         if guarded:
             final.unpersist()
     result = ApplyResult(partitions=partitions)
-    for target_id, deleted, upserted, conflicts, failure, overwritten in counts:
+    deferred: dict[str, Deferred] = {}
+    for target_id, deleted, upserted, conflicts, failure, overwritten, later in counts:
+        if later:
+            deferred.setdefault(target_id, []).extend(later)
         if overwritten:
             result.overwritten.setdefault(target_id, []).extend(overwritten)
         if failure is not None:
@@ -374,4 +443,7 @@ def run_apply(spark: SparkSession, batch: DataFrame, span_plans: dict[str, Targe
         c.deleted += deleted
         c.upserted += upserted
         c.conflicts_removed += conflicts
+    if deferred:
+        assert large is not None
+        write_deferred(plans, guards, large, deferred, result)
     return result

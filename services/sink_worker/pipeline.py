@@ -56,7 +56,8 @@ from services.sink_worker.checkpoints import (
 )
 from services.sink_worker.ddl_plan import ddl_action
 from services.sink_worker.fence import Fenced, SelfFence  # liveness: self-fence
-from services.sink_worker.poison import IncidentAction, TableIncident
+from services.sink_worker.large_values import LargeKeyError, LargeValues
+from services.sink_worker.poison import IncidentAction, RowFailure, TableIncident
 from services.sink_worker.pull import PulledEvent, PullResult, SpanReader, latest_resolved
 from services.sink_worker.shard_ddl import ShardDdl, execute_on_target, lock_ref, rewritten
 from services.sink_worker.sinks.base import Sink, TargetTable
@@ -93,6 +94,8 @@ class PipelineOptions:
     dedup_window_s: float = 120.0
     pull_max_bytes: int = 512 * 1024 * 1024
     """Event bytes a span's reader keeps in memory (large rows: see pull.py)."""
+    large_value_bytes: int = 1024 * 1024
+    """Values longer than this stay out of the Spark jobs (``large_values``)."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PipelineOptions:
@@ -106,6 +109,7 @@ class PipelineOptions:
             stream_replicas=settings.stream_replicas,
             dedup_window_s=settings.dedup_window_s,
             pull_max_bytes=settings.sink_pull_max_bytes,
+            large_value_bytes=settings.sink_large_value_bytes,
         )
 
 
@@ -867,11 +871,27 @@ class Pipeline:
 
     def _sort_and_apply(self, spark: SparkSession, works: list[_Work],
                         abort: threading.Event) -> tuple[dict[str, SpanCut], dict[str, _Outcome]]:
-        active = [w for w in works if w.fresh and not w.refused]
-        by_key = {w.rt.span.kv_key: w for w in active}
+        outcomes: dict[str, _Outcome] = {}
+        # Values above the threshold stay here; the jobs get references (``large_values``).
+        large = LargeValues(self.options.large_value_bytes)
+        active: list[_Work] = []
         records: list[tuple[object, ...]] = []
-        for w in active:
-            records.extend(event_records(w.rt.span.kv_key, w.fresh))
+        for w in works:
+            if not w.fresh or w.refused:
+                continue
+            try:
+                records.extend(event_records(w.rt.span.kv_key, w.fresh, large,
+                                             w.plan.table.key if w.plan is not None else ()))
+            except LargeKeyError as exc:
+                outcomes[w.rt.span.kv_key] = _Outcome(incident=_large_key_incident(w, exc))
+                continue
+            active.append(w)
+        if large:
+            log.info("large values kept out of the round's jobs",
+                     extra={"values": len(large), "bytes": large.bytes_held})
+        if not active:
+            return {}, outcomes
+        by_key = {w.rt.span.kv_key: w for w in active}
         inputs = [SpanInput(w.rt.span.kv_key, w.start.ts, w.horizon) for w in active]
         t0 = time.monotonic()
         with tracer().start_as_current_span("sort", attributes={"sluice.events": len(records),
@@ -880,7 +900,6 @@ class Pipeline:
         m.SORT_SECONDS.observe(time.monotonic() - t0)
         m.BATCH_EVENTS.observe(len(records))
 
-        outcomes: dict[str, _Outcome] = {}
         by_sink: dict[str, list[str]] = {}
         for key, cut in sort.cuts.items():
             if cut.batch_events or cut.ddl_id:
@@ -890,11 +909,12 @@ class Pipeline:
                 raise RoundAbandoned()
             if self.fence is not None:  # liveness: self-fence, before each sink's write
                 self.fence.check()
-            self._apply_sink(spark, sink_url, [by_key[k] for k in keys], sort, outcomes, abort)
+            self._apply_sink(spark, sink_url, [by_key[k] for k in keys], sort, outcomes, abort, large)
         return sort.cuts, outcomes
 
     def _apply_sink(self, spark: SparkSession, sink_url: str, works: list[_Work], sort: SortResult,
-                    outcomes: dict[str, _Outcome], abort: threading.Event) -> None:
+                    outcomes: dict[str, _Outcome], abort: threading.Event,
+                    large: LargeValues | None = None) -> None:
         if is_stream_sink(sink_url):
             self._plan_stream(sink_url, works, sort, outcomes)
             return
@@ -917,7 +937,8 @@ class Pipeline:
                         "apply",
                         attributes={"sluice.sink": sink.__repr__(), "sluice.spans": len(keys)}):
                     result = run_apply(spark, sort.batch.where(F.col("span").isin(keys)), plans,
-                                       self.options.apply_partitions, origins, skips, guarded, names)
+                                       self.options.apply_partitions, origins, skips, guarded, names,
+                                       large)
                 m.APPLY_SECONDS.observe(time.monotonic() - t0)
                 self._count_written(batch_works, result, outcomes)
                 self._stop_refused(batch_works, result, sort, outcomes)
@@ -1300,6 +1321,17 @@ class Pipeline:
             counts[rt.state] += 1
         for state, n in counts.items():
             m.SPANS.labels(state).set(n)
+
+
+def _large_key_incident(w: _Work, exc: LargeKeyError) -> TableIncident:
+    """A key value above the large-value threshold: the table stops, nothing of it is written."""
+    key = w.plan.table.key if w.plan is not None else (exc.column,)
+    target = w.rt.span.table
+    if w.plan is not None:
+        table = w.plan.table
+        target = f"{table.schema}.{table.name}" if table.schema else table.name
+    return TableIncident(id=uuid4().hex, target=target, upto_ts=w.horizon,
+                         failure=RowFailure("upsert", None, key, f"LargeKeyError: {exc}", None))
 
 
 def _needs_guard(w: _Work) -> bool:

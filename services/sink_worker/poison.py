@@ -43,6 +43,8 @@ class RowFailure:
                    error=raw["error"], code=raw["code"])
 
     def describe(self) -> str:
+        if self.key is None and self.statement != "batch":
+            return f"the {self.statement} of a row was refused: {self.error}"
         if self.key is None:
             return f"the downstream refused the batch (no single row reproduces it): {self.error}"
         return f"the downstream refused the {self.statement} of key {self.key}: {self.error}"

@@ -156,12 +156,20 @@ class CopyJob:
     target: TargetTable
     sink_url: str
     write_rows: int = 5000
+    write_bytes: int = 16 * 1024 * 1024
+    """A write batch ends at this many bytes of values too: memory holds a few batches (the
+    read-ahead), so a table of multi-MB rows is copied in small batches (a larger row alone)."""
     origin: tuple[str, str] | None = None
     """The origin column's name and value every copied row gains (a routed shard with one)."""
 
 
+def _row_bytes(row: Sequence[Any]) -> int:
+    return sum(len(v) if isinstance(v, bytes | bytearray | str) else 8 for v in row)
+
+
 def _read_batches(job: CopyJob, chunk: Chunk, columns: Sequence[str]) -> Iterator[list[tuple[Any, ...]]]:
-    """The chunk's rows in batches of ``job.write_rows``, streamed from one unbuffered query."""
+    """The chunk's rows in batches of ``job.write_rows`` rows or ``job.write_bytes`` bytes,
+    whichever comes first (a larger row alone), streamed from one unbuffered query."""
     where, params = range_condition(job.chunk_key, chunk, quote)
     sql = (f"SELECT {', '.join(quote(n) for n in columns)} FROM {table_ref(job.database, job.table)}"
            f" WHERE {where}")
@@ -169,11 +177,16 @@ def _read_batches(job: CopyJob, chunk: Chunk, columns: Sequence[str]) -> Iterato
     try:
         with conn.cursor() as cur:
             cur.execute(sql, params)
-            while True:
-                rows = cur.fetchmany(job.write_rows)
-                if not rows:
-                    return
-                yield rows
+            batch: list[tuple[Any, ...]] = []
+            size = 0
+            for row in cur:
+                batch.append(row)
+                size += _row_bytes(row)
+                if len(batch) >= job.write_rows or size >= job.write_bytes:
+                    yield batch
+                    batch, size = [], 0
+            if batch:
+                yield batch
     finally:
         conn.close()
 
@@ -185,8 +198,9 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
     """Copy one chunk; returns the rows written.
 
     The source read runs in a second thread, at most two batches ahead of the writes: while
-    one side waits for its server the other works, and memory stays a few batches, whatever
-    the chunk's size."""
+    one side waits for its server the other works, and memory stays a few batches (each at
+    most ``write_rows`` rows or ``write_bytes`` bytes, or one larger row), whatever the chunk's
+    size."""
     from services.sink_worker.sinks.factory import open_sink
 
     origin = job.origin

@@ -41,6 +41,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from services.sink_worker.large_values import LargeValues
 from services.sink_worker.pull import PulledEvent
 
 META_FIELDS = [
@@ -95,10 +96,18 @@ class SortResult:
     cuts: dict[str, SpanCut]
 
 
-def event_records(span_key: str, events: Iterable[PulledEvent]) -> list[tuple[object, ...]]:
-    """``EVENT_SCHEMA`` tuples of one span's events (the body is the message's bytes, not a copy)."""
+def event_records(span_key: str, events: Iterable[PulledEvent], large: LargeValues | None = None,
+                  key: tuple[str, ...] = ()) -> list[tuple[object, ...]]:
+    """``EVENT_SCHEMA`` tuples of one span's events (the body is the message's bytes, not a copy),
+    with ``large``: a body that may hold large values has them as references instead
+    (``large_values``; raises ``LargeKeyError`` when one is in a ``key`` column)."""
+    def body(e: PulledEvent) -> bytes:
+        if e.dead:
+            return b""
+        return large.strip(e, key) if large is not None and large.needs_strip(e) else e.data
+
     return [(span_key, "dead" if e.dead else "ddl" if e.is_ddl else "rows", e.event_id, e.ts, e.seq,
-             e.part, e.last_part, e.stream_seq, b"" if e.dead else e.data) for e in events]
+             e.part, e.last_part, e.stream_seq, body(e)) for e in events]
 
 
 @dataclass(frozen=True)

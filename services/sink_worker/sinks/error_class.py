@@ -26,6 +26,7 @@ MYSQL_PERMANENT: frozenset[int] = frozenset({
     1048,  # ER_BAD_NULL_ERROR: column cannot be null
     1062,  # ER_DUP_ENTRY: a unique key the sink does not know (added downstream by hand)
     1136,  # ER_WRONG_VALUE_COUNT_ON_ROW
+    1153,  # ER_NET_PACKET_TOO_LARGE: a row above the downstream's max_allowed_packet
     1216, 1217, 1451, 1452,  # foreign key constraint fails (child / parent)
     1264,  # ER_WARN_DATA_OUT_OF_RANGE
     1265,  # WARN_DATA_TRUNCATED

@@ -43,6 +43,11 @@ _SESSION_INIT = (
 _RETRYABLE_CODES = frozenset({1213, 1205, 2006, 2013, 2003, 1053, 1927})
 
 
+_ER_NET_PACKET_TOO_LARGE = 1153
+# MySQL 5.7's default max_allowed_packet: a one-row statement below it is not measured.
+_SMALLEST_PACKET_LIMIT = 4 * 1024 * 1024
+
+
 class _Connection(pymysql.connections.Connection):
     """pymysql's connection, with its opportunistic-TLS context built once per process.
 
@@ -70,6 +75,8 @@ class MySQLSink(SqlSink):
     dialect = "mysql"
     placeholder = "%s"
     max_params = 1_000_000  # pymysql interpolates client side: only statement bytes matter
+    _packet_limit: int | None = None
+    """The downstream's max_allowed_packet, read when a row first might not fit."""
 
     def _connect(self) -> Any:
         params: dict[str, Any] = {
@@ -101,6 +108,24 @@ class MySQLSink(SqlSink):
         if isinstance(exc, pymysql.err.MySQLError) and exc.args:
             return exc.args[0] in _RETRYABLE_CODES
         return isinstance(exc, ConnectionError)
+
+    def _check_row_fits(self, cur: Any, estimate: int, sql: str, params: Sequence[Any]) -> None:
+        # A statement above max_allowed_packet makes the server drop the connection, which the
+        # client reports as 2006/2013, like a network failure, and retries forever. Said as
+        # the server's own "packet too large" (1153, permanent), the table stops with an
+        # incident naming the row instead. Checked exactly only for a row that might not fit.
+        if estimate <= _SMALLEST_PACKET_LIMIT:
+            return
+        if self._packet_limit is None:
+            cur.execute("SELECT @@max_allowed_packet")
+            self._packet_limit = int(cur.fetchone()[0])
+        if estimate <= self._packet_limit:
+            return
+        size = len(cur.mogrify(sql, params).encode("utf8", "surrogateescape")) + 1
+        if size > self._packet_limit:
+            raise pymysql.err.OperationalError(
+                _ER_NET_PACKET_TOO_LARGE, f"the row's statement is {size} bytes, larger than the "
+                f"downstream's max_allowed_packet ({self._packet_limit}); raise it on the server")
 
     def _database(self, table: TargetTable) -> str:
         name = table.schema or self.db.database

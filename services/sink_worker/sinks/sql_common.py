@@ -167,6 +167,10 @@ class SqlSink(Sink):
     def _table_ref(self, table: TargetTable, *, for_params: bool = False) -> str:
         """The quoted, qualified table name."""
 
+    def _check_row_fits(self, cur: Any, estimate: int, sql: str, params: Sequence[Any]) -> None:
+        """Raise the dialect's permanent error when a one-row statement (``estimate``: an upper
+        bound of its bytes) is larger than the downstream takes (no limit unless a dialect says)."""
+
     def _adapt(self, column: ColumnV1 | None, value: Any) -> Any:
         """A decoded value as this driver should bind it (identity unless a dialect says otherwise)."""
         return value
@@ -379,9 +383,12 @@ class SqlSink(Sink):
                         row_params.extend(v if adapt is None else adapt(v)
                                           for v, adapt in zip((row[c] for c in cols), adapters, strict=True))
                 if guarded is not None:
-                    cur.execute(self._insert_after_delete(cur, table, colmap, cols, row_chunk), row_params)
+                    sql = self._insert_after_delete(cur, table, colmap, cols, row_chunk)
                 else:
-                    cur.execute(self._upsert_sql(table, cols, len(row_chunk)), row_params)
+                    sql = self._upsert_sql(table, cols, len(row_chunk))
+                if len(row_chunk) == 1:  # multi-row statements stay under max_statement_bytes
+                    self._check_row_fits(cur, row_size(row_chunk[0]), sql, row_params)
+                cur.execute(sql, row_params)
                 result.upserted += len(row_chunk)
         return result
 
