@@ -570,7 +570,8 @@ def validate_spec(spec: ChangefeedSpecV2,
     from libs.table_rules import rule_problems, table_problems
 
     rules = getattr(spec, "table_rules", [])
-    problems = [RoutingProblem("invalid_table_rule", text) for text in rule_problems(rules)]
+    problems = [RoutingProblem("invalid_table_rule", text)
+                for text in rule_problems(rules, spec.initial_load)]
     if rules and isinstance(tables_meta, Mapping):
         for ref, meta in sorted(tables_meta.items()):
             ref = TableRef(*ref)

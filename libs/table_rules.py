@@ -227,11 +227,14 @@ def expression_problem(expr: str) -> str | None:
     return None
 
 
-def rule_problems(rules: Sequence[TableRuleV1]) -> list[str]:
+def rule_problems(rules: Sequence[TableRuleV1], initial_load: str = "binlog-only") -> list[str]:
     """Every problem the rules show without any table's metadata."""
     out: list[str] = []
     for i, rule in enumerate(rules):
         label = f"table_rules[{i}] ({', '.join(rule.tables)})"
+        if rule.computed and initial_load != "binlog-only":
+            out.append(f"{label}: computed columns need initial_load binlog-only: a copy of the table "
+                       "reads rows with SQL on the source and cannot compute them")
         try:
             TableFilter(tuple(rule.tables), ())
         except RoutingConfigError as exc:

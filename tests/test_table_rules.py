@@ -55,7 +55,8 @@ RULE = TableRuleV1(
 
 def _spec(*rules: TableRuleV1, **kw: Any) -> ChangefeedSpecV4:
     return ChangefeedSpecV4(id="cf", sources=[SourceRefV1(id="s1", url="mysql://u@h/")],
-                            sink_url="sqlite:///x.db", table_rules=list(rules), **kw)
+                            sink_url="sqlite:///x.db", table_rules=list(rules),
+                            initial_load=kw.pop("initial_load", "binlog-only"), **kw)
 
 
 # -- plain logic ---------------------------------------------------------------------------------
@@ -97,6 +98,8 @@ def test_validate_spec_refuses_bad_expressions_and_dropped_keys() -> None:
                                                {TableRef("s1", "shop", "users"): USERS})]
     assert any("key column(s) id cannot be dropped" in t for t in texts), texts
     assert validate_spec(_spec(RULE), {TableRef("s1", "shop", "users"): USERS}) == []
+    texts = [p.message for p in validate_spec(_spec(RULE, initial_load="snapshot"))]
+    assert any("computed columns need initial_load binlog-only" in t for t in texts), texts
 
 
 def test_rules_combine_and_rewrite_the_target_meta() -> None:
