@@ -11,7 +11,7 @@ object of the computed columns' values, which the write merges into the image.
 
 A record's fields stay one struct (``__rec``) while the image's columns are spread out for the
 expressions: a table column may be named like a record field (``key``, ``ts``) without either
-shadowing the other.
+shadowing the other (the few working columns start with ``__``).
 """
 
 from __future__ import annotations
@@ -105,40 +105,40 @@ def _computed(columns: Sequence[ComputedColumn]) -> Column:
     return F.to_json(F.struct(*[F.expr(c.expr).cast(_COMPUTED_TYPE[c.type]).alias(c.name) for c in columns]))
 
 
-def evaluate_span(records: DataFrame, span: SpanRowRules) -> DataFrame:
-    """``records`` of one span without the rows its expressions ignore, plus ``computed``
-    (the computed columns' JSON, on records with a new image)."""
-    rules, meta = span.rules, span.meta
-    schema = json_schema(meta)
-    exprs = rules.expressions
-    fields = [c for c in records.columns if c not in ("ev", "bj", "aj")]
-    rec = F.struct(*[F.col(c) for c in fields]).alias("__rec")
-    step = records.select(rec, F.col("ev").alias("__ev"),
-                          F.from_json("bj", schema).alias("__b0"), F.from_json("aj", schema).alias("__a0"))
-    step = step.select("__rec", "__ev", F.struct(*_typed("__a0", meta)).alias("__a"), *_typed("__b0", meta))
-    ev = F.col("__ev")
-    on_before = (F.when(ev == "update", _cond(exprs.get("update_old")))
-                 .when(ev == "delete", _cond(exprs.get("delete"))).otherwise(F.lit(False)))
-    step = step.select("__rec", "__ev", "__a", on_before.alias("__ignored"))
-    step = step.select("__rec", "__ev", "__ignored", "__a.*")
-    on_after = (F.when(ev == "update", _cond(exprs.get("update_new")))
-                .when(ev == "insert", _cond(exprs.get("insert"))).otherwise(F.lit(False)))
-    computed = F.when(ev != "delete", _computed(rules.computed))
-    ignored = (F.col("__ignored") | on_after).alias("__ignored")
-    step = step.select("__rec", ignored, computed.alias("computed")).where(~F.col("__ignored"))
-    return step.select("__rec.*", "computed")
-
-
 def evaluate(records: DataFrame, spans: dict[int, SpanRowRules], shard_column: str = "shard") -> DataFrame:
-    """``evaluate_span`` for every span (by its ``shard`` index) with rules; records of other
-    spans pass with a null ``computed``. The result has the record fields and ``computed``."""
+    """``records`` without the rows their span's expressions ignore, plus ``computed`` (the
+    computed columns' JSON, on records with a new image; null for spans without any).
+
+    One projection chain over every record, a few steps per span with rules (its images
+    parsed only on its own records): no union, so the Python explode feeding ``records`` runs
+    once, and Spark pipelines the whole chain into the stage that reads them."""
     fields = [c for c in records.columns if c not in ("ev", "bj", "aj")]
-    plain = records.where(~F.col(shard_column).isin(list(spans))).select(
-        *fields, F.lit(None).cast("string").alias("computed"))
-    out = plain
-    for shard, rules in sorted(spans.items()):
-        out = out.unionByName(evaluate_span(records.where(F.col(shard_column) == shard), rules))
-    return out
+    keep = ["__rec", "__ev", "__bj", "__aj"]
+    cur = records.select(F.struct(*[F.col(c) for c in fields]).alias("__rec"), F.col("ev").alias("__ev"),
+                         F.col("bj").alias("__bj"), F.col("aj").alias("__aj"),
+                         F.lit(False).alias("__ignored"), F.lit(None).cast("string").alias("__computed"))
+    ev = F.col("__ev")
+    for shard, span in sorted(spans.items()):
+        rules, meta = span.rules, span.meta
+        exprs = rules.expressions
+        schema = json_schema(meta)
+        mine = F.col(f"__rec.{shard_column}") == shard
+        cur = cur.select(*keep, "__ignored", "__computed",
+                         F.when(mine, F.from_json("__bj", schema)).alias("__b0"),
+                         F.when(mine, F.from_json("__aj", schema)).alias("__a0"))
+        cur = cur.select(*keep, "__ignored", "__computed", F.struct(*_typed("__a0", meta)).alias("__a"),
+                         *_typed("__b0", meta))
+        on_before = (F.when(ev == "update", _cond(exprs.get("update_old")))
+                     .when(ev == "delete", _cond(exprs.get("delete"))).otherwise(F.lit(False)))
+        ignored = (F.col("__ignored") | (mine & on_before)).alias("__ignored")
+        cur = cur.select(*keep, "__computed", "__a", ignored)
+        cur = cur.select(*keep, "__computed", "__ignored", "__a.*")
+        on_after = (F.when(ev == "update", _cond(exprs.get("update_new")))
+                    .when(ev == "insert", _cond(exprs.get("insert"))).otherwise(F.lit(False)))
+        computed = F.when(mine & (ev != "delete"), _computed(rules.computed)).otherwise(F.col("__computed"))
+        cur = cur.select(*keep, (F.col("__ignored") | (mine & on_after)).alias("__ignored"),
+                         computed.alias("__computed"))
+    return cur.where(~F.col("__ignored")).select("__rec.*", F.col("__computed").alias("computed"))
 
 
 def analyse(spark: SparkSession, meta: TableMetaV1, rules: TableRules) -> str | None:
