@@ -78,12 +78,14 @@ class TableRules:
         """Whether the source column ``name`` reaches the downstream."""
         return name not in self.drop and (self.keep is None or name in self.keep)
 
-    def rewrite_meta(self, meta: TableMetaV1) -> TableMetaV1:
+    def rewrite_meta(self, meta: TableMetaV1, *, strict: bool = False) -> TableMetaV1:
         """The target's view of the table: columns left out, computed ones added. Raises
-        ``TableRulesError`` when a key column would be left out or a named column is unknown."""
+        ``TableRulesError`` when a key column would be left out, and with ``strict`` (the
+        creation check) when a kept or dropped column is unknown: at run time a dropped column
+        may have gone upstream since (ALTER TABLE ... DROP COLUMN), which is no reason to stop."""
         names = {c.name for c in meta.columns}
         unknown = sorted((set(self.keep or ()) | self.drop) - names)
-        if unknown:
+        if unknown and strict:
             raise TableRulesError(f"table rules name columns the table does not have: {', '.join(unknown)}")
         keys = set(meta.primary_key)
         lost = sorted(k for k in keys if not self.kept(k))
@@ -260,7 +262,7 @@ def table_problems(rules: Sequence[TableRuleV1], database: str, table: str, meta
     """Problems of the rules with one table's metadata: key columns dropped, unknown columns in
     keep/drop. (Columns inside expressions: the sink-worker's Spark analysis.)"""
     try:
-        rules_for(rules, database, table).rewrite_meta(meta)
+        rules_for(rules, database, table).rewrite_meta(meta, strict=True)
     except TableRulesError as exc:
         return [f"{database}.{table}: {exc}"]
     return []

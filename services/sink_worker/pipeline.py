@@ -986,7 +986,7 @@ class Pipeline:
             try:
                 self._apply_ddl(sink, sink_url, w, ddl.event)
                 outcome.ddl_applied = True
-            except KeylessTableError as exc:
+            except (KeylessTableError, TableRulesError) as exc:
                 outcome.refused = str(exc)
             except Exception as exc:
                 m.ROUND_ERRORS.labels("ddl").inc()
