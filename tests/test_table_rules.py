@@ -156,7 +156,7 @@ async def test_rules_in_the_round_on_sqlite_and_the_nats_sink(
         nats_server: NatsServer) -> None:
     sqlite_url = f"sqlite:///{tmp_path / 'down.db'}"
     stream = f"OUT_{uuid4().hex[:8].upper()}"
-    typed = TableRuleV1(tables=["shop.typed"], ignore_events=["delete"])
+    typed = TableRuleV1(tables=["shop.typed"], ignore_events=["delete", "truncate"])
     router = Router(table_rules=[RULE, typed])
     h = Harness(rows_js, checkpoints, spark, sqlite_url)
     nats_h = Harness(rows_js, checkpoints, spark, f"{nats_server.url}/{stream}?subject=out.{stream.lower()}")
@@ -182,25 +182,29 @@ async def test_rules_in_the_round_on_sqlite_and_the_nats_sink(
     await src.txn("shop", "users", [RowImageV1(op="delete", before=_user(5, "ed@q.org", "live"))], meta=USERS)
     await src.txn("shop", "typed", [data_path.ins(1, "x", 1), data_path.ins(2, "y", 2)])
     await src.txn("shop", "typed", [data_path.dele(1, "x", 1)])  # deletes ignored by type
+    await src.ddl("shop", "typed", "TRUNCATE TABLE typed", data_path.PEOPLE)  # ignored too
+    await src.txn("shop", "typed", [data_path.ins(3, "z", 3)])
     await src.resolve()
     meta = rules_for([RULE], "shop", "users").rewrite_meta(USERS)
 
     async def landed() -> bool:
-        return len(fetch_rows(sqlite_url, "shop", "users", meta)) == 3
+        return (len(fetch_rows(sqlite_url, "shop", "users", meta)) == 3
+                and len(fetch_rows(sqlite_url, "shop", "typed", data_path.PEOPLE)) == 3)
     await h.rounds_until(landed)
     assert fetch_rows(sqlite_url, "shop", "users", meta) == [
         _expected(1, "ann@x.org", "gold", "7.50"), _expected(3, "cy@z.org", "live", "1.00"),
         _expected(4, "di@z.org", "archived", "1.00")]
-    assert [r["id"] for r in fetch_rows(sqlite_url, "shop", "typed", data_path.PEOPLE)] == [1, 2]
+    assert [r["id"] for r in fetch_rows(sqlite_url, "shop", "typed", data_path.PEOPLE)] == [1, 2, 3]
 
     async def published() -> bool:
         try:
-            return len(await read_stream(rows_js, stream)) >= 6
+            return len(await read_stream(rows_js, stream)) >= 9
         except Exception:
             return False
     await nats_h.rounds_until(published)
-    messages = [json.loads(data) for _subject, _headers, data in await read_stream(rows_js, stream)
-                if not _subject.endswith(".ddl")]
+    published = await read_stream(rows_js, stream)
+    assert not [subject for subject, _headers, _data in published if subject.endswith(".ddl")]
+    messages = [json.loads(data) for _subject, _headers, data in published]
     users = [(m["data"]["op"], m["data"]["row"], m["data"]["after"] or m["data"]["before"])
              for m in messages if m["data"]["table"] == "users"]
     assert [(op, row, image["id"]) for op, row, image in users] == [
@@ -209,7 +213,7 @@ async def test_rules_in_the_round_on_sqlite_and_the_nats_sink(
     assert all("card" not in image for _op, _row, image in users)
     assert users[3][2]["email_masked"] == "a***@x.org"
     typed_ops = [m["data"]["op"] for m in messages if m["data"]["table"] == "typed"]
-    assert typed_ops == ["insert", "insert"]
+    assert typed_ops == ["insert", "insert", "insert"]  # past the ignored TRUNCATE
 
 
 @pytest.mark.integration

@@ -253,6 +253,8 @@ class _Outcome:
     publish: list[StreamMessage] | None = None
     """NATS sink: the batch's messages; written (and the DDL applied) once all are acked."""
     publish_ddl: bool = False
+    ddl_ignored: bool = False
+    """NATS sink: the batch's DDL is one the table rules leave out (nothing published for it)."""
 
 
 @dataclass
@@ -1054,11 +1056,14 @@ class Pipeline:
                 if w.rt.shards > 1:
                     outcome.blocked = (f"DDL at ts {cut.ddl_ts} on a target with {w.rt.shards} upstream "
                                        "shards waits for shard DDL coordination")
-                elif not _ddl_ignored(w, next(e for e in w.fresh if e.event_id == cut.ddl_id)):
+                else:
                     ddl = next(e for e in w.fresh if e.event_id == cut.ddl_id)
-                    messages.append(ddl_message(publisher.target, w.rt.span.changefeed, schema, table,
-                                                ChangeSource(ddl.event_id, ddl.event)))
-                    outcome.publish_ddl = True
+                    if _ddl_ignored(w, ddl):
+                        outcome.ddl_ignored = True
+                    else:
+                        messages.append(ddl_message(publisher.target, w.rt.span.changefeed, schema, table,
+                                                    ChangeSource(ddl.event_id, ddl.event)))
+                        outcome.publish_ddl = True
             outcome.publish = messages
 
     def _publisher(self, sink_url: str) -> StreamPublisher:
@@ -1091,7 +1096,8 @@ class Pipeline:
             m.BATCH_ROWS.observe(rows)
             w.rt.rows_written += rows
             outcome.rows += rows
-            outcome.written, outcome.ddl_applied = True, outcome.publish_ddl
+            outcome.written = True
+            outcome.ddl_applied = outcome.publish_ddl or outcome.ddl_ignored
             outcome.publish = None
 
     def _count_written(self, works: list[_Work], result: ApplyResult,
