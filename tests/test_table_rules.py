@@ -5,7 +5,9 @@ evaluated by Spark, an ignored delete keeping its row, dropped columns never wri
 from __future__ import annotations
 
 import json
+import sqlite3
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
@@ -22,11 +24,17 @@ from contracts.events.changefeeds import (
     TableRuleV1,
 )
 from contracts.events.rows import ColumnV1, RowImageV1, TableMetaV1
+from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.routing import Router, TableRef, validate_spec
 from libs.table_rules import TableRulesError, expression_problem, rules_for
+from services.capture.table_meta import load_table_info
 from services.sink_worker.pipeline import SpanConfig
 from services.sink_worker.row_rules import analyse
+from services.sink_worker.sinks.factory import open_sink
+from services.sink_worker.snapshot_job import CopyJob, copy_chunk
+from services.sink_worker.snapshot_plan import Chunk
+from services.sink_worker.span import Span, target_for
 from tests import test_sort_apply as data_path
 from tests.test_nats_sink import read_stream
 from tests.test_sort_apply import Harness, fetch_rows
@@ -229,3 +237,28 @@ async def test_rules_naming_an_unknown_column_stop_the_table_with_the_reason(
     await h.round()
     [status] = h.pipeline.status()
     assert status["state"] == "refused" and "stauts" in status["error"], status
+
+
+@pytest.mark.integration
+def test_the_initial_copy_never_reads_a_dropped_column(mariadb: MariaDB, tmp_path: Path) -> None:
+    db = "rules_copy"
+    mariadb.execute(f"DROP DATABASE IF EXISTS {db}", f"CREATE DATABASE {db}",
+                    f"CREATE TABLE {db}.people (id INT PRIMARY KEY, name VARCHAR(20), ssn VARCHAR(11))",
+                    f"INSERT INTO {db}.people VALUES (1, 'ann', '123-45-6789'), (2, 'bob', NULL)")
+    sink_url = f"sqlite:///{tmp_path / 'down.db'}"
+    router = Router(table_rules=[TableRuleV1(tables=[f"{db}.people"], drop_columns=["ssn"])])
+    conn = mariadb.connect()
+    try:
+        info = load_table_info(conn, db, "people")
+    finally:
+        conn.close()
+    assert info is not None
+    span = Span.of("rules-copy", "src1", db, "people")
+    target = target_for(span, db, "people", info.meta(), "primary", router)
+    open_sink(sink_url).ensure_table(target)
+    job = CopyJob(source_url=mariadb.url, database=db, table="people", chunk_key=("id",), target=target,
+                  sink_url=sink_url)
+    assert copy_chunk(job, Chunk(0, None, None)) == 2
+    with sqlite3.connect(tmp_path / "down.db") as down:
+        assert [r[1] for r in down.execute("PRAGMA table_info(people)")] == ["id", "name"]
+        assert sorted(down.execute("SELECT id, name FROM people").fetchall()) == [(1, "ann"), (2, "bob")]
