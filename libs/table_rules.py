@@ -143,16 +143,18 @@ _TOKEN = re.compile(r"""
   | (?P<quoted>`(?:[^`]|``)+`)
   | (?P<number>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?[A-Za-z]{0,2})
   | (?P<word>[A-Za-z_][A-Za-z0-9_]*)
-  | (?P<open>\()
-  | (?P<close>\))
+  | (?P<open>[(\[])
+  | (?P<close>[)\]])
   | (?P<comma>,)
   | (?P<dot>\.)
-  | (?P<op><=>|==|!=|<>|<=|>=|\|\||[=<>+\-*/%&|^~!])
+  | (?P<op><=>|->|==|!=|<>|<=|>=|\|\||[=<>+\-*/%&|^~!:])
 """, re.VERBOSE)
 
 # Words that join or modify operands (never an operand themselves).
 _CONNECTIVES = frozenset("""and or not is in like ilike rlike regexp between case when then else end
 as distinct div interval escape from for""".split())
+# Words a string literal may follow: typed literals (DATE '2026-01-01').
+_TYPED_LITERALS = frozenset({"date", "timestamp", "timestamp_ntz", "timestamp_ltz", "x"})
 _UNITS = frozenset("""year years month months week weeks day days hour hours minute minutes second
 seconds millisecond milliseconds microsecond microseconds""".split())
 _FORBIDDEN = frozenset({"select", "insert", "update", "delete", "drop", "create", "alter", "union"})
@@ -163,6 +165,7 @@ def expression_problem(expr: str) -> str | None:
     Spark). Deterministic and strict about structure: every string and quoted name closed,
     parentheses balanced, no statement, and operands and operators alternate."""
     pos, depth = 0, 0
+    last_word = ""
     prev = "start"  # kind of the previous significant token: start, operand, operator, open, close, comma
     while pos < len(expr):
         m = _TOKEN.match(expr, pos)
@@ -184,7 +187,13 @@ def expression_problem(expr: str) -> str | None:
                 kind = "connective"
             elif lower in _UNITS and prev == "operand":
                 continue  # INTERVAL 1 DAY
+        if kind == "string" and prev == "operand" and last_word in _TYPED_LITERALS:
+            last_word = ""
+            continue
+        last_word = text.lower() if kind == "word" else ""
         if kind in ("string", "quoted", "number", "word"):
+            if prev == "close" and kind == "word" and text.lower() in _UNITS:
+                continue
             if prev in ("operand", "close"):
                 return f"{text!r} at position {m.start()} follows an operand without an operator"
             prev = "operand"
@@ -194,7 +203,7 @@ def expression_problem(expr: str) -> str | None:
         elif kind == "close":
             depth -= 1
             if depth < 0:
-                return f"unbalanced ')' at position {m.start()}"
+                return f"unbalanced {text!r} at position {m.start()}"
             if prev in ("operator", "comma"):
                 return f"')' at position {m.start()} follows an operator"
             prev = "close"
@@ -221,7 +230,7 @@ def expression_problem(expr: str) -> str | None:
                 return f"operator {text!r} at position {m.start()} has no left operand"
             prev = "operator"
     if depth > 0:
-        return "unbalanced '(': a parenthesis is not closed"
+        return "unbalanced '(' or '[': a bracket is not closed"
     if prev == "start":
         return "the expression is empty"
     if prev in ("operator", "comma"):

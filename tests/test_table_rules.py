@@ -78,6 +78,7 @@ def _spec(*rules: TableRuleV1, **kw: Any) -> ChangefeedSpecV4:
     ("= 1", "no left operand"),
     ("select 1", "not a statement"),
     ("a = `b", "unterminated quoted name"),
+    ("tags[0 = 1", "not closed"),
 ])
 def test_an_expression_that_does_not_parse_is_named_with_the_reason(expr: str, why: str) -> None:
     problem = expression_problem(expr)
@@ -88,6 +89,8 @@ def test_an_expression_that_does_not_parse_is_named_with_the_reason(expr: str, w
     "status = 'archived'", "x IS NOT NULL AND y IN (1, 2)", "CAST(x AS string) = '1'",
     "CASE WHEN a > 1 THEN 1 ELSE 0 END = 1", "count(*) > 1", MASK, "ts > now() - INTERVAL 1 DAY",
     "-x > 1 OR NOT (y = 'it''s')", "`odd name` <=> 2", "amount BETWEEN 1 AND 2",
+    "created > DATE '2026-01-01'", "tags[0] = 'a'", "exists(items, x -> x > 1)",
+    "status IN ('a', 'b') AND note IS NOT DISTINCT FROM NULL", "ts > now() - INTERVAL '1' DAY",
 ])
 def test_spark_sql_expressions_parse(expr: str) -> None:
     assert expression_problem(expr) is None
