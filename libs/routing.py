@@ -45,7 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from contracts.events.changefeeds import ChangefeedSpecV2, TableFilterV1
+from contracts.events.changefeeds import ChangefeedSpecV2, TableFilterV1, TableRuleV1
 from contracts.events.rows import ColumnV1, RowImageV1, TableMetaV1
 
 __all__ = [
@@ -313,7 +313,7 @@ def _describe_key(meta: TableMetaV1) -> str:
 # -- validation -----------------------------------------------------------------------------------
 
 ProblemKind = Literal["overlapping_routes", "empty_route", "incompatible_keys", "origin_column_collision",
-                      "origin_value_too_long", "invalid_rule"]
+                      "origin_value_too_long", "invalid_rule", "invalid_table_rule"]
 
 
 @dataclass(frozen=True)
@@ -350,18 +350,22 @@ class Router:
     """The routing of one changefeed: filter, rules and the optional origin column."""
 
     def __init__(self, rules: Sequence[RouteRule] = (), table_filter: TableFilter | None = None,
-                 origin: OriginColumn | None = None) -> None:
+                 origin: OriginColumn | None = None, table_rules: Sequence[TableRuleV1] = ()) -> None:
         self.rules = tuple(rules)
         self.filter = table_filter or TableFilter()
         self.origin = origin
+        self.table_rules = tuple(table_rules)
+        """The changefeed's table rules (``libs.table_rules``): events, rows and columns left out."""
+        self._table_rules_key = tuple(r.model_dump_json() for r in self.table_rules)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Router):
             return NotImplemented
-        return (self.rules, self.filter, self.origin) == (other.rules, other.filter, other.origin)
+        return ((self.rules, self.filter, self.origin, self._table_rules_key)
+                == (other.rules, other.filter, other.origin, other._table_rules_key))
 
     def __hash__(self) -> int:
-        return hash((self.rules, self.filter, self.origin))
+        return hash((self.rules, self.filter, self.origin, self._table_rules_key))
 
     def origin_for(self, ref: TableRef) -> OriginColumn | None:
         """The origin column a table's rows carry downstream: only tables a route rule merges
@@ -465,7 +469,13 @@ class Router:
             raise RoutingValidationError(problems)
 
     def rewrite_meta_for(self, meta: TableMetaV1, ref: TableRef) -> TableMetaV1:
-        """``rewrite_meta`` for one table: only rule-routed tables get the origin column."""
+        """``rewrite_meta`` for one table: its table rules' columns left out and computed ones
+        added (``TableRulesError`` when they do not fit it); only rule-routed tables get the
+        origin column."""
+        if self.table_rules:
+            from libs.table_rules import rules_for  # builds on this module
+
+            meta = rules_for(self.table_rules, ref.schema, ref.table).rewrite_meta(meta)
         origin = self.origin_for(ref)
         return rewrite_meta(meta, origin) if origin is not None else meta
 
@@ -545,7 +555,7 @@ def router_for(spec: ChangefeedSpecV2) -> Router:
     rules = [RouteRule(schema=r.database, table=r.table, target_schema=r.target_schema,
                        target_table=r.target_table, source=r.source, name=r.name) for r in spec.routes]
     origin = OriginColumn(spec.origin_column) if spec.origin_column else None
-    return Router(rules, TableFilter.from_contract(spec.filter), origin)
+    return Router(rules, TableFilter.from_contract(spec.filter), origin, getattr(spec, "table_rules", ()))
 
 
 def validate_spec(spec: ChangefeedSpecV2,
@@ -553,12 +563,33 @@ def validate_spec(spec: ChangefeedSpecV2,
                   ) -> list[RoutingProblem]:
     """Every routing problem of a changefeed spec, for the creation check (the api refuses the
     changefeed with these messages). ``tables_meta``: the upstream tables of its sources, with
-    their metadata where known (see ``Router.validate``)."""
+    their metadata where known (see ``Router.validate``). Table rules (v4) are checked too:
+    expressions must parse, and with metadata, dropped or kept columns must exist and spare
+    the key (``libs.table_rules``)."""
+    # libs.table_rules builds on this module's TableFilter: imported here, not at the top.
+    from libs.table_rules import rule_problems, table_problems
+
+    rules = getattr(spec, "table_rules", [])
+    problems = [RoutingProblem("invalid_table_rule", text)
+                for text in rule_problems(rules, spec.initial_load)]
+    if rules and isinstance(tables_meta, Mapping):
+        for ref, meta in sorted(tables_meta.items()):
+            ref = TableRef(*ref)
+            if meta is not None and router_filter_selects(spec, ref):
+                problems.extend(RoutingProblem("invalid_table_rule", text, (ref,))
+                                for text in table_problems(rules, ref.schema, ref.table, meta))
     try:
         router = router_for(spec)
     except RoutingConfigError as exc:
-        return [RoutingProblem("invalid_rule", str(exc))]
-    return router.validate(tables_meta)
+        return [*problems, RoutingProblem("invalid_rule", str(exc))]
+    return [*problems, *router.validate(tables_meta)]
+
+
+def router_filter_selects(spec: ChangefeedSpecV2, ref: TableRef) -> bool:
+    try:
+        return TableFilter.from_contract(spec.filter).selected(ref.schema, ref.table)
+    except RoutingConfigError:
+        return False
 
 
 # --- poison: cross-shard unique conflicts (a warning, not a refusal) -----------------------------

@@ -56,13 +56,23 @@ def test_status_shows_lag_members_and_locks(api_stack: ApiStack) -> None:
 
 
 def test_changefeed_commands(api_stack: ApiStack, tmp_path: Path) -> None:
+    rules = [{"tables": ["shop.users"], "ignore_events": ["truncate"],
+              "ignore_delete_value_expr": "status = 'archived'", "drop_columns": ["card"],
+              "computed": [{"name": "email_masked", "expr": "concat(left(email, 1), '***')"}]}]
     spec = {"id": "cli-cf", "sources": [{"id": "src1", "url": api_stack.source_url}],
-            "sink_url": "sqlite:///cli.db"}
+            "sink_url": "sqlite:///cli.db", "initial_load": "binlog-only", "table_rules": rules}
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
     code, out = sluice(api_stack, "changefeed", "create", str(path))
     assert code == 0 and "accepted" in out, out
     assert sluice_json(api_stack, "changefeed", "get", "cli-cf")["state"] == "running"
+    code, out = sluice(api_stack, "changefeed", "rules", "cli-cf")
+    assert code == 0 and "delete: status = 'archived'" in out and "drop card" in out, out
+    assert "email_masked = concat(left(email, 1), '***') (string)" in out, out
+    broken = [{**rules[0], "ignore_delete_value_expr": "status = 'x"}]
+    path.write_text(json.dumps({**spec, "table_rules": broken}))
+    code, out = sluice(api_stack, "changefeed", "update", "cli-cf", str(path))
+    assert code == 1 and "422" in out and "unterminated string" in out, out
     code, out = sluice(api_stack, "changefeed", "list")
     assert code == 0 and "cli-cf" in out
     assert sluice(api_stack, "changefeed", "pause", "cli-cf")[0] == 0

@@ -216,3 +216,108 @@ def _created_v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
 def _updated_v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v2_to_v3(data["spec"]), "failed_checks": []}
 # --- end v3
+
+
+# --- v4 of changefeed.created / changefeed.updated: per-table event filters, column selection
+# and computed columns (``table_rules``).
+
+IgnorableEvent = Literal["insert", "update", "delete", "truncate", "drop table"]
+"""Row events, and the DDL kinds that can be left out without the target's shape going wrong:
+a skipped TRUNCATE or DROP TABLE keeps the target's rows, and later rows still fit it."""
+
+ComputedType = Literal["string", "int", "float"]
+
+
+class ComputedColumnV1(BaseModel):
+    """A column the target gains, computed from the row's new image by a Spark SQL expression."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    expr: str = Field(min_length=1, description=(
+        "Spark SQL over the row's columns, e.g. "
+        "\"concat(left(email, 1), '***@', substring_index(email, '@', -1))\"."))
+    type: ComputedType = Field("string", description="string: text; int: bigint; float: double.")
+
+
+class TableRuleV1(BaseModel):
+    """What a changefeed leaves out of, or adds to, the tables matching ``tables``.
+
+    Every rule matching a table applies: ignored events add up, expressions are OR-ed, dropped
+    columns add up. At most one matching rule may set ``keep_columns``."""
+
+    model_config = ConfigDict(extra="forbid")
+    tables: list[str] = Field(min_length=1, description="Patterns over ``database.table``, as in the "
+                                                        "table filter (a glob, or a regex after ``~``).")
+    ignore_events: list[IgnorableEvent] = Field(
+        default_factory=list, description="Event types never applied downstream: insert, update, "
+                                          "delete, truncate, drop table.")
+    ignore_insert_value_expr: str | None = Field(
+        None, min_length=1, description="Spark SQL over the inserted row: true leaves the insert out.")
+    ignore_update_old_value_expr: str | None = Field(
+        None, min_length=1,
+        description="Spark SQL over the row before an update: true leaves the update out.")
+    ignore_update_new_value_expr: str | None = Field(
+        None, min_length=1,
+        description="Spark SQL over the row after an update: true leaves the update out.")
+    ignore_delete_value_expr: str | None = Field(
+        None, min_length=1, description="Spark SQL over the deleted row: true leaves the delete out "
+                                        "(the row stays downstream).")
+    keep_columns: list[str] | None = Field(
+        None, description="Only these columns reach the downstream (the key columns must be among them).")
+    drop_columns: list[str] = Field(
+        default_factory=list,
+        description="Columns that never leave the source (key columns cannot be dropped).")
+    computed: list[ComputedColumnV1] = Field(default_factory=list)
+
+
+class ChangefeedSpecV4(ChangefeedSpecV3):
+    """v4 adds ``table_rules``: event filters, column selection and computed columns per table."""
+
+    table_rules: list[TableRuleV1] = Field(
+        default_factory=list, description="Per table pattern: events and rows left out, columns kept, "
+                                          "dropped or computed (see TableRuleV1).")
+
+
+def _spec_v3_to_v4(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, "table_rules": []}
+
+
+def spec_v4(spec: ChangefeedSpecV2) -> ChangefeedSpecV4:
+    """A spec as v4 (older ones have no table rules; a v2 one built in code keeps v2's
+    unique-conflict behaviour, as its upcast does)."""
+    if isinstance(spec, ChangefeedSpecV4):
+        return spec
+    return ChangefeedSpecV4.model_validate(_spec_v3_to_v4(spec_v3(spec).model_dump()))
+
+
+_V4_DOC = _V3_DOC + " v4: the spec gains ``table_rules`` (event filters, column selection, computed columns)."
+
+
+@register("changefeed.created", 4)
+class ChangefeedCreatedV4(BaseModel):
+    __doc__ = _V4_DOC
+    model_config = ConfigDict(extra="forbid")
+    spec: ChangefeedSpecV4
+    requested_by: str = ""
+    failed_checks: list[ChangefeedCheckV1] = Field(default_factory=list)
+
+
+@register("changefeed.updated", 4)
+class ChangefeedUpdatedV4(BaseModel):
+    __doc__ = _V4_DOC
+    model_config = ConfigDict(extra="forbid")
+    spec: ChangefeedSpecV4
+    requested_by: str = ""
+    failed_checks: list[ChangefeedCheckV1] = Field(default_factory=list)
+
+
+# A v3 changefeed had no table rules: every event and column went downstream.
+@upcaster("changefeed.created", 3)
+def _created_v3_to_v4(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v3_to_v4(data["spec"])}
+
+
+@upcaster("changefeed.updated", 3)
+def _updated_v3_to_v4(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v3_to_v4(data["spec"])}
+# --- end v4

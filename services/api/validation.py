@@ -1,5 +1,6 @@
 """Checks a changefeed spec must pass beyond its contract model: URLs that parse, source ids
-used once, routing rules that compile and cannot disagree about a table's target.
+used once, routing rules that compile and cannot disagree about a table's target, table rules
+whose patterns compile and whose expressions parse.
 
 Each problem is a FastAPI-style field error (``loc``, ``msg``, ``type``) so a client sees
 which field to fix, exactly like the model's own validation errors."""
@@ -13,6 +14,7 @@ from contracts.events.changefeeds import ChangefeedSpecV2
 from libs.dburl import DatabaseUrlError, parse_database_url
 from libs.routing import OriginColumn, Router, RouteRule, RoutingConfigError, TableFilter
 from libs.secret_refs import literal_password
+from libs.table_rules import rule_problems
 from services.api.schemas import REDACTED
 
 
@@ -83,6 +85,9 @@ def spec_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
     if len(rules) == len(spec.routes):
         for problem in Router(rules, table_filter, origin).validate():
             errors.append(_error(["routes"], f"{problem.kind}: {problem.message}"))
+    # Table rules (v4): patterns that compile, expressions that parse (``libs.table_rules``).
+    for text in rule_problems(getattr(spec, "table_rules", []), spec.initial_load):
+        errors.append(_error(["table_rules"], text))
     for source_id in spec.start_position:
         if source_id not in seen:
             errors.append(_error(["start_position", source_id],

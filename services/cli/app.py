@@ -123,6 +123,14 @@ def changefeed_get(ctx: typer.Context, changefeed: str) -> None:
     cli.show(cli.run("GET", f"/changefeeds/{changefeed}"))
 
 
+@changefeed_app.command("rules")
+def changefeed_rules(ctx: typer.Context, changefeed: str) -> None:
+    """The changefeed's table rules: events and rows left out, columns kept, dropped or computed."""
+    cli = _cli(ctx)
+    cli.show(cli.run("GET", f"/changefeeds/{changefeed}"),
+             lambda body: render.table_rules(body["spec"].get("table_rules") or []))
+
+
 SkipChecks = Annotated[bool, typer.Option(
     "--skip-checks", help="Accept even when the creation checks fail (shown as failed_checks).")]
 
@@ -135,7 +143,7 @@ def _skip(skip_checks: bool) -> str:
 def changefeed_create(ctx: typer.Context,
                       spec_file: Annotated[Path, typer.Argument(help="JSON file with the changefeed spec.")],
                       skip_checks: SkipChecks = False) -> None:
-    """Create a changefeed from a spec (id, sources, filter, routes, sink_url, start...)."""
+    """Create a changefeed from a spec (id, sources, filter, routes, table_rules, sink_url, start...)."""
     cli = _cli(ctx)
     cli.accepted(cli.run("POST", "/changefeeds" + _skip(skip_checks), _read_spec(spec_file)))
 

@@ -54,6 +54,29 @@ def changefeeds(items: list[dict[str, Any]]) -> None:
             " ".join(f"{k}={v}" for k, v in c.get("tables_by_state", {}).items())] for c in items))
 
 
+_EXPRESSIONS = (("ignore_insert_value_expr", "insert"), ("ignore_update_old_value_expr", "update old"),
+                ("ignore_update_new_value_expr", "update new"), ("ignore_delete_value_expr", "delete"))
+
+
+def table_rules(items: list[dict[str, Any]]) -> None:
+    def ignored_rows(r: dict[str, Any]) -> str | None:
+        found = [f"{label}: {r[field]}" for field, label in _EXPRESSIONS if r.get(field)]
+        return "; ".join(found) or None
+
+    def columns(r: dict[str, Any]) -> str | None:
+        parts = []
+        if r.get("keep_columns") is not None:
+            parts.append("keep " + ", ".join(r["keep_columns"]))
+        if r.get("drop_columns"):
+            parts.append("drop " + ", ".join(r["drop_columns"]))
+        parts += [f"{c['name']} = {c['expr']} ({c.get('type', 'string')})" for c in r.get("computed") or []]
+        return "; ".join(parts) or None
+
+    table("table rules", ["tables", "ignored events", "ignored rows", "columns"],
+          ([", ".join(r["tables"]), ", ".join(r.get("ignore_events") or []) or None, ignored_rows(r),
+            columns(r)] for r in items))
+
+
 def members(items: list[dict[str, Any]]) -> None:
     table("members", ["member", "draining", "tables", "primary", "secondary", "address"],
           ([m["member_id"], "yes" if m["draining"] else "no", m["tables"], m["primary"],

@@ -30,7 +30,7 @@ import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import DataFrame, Row, SparkSession, Window
 from pyspark.sql import functions as F
@@ -38,12 +38,16 @@ from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, Str
 
 from contracts import REGISTRY
 from contracts.events.rows import RowsChangedV1
+from libs.table_rules import TableRules
 from services.sink_worker.key_buckets import key_bucket
 from services.sink_worker.large_values import LargeValues, holds_ref
 from services.sink_worker.poison import RowFailure, Statement
 from services.sink_worker.sinks.base import Change, Delete, PartitionResult, TargetTable, Upsert
 from services.sink_worker.sinks.error_class import ErrorClass
 from services.sink_worker.sinks.unique_guard import DELETED, ConflictGuard, UniqueConflictPolicy
+
+if TYPE_CHECKING:
+    from services.sink_worker.row_rules import SpanRowRules
 
 RECORD_SCHEMA = StructType([
     # The target's index in the round's list of targets: an int is cheaper than its id string
@@ -147,29 +151,56 @@ def event_rows(body: bytes | str) -> list[dict[str, Any]]:
     """
     obj = json.loads(body)
     type_, version = obj["type"], obj["version"]
-    latest = _LATEST.get(type_)
-    if latest is None:
-        latest = _LATEST[type_] = REGISTRY.latest_version(type_)
-    if version == latest:
+    if version == _latest(type_):
         return list(obj["data"]["rows"])
     event = REGISTRY.decode(body).event
     assert isinstance(event, RowsChangedV1)
     return [image.model_dump(mode="json") for image in event.rows]
 
 
+SpanRules = dict[str, TableRules]
+"""span key -> its table rules (``libs.table_rules``), for spans that have any."""
+
+
+def rule_fields(rules: TableRules | None, op: str, before: dict[str, Any] | None,
+                after: dict[str, Any] | None) -> tuple[str | None, str | None, str | None]:
+    """``row_rules.RULE_FIELDS`` of a row: the event and its full images for the expressions."""
+    if rules is None or not rules.needs_spark:
+        return (None, None, None)
+    return (op, None if before is None else json.dumps(before), None if after is None else json.dumps(after))
+
+
+def _kept(image: dict[str, Any] | None, rules: TableRules) -> dict[str, Any] | None:
+    if image is None:
+        return None
+    return {k: v for k, v in image.items() if rules.kept(k)}
+
+
 def explode_event(span_targets: SpanTargets, span: str, ts: int, seq: int, part: int,
-                  body: bytes, skips: Skips | None = None, shard: int = 0) -> Iterator[tuple[Any, ...]]:
-    """One rows event to its row records (see ``RECORD_SCHEMA``), without skipped keys."""
+                  body: bytes, skips: Skips | None = None, shard: int = 0,
+                  rules: SpanRules | None = None, extended: bool = False) -> Iterator[tuple[Any, ...]]:
+    """One rows event to its row records (see ``RECORD_SCHEMA``), without skipped keys and the
+    row events its table rules ignore by type, its images without the columns they leave out;
+    ``extended`` adds ``row_rules.RULE_FIELDS`` to every record (null for spans without
+    expressions)."""
     skipped = (skips or {}).get(span)
     if skipped:
-        for record in explode_event(span_targets, span, ts, seq, part, body, shard=shard):
+        for record in explode_event(span_targets, span, ts, seq, part, body, shard=shard, rules=rules,
+                                    extended=extended):
             upto = skipped.get(record[1])
             if upto is None or ts > upto:
                 yield record
         return
     target, key, origin = span_targets[span]
+    span_rules = (rules or {}).get(span)
+    extra: tuple[Any, ...] = (None, None, None)
     for idx, image in enumerate(event_rows(body)):
         op, before, after = image["op"], image.get("before"), image.get("after")
+        if span_rules is not None:
+            if span_rules.ignores(op):
+                continue
+            extra = rule_fields(span_rules, op, before, after)
+            before, after = _kept(before, span_rules), _kept(after, span_rules)
         if origin is not None:
             # Both images: a delete or key change must find this shard's row downstream.
             name, value = origin
@@ -177,25 +208,36 @@ def explode_event(span_targets: SpanTargets, span: str, ts: int, seq: int, part:
             after = {name: value, **after} if after is not None else None
         if op == "insert":
             assert after is not None
-            yield (target, key_json(after, key), ts, seq, part, idx, 0, "upsert", _pack(after),
-                   _bucket(after, key), shard)
+            record = (target, key_json(after, key), ts, seq, part, idx, 0, "upsert", _pack(after),
+                      _bucket(after, key), shard)
+            yield (*record, *extra) if extended else record
         elif op == "delete":
             assert before is not None
-            yield (target, key_json(before, key), ts, seq, part, idx, 0, "delete", None,
-                   _bucket(before, key), shard)
+            record = (target, key_json(before, key), ts, seq, part, idx, 0, "delete", None,
+                      _bucket(before, key), shard)
+            yield (*record, *extra) if extended else record
         else:
             assert before is not None and after is not None
             old, new = key_json(before, key), key_json(after, key)
             if old != new:
-                yield (target, old, ts, seq, part, idx, 0, "delete", None, _bucket(before, key), shard)
-            yield (target, new, ts, seq, part, idx, 1, "upsert", _pack(after), _bucket(after, key), shard)
+                record = (target, old, ts, seq, part, idx, 0, "delete", None, _bucket(before, key), shard)
+                yield (*record, *extra) if extended else record
+            record = (target, new, ts, seq, part, idx, 1, "upsert", _pack(after), _bucket(after, key), shard)
+            yield (*record, *extra) if extended else record
+
+
+def _latest(type_: str) -> int:
+    latest = _LATEST.get(type_)
+    if latest is None:
+        latest = _LATEST[type_] = REGISTRY.latest_version(type_)
+    return latest
 
 
 _EXPLODE_INPUT = ("span", "ts", "seq", "part", "body")
 
 
-def explode_partition(span_targets: SpanTargets, skips: Skips | None,
-                      rows: Iterator[Row]) -> Iterator[tuple[Any, ...]]:
+def explode_partition(span_targets: SpanTargets, skips: Skips | None, rules: SpanRules | None,
+                      extended: bool, rows: Iterator[Row]) -> Iterator[tuple[Any, ...]]:
     """``explode_event`` over a partition (rows of ``_EXPLODE_INPUT``, unpacked by position:
     cheaper than Row's lookups by name), without the garbage collector (``libs.gc_pause``)."""
     from libs.gc_pause import gc_paused
@@ -203,7 +245,8 @@ def explode_partition(span_targets: SpanTargets, skips: Skips | None,
     shard_of = shard_indexes(span_targets)
     with gc_paused():
         for span, ts, seq, part, body in rows:
-            yield from explode_event(span_targets, span, ts, seq, part, body, skips, shard_of[span])
+            yield from explode_event(span_targets, span, ts, seq, part, body, skips, shard_of[span],
+                                     rules, extended)
 
 
 def shard_indexes(span_targets: SpanTargets) -> dict[str, int]:
@@ -222,9 +265,9 @@ class GuardPlan:
     target: str
 
 
-Deferred = list[tuple[str, bytes, int]]
+Deferred = list[tuple[str, bytes, int, str | None]]
 """Upserts a partition leaves to the driver (images holding large-value references):
-``(key JSON, pickled image, shard)``."""
+``(key JSON, pickled image, shard, computed columns' JSON or None)``."""
 
 PartitionReport = tuple[str, int, int, int, str | None, list[str], Deferred]
 
@@ -277,13 +320,15 @@ def write_partition(plans: list[TargetPlan], guards: dict[int, GuardPlan], defer
         keys: list[list[str]] = [[] for _ in plans]
         deferred: list[Deferred] = [[] for _ in plans]
         # Positional fields (see final_images): Row lookups by name cost more than the rest.
-        for target, key_json_, op, image, shard in rows:
+        for target, key_json_, op, image, shard, computed in rows:
             table = plans[target].table
             if op == "upsert":
                 values = pickle.loads(image)
                 if defer_large and holds_ref(values):
-                    deferred[target].append((key_json_, image, shard))
+                    deferred[target].append((key_json_, image, shard, computed))
                     continue
+                if computed is not None:
+                    values.update(json.loads(computed))
                 decoded = decoders[target](values)
                 key = tuple(decoded[c] for c in table.key)
                 changes[target].append(Upsert(key=key, row=decoded, shard=shard))
@@ -326,8 +371,11 @@ def write_deferred(plans: list[TargetPlan], guards: dict[int, GuardPlan], large:
         decoder = RowDecoder(plan.table.meta)
         guard = _guard(plan, guards.get(index[target_id]))
         counts = result.per_target.setdefault(target_id, TargetCounts())
-        for key_json_, image, shard in rows:
-            decoded = decoder(large.resolve(pickle.loads(image)))
+        for key_json_, image, shard, computed in rows:
+            values = large.resolve(pickle.loads(image))
+            if computed is not None:
+                values.update(json.loads(computed))
+            decoded = decoder(values)
             upsert = Upsert(key=tuple(decoded[c] for c in plan.table.key), row=decoded, shard=shard)
             del decoded
             written = _write(sink, plan, [upsert], [key_json_], guard)
@@ -373,15 +421,30 @@ def _refusal(sink: Any, table: TargetTable, changes: list[Change], keys: list[st
 
 
 def final_images(spark: SparkSession, batch: DataFrame, span_targets: SpanTargets,
-                 partitions: int, skips: Skips | None = None) -> DataFrame:
-    """The last record per (target, key) of the batch: ``target, key, op, image`` (as in
-    ``RECORD_SCHEMA``), in ``partitions`` partitions by a hash of (target, bucket): keys the
-    downstream may compare as equal share a partition (``key_buckets``), whose write deletes
-    before it upserts."""
+                 partitions: int, skips: Skips | None = None, rules: SpanRules | None = None,
+                 row_rules: dict[str, SpanRowRules] | None = None) -> DataFrame:
+    """The last record per (target, key) of the batch: ``target, key, op, image, shard,
+    computed`` (as in ``RECORD_SCHEMA``; ``computed``: the computed columns' JSON or null), in
+    ``partitions`` partitions by a hash of (target, bucket): keys the downstream may compare as
+    equal share a partition (``key_buckets``), whose write deletes before it upserts.
+
+    ``rules``: spans' table rules (events ignored by type, columns left out); ``row_rules``:
+    spans whose rules have expressions, evaluated by ``row_rules.evaluate`` before the collapse,
+    so an ignored change never becomes a key's final image."""
+    extended = bool(row_rules)
     # explode_partition yields RECORD_SCHEMA tuples by construction: no per-row type check.
-    explode = partial(explode_partition, span_targets, skips)
+    explode = partial(explode_partition, span_targets, skips, rules, extended)
     exploded = batch.select(*_EXPLODE_INPUT).rdd.mapPartitions(explode)
-    records = spark.createDataFrame(exploded, RECORD_SCHEMA, verifySchema=False)
+    if row_rules:
+        from services.sink_worker.row_rules import RULE_FIELDS, evaluate
+
+        shard_of = shard_indexes(span_targets)
+        records = spark.createDataFrame(exploded, StructType([*RECORD_SCHEMA.fields, *RULE_FIELDS]),
+                                        verifySchema=False)
+        records = evaluate(records, {shard_of[span]: r for span, r in row_rules.items()})
+    else:
+        records = spark.createDataFrame(exploded, RECORD_SCHEMA, verifySchema=False).withColumn(
+            "computed", F.lit(None).cast("string"))
     # Hash-partitioned by (target, bucket) first: a key has one bucket, so the window over
     # (target, bucket, key) is the window over (target, key), and its clustering is satisfied
     # by that partitioning: Spark adds no second shuffle, and the write runs on these
@@ -390,25 +453,28 @@ def final_images(spark: SparkSession, batch: DataFrame, span_targets: SpanTarget
         F.desc("ts"), F.desc("seq"), F.desc("part"), F.desc("idx"), F.desc("sub"))
     return (records.repartition(partitions, "target", "bucket")
             .withColumn("_rn", F.row_number().over(order)).where(F.col("_rn") == 1)
-            .select("target", "key", "op", "image", "shard"))
+            .select("target", "key", "op", "image", "shard", "computed"))
 
 
 def run_apply(spark: SparkSession, batch: DataFrame, span_plans: dict[str, TargetPlan],
               partitions: int, origins: dict[str, tuple[str, str]] | None = None,
               skips: Skips | None = None, guarded: dict[str, UniqueConflictPolicy] | None = None,
-              span_names: dict[str, str] | None = None, large: LargeValues | None = None) -> ApplyResult:
+              span_names: dict[str, str] | None = None, large: LargeValues | None = None,
+              rules: SpanRules | None = None, row_rules: dict[str, SpanRowRules] | None = None
+              ) -> ApplyResult:
     """Collapse ``batch`` (rows events of the sort job) and write it; ``span_plans`` maps each
     span key in the batch to its target, ``origins`` a span key to the origin column name and
     value its rows gain (shard routing with an origin column), ``skips`` the keys an operator
     skipped, ``guarded`` the merged targets (by id) whose unique keys need ``unique_guard`` and
     their policy, ``span_names`` the names its reports use, ``large`` the round's large values
-    (``large_values``: the batch's bodies hold references to them)."""
+    (``large_values``: the batch's bodies hold references to them), ``rules`` and
+    ``row_rules`` the spans' table rules (see ``final_images``)."""
     # Shards of one target share its plan (and its index): their rows collapse together.
     plans = list({plan.target_id: plan for plan in span_plans.values()}.values())
     index = {plan.target_id: i for i, plan in enumerate(plans)}
     span_targets: SpanTargets = {span: (index[plan.target_id], plan.table.key, (origins or {}).get(span))
                                  for span, plan in span_plans.items()}
-    final = final_images(spark, batch, span_targets, partitions, skips)
+    final = final_images(spark, batch, span_targets, partitions, skips, rules, row_rules)
     guards: dict[int, GuardPlan] = {}
     if guarded:
         # Who wrote each key's final image, for the guarded targets only: one more pass over

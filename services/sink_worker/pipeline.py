@@ -45,6 +45,7 @@ from libs.eventstore.deadletter import dead_letter
 from libs.gc_pause import gc_paused
 from libs.routing import Router, Target, router_for
 from libs.streams import ROWS_STREAM, token
+from libs.table_rules import NO_RULES, TableRules, TableRulesError, rules_for
 from libs.telemetry.tracing import extract_context, tracer
 from services.sink_worker import metrics as m
 from services.sink_worker.apply_job import ApplyResult, TargetPlan, key_json, run_apply
@@ -59,6 +60,7 @@ from services.sink_worker.fence import Fenced, SelfFence  # liveness: self-fence
 from services.sink_worker.large_values import LargeKeyError, LargeValues
 from services.sink_worker.poison import IncidentAction, RowFailure, TableIncident
 from services.sink_worker.pull import PulledEvent, PullResult, SpanReader, latest_resolved
+from services.sink_worker.row_rules import SpanRowRules, analyse, stream_rows
 from services.sink_worker.shard_ddl import ShardDdl, execute_on_target, lock_ref, rewritten
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.factory import open_sink
@@ -213,6 +215,10 @@ class _Work:
     """The finished re-copy's progress key, deleted once the checkpoint is past its DDL."""
     ddl_failure: DdlFailure | None = None
     """The DDL at the head of the span cannot be carried out downstream."""
+    rules: TableRules | None = None
+    """The table rules of the span's table (``libs.table_rules``), when it has any."""
+    source_meta: TableMetaV1 | None = None
+    """The table's metadata as its rows carry it (what the rules' expressions see)."""
 
 
 def _row_changes(work: _Work) -> int:
@@ -251,6 +257,8 @@ class _Outcome:
     publish: list[StreamMessage] | None = None
     """NATS sink: the batch's messages; written (and the DDL applied) once all are acked."""
     publish_ddl: bool = False
+    ddl_ignored: bool = False
+    """NATS sink: the batch's DDL is one the table rules leave out (nothing published for it)."""
 
 
 @dataclass
@@ -307,6 +315,8 @@ class Pipeline:
         # (sink url, schema, table) -> meta JSON the target was last brought to by this process.
         self._schemas: dict[tuple[str, str | None, str], str] = {}
         self._publishers: dict[str, StreamPublisher] = {}
+        # (table meta JSON, rules) -> why Spark's analyser refuses the rules' expressions, or None.
+        self._rules_checked: dict[tuple[str, str], str | None] = {}
         self.shard_ddl: ShardDdl | None = None
         """Shard DDL coordination; without it a sharded target's DDL blocks its spans."""
         self.known_skips: dict[Span, dict[str, int]] = {}
@@ -657,7 +667,8 @@ class Pipeline:
                 # Consecutive events almost always share the table's metadata: route once.
                 try:
                     routed = target_for(span, ev.database, ev.table, ev.meta, policy, w.rt.config.router)
-                except KeylessTableError as exc:
+                    w.rules = await self._table_rules(w.rt.config.router, ev)
+                except (KeylessTableError, TableRulesError) as exc:
                     self._refuse(w, str(exc))
                     return
                 origin = self._origin_of(w, ev.database, ev.table)
@@ -681,8 +692,27 @@ class Pipeline:
             w.plan = TargetPlan(target_id=target_id(w.rt.config.sink_url, table),
                                 sink_url=w.rt.config.sink_url, table=table)
             w.origin = self._origin_of(w, last_meta.database, last_meta.table)
+            w.source_meta = last_meta.meta
         if w.rt.state == "refused":
             w.rt.state, w.rt.error = "replicating", None
+
+    async def _table_rules(self, router: Router | None, ev: RowsChangedV1) -> TableRules | None:
+        """The table's rules, their expressions checked against its metadata by Spark's
+        analyser (once per table shape); ``TableRulesError`` says why they do not fit."""
+        if router is None or not router.table_rules:
+            return None
+        rules = rules_for(router.table_rules, ev.database, ev.table)
+        if rules == NO_RULES:
+            return None
+        if rules.needs_spark:
+            cache_key = (ev.meta.model_dump_json(), repr(rules))
+            if cache_key not in self._rules_checked:
+                problem = await asyncio.to_thread(analyse, self._spark(), ev.meta, rules)
+                self._rules_checked[cache_key] = problem
+            problem = self._rules_checked[cache_key]
+            if problem is not None:
+                raise TableRulesError(f"table rules of {ev.database}.{ev.table}: {problem}")
+        return rules
 
     @staticmethod
     def _origin_of(w: _Work, database: str, table: str) -> tuple[str, str] | None:
@@ -926,19 +956,23 @@ class Pipeline:
                 self._ensure_schema(sink, sink_url, w.plan.table, reconcile=w.rt.shards == 1)
             if batch_works:
                 keys = [w.rt.span.kv_key for w in batch_works]
+                metas = {w.rt.span.kv_key: w.source_meta for w in batch_works if w.source_meta is not None}
                 plans = {w.rt.span.kv_key: w.plan for w in batch_works if w.plan is not None}
                 origins = {w.rt.span.kv_key: w.origin for w in batch_works if w.origin is not None}
                 skips = {w.rt.span.kv_key: dict(w.rt.skips) for w in batch_works if w.rt.skips}
                 guarded = {w.plan.target_id: w.rt.config.on_unique_conflict for w in batch_works
                            if w.plan is not None and _needs_guard(w)}
                 names = {w.rt.span.kv_key: w.rt.span.name for w in batch_works}
+                rules = {w.rt.span.kv_key: w.rules for w in batch_works if w.rules is not None}
+                row_rules = {key: SpanRowRules(by_key_meta, r) for key, r in rules.items()
+                             if r.needs_spark and (by_key_meta := metas.get(key)) is not None}
                 t0 = time.monotonic()
                 with tracer().start_as_current_span(
                         "apply",
                         attributes={"sluice.sink": sink.__repr__(), "sluice.spans": len(keys)}):
                     result = run_apply(spark, sort.batch.where(F.col("span").isin(keys)), plans,
                                        self.options.apply_partitions, origins, skips, guarded, names,
-                                       large)
+                                       large, rules, row_rules)
                 m.APPLY_SECONDS.observe(time.monotonic() - t0)
                 self._count_written(batch_works, result, outcomes)
                 self._stop_refused(batch_works, result, sort, outcomes)
@@ -974,7 +1008,7 @@ class Pipeline:
             try:
                 self._apply_ddl(sink, sink_url, w, ddl.event)
                 outcome.ddl_applied = True
-            except KeylessTableError as exc:
+            except (KeylessTableError, TableRulesError) as exc:
                 outcome.refused = str(exc)
             except Exception as exc:
                 m.ROUND_ERRORS.labels("ddl").inc()
@@ -1030,6 +1064,8 @@ class Pipeline:
                         and e.event_id not in seen):
                     seen.add(e.event_id)
                     batch.append(ChangeSource(e.event_id, e.event))
+            if w.rules is not None and w.source_meta is not None:
+                batch = stream_rows(self._spark(), w.source_meta, w.rules, batch)
             schema: str | None = w.rt.span.database
             table = w.rt.span.table
             key: tuple[str, ...] = ()
@@ -1042,9 +1078,12 @@ class Pipeline:
                                        "shards waits for shard DDL coordination")
                 else:
                     ddl = next(e for e in w.fresh if e.event_id == cut.ddl_id)
-                    messages.append(ddl_message(publisher.target, w.rt.span.changefeed, schema, table,
-                                                ChangeSource(ddl.event_id, ddl.event)))
-                    outcome.publish_ddl = True
+                    if _ddl_ignored(w, ddl):
+                        outcome.ddl_ignored = True
+                    else:
+                        messages.append(ddl_message(publisher.target, w.rt.span.changefeed, schema, table,
+                                                    ChangeSource(ddl.event_id, ddl.event)))
+                        outcome.publish_ddl = True
             outcome.publish = messages
 
     def _publisher(self, sink_url: str) -> StreamPublisher:
@@ -1077,7 +1116,8 @@ class Pipeline:
             m.BATCH_ROWS.observe(rows)
             w.rt.rows_written += rows
             outcome.rows += rows
-            outcome.written, outcome.ddl_applied = True, outcome.publish_ddl
+            outcome.written = True
+            outcome.ddl_applied = outcome.publish_ddl or outcome.ddl_ignored
             outcome.publish = None
 
     def _count_written(self, works: list[_Work], result: ApplyResult,
@@ -1127,6 +1167,11 @@ class Pipeline:
 
     def _apply_ddl(self, sink: Sink, sink_url: str, w: _Work, ddl: DdlExecutedV1) -> None:
         action = ddl_action(ddl)
+        if _rules_ignore_ddl(w.rt.config.router, ddl, action):
+            m.DDL_APPLIED.labels(w.rt.span.changefeed, "ignored").inc()
+            log.info("DDL left out by the changefeed's table rules",
+                     extra={"span": w.rt.span.name, "action": action, "ts": ddl.ts})
+            return
         policy = w.rt.config.key_policy
         routed = route_of(w.rt.span, ddl.database, ddl.table, w.rt.config.router)
         cache_key = (sink_url, routed.schema, routed.table)
@@ -1332,6 +1377,25 @@ def _large_key_incident(w: _Work, exc: LargeKeyError) -> TableIncident:
         target = f"{table.schema}.{table.name}" if table.schema else table.name
     return TableIncident(id=uuid4().hex, target=target, upto_ts=w.horizon,
                          failure=RowFailure("upsert", None, key, f"LargeKeyError: {exc}", None))
+
+
+_IGNORABLE_DDL = {"drop": "drop table", "truncate": "truncate"}
+
+
+def _rules_ignore_ddl(router: Router | None, ddl: DdlExecutedV1, action: str) -> bool:
+    """A TRUNCATE or DROP TABLE the table's rules leave out (``ignore_events``)."""
+    kind = _IGNORABLE_DDL.get(action)
+    if kind is None or router is None or not router.table_rules:
+        return False
+    try:
+        return rules_for(router.table_rules, ddl.database, ddl.table).ignores(kind)
+    except TableRulesError:
+        return False
+
+
+def _ddl_ignored(w: _Work, e: PulledEvent) -> bool:
+    return isinstance(e.event, DdlExecutedV1) and _rules_ignore_ddl(w.rt.config.router, e.event,
+                                                                      ddl_action(e.event))
 
 
 def _needs_guard(w: _Work) -> bool:

@@ -41,6 +41,7 @@ from contracts.events.rows import TableMetaV1
 from libs.config import Settings
 from libs.routing import Router
 from libs.streams import ROWS_STREAM, SNAPSHOT_BUCKET, token
+from libs.table_rules import rules_for
 from services.capture.table_meta import load_table_info
 from services.sink_worker import metrics as m
 from services.sink_worker.checkpoints import Checkpoint
@@ -331,6 +332,13 @@ class InitialLoads:
                 raise ValueError(f"columns of types capture does not carry: {[c.name for c in unsupported]}")
             meta = info.meta()
             target = target_for(span, database, table, meta, req.key_policy, req.router)
+            computed = _computed_columns(req.router, database, table)
+            if computed:
+                # A copy reads rows with SQL on the source: no Spark SQL runs on them, so the
+                # computed values would be missing. Stopped here rather than written without.
+                raise ValueError(f"table {database}.{table} has computed columns ({', '.join(computed)}) and "
+                                 "must be copied: copies do not compute them; use initial_load binlog-only "
+                                 "and avoid DDL that re-copies the table, or drop the computed columns")
             ref = shard_ref(span, database, table)
             found = req.router.origin_for(ref) if req.router is not None else None
             origin = (found.name, found.value(ref)) if found is not None else None
@@ -425,6 +433,12 @@ def _real_names(conn: Any, span: Span) -> tuple[str, str]:
     if len(found) > 1:
         raise LookupError(f"several tables match {span.database}.{span.table}: {found}")
     return found[0]
+
+
+def _computed_columns(router: Router | None, database: str, table: str) -> list[str]:
+    if router is None or not router.table_rules:
+        return []
+    return [c.name for c in rules_for(router.table_rules, database, table).computed]
 
 
 def snapshot_mode(initial_load: str) -> Literal["snapshot", "snapshot-only"] | None:

@@ -132,6 +132,9 @@ class ChangeSource:
 
     event_id: str
     event: RowsChangedV1 | DdlExecutedV1
+    row_ids: tuple[int, ...] | None = None
+    """Each row's index in the captured event, when table rules left rows out (message ids
+    stay those of the captured rows)."""
 
 
 def target_subject(prefix: str, schema: str | None, table: str) -> str:
@@ -149,7 +152,8 @@ def row_messages(target: StreamSinkUrl, changefeed: str, target_schema: str | No
     for e in ordered:
         ev = e.event
         assert isinstance(ev, RowsChangedV1)
-        for i, row in enumerate(ev.rows):
+        ids = e.row_ids if e.row_ids is not None else range(len(ev.rows))
+        for i, row in zip(ids, ev.rows, strict=True):
             msg_id = f"{changefeed}:{e.event_id}:{i}"
             if target.format == "debezium":
                 body: dict[str, Any] = {
