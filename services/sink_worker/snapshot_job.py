@@ -7,11 +7,13 @@ and write the rows through the sink's idempotent upsert.
   exactly ``chunk_rows`` rows (at planning time) whatever the key distribution. A table
   without a usable key is one chunk.
 - Copy (executors, ``copy_partition``): one Spark task per chunk. It reads the chunk with one
-  unbuffered query (pymysql ``SSCursor``: rows stream from the server, memory holds one write
-  batch, not the chunk or the table), turns each batch into ``Upsert`` changes with the same
-  value decoding as the stream's apply job, and writes it with ``Sink.apply_partition``, the
-  stream's write path (delete by unique-key conflict, then insert-or-update by key). No lock
-  is held on the source beyond that query's own consistent read.
+  unbuffered query (pymysql ``SSCursor``: rows stream from the server, memory holds a few write
+  batches, not the chunk or the table), decodes each batch's values as the stream's apply job
+  does, and writes it with ``Sink.load_rows``, the sink's bulk path (LOAD DATA LOCAL ... REPLACE,
+  COPY into a staging table then INSERT ... ON CONFLICT, executemany of INSERT OR REPLACE),
+  with the stream's semantics: rows holding a unique value under another key go, the row is
+  inserted or replaced by key. No lock is held on the source beyond that query's own
+  consistent read.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pyspark.sql import SparkSession
 from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.dburl import parse_database_url
 from services.capture.values import encode_value
-from services.sink_worker.sinks.base import TargetTable, Upsert
+from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.snapshot_plan import (
     Chunk,
     KeyValues,
@@ -194,43 +196,46 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
     columns = [c for c in job.target.meta.columns if origin is None or c.name != origin[0]]
     names = [c.name for c in columns]
     converters = [_converter(c) for c in columns]
-    # Multi-row statements as large as one write batch (still capped by the sink's statement
-    # size): a fresh table takes big inserts best, and each statement is a round trip.
+    # Multi-row statements as large as one write batch where a sink has no bulk path.
     sink = open_sink(job.sink_url, chunk_rows=job.write_rows)
     ahead: queue.Queue[Any] = queue.Queue(maxsize=2)
     stop = threading.Event()
 
+    def offer(item: Any) -> bool:
+        # Never blocks for good: once the writer stopped (it failed), nobody takes from the queue.
+        while not stop.is_set():
+            try:
+                ahead.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def read() -> None:
         try:
             for rows in _read_batches(job, chunk, names):
-                while not stop.is_set():
-                    try:
-                        ahead.put(rows, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not offer(rows):
                     return
-            ahead.put(_DONE)
+            offer(_DONE)
         except BaseException as exc:  # handed to the writer, which raises it
-            ahead.put(exc)
+            offer(exc)
 
     reader = threading.Thread(target=read, name=f"snapshot-read-{chunk.id}", daemon=True)
     reader.start()
+    loaded = [*names, origin[0]] if origin is not None else names
+    # Keyed by the source's primary key, the copied rows never share a target key.
+    keys_unique = bool(job.chunk_key) and set(job.chunk_key) <= set(job.target.key)
     written = 0
     try:
         while (rows := ahead.get()) is not _DONE:
             if isinstance(rows, BaseException):
                 raise rows
-            changes = []
-            for raw in rows:
-                values = [None if v is None else conv(v) for v, conv in zip(raw, converters, strict=True)]
-                row = dict(zip(names, values, strict=True))
-                if origin is not None:
-                    row[origin[0]] = origin[1]
-                changes.append(Upsert(key=tuple(row[k] for k in job.target.key), row=row))
-            sink.apply_partition(job.target, changes)
-            written += len(changes)
+            values = [[None if v is None else conv(v) for v, conv in zip(raw, converters, strict=True)]
+                      for raw in rows]
+            if origin is not None:
+                for row in values:
+                    row.append(origin[1])
+            written += sink.load_rows(job.target, loaded, values, keys_unique=keys_unique)
     finally:
         stop.set()
         reader.join(timeout=30)
