@@ -55,6 +55,7 @@ from services.sink_worker.snapshot_job import (
     estimate_rows,
     plan_chunks,
     run_copy,
+    split_open_chunk,
 )
 from services.sink_worker.snapshot_plan import Chunk, SnapshotProgress
 from services.sink_worker.span import Span, route_of, shard_ref, target_for
@@ -267,9 +268,11 @@ class InitialLoads:
             if progress.resumed_chunks:
                 log.info("snapshot resumes", extra={"span": span.name, "chunks_done": progress.chunks_done,
                                                     "chunks_total": progress.chunks_total})
-            for start in range(0, len(chunks) if job is not None else 0, self.options.parallelism):
+            pending = chunks if job is not None else []
+            while pending:
                 assert job is not None
-                wave = chunks[start:start + self.options.parallelism]
+                pending, revision = await self._bound_open_chunk(req, job, progress, pending, revision)
+                wave, pending = pending[:self.options.parallelism], pending[self.options.parallelism:]
                 counts = await self._copy_wave(job, wave)
                 for chunk_id, rows in sorted(counts.items()):
                     progress.finish_chunk(chunk_id, rows)
@@ -356,6 +359,30 @@ class InitialLoads:
                       target=target, sink_url=req.sink_url, write_rows=self.options.write_rows,
                       origin=origin)
         return job, progress.pending(decode_key(meta, chunk_key))
+
+    async def _bound_open_chunk(self, req: SnapshotRequest, job: CopyJob, progress: SnapshotProgress,
+                                pending: list[Chunk], revision: int) -> tuple[list[Chunk], int]:
+        """Cut the plan's open-ended last chunk when the next wave reaches it (as often as the
+        wave has room), so that no chunk holds more than ``chunk_rows`` rows whatever was
+        inserted since the plan was made. The cut plan is recorded before any of it is copied:
+        a resumed run copies the same chunks."""
+        cut = False
+        while (pending and pending[-1].upper is None and len(pending) <= self.options.parallelism):
+            tail = pending[-1]
+            boundary = await asyncio.to_thread(split_open_chunk, job, tail, self.options.chunk_rows)
+            if boundary is None:
+                break
+            encode = encode_key(job.target.meta, job.chunk_key)
+            progress.chunks[tail.id][1] = encode(boundary)
+            progress.chunks.append([encode(boundary), None])
+            progress.chunks_total = len(progress.chunks)
+            pending = [*pending[:-1], Chunk(tail.id, tail.lower, boundary),
+                       Chunk(len(progress.chunks) - 1, boundary, None)]
+            cut = True
+        if cut:
+            revision = await self.store.put(req.span, progress, revision, req.progress_key)
+            self._observe(req.span, progress)
+        return pending, revision
 
     async def _copy_wave(self, job: CopyJob, wave: list[Chunk]) -> dict[int, int]:
         """One Spark job over ``wave``; cancelled with the task (the job group is cancelled and

@@ -2,10 +2,13 @@
 and write the rows through the sink's idempotent upsert.
 
 - Planning (driver, ``plan_chunks``): an integer key spread evenly over its range is split by
-  its min/max; any other key (composite, strings, sparse integers) by walking the key index,
-  one ``ORDER BY key LIMIT 1 OFFSET chunk_rows-1`` per boundary, which makes every chunk
-  exactly ``chunk_rows`` rows (at planning time) whatever the key distribution. A table
-  without a usable key is one chunk.
+  its min/max (at most twice ``chunk_rows`` a chunk: the range is at most twice the rows); any
+  other key (composite, strings, sparse integers) by walking the key index, one ``ORDER BY
+  key LIMIT 1 OFFSET chunk_rows-1`` per boundary, which makes every chunk exactly
+  ``chunk_rows`` rows (at planning time) whatever the key distribution. The last chunk is open
+  above (rows inserted during the copy land there): the runner cuts it by the same walk when
+  the copy reaches it (``split_open_chunk``), so no chunk grows unbounded. A table without a
+  usable key is one chunk.
 - Copy (executors, ``copy_partition``): one Spark task per chunk. It reads the chunk with one
   unbuffered query (pymysql ``SSCursor``: rows stream from the server, memory holds a few write
   batches, not the chunk or the table), decodes each batch's values as the stream's apply job
@@ -97,18 +100,38 @@ def plan_chunks(conn: Any, database: str, table: str, key: Sequence[str], meta: 
             if evenly_spread(int(low), int(high), int(count)):
                 return chunks_from_boundaries(even_int_boundaries(int(low), int(high), int(count),
                                                                   chunk_rows))
-        boundaries: list[KeyValues] = []
-        order = ", ".join(quote(c) for c in key)
-        while True:
-            params: list[Any] = []
-            where = f"WHERE {key_after(key, quote, boundaries[-1], params)}" if boundaries else ""
-            cur.execute(f"SELECT {cols} FROM {ref} {where} ORDER BY {order} LIMIT 1 OFFSET %s",
-                        [*params, max(0, chunk_rows - 1)])
-            row = cur.fetchone()
-            if row is None:
-                break
-            boundaries.append(tuple(row))
+    boundaries: list[KeyValues] = []
+    while (found := next_boundary(conn, database, table, key, boundaries[-1] if boundaries else None,
+                                  chunk_rows)) is not None:
+        boundaries.append(found)
     return chunks_from_boundaries(boundaries)
+
+
+def next_boundary(conn: Any, database: str, table: str, key: Sequence[str], after: KeyValues | None,
+                  chunk_rows: int) -> KeyValues | None:
+    """The key ``chunk_rows`` rows after ``after`` (None: from the first key), walking the key
+    index; None when fewer rows follow."""
+    cols = ", ".join(quote(c) for c in key)
+    params: list[Any] = []
+    where = f"WHERE {key_after(key, quote, after, params)}" if after is not None else ""
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT {cols} FROM {table_ref(database, table)} {where} ORDER BY {cols}"
+                    " LIMIT 1 OFFSET %s", [*params, max(0, chunk_rows - 1)])
+        row = cur.fetchone()
+    return None if row is None else tuple(row)
+
+
+def split_open_chunk(job: CopyJob, chunk: Chunk, chunk_rows: int) -> KeyValues | None:
+    """Where to cut the plan's open-ended last chunk so that its first part holds ``chunk_rows``
+    rows (None: it holds fewer, copy it whole). Rows inserted after the plan was made all land
+    in that chunk; cut as the copy reaches it, it never grows past one chunk's size."""
+    if not job.chunk_key or chunk.upper is not None:
+        return None
+    conn = connect_source(job.source_url)
+    try:
+        return next_boundary(conn, job.database, job.table, job.chunk_key, chunk.lower, chunk_rows)
+    finally:
+        conn.close()
 
 
 def encode_key(meta: TableMetaV1, key: Sequence[str]) -> Callable[[KeyValues], list[Any]]:
