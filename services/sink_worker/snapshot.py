@@ -223,7 +223,8 @@ class InitialLoads:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        for gauge in (m.SNAPSHOT_ROWS_ESTIMATE, m.SNAPSHOT_ROWS_COPIED, m.SNAPSHOT_CHUNKS_DONE):
+        for gauge in (m.SNAPSHOT_ROWS_ESTIMATE, m.SNAPSHOT_ROWS_COPIED, m.SNAPSHOT_CHUNKS_DONE,
+                      m.SNAPSHOT_ROWS_PER_S, m.SNAPSHOT_ETA_S):
             with contextlib.suppress(KeyError):
                 gauge.remove(span.changefeed, span.name)
 
@@ -237,6 +238,7 @@ class InitialLoads:
             return None
         return {"state": p.state, "rows_copied": p.rows_copied, "rows_estimate": p.rows_estimate,
                 "chunks_done": p.chunks_done, "chunks_total": p.chunks_total,
+                "rows_per_s": round(p.rows_per_s, 1), "eta_s": None if p.eta_s is None else round(p.eta_s, 1),
                 "low_watermark_ts": p.low_watermark_ts, "high_watermark_ts": p.high_watermark_ts,
                 "error": p.error}
 
@@ -255,6 +257,7 @@ class InitialLoads:
         progress.resumed_chunks = len(progress.done)
         progress.started_at = progress.started_at or time.time()
         self.progress[span] = progress
+        run_started_at, rows_at_run_start = time.time(), progress.rows_copied
         try:
             if progress.low_watermark_seq is None:
                 progress.state = "pending"
@@ -277,12 +280,14 @@ class InitialLoads:
                 for chunk_id, rows in sorted(counts.items()):
                     progress.finish_chunk(chunk_id, rows)
                     m.SNAPSHOT_ROWS.labels(span.changefeed).inc(rows)
+                progress.measure(run_started_at, rows_at_run_start, time.time())
                 revision = await self.store.put(span, progress, revision, req.progress_key)
                 self._observe(span, progress)
             mark, revision = await self._wait_mark(req, progress, revision,
                                                    after_ms=int(time.time() * 1000))
             progress.high_watermark_ts, progress.high_watermark_seq = mark.ts, mark.stream_seq
             progress.state, progress.finished_at = "done", time.time()
+            progress.measure(run_started_at, rows_at_run_start, progress.finished_at)
             await self.store.put(span, progress, revision, req.progress_key)
             self._observe(span, progress)
             log.info("snapshot done", extra={"span": span.name, "rows": progress.rows_copied,
@@ -435,6 +440,9 @@ class InitialLoads:
         m.SNAPSHOT_ROWS_ESTIMATE.labels(span.changefeed, span.name).set(p.rows_estimate)
         m.SNAPSHOT_ROWS_COPIED.labels(span.changefeed, span.name).set(p.rows_copied)
         m.SNAPSHOT_CHUNKS_DONE.labels(span.changefeed, span.name).set(p.chunks_done)
+        m.SNAPSHOT_ROWS_PER_S.labels(span.changefeed, span.name).set(p.rows_per_s)
+        # -1: no speed measured yet, so no estimate (a gauge has no "unknown").
+        m.SNAPSHOT_ETA_S.labels(span.changefeed, span.name).set(-1 if p.eta_s is None else p.eta_s)
 
 
 def _real_names(conn: Any, span: Span) -> tuple[str, str]:
