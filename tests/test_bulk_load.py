@@ -1,6 +1,7 @@
 """The initial load's bulk write paths (``Sink.load_rows``: LOAD DATA LOCAL into MariaDB, COPY
 through a staging table into PostgreSQL, executemany into SQLite), in process against real
-servers: the type matrix's edge values and typed keys copied by ``copy_chunk`` arrive unchanged,
+servers: the type matrix's edge values and typed keys copied by ``copy_chunk`` arrive unchanged
+(into MariaDB both as the source's undecoded text and as decoded values),
 a re-copied chunk converges over stale rows, a unique value moved to another key replaces its
 old holder, and a value the target cannot hold fails the load instead of being stored wrong."""
 
@@ -21,7 +22,8 @@ from libs.localservers.postgres import PostgreSQL
 from services.capture.table_meta import load_table_info
 from services.sink_worker.sinks.base import TargetTable, Upsert
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.snapshot_job import CopyJob, connect_source, copy_chunk
+from services.sink_worker.sinks.mysql import MySQLSink
+from services.sink_worker.snapshot_job import CopyJob, _converter, connect_source, copy_chunk
 from services.sink_worker.snapshot_plan import Chunk
 from tests.test_type_matrix import KEY_CASES, VALUE_CASES
 
@@ -85,6 +87,18 @@ def _source_rows(source: MariaDB, table: str) -> tuple[list[dict[str, Any]], Tab
         conn.close()
 
 
+def _decoded_rows(source: MariaDB, table: str, meta: TableMetaV1) -> list[list[Any]]:
+    converters = [_converter(c) for c in meta.columns]
+    conn = connect_source(source.url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"SELECT {', '.join(f'`{c.name}`' for c in meta.columns)} FROM {SRC}.`{table}`")
+            return [[None if v is None else conv(v) for v, conv in zip(raw, converters, strict=True)]
+                    for raw in cur.fetchall()]
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize("sink", SINKS)
 def test_copied_edge_values_and_typed_keys_arrive_unchanged_and_a_recopy_converges(
     source: MariaDB, sink_urls: dict[str, str], sink: str,
@@ -111,6 +125,15 @@ def test_copied_edge_values_and_typed_keys_arrive_unchanged_and_a_recopy_converg
         diff = compare_tables(rows, down.fetch_rows(target), key, columns=meta.columns)
         if not diff.ok:
             problems.append(f"{table}: {diff}")
+        if sink == "mariadb":
+            assert isinstance(down, MySQLSink) and down.local_infile_on()  # so the copy took the text path
+            # The copy into MariaDB loads the source's text as it is; the decoded values (what
+            # a non-MySQL source or another caller hands ``load_rows``) must load the same.
+            down.truncate_table(target)
+            down.load_rows(target, [c.name for c in meta.columns], _decoded_rows(source, table, meta))
+            diff = compare_tables(rows, down.fetch_rows(target), key, columns=meta.columns)
+            if not diff.ok:
+                problems.append(f"{table} (decoded values): {diff}")
     assert not problems, "\n".join(problems)
 
 

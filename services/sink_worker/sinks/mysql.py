@@ -184,6 +184,31 @@ def _load_encoder(column: ColumnV1) -> tuple[Callable[[Any], str], str | None]:
     return _text, None
 
 
+def _as_is(value: Any) -> str:
+    return value if type(value) is str else _text(value)
+
+
+def _source_text_encoder(column: ColumnV1) -> tuple[Callable[[Any], str], str | None]:
+    """``_load_encoder`` for a value as a MySQL source's text protocol sent it (pymysql with no
+    decoders: str, bytes for binary columns): numbers, dates and times are already spelled as
+    the server reads them back, so only text needs escaping and binary its hex."""
+    kind = column.kind
+    try:
+        base = parse_sql_type(column.sql_type).base
+    except SqlTypeError:
+        base = ""
+    if kind == "bytes":
+        return (lambda v: (v if isinstance(v, bytes) else str(v).encode()).hex()), "UNHEX({})"
+    if kind == "bit":
+        return (lambda v: str(int.from_bytes(v, "big") if isinstance(v, bytes) else int(v))), \
+            "CAST({} AS UNSIGNED)"
+    if base == "year":
+        return _as_is, "CAST({} AS UNSIGNED)"
+    if kind in ("int", "float", "decimal", "date", "datetime", "timestamp", "time"):
+        return _as_is, None
+    return _text, None
+
+
 class MySQLSink(SqlSink):
     dialect = "mysql"
     placeholder = "%s"
@@ -371,19 +396,49 @@ class MySQLSink(SqlSink):
 
     _local_infile_refused = False
 
+    def local_infile_on(self) -> bool:
+        """Whether the server takes ``LOAD DATA LOCAL`` (asked once per sink instance)."""
+        if not self._local_infile_refused:
+            def work(cur: Any) -> bool:
+                cur.execute("SELECT @@GLOBAL.local_infile")
+                row = cur.fetchone()
+                return bool(row and int(row[0]))
+
+            self._local_infile_refused = not self._run(work, "local_infile")
+        return not self._local_infile_refused
+
     def load_rows(self, table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]],
                   *, keys_unique: bool = True) -> int:
         if not rows:
             return 0
         if self._local_infile_refused:
             return super().load_rows(table, columns, rows, keys_unique=keys_unique)
+        try:
+            return self._load(table, columns, rows, _load_encoder)
+        except pymysql.err.OperationalError as exc:
+            if not exc.args or exc.args[0] not in _LOCAL_INFILE_REFUSED:
+                raise
+            self._local_infile_refused = True
+            return super().load_rows(table, columns, rows, keys_unique=keys_unique)
+
+    def load_source_text(self, table: TargetTable, columns: Sequence[str],
+                         rows: Sequence[Sequence[Any]]) -> int:
+        """``load_rows`` of rows as a MySQL source's text protocol sent them (no decoding on
+        either side: the copy's fast path into a MySQL/MariaDB downstream). Only when
+        ``local_infile_on()``: there is no upsert to fall back to with undecoded values."""
+        if not rows:
+            return 0
+        return self._load(table, columns, rows, _source_text_encoder)
+
+    def _load(self, table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+              encoder_of: Callable[[ColumnV1], tuple[Callable[[Any], str], str | None]]) -> int:
         self._validate(table)
         colmap = self._columns(table)
         encoders: list[Callable[[Any], str]] = []
         fields: list[str] = []
         sets: list[str] = []
         for i, name in enumerate(columns):
-            encode, expression = _load_encoder(colmap[name])
+            encode, expression = encoder_of(colmap[name])
             encoders.append(encode)
             if expression is None:
                 fields.append(self.ident(name))
@@ -405,13 +460,7 @@ class MySQLSink(SqlSink):
                 raise pymysql.err.DataError(1265, f"LOAD DATA into {table.name!r} warned: "
                                                   f"{[tuple(r) for r in cur.fetchall()]}")
 
-        try:
-            self._run(work, f"load into {table.name!r}", connect=self._connect_load)
-        except pymysql.err.OperationalError as exc:
-            if not exc.args or exc.args[0] not in _LOCAL_INFILE_REFUSED:
-                raise
-            self._local_infile_refused = True
-            return super().load_rows(table, columns, rows, keys_unique=keys_unique)
+        self._run(work, f"load into {table.name!r}", connect=self._connect_load)
         return len(rows)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
