@@ -21,7 +21,7 @@ any unique key, which is the apply path's conflict delete plus upsert in one sta
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -146,12 +146,24 @@ def _text(value: Any) -> str:
     return str(value).translate(_ESCAPES)
 
 
-def _load_file(rows: Iterable[Sequence[Any]], encoders: Sequence[Callable[[Any], str]]) -> bytes:
-    """Rows as LOAD DATA's default text format: tab-separated fields, ``\\N`` for NULL."""
-    lines = ["\t".join(["\\N" if v is None else encode(v) for v, encode in zip(row, encoders, strict=True)])
-             for row in rows]
-    lines.append("")
-    return "\n".join(lines).encode("utf-8")
+def _load_files(rows: Iterable[Sequence[Any]], encoders: Sequence[Callable[[Any], str]],
+                limit: int) -> Iterator[bytes]:
+    """Rows as LOAD DATA's default text format (tab-separated fields, ``\\N`` for NULL), in
+    files of about ``limit`` characters (a row is never split): a batch of wide rows is sent
+    as several files, so the encoded copy in memory stays one file, not the batch."""
+    lines: list[str] = []
+    size = 0
+    for row in rows:
+        line = "\t".join(["\\N" if v is None else encode(v) for v, encode in zip(row, encoders, strict=True)])
+        lines.append(line)
+        size += len(line) + 1
+        if size >= limit:
+            lines.append("")
+            yield "\n".join(lines).encode("utf-8")
+            lines, size = [], 0
+    if lines:
+        lines.append("")
+        yield "\n".join(lines).encode("utf-8")
 
 
 def _load_encoder(column: ColumnV1) -> tuple[Callable[[Any], str], str | None]:
@@ -395,6 +407,9 @@ class MySQLSink(SqlSink):
     # ------------------------------------------------------------------ DML
 
     _local_infile_refused = False
+    # Characters per streamed LOAD DATA file: a batch of wide rows goes as several files in its
+    # one transaction, so its encoded copy in memory is one file's, not the batch's.
+    load_file_chars = 8 * 1024 * 1024
 
     def local_infile_on(self) -> bool:
         """Whether the server takes ``LOAD DATA LOCAL`` (asked once per sink instance)."""
@@ -445,7 +460,6 @@ class MySQLSink(SqlSink):
             else:
                 fields.append(f"@v{i}")
                 sets.append(f"{self.ident(name)} = {expression.format(f'@v{i}')}")
-        data = _load_file(rows, encoders)
         # No parameters: pymysql leaves the text alone, so identifiers are quoted plainly.
         sql = (f"LOAD DATA LOCAL INFILE 'sluice-bulk' REPLACE INTO TABLE {self._table_ref(table)}"
                " CHARACTER SET utf8mb4 FIELDS TERMINATED BY '\\t' ENCLOSED BY '' ESCAPED BY '\\\\'"
@@ -455,10 +469,11 @@ class MySQLSink(SqlSink):
         def work(cur: Any) -> None:
             # LOCAL turns strict mode's errors into warnings (the server cannot stop the
             # upload): any warning fails the load, as the same value fails the upsert.
-            if cur.connection.load(sql, data):
-                cur.execute("SHOW WARNINGS LIMIT 3")
-                raise pymysql.err.DataError(1265, f"LOAD DATA into {table.name!r} warned: "
-                                                  f"{[tuple(r) for r in cur.fetchall()]}")
+            for data in _load_files(rows, encoders, self.load_file_chars):
+                if cur.connection.load(sql, data):
+                    cur.execute("SHOW WARNINGS LIMIT 3")
+                    raise pymysql.err.DataError(1265, f"LOAD DATA into {table.name!r} warned: "
+                                                      f"{[tuple(r) for r in cur.fetchall()]}")
 
         self._run(work, f"load into {table.name!r}", connect=self._connect_load)
         return len(rows)
