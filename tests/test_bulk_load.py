@@ -167,6 +167,17 @@ def test_a_moved_unique_value_replaces_its_old_holder_and_bad_values_fail(
     got = {r["id"]: (r["login"], r["note"]) for r in down.fetch_rows(target)}
     assert got == {2: ("bob", "new"), 3: (None, None), 4: ("lucy", "tab\there\nnew line \\N \\"),
                    5: (None, "NULL")}
+    if isinstance(down, MySQLSink):
+        # The server asks for a file the client did not offer: refused, never read from disk.
+        conn = down._connect_load()
+        try:
+            with pytest.raises(pymysql.err.OperationalError, match="refused"), conn.cursor() as cur:
+                cur.execute(f"LOAD DATA LOCAL INFILE '/etc/hostname' INTO TABLE {DOWN}.{target.name}")
+            with conn.cursor() as cur:  # and the connection is still in step with the server
+                cur.execute("SELECT 1")
+                assert cur.fetchone() == (1,)
+        finally:
+            conn.close()
     if sink != "sqlite":  # SQLite does not enforce varchar lengths
         with pytest.raises(Exception, match=r"(?i)too long|data truncated|warned"):
             down.load_rows(target, cols, [(6, "far too long for eight", None)])
