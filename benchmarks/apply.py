@@ -601,10 +601,12 @@ def _rss(pid: int) -> tuple[str, int]:
 class RssSampler(threading.Thread):
     """Peak of the summed RSS of a process tree (the driver, the Spark JVM, its Python workers)."""
 
-    def __init__(self, pid: int, interval: float = 0.2) -> None:
+    def __init__(self, pid: int, interval: float = 0.2, only: frozenset[str] | None = None) -> None:
         super().__init__(daemon=True)
         self.pid = pid
         self.interval = interval
+        self.only = only
+        """Parts to count (None: all); the root process is always "driver"."""
         self.peak = 0
         self.peak_parts: dict[str, int] = {}
         self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (part, CPU seconds at the last sample)
@@ -638,7 +640,8 @@ class RssSampler(threading.Thread):
         parts: dict[str, int] = {}
         for pid in _descendants(self.pid):
             name, rss = _rss(pid)
-            if rss:
+            name = "driver" if pid == self.pid else name
+            if rss and (self.only is None or name in self.only):
                 parts[name] = parts.get(name, 0) + rss
                 self.cpu[pid] = (name, cpu_seconds(pid))
                 if name == "jvm":

@@ -1,30 +1,36 @@
-"""Initial-load copy speed against ``LOAD DATA`` (issue 8): one run, the same rows, the same
-downstream database.
+"""Initial-load copy speed against the databases' own bulk loads (issues 8, 17): one run, the
+same rows, the same downstream servers.
 
     .venv/bin/python -m benchmarks.bench_snapshot [--rows 2000000] [--chunk-rows 50000]
         [--parallelism 4] [--write-rows 5000] [--spark-master local[*]]
 
-Starts two private MariaDB servers (source and downstream, the test servers' settings) and
-fills a source table with ``--rows`` rows (BIGINT key, VARCHAR, DECIMAL, DATETIME(6), TINYINT,
-a nullable TEXT). Then, into two databases of the downstream server:
+Starts private servers (MariaDB source, MariaDB downstream with the test servers' settings,
+PostgreSQL downstream) and fills a source table with ``--rows`` rows (BIGINT key, VARCHAR,
+DECIMAL, DATETIME(6), TINYINT, a nullable TEXT). Then:
 
-- the initial load's copy: ``snapshot_job.plan_chunks`` and ``run_copy`` (the Spark job the
-  worker runs), in waves of ``--parallelism`` chunks as ``snapshot.InitialLoads`` runs them,
-  from the source through pymysql unbuffered reads and the sink's idempotent upsert. The clock
-  starts after the target table is created and Spark is warm (a first tiny job ran), and
-  includes the chunk planning;
+- the initial load's copy into MariaDB: ``snapshot_job.plan_chunks`` and ``run_copy`` (the
+  Spark job the worker runs), in waves of ``--parallelism`` chunks as ``snapshot.InitialLoads``
+  runs them, from the source through pymysql unbuffered reads and the sink's bulk path
+  (``LOAD DATA LOCAL ... REPLACE`` streamed from memory). The clock starts after the target
+  table is created and Spark is warm (a first tiny job ran), and includes the chunk planning;
 - ``LOAD DATA LOCAL INFILE`` of the same rows into an identical table (``CREATE TABLE ... LIKE``
   the copy's target); the file is exported by the source (``SELECT ... INTO OUTFILE``) before
-  the clock starts.
+  the clock starts;
+- the same copy into PostgreSQL (``COPY`` into a staging table, then ``INSERT ... ON
+  CONFLICT``), and PostgreSQL's ``COPY ... FROM STDIN`` of the exported file into an identical
+  table (the file's format is also COPY's text format).
 
-Both results are checked against each other (row count and ``CHECKSUM TABLE``): a wrong copy
-fails the run instead of reporting a speed. Only the copy is timed: the watermarks and the
-hand-over to streaming add two reads of the resolved mark.
+During each copy the process tree of the copy (this driver, the Spark JVM, its Python
+workers; not the database servers) is sampled for its peak RSS, which stands for a worker's.
+Each copy is checked against its baseline (row count and a checksum of every row): a wrong
+copy fails the run instead of reporting a speed. Only the copies are timed: the watermarks
+and the hand-over to streaming add two reads of the resolved mark.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -32,9 +38,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.apply import RssSampler
 from benchmarks.output import Figures, add_json_option
 from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
+from libs.localservers.postgres import PostgreSQL
 from libs.spark import get_spark, stop_spark
 from services.capture.table_meta import load_table_info
 from services.sink_worker.sinks.factory import open_sink
@@ -69,21 +77,26 @@ def _checksum(db: MariaDB, schema: str) -> tuple[int, int]:
     return int(count), int(checksum)
 
 
-def _snapshot(source: MariaDB, down: MariaDB, args: argparse.Namespace) -> tuple[float, int, int]:
-    spark = get_spark(Settings(spark_master=args.spark_master, spark_shuffle_partitions=args.parallelism,
-                               spark_driver_memory="1g"))
-    spark.sparkContext.parallelize(range(4), 4).map(lambda x: x * 2).collect()  # warm workers
-    sink_url = down.url_for("snap")
+def _pg_checksum(db: PostgreSQL, schema: str) -> tuple[int, str]:
+    row = db.execute(f"SELECT count(*), md5(string_agg(t::text, ',' ORDER BY id))"
+                     f" FROM {schema}.{_TABLE} t")[0]
+    return int(row[0]), str(row[1])
+
+
+def _snapshot(source: MariaDB, sink_url: str, schema: str, args: argparse.Namespace,
+              spark: Any) -> tuple[float, int, int, int]:
+    """The copy into ``schema`` of ``sink_url``: seconds, rows, chunks, peak RSS of the tree."""
     conn = connect_source(source.url)
     info = load_table_info(conn, _SCHEMA, _TABLE)
     assert info is not None
     meta = info.meta()
     span = Span.of("bench", "src", _SCHEMA, _TABLE)
-    # The copy's target is the sink's table in the `snap` database.
-    target = replace(target_for(span, _SCHEMA, _TABLE, meta, "primary"), schema="snap")
+    target = replace(target_for(span, _SCHEMA, _TABLE, meta, "primary"), schema=schema)
     open_sink(sink_url).ensure_table(target)
     job = CopyJob(source_url=source.url, database=_SCHEMA, table=_TABLE, chunk_key=tuple(meta.primary_key),
                   target=target, sink_url=sink_url, write_rows=args.write_rows)
+    sampler = RssSampler(os.getpid(), only=frozenset({"driver", "jvm", "python workers"}))
+    sampler.start()
     started = time.monotonic()
     chunks = plan_chunks(conn, _SCHEMA, _TABLE, job.chunk_key, meta, args.chunk_rows, args.rows)
     planned = time.monotonic() - started
@@ -91,14 +104,22 @@ def _snapshot(source: MariaDB, down: MariaDB, args: argparse.Namespace) -> tuple
     for first in range(0, len(chunks), args.parallelism):
         copied += sum(run_copy(spark, job, chunks[first:first + args.parallelism]).values())
     elapsed = time.monotonic() - started
+    sampler.done.set()
+    sampler.join()
     conn.close()
-    print(f"  snapshot: {len(chunks)} chunks planned in {planned:.2f}s, {copied} rows copied")
-    return elapsed, copied, len(chunks)
+    print(f"  copy into {sink_url.split(':')[0]}: {len(chunks)} chunks planned in {planned:.2f}s,"
+          f" {copied} rows copied in {elapsed:.2f}s, peak RSS {sampler.peak / 2**20:,.0f} MiB"
+          f" ({', '.join(f'{k} {v / 2**20:,.0f}' for k, v in sorted(sampler.peak_parts.items()))})")
+    return elapsed, copied, len(chunks), sampler.peak
 
 
-def _load_data(source: MariaDB, down: MariaDB, tmp: Path) -> float:
+def _export(source: MariaDB, tmp: Path) -> Path:
     path = tmp / "orders.tsv"
     source.execute(f"SELECT * FROM {_SCHEMA}.{_TABLE} INTO OUTFILE '{path}' CHARACTER SET utf8mb4")
+    return path
+
+
+def _load_data(down: MariaDB, path: Path) -> float:
     down.execute("CREATE DATABASE `load`", f"CREATE TABLE `load`.{_TABLE} LIKE snap.{_TABLE}")
     conn: Any = down.connect("load")
     try:
@@ -107,6 +128,22 @@ def _load_data(source: MariaDB, down: MariaDB, tmp: Path) -> float:
             cur.execute(f"LOAD DATA LOCAL INFILE '{path}' INTO TABLE {_TABLE} CHARACTER SET utf8mb4")
             conn.commit()
             return time.monotonic() - started
+    finally:
+        conn.close()
+
+
+def _pg_copy(pg: PostgreSQL, path: Path) -> float:
+    """COPY FROM STDIN of the exported file (MariaDB's OUTFILE text is COPY's text format)."""
+    pg.execute("CREATE SCHEMA pgload", f"CREATE TABLE pgload.{_TABLE} (LIKE snap.{_TABLE} INCLUDING ALL)")
+    conn = pg.connect()
+    try:
+        started = time.monotonic()
+        with conn.cursor() as cur, cur.copy(f"COPY pgload.{_TABLE} FROM STDIN") as copy, \
+                open(path, "rb") as f:
+            while data := f.read(1 << 20):
+                copy.write(data)
+        conn.commit()
+        return time.monotonic() - started
     finally:
         conn.close()
 
@@ -127,35 +164,60 @@ def main(argv: list[str] | None = None) -> int:
         source = MariaDB(data_dir=tmp / "source", server_id=11).start()
         down = MariaDB(data_dir=tmp / "down", server_id=12,
                        extra_args=("--innodb-buffer-pool-size=512M",)).start()
+        pg = PostgreSQL(data_dir=Path(tempfile.mkdtemp(prefix="sluice-bench-pg-"))).start()
         try:
             t0 = time.monotonic()
             _fill(source, args.rows)
             print(f"source filled with {args.rows} rows in {time.monotonic() - t0:.1f}s")
-            snap_s, copied, chunks = _snapshot(source, down, args)
-            load_s = _load_data(source, down, tmp)
+            spark = get_spark(Settings(spark_master=args.spark_master,
+                                       spark_shuffle_partitions=args.parallelism, spark_driver_memory="1g"))
+            spark.sparkContext.parallelize(range(4), 4).map(lambda x: x * 2).collect()  # warm workers
+            my_s, my_rows, chunks, my_rss = _snapshot(source, down.url_for("snap"), "snap", args, spark)
+            path = _export(source, tmp)
+            load_s = _load_data(down, path)
+            pg_s, pg_rows, _, pg_rss = _snapshot(source, pg.url, "snap", args, spark)
+            copy_s = _pg_copy(pg, path)
             snap, load = _checksum(down, "snap"), _checksum(down, "`load`")
-            if copied != args.rows or snap != load or snap[0] != args.rows:
-                print(f"MISMATCH: copied {copied}, snapshot (rows, checksum) {snap}, LOAD DATA {load}")
+            pg_snap, pg_load = _pg_checksum(pg, "snap"), _pg_checksum(pg, "pgload")
+            if (my_rows != args.rows or snap != load or snap[0] != args.rows or pg_rows != args.rows
+                    or pg_snap != pg_load or pg_snap[0] != args.rows):
+                print(f"MISMATCH: MariaDB copied {my_rows}, (rows, checksum) {snap} vs LOAD DATA {load};"
+                      f" PostgreSQL copied {pg_rows}, {pg_snap} vs COPY {pg_load}")
                 return 1
-            snap_rate, load_rate = args.rows / snap_s, args.rows / load_s
+            rate = {"my": args.rows / my_s, "load": args.rows / load_s, "pg": args.rows / pg_s,
+                    "copy": args.rows / copy_s}
+            my_ratio, pg_ratio = rate["my"] / rate["load"], rate["pg"] / rate["copy"]
+            peak = max(my_rss, pg_rss)
             print(f"rows: {args.rows}  (chunk_rows {args.chunk_rows}, parallelism {args.parallelism}, "
                   f"write_rows {args.write_rows}, {chunks} chunks, spark {args.spark_master})")
-            print(f"{'path':<28}{'seconds':>10}{'rows/s':>12}{'vs LOAD DATA':>15}")
-            print(f"{'LOAD DATA LOCAL INFILE':<28}{load_s:>10.2f}{load_rate:>12,.0f}{'1.00':>15}")
-            ratio = snap_rate / load_rate
-            print(f"{'initial load (Spark copy)':<28}{snap_s:>10.2f}{snap_rate:>12,.0f}{ratio:>15.2f}")
-            print("checksums equal: " + str(snap == load))
-            out.add(f"initial load copy of {args.rows:,} rows ({chunks} chunks of {args.chunk_rows:,}, "
-                    f"{args.parallelism} per wave), checksums equal to LOAD DATA's", snap_rate, "rows/s",
-                    baseline=f"LOAD DATA LOCAL INFILE of the same rows {load_rate:,.0f} rows/s "
-                             f"({ratio:.2f}x of it)",
-                    target=f">= half of LOAD DATA ({load_rate / 2:,.0f} rows/s)",
-                    met=snap_rate >= load_rate / 2)
+            print(f"{'path':<34}{'seconds':>10}{'rows/s':>12}{'vs baseline':>14}")
+            print(f"{'MariaDB LOAD DATA LOCAL INFILE':<34}{load_s:>10.2f}{rate['load']:>12,.0f}{'1.00':>14}")
+            print(f"{'initial load into MariaDB':<34}{my_s:>10.2f}{rate['my']:>12,.0f}{my_ratio:>14.2f}")
+            print(f"{'PostgreSQL COPY FROM STDIN':<34}{copy_s:>10.2f}{rate['copy']:>12,.0f}{'1.00':>14}")
+            print(f"{'initial load into PostgreSQL':<34}{pg_s:>10.2f}{rate['pg']:>12,.0f}{pg_ratio:>14.2f}")
+            print(f"peak RSS of the copying worker (driver, JVM, Python workers): {peak / 2**20:,.0f} MiB")
+            print("checksums equal: True")
+            setup = f"({chunks} chunks of {args.chunk_rows:,}, {args.parallelism} per wave)"
+            out.add(f"initial load copy of {args.rows:,} rows into MariaDB {setup}, checksums equal to"
+                    " LOAD DATA's", rate["my"], "rows/s",
+                    baseline=f"LOAD DATA LOCAL INFILE of the same rows {rate['load']:,.0f} rows/s "
+                             f"({my_ratio:.2f}x of it)",
+                    target=f">= half of LOAD DATA ({rate['load'] / 2:,.0f} rows/s)",
+                    met=rate["my"] >= rate["load"] / 2)
+            out.add(f"initial load copy of {args.rows:,} rows into PostgreSQL {setup}, checksums equal to"
+                    " COPY's", rate["pg"], "rows/s",
+                    baseline=f"COPY FROM STDIN of the same rows {rate['copy']:,.0f} rows/s "
+                             f"({pg_ratio:.2f}x of it)",
+                    target=f">= half of COPY ({rate['copy'] / 2:,.0f} rows/s)",
+                    met=rate["pg"] >= rate["copy"] / 2)
+            out.add(f"peak RSS of the copying worker (driver, Spark JVM, Python workers), {args.rows:,} rows",
+                    peak / 2**20, "MiB", target="<= 1 GiB", met=peak <= 2**30)
             out.write(args.json)
         finally:
             stop_spark()
             for server in (source, down):
                 server.stop()
+            pg.cleanup(remove_data=True)
     return 0
 
 

@@ -64,7 +64,7 @@ BENCHES = (
     Bench("bench_rebuild", "Replication-manager rebuild", (),
           ("--events", "50000", "--spans", "1000", "--snapshot-every", "1000")),
     Bench("bench_shard_ddl", "Shard DDL coordination", (), ("--rounds", "1")),
-    Bench("bench_snapshot", "Initial load against LOAD DATA", ("--rows", "500000"),
+    Bench("bench_snapshot", "Initial load against LOAD DATA and COPY", ("--rows", "500000"),
           ("--rows", "50000", "--chunk-rows", "10000")),
 )
 # Heavy multi-process benchmarks last: a failure there should not cost the quick ones.

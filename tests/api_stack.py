@@ -262,7 +262,8 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory, mariadb: MariaDB) -> Ite
         stack.kv_put(CHECKPOINT_BUCKET, key, {"stream_seq": 42, "ts": TS + 1})
         stack.kv_put(SNAPSHOT_BUCKET, key, {"changefeed": CF, "source": "src1", "database": "shop",
                                             "table": "a", "state": "copying", "rows_copied": 500,
-                                            "rows_estimate": 1000, "chunks_done": 5, "chunks_total": 10})
+                                            "rows_estimate": 1000, "chunks_done": 5, "chunks_total": 10,
+                                            "rows_per_s": 2500.0, "eta_s": 125.0})
         # The tests' commands go to the real scheduler: it must lead and have folded the seeded
         # replication state (ready, three sets, both members usable) or it refuses them.
         def scheduler_settled() -> bool:

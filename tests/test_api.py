@@ -212,6 +212,7 @@ def test_tables_members_sources(api_stack: ApiStack) -> None:
         assert a["checkpoint"] == {"stream_seq": 42, "ts": TS + 1} and a["checkpoint_ts"] == TS + 1
         assert 9 <= a["lag_s"] < 600
         assert a["snapshot"]["rows_copied"] == 500 and a["snapshot"]["rows_estimate"] == 1000
+        assert a["snapshot"]["rows_per_s"] == 2500.0 and a["snapshot"]["eta_s"] == 125.0
         assert tables["b"]["snapshot"] is None and tables["b"]["checkpoint"] is None
         assert (tables["c"]["state"], tables["c"]["secondary"]) == ("prepare", "w2")
         assert c.get(f"{V1}/changefeeds/{CF}/tables/src1/shop/a").json()["key"] == a["key"]

@@ -110,9 +110,12 @@ def test_create_refused_by_a_check_then_skip_checks(api_stack: ApiStack, tmp_pat
 
 def test_tables_snapshot_progress_and_move(api_stack: ApiStack) -> None:
     code, out = sluice(api_stack, "changefeed", "tables", CF)
-    assert code == 0 and "replicating" in out and "500/1000" in out, out
+    assert code == 0 and "replicating" in out and "500/1000 at 2,500 rows/s, ETA 2m05s" in out, out
     progress = sluice_json(api_stack, "changefeed", "snapshot", CF)
-    assert progress["src1/shop.a"] == {"rows_copied": 500, "rows_estimate": 1000, "state": "copying"}
+    assert progress["src1/shop.a"] == {"rows_copied": 500, "rows_estimate": 1000, "state": "copying",
+                                       "rows_per_s": 2500.0, "eta_s": 125.0}
+    code, out = sluice(api_stack, "changefeed", "snapshot", CF)
+    assert code == 0 and "2500" in out and "2m05s" in out, out
     key = WorkerSpan(CF, "src1", "shop", "a").kv_key
     done = later(1.5, lambda: api_stack.kv_put(SNAPSHOT_BUCKET, key, {
         "changefeed": CF, "source": "src1", "database": "shop", "table": "a", "state": "done",

@@ -29,9 +29,12 @@ from libs.localservers.common import wait_until
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.service_process import ServiceProcess
 from libs.streams import SNAPSHOT_BUCKET
+from services.capture.table_meta import load_table_info
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.pipeline import Pipeline, SpanConfig
-from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
+from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.snapshot import InitialLoads, SnapshotOptions, SnapshotRequest
+from services.sink_worker.snapshot_job import CopyJob, connect_source, decode_key, encode_key, plan_chunks
 from services.sink_worker.snapshot_plan import SnapshotProgress
 from services.sink_worker.span import Span
 from services.sink_worker.verify import ShardRef, verify_target
@@ -204,7 +207,11 @@ async def test_snapshot_under_writes_survives_kill_9_and_resumes_from_finished_c
     assert done.runs == 2
     assert done.resumed_chunks >= at_kill.chunks_done
     assert done.low_watermark_ts == before.low_watermark_ts
-    assert done.chunks_done == done.chunks_total == before.chunks_total
+    # The plan is the first run's, its open last chunk cut as the copy reached it (rows the
+    # workload inserted since the plan land there).
+    assert done.chunks_done == done.chunks_total >= before.chunks_total
+    assert done.chunks[:before.chunks_total - 1] == before.chunks[:-1]
+    assert done.chunks[-1][1] is None and done.chunks[before.chunks_total - 1][0] == before.chunks[-1][0]
     assert done.high_watermark_ts is not None and done.high_watermark_ts >= done.low_watermark_ts
     assert done.rows_estimate > 0 and done.rows_copied > 0
     empty = await _wait_progress(js, Span.of("snap-kill", "snapk", db, "empty_one"),
@@ -358,7 +365,8 @@ async def test_a_span_moved_mid_copy_hands_over_and_the_next_owner_resumes(
     assert done.resumed_chunks >= at_stop.chunks_done
     assert done.low_watermark_ts == at_stop.low_watermark_ts
     stored = await checkpoints.get(span)
-    assert stored is not None and stored.ts >= done.low_watermark_ts  # streaming started there
+    assert stored is not None and done.low_watermark_ts is not None
+    assert stored.ts >= done.low_watermark_ts  # streaming started there
     while _equal(mariadb, db, ["items"], sink) is not None and time.monotonic() < deadline:
         await new.round()
         await asyncio.sleep(0.2)
@@ -368,3 +376,49 @@ async def test_a_span_moved_mid_copy_hands_over_and_the_next_owner_resumes(
     await new.close()
     await old.close()
     conn.close()
+
+
+def _no_spark() -> SparkSession:
+    raise AssertionError("this test copies nothing")
+
+
+async def test_the_open_last_chunk_is_cut_as_the_copy_reaches_it(
+    js: JetStreamContext, mariadb: MariaDB, tmp_path: Path,
+) -> None:
+    """Rows inserted after the plan all fall in its open-ended last chunk: the runner cuts that
+    chunk to ``chunk_rows`` by walking the key when the next wave reaches it, and records the
+    cut plan before copying any of it."""
+    db = "snap_tail"
+    mariadb.execute(f"DROP DATABASE IF EXISTS {db}", f"CREATE DATABASE {db}",
+                    f"CREATE TABLE {db}.t (id INT PRIMARY KEY, v INT)",
+                    f"INSERT INTO {db}.t SELECT seq, seq FROM {db}.seq_1_to_10")
+    conn = connect_source(mariadb.url)
+    info = load_table_info(conn, db, "t")
+    assert info is not None
+    meta, key = info.meta(), ("id",)
+    chunks = plan_chunks(conn, db, "t", key, meta, 4, 10)
+    conn.close()
+    assert [(c.lower, c.upper) for c in chunks] == [(None, (4,)), ((4,), (8,)), ((8,), None)]
+    mariadb.execute(f"INSERT INTO {db}.t SELECT seq, seq FROM {db}.seq_11_to_30")  # after the plan
+    span = Span.of("tail-cut", "src", db, "t")
+    sink = f"sqlite:///{tmp_path / 'down.db'}"
+    progress = SnapshotProgress(changefeed=span.changefeed, source=span.source, database=db, table="t")
+    progress.set_plan(key, chunks, encode_key(meta, key))
+    loads = InitialLoads(js, _no_spark, SnapshotOptions(chunk_rows=4, parallelism=2),
+                         bucket="sluice-snapshots-tailcut")
+    await loads.store.delete(span)
+    revision = await loads.store.put(span, progress, 0)
+    job = CopyJob(source_url=mariadb.url, database=db, table="t", chunk_key=key,
+                  target=TargetTable(schema=None, name="t", meta=meta, key=key), sink_url=sink)
+    req = SnapshotRequest(span=span, source_url=mariadb.url, sink_url=sink, key_policy="primary",
+                          mode="snapshot")
+    pending, revision = await loads._bound_open_chunk(req, job, progress, chunks, revision)
+    assert pending == chunks  # the open chunk is not in the next wave yet
+    pending, revision = await loads._bound_open_chunk(req, job, progress, pending[2:], revision)
+    # Cut as long as the wave has room: 9..12 and 13..16 go into it, the rest stays open.
+    assert [(c.id, c.lower, c.upper) for c in pending] == [(2, (8,), (12,)), (3, (12,), (16,)),
+                                                           (4, (16,), None)]
+    stored, _ = await loads.store.get(span)
+    assert stored is not None and stored.chunks_total == 5
+    assert stored.pending(decode_key(meta, key))[2:] == pending
+    await loads.store.delete(span)

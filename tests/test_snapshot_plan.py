@@ -113,7 +113,7 @@ def test_progress_json_has_the_fields_the_api_reads() -> None:
     body = json.loads(SnapshotProgress(changefeed="cf", source="s", database="d", table="t").to_json())
     for name in ("changefeed", "source", "database", "table", "state", "rows_copied", "rows_estimate",
                  "chunks_done", "chunks_total", "low_watermark_ts", "high_watermark_ts", "started_at",
-                 "finished_at", "error"):
+                 "finished_at", "error", "rows_per_s", "eta_s"):
         assert name in body
     assert body["state"] == "pending"
     # Unknown fields from a newer writer are ignored, not an error.
@@ -134,3 +134,24 @@ def test_binlog_positions_order_by_file_number_then_offset() -> None:
     b = SourcePositionV1(binlog_file="mysql-bin.000010", binlog_pos=4)
     c = SourcePositionV1(binlog_file="mysql-bin.000010", binlog_pos=120)
     assert position_key(a) < position_key(b) < position_key(c)
+
+
+def test_speed_and_time_left_of_a_run() -> None:
+    p = SnapshotProgress(changefeed="cf", source="s", database="d", table="t", state="copying",
+                         rows_estimate=1000, chunks_total=10)
+    p.measure(run_started_at=100.0, rows_at_run_start=0, now=100.0)
+    assert p.rows_per_s == 0.0 and p.eta_s is None  # nothing copied yet: no guess
+    # A resumed run: 200 rows were copied before it, 300 by it in 3 s.
+    p.rows_copied, p.chunks_done = 500, 5
+    p.measure(run_started_at=100.0, rows_at_run_start=200, now=103.0)
+    assert p.rows_per_s == 100.0 and p.eta_s == 5.0
+    # The estimate was low: the chunks left at the average chunk size say more.
+    p.rows_estimate = 600
+    p.measure(run_started_at=100.0, rows_at_run_start=200, now=103.0)
+    assert p.eta_s == 5.0
+    p.rows_estimate, p.chunks_total = 600, 20
+    p.measure(run_started_at=100.0, rows_at_run_start=200, now=103.0)
+    assert p.eta_s == 15.0
+    p.state = "done"
+    p.measure(run_started_at=100.0, rows_at_run_start=200, now=104.0)
+    assert p.eta_s == 0.0 and p.rows_per_s == 75.0

@@ -203,14 +203,16 @@ def changefeed_table_error(
         "POST", f"/changefeeds/{changefeed}/tables/{source}/{database}/{table}/errors/{incident}/{action}"))
 
 
-def _snapshot_totals(tables: list[dict[str, Any]]) -> dict[str, tuple[int, int, str]]:
+def _snapshot_totals(tables: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for t in tables:
         snap = t.get("snapshot")
         if snap:
             name = f"{t['source']}/{t['database']}.{t['table']}"
-            out[name] = (int(snap.get("rows_copied") or 0),
-                         int(snap.get("rows_estimate") or 0), str(snap.get("state", "")))
+            out[name] = {"rows_copied": int(snap.get("rows_copied") or 0),
+                         "rows_estimate": int(snap.get("rows_estimate") or 0),
+                         "state": str(snap.get("state", "")),
+                         "rows_per_s": float(snap.get("rows_per_s") or 0.0), "eta_s": snap.get("eta_s")}
     return out
 
 
@@ -219,27 +221,32 @@ def changefeed_snapshot(ctx: typer.Context, changefeed: str,
                         wait: Annotated[bool, typer.Option(help="Follow until every copy is done.")] = False,
                         timeout: Annotated[float, typer.Option(help="Give up after this many s.")] = 3600,
                         ) -> None:
-    """Initial-load progress of every table: rows copied of the estimate, with progress bars."""
+    """Initial-load progress of every table: rows copied of the estimate, speed and time left,
+    with progress bars."""
     cli = _cli(ctx)
     totals = _snapshot_totals(cli.run("GET", f"/changefeeds/{changefeed}/tables"))
     if cli.json or not wait:
         if cli.json:
-            render.as_json({k: {"rows_copied": v[0], "rows_estimate": v[1], "state": v[2]}
-                            for k, v in totals.items()})
+            render.as_json(totals)
         else:
-            render.table("initial load", ["table", "state", "rows copied", "estimate"],
-                         ([k, v[2], v[0], v[1] or None] for k, v in sorted(totals.items())))
+            render.table("initial load", ["table", "state", "rows copied", "estimate", "rows/s", "ETA"],
+                         ([k, v["state"], v["rows_copied"], v["rows_estimate"] or None,
+                           round(v["rows_per_s"]) or None,
+                           render.duration(v["eta_s"]) if v["state"] != "done" else None]
+                          for k, v in sorted(totals.items())))
         return
     deadline = time.monotonic() + timeout
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=render.console) as bars:
+                  TimeElapsedColumn(), TextColumn("{task.fields[speed]}"), console=render.console) as bars:
         ids = {}
         while True:
-            for name, (done, est, state) in sorted(totals.items()):
+            for name, v in sorted(totals.items()):
+                est = v["rows_estimate"] or None
                 if name not in ids:
-                    ids[name] = bars.add_task(name, total=est or None)
-                bars.update(ids[name], completed=done, total=est or None, description=f"{name} {state}")
-            if all(state in ("done", "finished", "complete", "completed") for _, _, state in totals.values()):
+                    ids[name] = bars.add_task(name, total=est, speed="")
+                bars.update(ids[name], completed=v["rows_copied"], total=est,
+                            description=f"{name} {v['state']}", speed=render.speed(v).strip())
+            if all(v["state"] in ("done", "finished", "complete", "completed") for v in totals.values()):
                 return
             if time.monotonic() > deadline:
                 render.console.print("timed out waiting for the initial load")

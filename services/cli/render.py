@@ -89,13 +89,35 @@ def ddl_locks(items: list[dict[str, Any]]) -> None:
             len(lk.get("shards") or []), lk.get("conflict") or lk.get("error")] for lk in items))
 
 
+def duration(seconds: float | None) -> str | None:
+    """``1h02m``, ``3m05s``, ``12s``; None when unknown."""
+    if seconds is None or seconds < 0:
+        return None
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def speed(snap: dict[str, Any]) -> str:
+    """`` at 12,345 rows/s, ETA 3m05s`` of an initial load's progress ('' before a speed is known)."""
+    rate = snap.get("rows_per_s") or 0
+    if not rate:
+        return ""
+    eta = duration(snap.get("eta_s")) if snap.get("state") != "done" else None
+    return f" at {rate:,.0f} rows/s" + (f", ETA {eta}" if eta else "")
+
+
 def tables(items: list[dict[str, Any]]) -> None:
     def progress(t: dict[str, Any]) -> str | None:
         snap = t.get("snapshot")
         if not snap:
             return None
         done, est = snap.get("rows_copied"), snap.get("rows_estimate")
-        return f"{snap.get('state', '?')} {done}/{est}" if est else f"{snap.get('state', '?')} {done}"
+        text = f"{snap.get('state', '?')} {done}/{est}" if est else f"{snap.get('state', '?')} {done}"
+        return text + speed(snap)
 
     def incident(t: dict[str, Any]) -> str | None:
         stopped = t.get("incident")

@@ -61,6 +61,12 @@ SNAPSHOT_ROWS_ESTIMATE = Gauge("sluice_snapshot_span_rows_estimate",
 SNAPSHOT_CHUNKS_DONE = Gauge("sluice_snapshot_span_chunks_done",
                              "Key-range chunks of a span's initial load copied in full.",
                              ["changefeed", "span"])
+SNAPSHOT_ROWS_PER_S = Gauge("sluice_snapshot_span_rows_per_second",
+                            "Copy speed of a span's initial load (its current run's rows over its time).",
+                            ["changefeed", "span"])
+SNAPSHOT_ETA_S = Gauge("sluice_snapshot_span_eta_seconds",
+                       "Seconds a span's initial load still needs at its current speed (-1: not known yet).",
+                       ["changefeed", "span"])
 SNAPSHOT_FAILURES = Counter("sluice_snapshot_failures", "Initial-load runs that failed (retried later).",
                             ["changefeed"])
 CHUNK_SETS_JOINED = Counter("sluice_sink_chunk_sets_joined",

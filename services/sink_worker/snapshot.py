@@ -56,6 +56,7 @@ from services.sink_worker.snapshot_job import (
     estimate_rows,
     plan_chunks,
     run_copy,
+    split_open_chunk,
 )
 from services.sink_worker.snapshot_plan import Chunk, SnapshotProgress
 from services.sink_worker.span import Span, route_of, shard_ref, target_for
@@ -223,7 +224,8 @@ class InitialLoads:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        for gauge in (m.SNAPSHOT_ROWS_ESTIMATE, m.SNAPSHOT_ROWS_COPIED, m.SNAPSHOT_CHUNKS_DONE):
+        for gauge in (m.SNAPSHOT_ROWS_ESTIMATE, m.SNAPSHOT_ROWS_COPIED, m.SNAPSHOT_CHUNKS_DONE,
+                      m.SNAPSHOT_ROWS_PER_S, m.SNAPSHOT_ETA_S):
             with contextlib.suppress(KeyError):
                 gauge.remove(span.changefeed, span.name)
 
@@ -237,6 +239,7 @@ class InitialLoads:
             return None
         return {"state": p.state, "rows_copied": p.rows_copied, "rows_estimate": p.rows_estimate,
                 "chunks_done": p.chunks_done, "chunks_total": p.chunks_total,
+                "rows_per_s": round(p.rows_per_s, 1), "eta_s": None if p.eta_s is None else round(p.eta_s, 1),
                 "low_watermark_ts": p.low_watermark_ts, "high_watermark_ts": p.high_watermark_ts,
                 "error": p.error}
 
@@ -255,6 +258,7 @@ class InitialLoads:
         progress.resumed_chunks = len(progress.done)
         progress.started_at = progress.started_at or time.time()
         self.progress[span] = progress
+        run_started_at, rows_at_run_start = time.time(), progress.rows_copied
         try:
             if progress.low_watermark_seq is None:
                 progress.state = "pending"
@@ -268,19 +272,23 @@ class InitialLoads:
             if progress.resumed_chunks:
                 log.info("snapshot resumes", extra={"span": span.name, "chunks_done": progress.chunks_done,
                                                     "chunks_total": progress.chunks_total})
-            for start in range(0, len(chunks) if job is not None else 0, self.options.parallelism):
+            pending = chunks if job is not None else []
+            while pending:
                 assert job is not None
-                wave = chunks[start:start + self.options.parallelism]
+                pending, revision = await self._bound_open_chunk(req, job, progress, pending, revision)
+                wave, pending = pending[:self.options.parallelism], pending[self.options.parallelism:]
                 counts = await self._copy_wave(job, wave)
                 for chunk_id, rows in sorted(counts.items()):
                     progress.finish_chunk(chunk_id, rows)
                     m.SNAPSHOT_ROWS.labels(span.changefeed).inc(rows)
+                progress.measure(run_started_at, rows_at_run_start, time.time())
                 revision = await self.store.put(span, progress, revision, req.progress_key)
                 self._observe(span, progress)
             mark, revision = await self._wait_mark(req, progress, revision,
                                                    after_ms=int(time.time() * 1000))
             progress.high_watermark_ts, progress.high_watermark_seq = mark.ts, mark.stream_seq
             progress.state, progress.finished_at = "done", time.time()
+            progress.measure(run_started_at, rows_at_run_start, progress.finished_at)
             await self.store.put(span, progress, revision, req.progress_key)
             self._observe(span, progress)
             log.info("snapshot done", extra={"span": span.name, "rows": progress.rows_copied,
@@ -365,6 +373,30 @@ class InitialLoads:
                       origin=origin)
         return job, progress.pending(decode_key(meta, chunk_key))
 
+    async def _bound_open_chunk(self, req: SnapshotRequest, job: CopyJob, progress: SnapshotProgress,
+                                pending: list[Chunk], revision: int) -> tuple[list[Chunk], int]:
+        """Cut the plan's open-ended last chunk when the next wave reaches it (as often as the
+        wave has room), so that no chunk holds more than ``chunk_rows`` rows whatever was
+        inserted since the plan was made. The cut plan is recorded before any of it is copied:
+        a resumed run copies the same chunks."""
+        cut = False
+        while (pending and pending[-1].upper is None and len(pending) <= self.options.parallelism):
+            tail = pending[-1]
+            boundary = await asyncio.to_thread(split_open_chunk, job, tail, self.options.chunk_rows)
+            if boundary is None:
+                break
+            encode = encode_key(job.target.meta, job.chunk_key)
+            progress.chunks[tail.id][1] = encode(boundary)
+            progress.chunks.append([encode(boundary), None])
+            progress.chunks_total = len(progress.chunks)
+            pending = [*pending[:-1], Chunk(tail.id, tail.lower, boundary),
+                       Chunk(len(progress.chunks) - 1, boundary, None)]
+            cut = True
+        if cut:
+            revision = await self.store.put(req.span, progress, revision, req.progress_key)
+            self._observe(req.span, progress)
+        return pending, revision
+
     async def _copy_wave(self, job: CopyJob, wave: list[Chunk]) -> dict[int, int]:
         """One Spark job over ``wave``; cancelled with the task (the job group is cancelled and
         its end awaited, so nothing of this worker writes once ``stop`` returns)."""
@@ -416,6 +448,9 @@ class InitialLoads:
         m.SNAPSHOT_ROWS_ESTIMATE.labels(span.changefeed, span.name).set(p.rows_estimate)
         m.SNAPSHOT_ROWS_COPIED.labels(span.changefeed, span.name).set(p.rows_copied)
         m.SNAPSHOT_CHUNKS_DONE.labels(span.changefeed, span.name).set(p.chunks_done)
+        m.SNAPSHOT_ROWS_PER_S.labels(span.changefeed, span.name).set(p.rows_per_s)
+        # -1: no speed measured yet, so no estimate (a gauge has no "unknown").
+        m.SNAPSHOT_ETA_S.labels(span.changefeed, span.name).set(-1 if p.eta_s is None else p.eta_s)
 
 
 def _real_names(conn: Any, span: Span) -> tuple[str, str]:

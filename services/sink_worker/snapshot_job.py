@@ -2,16 +2,21 @@
 and write the rows through the sink's idempotent upsert.
 
 - Planning (driver, ``plan_chunks``): an integer key spread evenly over its range is split by
-  its min/max; any other key (composite, strings, sparse integers) by walking the key index,
-  one ``ORDER BY key LIMIT 1 OFFSET chunk_rows-1`` per boundary, which makes every chunk
-  exactly ``chunk_rows`` rows (at planning time) whatever the key distribution. A table
-  without a usable key is one chunk.
+  its min/max (at most twice ``chunk_rows`` a chunk: the range is at most twice the rows); any
+  other key (composite, strings, sparse integers) by walking the key index, one ``ORDER BY
+  key LIMIT 1 OFFSET chunk_rows-1`` per boundary, which makes every chunk exactly
+  ``chunk_rows`` rows (at planning time) whatever the key distribution. The last chunk is open
+  above (rows inserted during the copy land there): the runner cuts it by the same walk when
+  the copy reaches it (``split_open_chunk``), so no chunk grows unbounded. A table without a
+  usable key is one chunk.
 - Copy (executors, ``copy_partition``): one Spark task per chunk. It reads the chunk with one
-  unbuffered query (pymysql ``SSCursor``: rows stream from the server, memory holds one write
-  batch, not the chunk or the table), turns each batch into ``Upsert`` changes with the same
-  value decoding as the stream's apply job, and writes it with ``Sink.apply_partition``, the
-  stream's write path (delete by unique-key conflict, then insert-or-update by key). No lock
-  is held on the source beyond that query's own consistent read.
+  unbuffered query (pymysql ``SSCursor``: rows stream from the server, memory holds a few write
+  batches, not the chunk or the table), decodes each batch's values as the stream's apply job
+  does, and writes it with ``Sink.load_rows``, the sink's bulk path (LOAD DATA LOCAL ... REPLACE,
+  COPY into a staging table then INSERT ... ON CONFLICT, executemany of INSERT OR REPLACE),
+  with the stream's semantics: rows holding a unique value under another key go, the row is
+  inserted or replaced by key. No lock is held on the source beyond that query's own
+  consistent read.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from pyspark.sql import SparkSession
 from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.dburl import parse_database_url
 from services.capture.values import encode_value
-from services.sink_worker.sinks.base import TargetTable, Upsert
+from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.mysql import MySQLSink
 from services.sink_worker.snapshot_plan import (
     Chunk,
     KeyValues,
@@ -95,18 +101,38 @@ def plan_chunks(conn: Any, database: str, table: str, key: Sequence[str], meta: 
             if evenly_spread(int(low), int(high), int(count)):
                 return chunks_from_boundaries(even_int_boundaries(int(low), int(high), int(count),
                                                                   chunk_rows))
-        boundaries: list[KeyValues] = []
-        order = ", ".join(quote(c) for c in key)
-        while True:
-            params: list[Any] = []
-            where = f"WHERE {key_after(key, quote, boundaries[-1], params)}" if boundaries else ""
-            cur.execute(f"SELECT {cols} FROM {ref} {where} ORDER BY {order} LIMIT 1 OFFSET %s",
-                        [*params, max(0, chunk_rows - 1)])
-            row = cur.fetchone()
-            if row is None:
-                break
-            boundaries.append(tuple(row))
+    boundaries: list[KeyValues] = []
+    while (found := next_boundary(conn, database, table, key, boundaries[-1] if boundaries else None,
+                                  chunk_rows)) is not None:
+        boundaries.append(found)
     return chunks_from_boundaries(boundaries)
+
+
+def next_boundary(conn: Any, database: str, table: str, key: Sequence[str], after: KeyValues | None,
+                  chunk_rows: int) -> KeyValues | None:
+    """The key ``chunk_rows`` rows after ``after`` (None: from the first key), walking the key
+    index; None when fewer rows follow."""
+    cols = ", ".join(quote(c) for c in key)
+    params: list[Any] = []
+    where = f"WHERE {key_after(key, quote, after, params)}" if after is not None else ""
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT {cols} FROM {table_ref(database, table)} {where} ORDER BY {cols}"
+                    " LIMIT 1 OFFSET %s", [*params, max(0, chunk_rows - 1)])
+        row = cur.fetchone()
+    return None if row is None else tuple(row)
+
+
+def split_open_chunk(job: CopyJob, chunk: Chunk, chunk_rows: int) -> KeyValues | None:
+    """Where to cut the plan's open-ended last chunk so that its first part holds ``chunk_rows``
+    rows (None: it holds fewer, copy it whole). Rows inserted after the plan was made all land
+    in that chunk; cut as the copy reaches it, it never grows past one chunk's size."""
+    if not job.chunk_key or chunk.upper is not None:
+        return None
+    conn = connect_source(job.source_url)
+    try:
+        return next_boundary(conn, job.database, job.table, job.chunk_key, chunk.lower, chunk_rows)
+    finally:
+        conn.close()
 
 
 def encode_key(meta: TableMetaV1, key: Sequence[str]) -> Callable[[KeyValues], list[Any]]:
@@ -167,13 +193,17 @@ def _row_bytes(row: Sequence[Any]) -> int:
     return sum(len(v) if isinstance(v, bytes | bytearray | str) else 8 for v in row)
 
 
-def _read_batches(job: CopyJob, chunk: Chunk, columns: Sequence[str]) -> Iterator[list[tuple[Any, ...]]]:
+def _read_batches(job: CopyJob, chunk: Chunk, columns: Sequence[str], *,
+                  as_text: bool = False) -> Iterator[list[tuple[Any, ...]]]:
     """The chunk's rows in batches of ``job.write_rows`` rows or ``job.write_bytes`` bytes,
-    whichever comes first (a larger row alone), streamed from one unbuffered query."""
+    whichever comes first (a larger row alone), streamed from one unbuffered query;
+    ``as_text``: values as the server sent them (str; bytes for binary columns), undecoded."""
     where, params = range_condition(job.chunk_key, chunk, quote)
     sql = (f"SELECT {', '.join(quote(n) for n in columns)} FROM {table_ref(job.database, job.table)}"
            f" WHERE {where}")
     conn = connect_source(job.source_url, unbuffered=True)
+    if as_text:
+        conn.decoders = {}  # pymysql then hands over each field's text as it arrived
     try:
         with conn.cursor() as cur:
             cur.execute(sql, params)
@@ -208,43 +238,56 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
     columns = [c for c in job.target.meta.columns if origin is None or c.name != origin[0]]
     names = [c.name for c in columns]
     converters = [_converter(c) for c in columns]
-    # Multi-row statements as large as one write batch (still capped by the sink's statement
-    # size): a fresh table takes big inserts best, and each statement is a round trip.
+    # Multi-row statements as large as one write batch where a sink has no bulk path.
     sink = open_sink(job.sink_url, chunk_rows=job.write_rows)
+    # MySQL/MariaDB into MySQL/MariaDB by LOAD DATA: the source's text goes into the file as it
+    # is (numbers, dates and times are spelled alike on both sides), which saves decoding every
+    # value in pymysql and encoding it again; the edge-value tests hold both paths to one result.
+    as_text = isinstance(sink, MySQLSink) and sink.local_infile_on()
     ahead: queue.Queue[Any] = queue.Queue(maxsize=2)
     stop = threading.Event()
 
+    def offer(item: Any) -> bool:
+        # Never blocks for good: once the writer stopped (it failed), nobody takes from the queue.
+        while not stop.is_set():
+            try:
+                ahead.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def read() -> None:
         try:
-            for rows in _read_batches(job, chunk, names):
-                while not stop.is_set():
-                    try:
-                        ahead.put(rows, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+            for rows in _read_batches(job, chunk, names, as_text=as_text):
+                if not offer(rows):
                     return
-            ahead.put(_DONE)
+            offer(_DONE)
         except BaseException as exc:  # handed to the writer, which raises it
-            ahead.put(exc)
+            offer(exc)
 
     reader = threading.Thread(target=read, name=f"snapshot-read-{chunk.id}", daemon=True)
     reader.start()
+    loaded = [*names, origin[0]] if origin is not None else names
+    # Keyed by the source's primary key, the copied rows never share a target key.
+    keys_unique = bool(job.chunk_key) and set(job.chunk_key) <= set(job.target.key)
     written = 0
     try:
         while (rows := ahead.get()) is not _DONE:
             if isinstance(rows, BaseException):
                 raise rows
-            changes = []
-            for raw in rows:
-                values = [None if v is None else conv(v) for v, conv in zip(raw, converters, strict=True)]
-                row = dict(zip(names, values, strict=True))
+            if as_text:
+                assert isinstance(sink, MySQLSink)
                 if origin is not None:
-                    row[origin[0]] = origin[1]
-                changes.append(Upsert(key=tuple(row[k] for k in job.target.key), row=row))
-            sink.apply_partition(job.target, changes)
-            written += len(changes)
+                    rows = [(*row, origin[1]) for row in rows]
+                written += sink.load_source_text(job.target, loaded, rows)
+                continue
+            values = [[None if v is None else conv(v) for v, conv in zip(raw, converters, strict=True)]
+                      for raw in rows]
+            if origin is not None:
+                for row in values:
+                    row.append(origin[1])
+            written += sink.load_rows(job.target, loaded, values, keys_unique=keys_unique)
     finally:
         stop.set()
         reader.join(timeout=30)

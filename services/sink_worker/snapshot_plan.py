@@ -126,6 +126,10 @@ class SnapshotProgress:
     """Chunks already done when the current run started (a resumed snapshot)."""
     runs: int = 0
     worker: str = ""
+    rows_per_s: float = 0.0
+    """Copy speed of the current (or last) run: its rows over its time so far."""
+    eta_s: float | None = None
+    """Seconds the current run still needs at that speed (None: no speed yet); 0 once done."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -158,6 +162,23 @@ class SnapshotProgress:
             self.done.append(chunk_id)
             self.rows_copied += rows
         self.chunks_done = len(self.done)
+
+    def measure(self, run_started_at: float, rows_at_run_start: int, now: float) -> None:
+        """Speed and time left of the run that started at ``run_started_at`` (wall clock) with
+        ``rows_at_run_start`` rows already copied. Rows left: the estimate's rest, or the
+        chunks left at the run's average chunk size when that is more (the estimate is the
+        source's statistics, often low)."""
+        elapsed = now - run_started_at
+        copied = self.rows_copied - rows_at_run_start
+        self.rows_per_s = copied / elapsed if elapsed > 0 and copied > 0 else 0.0
+        if self.state == "done":
+            self.eta_s = 0.0
+            return
+        left = max(0, self.rows_estimate - self.rows_copied)
+        if self.chunks_done:
+            per_chunk = self.rows_copied / self.chunks_done
+            left = max(left, round((self.chunks_total - self.chunks_done) * per_chunk))
+        self.eta_s = left / self.rows_per_s if self.rows_per_s > 0 else None
 
     @property
     def planned(self) -> bool:

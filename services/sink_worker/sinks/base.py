@@ -17,7 +17,7 @@ bytes, date, datetime, time as timedelta or str, JSON as str, None) by ``values.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,21 @@ class Sink(ABC):
                         guard: ConflictGuard | None = None) -> PartitionResult:
         """Write one partition's final images idempotently, in one transaction, retrying deadlocks.
         With ``guard``, a unique conflict with another shard's row follows its policy."""
+
+    def load_rows(self, table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                  *, keys_unique: bool = True) -> int:
+        """Bulk write of rows the initial load copied (``columns`` name each row's values, all
+        of them decoded as for ``apply_partition``): insert-or-replace by key, rows holding an
+        incoming row's unique values under another key removed first, in one transaction, so a
+        re-copied chunk converges. ``keys_unique``: no two rows share a key (a copy keyed by the
+        source's primary key). Returns the rows written.
+
+        This default goes through ``apply_partition``; SQL sinks override it with their
+        dialect's bulk path (LOAD DATA, COPY, executemany)."""
+        index = [list(columns).index(k) for k in table.key]
+        self.apply_partition(table, [Upsert(key=tuple(r[i] for i in index),
+                                            row=dict(zip(columns, r, strict=True))) for r in rows])
+        return len(rows)
 
     @abstractmethod
     def fetch_rows(self, table: TargetTable) -> list[dict[str, Any]]:

@@ -10,27 +10,37 @@ Sessions are pinned to known settings rather than whatever the server defaults a
 - ``time_zone = '+00:00'`` and ``READ COMMITTED``: partitions touch disjoint keys, so gap locks
   buy nothing and only add deadlocks;
 - bytes are sent as ``_binary'...'`` so BLOB values are never checked as utf8mb4 text.
+
+The initial load's bulk path (``load_rows``) is ``LOAD DATA LOCAL INFILE ... REPLACE``, its
+data streamed from memory: pymysql only reads a named local file, so a connection of our own
+answers the server's file request with the rows at hand, and never with a file from disk,
+whatever name the server asks for. REPLACE removes every row that collides on the primary or
+any unique key, which is the apply path's conflict delete plus upsert in one statement.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import date, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import pymysql
+import pymysql.connections
 
 from contracts.events.rows import ColumnV1
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.sql_common import SqlSink
 from services.sink_worker.values import (
     MYSQL_MAX_KEY_BYTES,
+    SqlTypeError,
     format_time,
     fsp_of,
     is_text_like_mysql,
     mysql_key_bytes,
     mysql_key_type,
+    parse_sql_type,
 )
 
 _SESSION_INIT = (
@@ -41,6 +51,39 @@ _SESSION_INIT = (
 # ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT, "server has gone away", "lost connection",
 # "can't connect", ER_SERVER_SHUTDOWN, ER_CONNECTION_KILLED (server restart mid-partition).
 _RETRYABLE_CODES = frozenset({1213, 1205, 2006, 2013, 2003, 1053, 1927})
+
+# ER_NOT_ALLOWED_COMMAND (MariaDB, MySQL 5.7), ER_CLIENT_LOCAL_FILES_DISABLED (MySQL 8):
+# the server refuses LOAD DATA LOCAL; the bulk path falls back to the upsert.
+_LOCAL_INFILE_REFUSED = frozenset({1148, 3948})
+
+# Packets of the streamed file: well under any max_allowed_packet, few enough to not matter.
+_LOAD_PACKET_BYTES = 64 * 1024
+
+
+class _StreamedLoad(pymysql.connections.MySQLResult):
+    """The result of a query that may answer with a LOCAL INFILE request: the request is served
+    from ``data`` (None: refused, the server asked for a file nobody offered)."""
+
+    def __init__(self, connection: Any, data: bytes | None) -> None:
+        super().__init__(connection)
+        self._data = data
+
+    def _read_load_local_packet(self, first_packet: Any) -> None:
+        conn = self.connection
+        assert conn is not None
+        try:
+            if self._data is None:
+                raise pymysql.err.OperationalError(
+                    1148, "the server asked for a local file outside a bulk load: refused")
+            view = memoryview(self._data)
+            for start in range(0, len(view), _LOAD_PACKET_BYTES):
+                conn.write_packet(view[start:start + _LOAD_PACKET_BYTES])
+        finally:
+            conn.write_packet(b"")  # end of the file, also after a refusal
+            ok_packet = conn._read_packet()
+        if not ok_packet.is_ok_packet():
+            raise pymysql.err.OperationalError(2014, "Commands out of sync after LOAD DATA")
+        self._read_ok_packet(ok_packet)  # type: ignore[attr-defined]
 
 
 _ER_NET_PACKET_TOO_LARGE = 1153
@@ -71,6 +114,118 @@ class _Connection(pymysql.connections.Connection):
             return _Connection._preferred_ctx
 
 
+class _LoadConnection(_Connection):
+    """A connection for ``LOAD DATA LOCAL``: ``load(sql, data)`` streams ``data`` as the file;
+    any other file request of the server is refused (pymysql would open the named path)."""
+
+    _load_data: bytes | None = None
+
+    def load(self, sql: str, data: bytes) -> int:
+        """Run ``sql`` (a LOAD DATA LOCAL) with ``data`` as the file; returns its warning count."""
+        self._load_data = data
+        try:
+            with self.cursor() as cur:
+                cur.execute(sql)
+        finally:
+            self._load_data = None
+        return int(self._result.warning_count if self._result is not None else 0)
+
+    def _read_query_result(self, unbuffered: bool = False) -> int:
+        self._result = None
+        result = _StreamedLoad(self, self._load_data)
+        if unbuffered:
+            result.init_unbuffered_query()
+        else:
+            result.read()
+        self._result = result
+        if result.server_status is not None:
+            self.server_status = result.server_status
+        return int(result.affected_rows or 0)
+
+
+# LOAD DATA's default escapes (ESCAPED BY '\\'): a field never holds a raw separator.
+_ESCAPES = {ord("\\"): "\\\\", ord("\t"): "\\t", ord("\n"): "\\n", ord("\r"): "\\r", 0: "\\0"}
+
+
+def _text(value: Any) -> str:
+    return str(value).translate(_ESCAPES)
+
+
+def _load_files(rows: Iterable[Sequence[Any]], encoders: Sequence[Callable[[Any], str]],
+                limit: int) -> Iterator[bytes]:
+    """Rows as LOAD DATA's default text format (tab-separated fields, ``\\N`` for NULL), in
+    files of about ``limit`` characters (a row is never split): a batch of wide rows is sent
+    as several files, so the encoded copy in memory stays one file, not the batch."""
+    lines: list[str] = []
+    size = 0
+    for row in rows:
+        line = "\t".join(["\\N" if v is None else encode(v) for v, encode in zip(row, encoders, strict=True)])
+        lines.append(line)
+        size += len(line) + 1
+        if size >= limit:
+            lines.append("")
+            yield "\n".join(lines).encode("utf-8")
+            lines, size = [], 0
+    if lines:
+        lines.append("")
+        yield "\n".join(lines).encode("utf-8")
+
+
+def _load_encoder(column: ColumnV1) -> tuple[Callable[[Any], str], str | None]:
+    """How a value of ``column`` is spelled in the loaded file, and the SET expression that
+    turns the file's field (``@v``) into the column value where the text alone would not:
+    binary as hex (never checked as text), BIT and YEAR through a number (the string '0' would
+    be YEAR 2000 and BIT its characters' bytes)."""
+    kind = column.kind
+    try:
+        base = parse_sql_type(column.sql_type).base
+    except SqlTypeError:
+        base = ""
+    if kind == "bytes":
+        return (lambda v: bytes(v).hex()), "UNHEX({})"
+    if kind == "bit" or base == "year":
+        return (lambda v: str(int(v))), "CAST({} AS UNSIGNED)"
+    if kind == "int":
+        return (lambda v: str(int(v))), None
+    if kind == "float":
+        return repr, None
+    if kind == "decimal":
+        return (lambda v: format(v, "f") if isinstance(v, Decimal) else _text(v)), None
+    if kind == "date":
+        return (lambda v: v.isoformat() if isinstance(v, date) else _text(v)), None
+    if kind in ("datetime", "timestamp"):
+        return (lambda v: v.isoformat(" ") if isinstance(v, datetime) else _text(v)), None
+    if kind == "time":
+        fsp = fsp_of(column)
+        return (lambda v: format_time(v, fsp) if isinstance(v, timedelta) else _text(v)), None
+    return _text, None
+
+
+def _as_is(value: Any) -> str:
+    return value if type(value) is str else _text(value)
+
+
+def _source_text_encoder(column: ColumnV1) -> tuple[Callable[[Any], str], str | None]:
+    """``_load_encoder`` for a value as a MySQL source's text protocol sent it (pymysql with no
+    decoders: str, bytes for binary columns): numbers, dates and times are already spelled as
+    the server reads them back, so only text needs escaping and binary its hex."""
+    kind = column.kind
+    try:
+        base = parse_sql_type(column.sql_type).base
+    except SqlTypeError:
+        base = ""
+    if kind == "bytes":
+        return (lambda v: (v if isinstance(v, bytes) else str(v).encode()).hex()), "UNHEX({})"
+    if kind == "bit":
+        return (lambda v: str(int.from_bytes(v, "big") if isinstance(v, bytes) else int(v))), \
+            "CAST({} AS UNSIGNED)"
+    if base == "year":
+        return _as_is, "CAST({} AS UNSIGNED)"
+    if kind in ("int", "float", "decimal", "date", "datetime", "timestamp", "time"):
+        return _as_is, None
+    return _text, None
+
+
 class MySQLSink(SqlSink):
     dialect = "mysql"
     placeholder = "%s"
@@ -79,6 +234,9 @@ class MySQLSink(SqlSink):
     """The downstream's max_allowed_packet, read when a row first might not fit."""
 
     def _connect(self) -> Any:
+        return _Connection(**self._params())
+
+    def _params(self) -> dict[str, Any]:
         params: dict[str, Any] = {
             "host": self.db.host,
             "port": self.db.port,
@@ -93,7 +251,10 @@ class MySQLSink(SqlSink):
         socket = self.db.option("unix_socket")
         if socket:
             params["unix_socket"] = socket
-        return _Connection(**params)
+        return params
+
+    def _connect_load(self) -> Any:
+        return _LoadConnection(**{**self._params(), "local_infile": True})
 
     def _begin(self, conn: Any) -> None:
         # Applies to the next transaction only; spelled this way for MySQL and MariaDB alike
@@ -269,6 +430,78 @@ class MySQLSink(SqlSink):
         return self._run(work, f"shape of {table.name!r}")
 
     # ------------------------------------------------------------------ DML
+
+    _local_infile_refused = False
+    # Characters per streamed LOAD DATA file: a batch of wide rows goes as several files in its
+    # one transaction, so its encoded copy in memory is one file's, not the batch's.
+    load_file_chars = 8 * 1024 * 1024
+
+    def local_infile_on(self) -> bool:
+        """Whether the server takes ``LOAD DATA LOCAL`` (asked once per sink instance)."""
+        if not self._local_infile_refused:
+            def work(cur: Any) -> bool:
+                cur.execute("SELECT @@GLOBAL.local_infile")
+                row = cur.fetchone()
+                return bool(row and int(row[0]))
+
+            self._local_infile_refused = not self._run(work, "local_infile")
+        return not self._local_infile_refused
+
+    def load_rows(self, table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                  *, keys_unique: bool = True) -> int:
+        if not rows:
+            return 0
+        if self._local_infile_refused:
+            return super().load_rows(table, columns, rows, keys_unique=keys_unique)
+        try:
+            return self._load(table, columns, rows, _load_encoder)
+        except pymysql.err.OperationalError as exc:
+            if not exc.args or exc.args[0] not in _LOCAL_INFILE_REFUSED:
+                raise
+            self._local_infile_refused = True
+            return super().load_rows(table, columns, rows, keys_unique=keys_unique)
+
+    def load_source_text(self, table: TargetTable, columns: Sequence[str],
+                         rows: Sequence[Sequence[Any]]) -> int:
+        """``load_rows`` of rows as a MySQL source's text protocol sent them (no decoding on
+        either side: the copy's fast path into a MySQL/MariaDB downstream). Only when
+        ``local_infile_on()``: there is no upsert to fall back to with undecoded values."""
+        if not rows:
+            return 0
+        return self._load(table, columns, rows, _source_text_encoder)
+
+    def _load(self, table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+              encoder_of: Callable[[ColumnV1], tuple[Callable[[Any], str], str | None]]) -> int:
+        self._validate(table)
+        colmap = self._columns(table)
+        encoders: list[Callable[[Any], str]] = []
+        fields: list[str] = []
+        sets: list[str] = []
+        for i, name in enumerate(columns):
+            encode, expression = encoder_of(colmap[name])
+            encoders.append(encode)
+            if expression is None:
+                fields.append(self.ident(name))
+            else:
+                fields.append(f"@v{i}")
+                sets.append(f"{self.ident(name)} = {expression.format(f'@v{i}')}")
+        # No parameters: pymysql leaves the text alone, so identifiers are quoted plainly.
+        sql = (f"LOAD DATA LOCAL INFILE 'sluice-bulk' REPLACE INTO TABLE {self._table_ref(table)}"
+               " CHARACTER SET utf8mb4 FIELDS TERMINATED BY '\\t' ENCLOSED BY '' ESCAPED BY '\\\\'"
+               " LINES STARTING BY '' TERMINATED BY '\\n'"
+               f" ({', '.join(fields)})" + (f" SET {', '.join(sets)}" if sets else ""))
+
+        def work(cur: Any) -> None:
+            # LOCAL turns strict mode's errors into warnings (the server cannot stop the
+            # upload): any warning fails the load, as the same value fails the upsert.
+            for data in _load_files(rows, encoders, self.load_file_chars):
+                if cur.connection.load(sql, data):
+                    cur.execute("SHOW WARNINGS LIMIT 3")
+                    raise pymysql.err.DataError(1265, f"LOAD DATA into {table.name!r} warned: "
+                                                      f"{[tuple(r) for r in cur.fetchall()]}")
+
+        self._run(work, f"load into {table.name!r}", connect=self._connect_load)
+        return len(rows)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
         cols = ", ".join(self.pident(c) for c in columns)

@@ -3,6 +3,10 @@
 Upserts are ``INSERT ... ON CONFLICT (key) DO UPDATE``; PostgreSQL has no REPLACE, so rows that
 hold the same unique-key values under another key are deleted first (``SqlSink._apply``).
 DDL is transactional here, so ``reconcile_schema`` changes the table all at once or not at all.
+
+The initial load's bulk path (``load_rows``): ``COPY ... FROM STDIN`` into a temporary staging
+table (dropped at commit), then the same two steps set-wise: delete the rows holding a staged
+row's unique values under another key, and ``INSERT ... SELECT ... ON CONFLICT DO UPDATE``.
 """
 
 from __future__ import annotations
@@ -129,6 +133,45 @@ class PostgresSink(SqlSink):
         return self._run(work, f"reconcile {table.name!r}", self._retryable_ddl)
 
     # ------------------------------------------------------------------ DML
+
+    def load_rows(self, table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                  *, keys_unique: bool = True) -> int:
+        if not rows:
+            return 0
+        self._validate(table)
+        if not keys_unique:
+            # ON CONFLICT DO UPDATE refuses to touch a row twice: the last row of a key wins, as
+            # in the apply path.
+            index = [list(columns).index(k) for k in table.key]
+            rows = list({tuple(r[i] for i in index): r for r in rows}.values())
+        ref = self._table_ref(table)
+        stage = self.ident("sluice_bulk_stage")
+        cols = ", ".join(self.ident(c) for c in columns)
+        key = set(table.key)
+        same_key = " AND ".join(f"t.{self.ident(k)} = s.{self.ident(k)}" for k in table.key)
+        # Without parameters psycopg sends the text as it is: plain quoting, no doubled %.
+        statements = [
+            f"DELETE FROM {ref} t USING {stage} s WHERE "
+            + " AND ".join(f"t.{self.ident(c)} = s.{self.ident(c)}" for c in unique)
+            + f" AND NOT ({same_key})"
+            for unique in table.unique_keys
+            if unique and set(unique) != key and set(unique) <= set(columns)
+        ]
+        updates = [f"{self.ident(c)} = EXCLUDED.{self.ident(c)}" for c in columns if c not in key]
+        action = f"DO UPDATE SET {', '.join(updates)}" if updates else "DO NOTHING"
+        statements.append(f"INSERT INTO {ref} ({cols}) SELECT {cols} FROM {stage}"
+                          f" ON CONFLICT ({', '.join(self.ident(k) for k in table.key)}) {action}")
+
+        def work(cur: Any) -> None:
+            cur.execute(f"CREATE TEMPORARY TABLE {stage} (LIKE {ref}) ON COMMIT DROP")
+            with cur.copy(f"COPY {stage} ({cols}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+            for sql in statements:
+                cur.execute(sql)
+
+        self._run(work, f"load into {table.name!r}")
+        return len(rows)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
         cols = ", ".join(self.pident(c) for c in columns)

@@ -198,15 +198,18 @@ class SqlSink(Sink):
         return {c.name: c for c in table.meta.columns}
 
     def _run(self, work: Callable[[Any], T], what: str,
-             retryable: Callable[[BaseException], bool] | None = None) -> T:
-        """Run ``work(cursor)`` in one transaction on a fresh connection, retrying the whole of it."""
+             retryable: Callable[[BaseException], bool] | None = None,
+             connect: Callable[[], Any] | None = None) -> T:
+        """Run ``work(cursor)`` in one transaction on a fresh connection (``connect``, default
+        ``_connect``), retrying the whole of it."""
         retryable = retryable or self._retryable
+        connect = connect or self._connect
         attempt = 0
         while True:
             attempt += 1
             conn = None
             try:
-                conn = self._connect()
+                conn = connect()
                 self._begin(conn)
                 cur = conn.cursor()
                 try:
