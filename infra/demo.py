@@ -388,12 +388,11 @@ class Progress:
         locks = self.api.try_get("/ddl-locks")
         self.locks = locks if isinstance(locks, list) else []
         cf = self.changefeed
-        lag = cf.get("lag_s")
-        lag_text = f"{lag:.1f}s" if isinstance(lag, int | float) and cf.get("checkpoint_ts") else "(none yet)"
+        lag_text = cf.get("checkpoint_time") or "(none yet)"
         states = cf.get("tables_by_state") or {}
         say(f"{phase:<8} t={now - self.t0:5.1f}s  upstream {(up - up0) / dt:6,.0f} changes/s ({up:,})  "
             f"downstream {(down - down0) / dt:6,.0f} changes/s ({down:,} checkpointed)  "
-            f"checkpoint lag {lag_text}  "
+            f"checkpoint {lag_text}  "
             f"spans: {', '.join(f'{n} {s}' for s, n in sorted(states.items())) or 'none yet'}")
         self._print_placement(now)
         for lk in self.locks:

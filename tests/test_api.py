@@ -21,6 +21,7 @@ from libs.eventstore import EventStore
 from libs.eventstore.deadletter import dead_letter
 from libs.localservers.common import wait_until
 from libs.streams import domain_events_subject
+from libs.ts import utc_text
 from services.api.projections import Projections
 from tests.api_stack import ALICE_TOKEN, CANARY, CF, TOKEN, TS, VIEWER_TOKEN, ApiStack, lock_view, wait_ready
 
@@ -240,6 +241,10 @@ def test_tables_members_sources(api_stack: ApiStack) -> None:
         assert (a["state"], a["primary"], a["secondary"]) == ("replicating", "w1", None)
         assert a["checkpoint"] == {"stream_seq": 42, "ts": TS + 1} and a["checkpoint_ts"] == TS + 1
         assert 9 <= a["lag_s"] < 600
+        # For people: the checkpoint's UTC time and how far behind it is (raw values beside it).
+        behind = re.escape(utc_text(TS + 1)) + r", \d+\.\d (s|min) behind"
+        assert re.fullmatch(behind, a["checkpoint_time"]), a
+        assert tables["b"]["checkpoint_time"] is None or "behind" in tables["b"]["checkpoint_time"]
         assert a["snapshot"]["rows_copied"] == 500 and a["snapshot"]["rows_estimate"] == 1000
         assert tables["b"]["snapshot"] is None and tables["b"]["checkpoint"] is None
         assert (tables["c"]["state"], tables["c"]["secondary"]) == ("prepare", "w2")
@@ -249,6 +254,7 @@ def test_tables_members_sources(api_stack: ApiStack) -> None:
 
         cf = c.get(f"{V1}/changefeeds/{CF}").json()
         assert cf["checkpoint_ts"] == TS and cf["tables"] == 3
+        assert re.fullmatch(re.escape(utc_text(TS)) + r", .* behind", cf["checkpoint_time"]), cf
         assert cf["tables_by_state"] == {"prepare": 1, "replicating": 2}
 
         members = {m["member_id"]: m for m in c.get(f"{V1}/members").json()}
@@ -261,6 +267,7 @@ def test_tables_members_sources(api_stack: ApiStack) -> None:
         src = next(s for s in sources if s["id"] == "src1")
         assert CF in src["changefeeds"] and "hunter2" not in json.dumps(sources)
         assert src["resolved_ts"] == TS and 9 <= src["resolved_lag_s"] < 600
+        assert src["resolved_time"].startswith(utc_text(TS) + ", ")
         assert c.get(f"{V1}/sources/src1").status_code == 200
         assert c.get(f"{V1}/sources/nope").status_code == 404
 
@@ -521,7 +528,7 @@ def test_read_models_rebuilt_by_replay_equal_the_live_ones(api_stack: ApiStack) 
 
 
 def _strip_lag(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in item.items() if k != "lag_s"} for item in items]
+    return [{k: v for k, v in item.items() if k not in ("lag_s", "checkpoint_time")} for item in items]
 
 
 

@@ -186,8 +186,8 @@ def system(mariadb: MariaDB, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             proc.wait_healthy(90)
         # start=current: capture fixes its start position only once it reads; a change made
         # before that would not be captured. Its first resolved mark says it is reading.
-        system.wait(lambda: _value(_metrics(capture), "sluice_capture_resolved_ts", source=SOURCE) > 0,
-                    90, "capture's first resolved mark")
+        system.wait(lambda: _value(_metrics(capture), "sluice_capture_resolved_timestamp_seconds",
+                                   source=SOURCE) > 0, 90, "capture's first resolved mark")
         yield system
     finally:
         system.stop()
@@ -271,14 +271,19 @@ def _metrics(proc: ServiceProcess) -> str:
         return str(resp.read().decode())
 
 
-def _value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
+def _values(text: str, name: str, **labels: str) -> list[float]:
+    """The samples of ``name`` whose labels include ``labels``."""
+    out: list[float] = []
     for line in text.splitlines():
         m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
         if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+            out.append(float(m.group(2)))
+    return out
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    return sum(_values(text, name, **labels))
 
 
 def test_every_service_serves_the_metrics_operators_watch(system: ObsSystem) -> None:
@@ -314,6 +319,15 @@ def test_every_service_serves_the_metrics_operators_watch(system: ObsSystem) -> 
     assert _value(worker, "sluice_sink_batch_events_sum") > 0
     assert _value(worker, "sluice_sink_spans", state="replicating") == 2
     assert _value(worker, "sluice_sink_checkpoint_lag_seconds", changefeed=cf) >= 0
+    # Checkpoints and resolved marks are exported as Unix seconds (a raw ts, ~4.7e17, is beyond
+    # float64's exact integers): each is a time of this run.
+    stamps = {"sink": _values(worker, "sluice_sink_checkpoint_timestamp_seconds", changefeed=cf),
+              "manager": _values(_metrics(procs["replication-manager-1"]),
+                                 "sluice_replication_checkpoint_timestamp_seconds", changefeed=cf),
+              "capture": _values(capture, "sluice_capture_resolved_timestamp_seconds", source=SOURCE)}
+    now = time.time()
+    for who, values in stamps.items():
+        assert values and all(now - 600 < v <= now + 5 for v in values), (who, values, now)
 
     # Garbage on the span's subject: dead-lettered by the worker, and the counter moves.
     before = _value(worker, "sluice_dead_letters_total", stream="SLUICE_ROWS")

@@ -6,13 +6,17 @@ import re
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from contracts.events.changefeeds import ChangefeedSpecV2
 from libs.secret_refs import is_reference
-from libs.telemetry.metrics import lag_seconds as telemetry_lag_seconds
+from libs.ts import behind_text
+from libs.ts import lag_seconds as ts_lag_seconds
 
 REDACTED = "***"
+_CHECKPOINT_TIME = ("The checkpoint as a UTC time and how far it is behind the wall clock "
+                    "(`2026-11-23 22:31:07.120 UTC, 0.8 s behind`); null before the first checkpoint. "
+                    "checkpoint_ts and lag_s hold the raw values.")
 
 
 def redact_url(url: str) -> str:
@@ -62,7 +66,7 @@ def lag_seconds(ts: int, now: float | None = None) -> float | None:
     """Seconds between now and a ts, rounded for display; None before any ts (not 0: unknown)."""
     if ts <= 0:
         return None
-    return round(telemetry_lag_seconds(ts, now), 3)
+    return round(ts_lag_seconds(ts, now), 3)
 
 
 class Accepted(BaseModel):
@@ -86,6 +90,11 @@ class ChangefeedOut(BaseModel):
     lag_s: float | None
     tables: int
     tables_by_state: dict[str, int]
+
+    @computed_field(description=_CHECKPOINT_TIME)  # type: ignore[prop-decorator]
+    @property
+    def checkpoint_time(self) -> str | None:
+        return behind_text(self.checkpoint_ts)
     failed_checks: list[dict[str, str]] = Field(
         default_factory=list, description="Creation checks that failed when it was accepted with "
                                           "skip_checks (check, target, message).")
@@ -116,6 +125,11 @@ class TableOut(BaseModel):
         None, description="The downstream refused a change for good: the table waits for an operator "
                           "(POST .../errors/{incident}/skip|retry|resume).")
 
+    @computed_field(description=_CHECKPOINT_TIME)  # type: ignore[prop-decorator]
+    @property
+    def checkpoint_time(self) -> str | None:
+        return behind_text(self.checkpoint_ts)
+
 
 class MemberOut(BaseModel):
     member_id: str
@@ -134,6 +148,12 @@ class SourceOut(BaseModel):
     resolved_ts: int | None
     resolved_lag_s: float | None
     capture_leader: str | None
+
+    @computed_field(description="The newest resolved mark as a UTC time and how far it is behind the "  # type: ignore[prop-decorator]
+                                "wall clock; null before the capture published one.")
+    @property
+    def resolved_time(self) -> str | None:
+        return behind_text(self.resolved_ts or 0)
 
 
 class LeaderOut(BaseModel):

@@ -120,7 +120,7 @@ def changefeed_list(ctx: typer.Context) -> None:
 @changefeed_app.command("get")
 def changefeed_get(ctx: typer.Context, changefeed: str) -> None:
     cli = _cli(ctx)
-    cli.show(cli.run("GET", f"/changefeeds/{changefeed}"))
+    cli.show(cli.run("GET", f"/changefeeds/{changefeed}"), render.changefeed)
 
 
 SkipChecks = Annotated[bool, typer.Option(
@@ -249,12 +249,12 @@ def rebalance(ctx: typer.Context) -> None:
 
 @app.command()
 def sources(ctx: typer.Context) -> None:
-    """Sources of the changefeeds, with their resolved-ts lag and capture leader."""
+    """Sources of the changefeeds, with their newest resolved mark and capture leader."""
     cli = _cli(ctx)
 
     def human(items: list[dict[str, Any]]) -> None:
-        render.table("sources", ["source", "url", "changefeeds", "resolved lag", "capture"],
-                     ([s["id"], s["url"], ",".join(s["changefeeds"]), render.lag(s.get("resolved_lag_s")),
+        render.table("sources", ["source", "url", "changefeeds", "resolved", "capture"],
+                     ([s["id"], s["url"], ",".join(s["changefeeds"]), render.checkpoint(s, "resolved_time"),
                        s.get("capture_leader")] for s in items))
 
     cli.show(cli.run("GET", "/sources"), human)
