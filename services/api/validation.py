@@ -14,6 +14,7 @@ from libs.dburl import DatabaseUrlError, parse_database_url
 from libs.routing import OriginColumn, Router, RouteRule, RoutingConfigError, TableFilter
 from libs.secret_refs import literal_password
 from services.api.schemas import REDACTED
+from services.sink_worker.sinks.nats_stream import is_stream_sink, parse_stream_url
 
 
 def _error(loc: list[str | int], msg: str) -> dict[str, Any]:
@@ -45,7 +46,10 @@ def spec_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
         return [_error([], f"the spec holds text that is not valid Unicode: {exc}")]
     errors: list[dict[str, Any]] = []
     try:
-        parse_database_url(spec.sink_url, resolve_secrets=False)
+        if is_stream_sink(spec.sink_url):
+            parse_stream_url(spec.sink_url, resolve_secrets=False)
+        else:
+            parse_database_url(spec.sink_url, resolve_secrets=False)
     except (DatabaseUrlError, ValueError) as exc:
         errors.append(_error(["sink_url"], f"sink URL refused: {exc}"))
     seen: set[str] = set()

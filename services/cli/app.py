@@ -101,9 +101,16 @@ def status(ctx: typer.Context) -> None:
 
 # -- changefeeds ----------------------------------------------------------------------------------
 
+def spec_from_text(text: str) -> Any:
+    """JSON, with whole-line ``//`` comments allowed (examples/changefeeds/*.jsonc). Only whole
+    lines: ``//`` inside a value (every URL has one) stays."""
+    return json.loads("\n".join("" if line.lstrip().startswith("//") else line
+                                for line in text.splitlines()))
+
+
 def _read_spec(path: Path) -> dict[str, Any]:
     try:
-        spec = json.loads(path.read_text())
+        spec = spec_from_text(path.read_text())
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(f"cannot read a JSON spec from {path}: {exc}") from None
     if not isinstance(spec, dict):
@@ -133,7 +140,9 @@ def _skip(skip_checks: bool) -> str:
 
 @changefeed_app.command("create")
 def changefeed_create(ctx: typer.Context,
-                      spec_file: Annotated[Path, typer.Argument(help="JSON file with the changefeed spec.")],
+                      spec_file: Annotated[Path, typer.Argument(
+                          help="JSON file with the changefeed spec (// comment lines allowed; "
+                               "see examples/changefeeds/).")],
                       skip_checks: SkipChecks = False) -> None:
     """Create a changefeed from a spec (id, sources, filter, routes, sink_url, start...)."""
     cli = _cli(ctx)
