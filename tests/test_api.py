@@ -20,9 +20,11 @@ from contracts.events.changefeeds import ChangefeedCreatedV2, ChangefeedSpecV2, 
 from libs.eventstore import EventStore
 from libs.eventstore.deadletter import dead_letter
 from libs.localservers.common import wait_until
-from libs.streams import domain_events_subject
+from libs.streams import PREPARE_BUCKET, domain_events_subject
 from libs.ts import utc_text
 from services.api.projections import Projections
+from services.sink_worker.prepare_progress import entry as prepare_entry
+from services.sink_worker.span import Span as WorkerSpan
 from tests.api_stack import ALICE_TOKEN, CANARY, CF, TOKEN, TS, VIEWER_TOKEN, ApiStack, lock_view, wait_ready
 
 pytestmark = pytest.mark.integration
@@ -235,6 +237,9 @@ def test_changefeed_validation_is_field_level(api_stack: ApiStack) -> None:
 
 
 def test_tables_members_sources(api_stack: ApiStack) -> None:
+    # Table c is being prepared on w2, whose Spark is warming up (what its worker records).
+    api_stack.kv_put(PREPARE_BUCKET, WorkerSpan(CF, "src1", "shop", "c").kv_key,
+                     json.loads(prepare_entry("w2", "spark", time.time() - 5)))
     with api_stack.client() as c:
         tables = {t["table"]: t for t in c.get(f"{V1}/changefeeds/{CF}/tables").json()}
         a = tables["a"]
@@ -248,6 +253,10 @@ def test_tables_members_sources(api_stack: ApiStack) -> None:
         assert a["snapshot"]["rows_copied"] == 500 and a["snapshot"]["rows_estimate"] == 1000
         assert tables["b"]["snapshot"] is None and tables["b"]["checkpoint"] is None
         assert (tables["c"]["state"], tables["c"]["secondary"]) == ("prepare", "w2")
+        warming = r"Spark warming up \(.*\) on w2, \d+\.\d s"
+        assert re.fullmatch(warming, tables["c"]["waiting_for"]), tables["c"]
+        assert a["waiting_for"] == "initial load copying: 500/1,000 rows copied", a
+        assert tables["b"]["waiting_for"] is None
         assert c.get(f"{V1}/changefeeds/{CF}/tables/src1/shop/a").json()["key"] == a["key"]
         assert c.get(f"{V1}/changefeeds/{CF}/tables/src1/shop/zzz").status_code == 404
         assert c.get(f"{V1}/changefeeds/nope/tables").status_code == 404
@@ -528,7 +537,8 @@ def test_read_models_rebuilt_by_replay_equal_the_live_ones(api_stack: ApiStack) 
 
 
 def _strip_lag(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in item.items() if k not in ("lag_s", "checkpoint_time")} for item in items]
+    return [{k: v for k, v in item.items() if k not in ("lag_s", "checkpoint_time", "waiting_for")}
+            for item in items]
 
 
 

@@ -107,6 +107,7 @@ def test_tables_snapshot_progress_and_move(api_stack: ApiStack) -> None:
     code, out = sluice(api_stack, "changefeed", "tables", CF)
     assert code == 0 and "replicating" in out and "500/1000" in out, out
     assert "UTC" in out and " behind" in out and "none yet" in out, out
+    assert "waiting for" in out and "copied" in out, out
     progress = sluice_json(api_stack, "changefeed", "snapshot", CF)
     assert progress["src1/shop.a"] == {"rows_copied": 500, "rows_estimate": 1000, "state": "copying"}
     key = WorkerSpan(CF, "src1", "shop", "a").kv_key

@@ -31,7 +31,7 @@ from libs.changefeeds import record_changefeed
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
-from libs.streams import rows_subject
+from libs.streams import PREPARE_BUCKET, rows_subject
 from tests.helpers.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.integration
@@ -120,6 +120,15 @@ async def _stream_messages(url: str, stream: str) -> list[tuple[str, dict[str, s
             msg = await js.get_msg(stream, seq)
             out.append((msg.subject, dict(msg.headers or {}), msg.data or b""))
         return out
+    finally:
+        await nc.close()
+
+
+async def _prepare_entries(url: str) -> dict[str, dict[str, Any]]:
+    nc = await nats.connect(url)
+    try:
+        kv = await nc.jetstream().key_value(PREPARE_BUCKET)
+        return {k: json.loads((await kv.get(k)).value or b"{}") for k in await kv.keys()}
     finally:
         await nc.close()
 
@@ -304,6 +313,11 @@ def test_every_service_serves_the_metrics_operators_watch(system: ObsSystem) -> 
     assert _value(scheduler, "sluice_scheduler_tasks_total", type="schedule.add_table") >= 2
     manager = _metrics(procs["replication-manager-1"])
     assert _value(manager, "sluice_replication_sets", state="replicating") == 2
+    # The worker recorded what each span's prepare waited for (the api's waiting_for): its
+    # last phase is the commit it then got.
+    prepared = asyncio.run(_prepare_entries(system.nats.url))
+    assert {e["member"] for e in prepared.values()} == {"sink-worker-1"}, prepared
+    assert len(prepared) == 2 and {e["phase"] for e in prepared.values()} == {"prepared"}, prepared
     assert _value(manager, "sluice_replication_member_spans", member="sink-worker-1") == 2
     cf = system.changefeeds["sluice"]
     system.wait(lambda: f'sluice_changefeed_checkpoint_lag_seconds{{changefeed="{cf}"}}'
@@ -321,13 +335,18 @@ def test_every_service_serves_the_metrics_operators_watch(system: ObsSystem) -> 
     assert _value(worker, "sluice_sink_checkpoint_lag_seconds", changefeed=cf) >= 0
     # Checkpoints and resolved marks are exported as Unix seconds (a raw ts, ~4.7e17, is beyond
     # float64's exact integers): each is a time of this run.
-    stamps = {"sink": _values(worker, "sluice_sink_checkpoint_timestamp_seconds", changefeed=cf),
-              "manager": _values(_metrics(procs["replication-manager-1"]),
-                                 "sluice_replication_checkpoint_timestamp_seconds", changefeed=cf),
-              "capture": _values(capture, "sluice_capture_resolved_timestamp_seconds", source=SOURCE)}
+    def stamps() -> dict[str, list[float]]:
+        return {"sink": _values(_metrics(procs["sink-worker-1"]),
+                                "sluice_sink_checkpoint_timestamp_seconds", changefeed=cf),
+                "manager": _values(_metrics(procs["replication-manager-1"]),
+                                   "sluice_replication_checkpoint_timestamp_seconds", changefeed=cf),
+                "capture": _values(_metrics(procs["capture-obs"]),
+                                   "sluice_capture_resolved_timestamp_seconds", source=SOURCE)}
+
+    system.wait(lambda: all(stamps().values()), 30, "every checkpoint and resolved timestamp gauge")
     now = time.time()
-    for who, values in stamps.items():
-        assert values and all(now - 600 < v <= now + 5 for v in values), (who, values, now)
+    for who, values in stamps().items():
+        assert all(now - 600 < v <= now + 5 for v in values), (who, values, now)
 
     # Garbage on the span's subject: dead-lettered by the worker, and the counter moves.
     before = _value(worker, "sluice_dead_letters_total", stream="SLUICE_ROWS")

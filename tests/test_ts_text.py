@@ -26,3 +26,20 @@ def test_a_ts_reads_as_a_utc_time_and_how_far_behind() -> None:
 def test_durations_keep_one_unit_people_read() -> None:
     assert [duration_text(s) for s in (0, 0.84, 119.9, 120, 5400, 7200, 172800)] == [
         "0.0 s", "0.8 s", "119.9 s", "2.0 min", "90.0 min", "2.0 h", "2.0 d"]
+
+
+def test_waiting_for_says_why_a_span_does_not_stream_yet() -> None:
+    from services.api.schemas import waiting_for
+
+    now = 1_000.0
+    warming = {"member": "w1", "phase": "spark", "since": now - 12.34,
+               "waiting_for": "Spark warming up (JVM start and first plans, once per worker)"}
+    assert waiting_for("prepare", ("w1", None), warming, None, now) == (
+        "Spark warming up (JVM start and first plans, once per worker) on w1, 12.3 s")
+    # Another member's record (an earlier prepare of a moved span) says nothing about this one.
+    assert waiting_for("prepare", ("w2",), warming, None, now) == "its worker to start preparing it"
+    assert waiting_for("absent", (), None, None, now) == "the scheduler to place it on a worker"
+    copying = {"state": "copying", "rows_copied": 1500, "rows_estimate": 20000}
+    assert waiting_for("replicating", ("w1",), None, copying, now) == (
+        "initial load copying: 1,500/20,000 rows copied")
+    assert waiting_for("replicating", ("w1",), warming, {"state": "done"}, now) is None

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from contracts.events.changefeeds import ChangefeedSpecV2
 from libs.secret_refs import is_reference
-from libs.ts import behind_text
+from libs.ts import behind_text, duration_text
 from libs.ts import lag_seconds as ts_lag_seconds
 
 REDACTED = "***"
@@ -69,6 +69,27 @@ def lag_seconds(ts: int, now: float | None = None) -> float | None:
     return round(ts_lag_seconds(ts, now), 3)
 
 
+_NOT_YET_RUNNING = {"absent", "prepare", "commit"}
+
+
+def waiting_for(state: str, members: tuple[str | None, ...], prepare: dict[str, Any] | None,
+                snapshot: dict[str, Any] | None, now: float) -> str | None:
+    """Why a span is not streaming yet, for people: its initial load's progress, or what its
+    worker's prepare waits for (the prepare bucket); None once it streams."""
+    if snapshot and snapshot.get("state") not in (None, "done"):
+        done, estimate = snapshot.get("rows_copied") or 0, snapshot.get("rows_estimate")
+        rows = f"{done:,}/{estimate:,} rows" if estimate else f"{done:,} rows"
+        return f"initial load {snapshot['state']}: {rows} copied"
+    if state not in _NOT_YET_RUNNING:
+        return None
+    if prepare and prepare.get("member") in members:
+        since = float(prepare.get("since") or now)
+        return f"{prepare.get('waiting_for')} on {prepare['member']}, {duration_text(max(0.0, now - since))}"
+    if state == "absent":
+        return "the scheduler to place it on a worker"
+    return "its worker to start preparing it"
+
+
 class Accepted(BaseModel):
     """A command was accepted; follow it at ``follow`` (and in the event feed from ``seq``)."""
 
@@ -121,6 +142,10 @@ class TableOut(BaseModel):
     lag_s: float | None
     checkpoint: CheckpointOut | None = Field(None, description="The span's stored checkpoint.")
     snapshot: dict[str, Any] | None = Field(None, description="Initial-load progress, when any.")
+    waiting_for: str | None = Field(
+        None, description="Why the table does not stream yet (initial-load progress, or what its "
+                          "worker's prepare waits for: its start, Spark warming up, the commit); "
+                          "null once it streams.")
     incident: dict[str, Any] | None = Field(
         None, description="The downstream refused a change for good: the table waits for an operator "
                           "(POST .../errors/{incident}/skip|retry|resume).")

@@ -86,6 +86,6 @@ def tables(items: list[dict[str, Any]]) -> None:
                 f"{stopped['error']}")
 
     table("tables", ["source", "database", "table", "state", "primary", "secondary", "checkpoint",
-                     "snapshot", "incident"],
+                     "snapshot", "waiting for", "incident"],
           ([t["source"], t["database"], t["table"], t["state"], t.get("primary"), t.get("secondary"),
-            checkpoint(t), progress(t), incident(t)] for t in items))
+            checkpoint(t), progress(t), t.get("waiting_for"), incident(t)] for t in items))
