@@ -86,7 +86,7 @@ def waiting_for(state: str, members: tuple[str | None, ...], prepare: dict[str, 
         since = float(prepare.get("since") or now)
         return f"{prepare.get('waiting_for')} on {prepare['member']}, {duration_text(max(0.0, now - since))}"
     if state == "absent":
-        return "the scheduler to place it on a worker"
+        return "the scheduler to place it on a worker (workers join once their Spark is warm)"
     return "its worker to start preparing it"
 
 
