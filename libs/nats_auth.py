@@ -26,6 +26,7 @@ from libs.streams import (
     DEADLETTER_STREAM,
     DOMAINS,
     LEADER_BUCKET,
+    PREPARE_BUCKET,
     ROWS_STREAM,
     SNAPSHOT_BUCKET,
     domain_events_subject,
@@ -177,7 +178,7 @@ def role_permissions(role: str) -> Permissions | None:
     if role == READER:
         # Event-stream consumers: every Sluice stream and bucket, read-only.
         streams = [ROWS_STREAM, DEADLETTER_STREAM, *(domain_stream(d) for d in DOMAINS),
-                   *(f"KV_{b}" for b in (LEADER_BUCKET, CHECKPOINT_BUCKET, SNAPSHOT_BUCKET))]
+                   *(f"KV_{b}" for b in (LEADER_BUCKET, CHECKPOINT_BUCKET, SNAPSHOT_BUCKET, PREPARE_BUCKET))]
         return Permissions(tuple([*_COMMON_PUB, "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
                                   *(s for st in streams for s in js_read(st))]), (INBOX,))
     if role.startswith(CAPTURE_PREFIX):
@@ -203,7 +204,8 @@ def role_permissions(role: str) -> Permissions | None:
     if role == SINK_WORKER:
         return Permissions(
             tuple([*_COMMON_PUB, *js_read(ROWS_STREAM), *_domain_reader("changefeeds"), *_dead_letters(),
-                   *kv_write(CHECKPOINT_BUCKET), *kv_write(SNAPSHOT_BUCKET), *kv_read(LEADER_BUCKET),
+                   *kv_write(CHECKPOINT_BUCKET), *kv_write(SNAPSHOT_BUCKET), *kv_write(PREPARE_BUCKET),
+                   *kv_read(LEADER_BUCKET),
                    "sluice.hb.*", "sluice.shardddl.report",
                    # A table its downstream refused for good is recorded (table.stopped,
                    # table.unique_conflict_overwritten) in the changefeeds log every worker folds.
@@ -220,7 +222,8 @@ def role_permissions(role: str) -> Permissions | None:
                    *_domain_reader("members", "schedule", "replication", "ddl"),
                    *js_own(DEADLETTER_STREAM), f"$JS.API.STREAM.MSG.DELETE.{DEADLETTER_STREAM}",
                    *js_read(ROWS_STREAM),
-                   *kv_read(LEADER_BUCKET), *kv_read(CHECKPOINT_BUCKET), *kv_read(SNAPSHOT_BUCKET)]),
+                   *kv_read(LEADER_BUCKET), *kv_read(CHECKPOINT_BUCKET), *kv_read(SNAPSHOT_BUCKET),
+                   *kv_read(PREPARE_BUCKET)]),
             (INBOX,))
     raise ValueError(f"unknown NATS role {role!r}")
 

@@ -11,6 +11,9 @@ CHECKPOINT_BUCKET = "sluice-checkpoints"
 # Initial-load progress per span (key: the span's checkpoint key), so a snapshot resumes from its
 # last finished chunk on any worker and the api can show it.
 SNAPSHOT_BUCKET = "sluice-snapshots"
+# What a span being prepared waits for on its worker (reading its start, Spark warming up, the
+# commit), so the api can say why a span shows `prepare`. Entries expire: only the live ones matter.
+PREPARE_BUCKET = "sluice-prepare"
 
 # One event-sourced stream per control domain; its leader is the only writer.
 DOMAINS = ("members", "schedule", "replication", "ddl", "changefeeds")

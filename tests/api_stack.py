@@ -34,6 +34,7 @@ from libs.localservers.common import wait_until
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
+from libs.nats_auth import SINK_WORKER
 from libs.streams import (
     CHECKPOINT_BUCKET,
     ROWS_STREAM,
@@ -203,7 +204,9 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory, mariadb: MariaDB) -> Ite
     env = {"SLUICE_NATS_URL": server.url, "SLUICE_LEASE_TTL_S": "1.5", "SLUICE_LOG_JSON": "true",
            "SLUICE_STATE_DB_URL": f"sqlite:///{tmp / 'state.db'}", "SLUICE_API_TOKEN": TOKEN,
            "SLUICE_API_TOKENS": f"vic:viewer:{VIEWER_TOKEN},alice:operator:{ALICE_TOKEN}",
-           "SLUICE_LOG_LEVEL": "DEBUG", "SLUICE_SECRET_SRC_PW": CANARY}
+           "SLUICE_LOG_LEVEL": "DEBUG", "SLUICE_SECRET_SRC_PW": CANARY,
+           # A NATS sink's user (the creation checks connect as it): the sink-worker's.
+           "SLUICE_SECRET_NATS_SINK_PW": server.stack_auth.password(SINK_WORKER) if server.stack_auth else ""}
 
     async def seed() -> None:
         js = nc.jetstream()

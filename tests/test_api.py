@@ -5,6 +5,7 @@ resume, and read models rebuilt by replay equal to the live ones."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +20,11 @@ from contracts.events.changefeeds import ChangefeedCreatedV2, ChangefeedSpecV2, 
 from libs.eventstore import EventStore
 from libs.eventstore.deadletter import dead_letter
 from libs.localservers.common import wait_until
-from libs.streams import domain_events_subject
+from libs.streams import PREPARE_BUCKET, domain_events_subject
+from libs.ts import utc_text
 from services.api.projections import Projections
+from services.sink_worker.prepare_progress import entry as prepare_entry
+from services.sink_worker.span import Span as WorkerSpan
 from tests.api_stack import ALICE_TOKEN, CANARY, CF, TOKEN, TS, VIEWER_TOKEN, ApiStack, lock_view, wait_ready
 
 pytestmark = pytest.mark.integration
@@ -77,9 +81,41 @@ def test_reads_need_a_viewer_token_and_mutations_an_operator_token(api_stack: Ap
         assert {"ChangefeedSpecV4", "TableRuleV1", "ComputedColumnV1"} <= schemas
         assert {"401"} <= set(spec_doc["paths"][f"{V1}/changefeeds"]["get"]["responses"])
         assert {"401", "403", "413"} <= set(spec_doc["paths"][f"{V1}/changefeeds"]["post"]["responses"])
+        # Every operation documents what auth and the body limit answer.
+        for path, operations in spec_doc["paths"].items():
+            if not path.startswith(V1):
+                continue
+            for method, op in operations.items():
+                want = {"401", "413"} | ({"403"} if method not in ("get", "head") else set())
+                assert want <= set(op["responses"]), (method, path, sorted(op["responses"]))
     # No token is ever written to the api's log, even at DEBUG.
     log = api_stack.api.log_path.read_text()
     assert TOKEN not in log and VIEWER_TOKEN not in log and ALICE_TOKEN not in log
+
+
+_ASSET_REFS = re.compile(r"""(?:src|href|spec-url)="([^"]+)"|\burl: '([^']+)'""")
+
+
+def test_docs_pages_and_every_asset_they_reference_come_from_the_api(api_stack: ApiStack) -> None:
+    """/docs and /redoc work on a machine without internet: every script, style, icon and the
+    spec they load are served by the api itself, and nothing points at another host."""
+    with api_stack.client(token=None) as anon:
+        fetched: dict[str, httpx.Response] = {}
+        for page in ("/docs", "/redoc"):
+            r = anon.get(page)
+            assert r.status_code == 200, (page, r.text)
+            assert "://" not in r.text, f"{page} references another host: {r.text}"
+            refs = [a or b for a, b in _ASSET_REFS.findall(r.text)]
+            assert any(ref.endswith(".js") for ref in refs) and "/openapi.json" in refs, (page, refs)
+            for ref in refs:
+                assert ref.startswith("/"), (page, ref)
+                fetched[ref] = anon.get(ref)
+        for ref, resp in fetched.items():
+            assert resp.status_code == 200 and resp.content, (ref, resp.status_code)
+        assert "javascript" in fetched["/docs-assets/swagger-ui-bundle.js"].headers["content-type"]
+        assert "javascript" in fetched["/docs-assets/redoc.standalone.js"].headers["content-type"]
+        # The stylesheet loads no fonts or images from elsewhere either.
+        assert not re.search(r"url\(\s*['\"]?https?:", fetched["/docs-assets/swagger-ui.css"].text)
 
 
 def test_a_mutation_is_recorded_as_the_tokens_principal(api_stack: ApiStack) -> None:
@@ -205,22 +241,34 @@ def test_changefeed_validation_is_field_level(api_stack: ApiStack) -> None:
 
 
 def test_tables_members_sources(api_stack: ApiStack) -> None:
+    # Table c is being prepared on w2, whose Spark is warming up (what its worker records).
+    api_stack.kv_put(PREPARE_BUCKET, WorkerSpan(CF, "src1", "shop", "c").kv_key,
+                     json.loads(prepare_entry("w2", "spark", time.time() - 5)))
     with api_stack.client() as c:
         tables = {t["table"]: t for t in c.get(f"{V1}/changefeeds/{CF}/tables").json()}
         a = tables["a"]
         assert (a["state"], a["primary"], a["secondary"]) == ("replicating", "w1", None)
         assert a["checkpoint"] == {"stream_seq": 42, "ts": TS + 1} and a["checkpoint_ts"] == TS + 1
         assert 9 <= a["lag_s"] < 600
+        # For people: the checkpoint's UTC time and how far behind it is (raw values beside it).
+        behind = re.escape(utc_text(TS + 1)) + r", \d+\.\d (s|min) behind"
+        assert re.fullmatch(behind, a["checkpoint_time"]), a
+        assert tables["b"]["checkpoint_time"] is None or "behind" in tables["b"]["checkpoint_time"]
         assert a["snapshot"]["rows_copied"] == 500 and a["snapshot"]["rows_estimate"] == 1000
         assert a["snapshot"]["rows_per_s"] == 2500.0 and a["snapshot"]["eta_s"] == 125.0
         assert tables["b"]["snapshot"] is None and tables["b"]["checkpoint"] is None
         assert (tables["c"]["state"], tables["c"]["secondary"]) == ("prepare", "w2")
+        warming = r"Spark warming up \(.*\) on w2, \d+\.\d s"
+        assert re.fullmatch(warming, tables["c"]["waiting_for"]), tables["c"]
+        assert a["waiting_for"] == "initial load copying: 500/1,000 rows copied", a
+        assert tables["b"]["waiting_for"] is None
         assert c.get(f"{V1}/changefeeds/{CF}/tables/src1/shop/a").json()["key"] == a["key"]
         assert c.get(f"{V1}/changefeeds/{CF}/tables/src1/shop/zzz").status_code == 404
         assert c.get(f"{V1}/changefeeds/nope/tables").status_code == 404
 
         cf = c.get(f"{V1}/changefeeds/{CF}").json()
         assert cf["checkpoint_ts"] == TS and cf["tables"] == 3
+        assert re.fullmatch(re.escape(utc_text(TS)) + r", .* behind", cf["checkpoint_time"]), cf
         assert cf["tables_by_state"] == {"prepare": 1, "replicating": 2}
 
         members = {m["member_id"]: m for m in c.get(f"{V1}/members").json()}
@@ -233,6 +281,7 @@ def test_tables_members_sources(api_stack: ApiStack) -> None:
         src = next(s for s in sources if s["id"] == "src1")
         assert CF in src["changefeeds"] and "hunter2" not in json.dumps(sources)
         assert src["resolved_ts"] == TS and 9 <= src["resolved_lag_s"] < 600
+        assert src["resolved_time"].startswith(utc_text(TS) + ", ")
         assert c.get(f"{V1}/sources/src1").status_code == 200
         assert c.get(f"{V1}/sources/nope").status_code == 404
 
@@ -493,7 +542,8 @@ def test_read_models_rebuilt_by_replay_equal_the_live_ones(api_stack: ApiStack) 
 
 
 def _strip_lag(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in item.items() if k != "lag_s"} for item in items]
+    return [{k: v for k, v in item.items() if k not in ("lag_s", "checkpoint_time", "waiting_for")}
+            for item in items]
 
 
 

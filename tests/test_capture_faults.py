@@ -189,7 +189,7 @@ async def test_two_captures_one_publishes_and_the_other_takes_over(
     assert health["position"].startswith("binlog.")
     metrics = await asyncio.to_thread(_get_text, standby.base_url + "/metrics")
     assert f'sluice_capture_rows_published_total{{source="{source}"}}' in metrics
-    assert f'sluice_capture_resolved_ts{{source="{source}"}}' in metrics
+    assert f'sluice_capture_resolved_timestamp_seconds{{source="{source}"}}' in metrics
 
     # A leader frozen past its lease (SIGSTOP: a long GC pause, a stalled VM) must, once it runs
     # again, stop instead of publishing next to its successor.

@@ -17,9 +17,10 @@ from typer.testing import CliRunner
 
 from contracts.events.scheduling import SetChangedV1
 from libs.streams import SNAPSHOT_BUCKET
+from libs.ts import utc_text
 from services.cli.app import app
 from services.sink_worker.span import Span as WorkerSpan
-from tests.api_stack import CF, TOKEN, ApiStack, lock_view, span_ref
+from tests.api_stack import CF, TOKEN, TS, ApiStack, lock_view, span_ref
 
 pytestmark = pytest.mark.integration
 
@@ -48,8 +49,10 @@ def test_status_shows_lag_members_and_locks(api_stack: ApiStack) -> None:
     assert code == 0, out
     assert "orders" in out and "w1" in out and "w2" in out and "shop.z" in out
     lag_line = next(line for line in out.splitlines() if " orders " in f" {line} ")
-    # The checkpoint ages while the session's stack lives, so the unit may be s, m or h; "-" means no lag.
-    assert re.search(r"│ \d+\.\d[smh] │", lag_line.split("orders", 1)[1]), lag_line
+    # The checkpoint as a UTC time and its lag, never the raw ts (that is for --json). It ages
+    # while the session's stack lives, so the unit may be s, min or h.
+    assert re.search(re.escape(utc_text(TS)) + r", \d+\.\d (s|min|h) behind", lag_line), lag_line
+    assert str(TS) not in out
     body = sluice_json(api_stack, "status")
     assert {m["member_id"] for m in body["members"]} >= {"w1", "w2"}
     assert any(lk["target"] == "shop.z" for lk in body["ddl_locks"])
@@ -73,6 +76,8 @@ def test_changefeed_commands(api_stack: ApiStack, tmp_path: Path) -> None:
     path.write_text(json.dumps({**spec, "table_rules": broken}))
     code, out = sluice(api_stack, "changefeed", "update", "cli-cf", str(path))
     assert code == 1 and "422" in out and "unterminated string" in out, out
+    code, out = sluice(api_stack, "changefeed", "get", "cli-cf")
+    assert code == 0 and "cli-cf" in out and "none yet" in out and "sqlite:///cli.db" in out, out
     code, out = sluice(api_stack, "changefeed", "list")
     assert code == 0 and "cli-cf" in out
     assert sluice(api_stack, "changefeed", "pause", "cli-cf")[0] == 0
@@ -111,6 +116,8 @@ def test_create_refused_by_a_check_then_skip_checks(api_stack: ApiStack, tmp_pat
 def test_tables_snapshot_progress_and_move(api_stack: ApiStack) -> None:
     code, out = sluice(api_stack, "changefeed", "tables", CF)
     assert code == 0 and "replicating" in out and "500/1000 at 2,500 rows/s, ETA 2m05s" in out, out
+    assert "UTC" in out and " behind" in out and "none yet" in out, out
+    assert "waiting for" in out and "copied" in out, out
     progress = sluice_json(api_stack, "changefeed", "snapshot", CF)
     assert progress["src1/shop.a"] == {"rows_copied": 500, "rows_estimate": 1000, "state": "copying",
                                        "rows_per_s": 2500.0, "eta_s": 125.0}

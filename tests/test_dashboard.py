@@ -58,7 +58,9 @@ def test_dashboard_covers_the_operator_metrics_and_is_provisioned() -> None:
                  "sluice_sink_batch_rows_bucket", "sluice_sink_apply_seconds_bucket",
                  "sluice_replication_member_spans", "sluice_replication_sets",
                  "sluice_scheduler_tasks_in_flight",
-                 "sluice_leader_epoch", "sluice_dead_letters_total", "sluice_nats_reconnects_total"):
+                 "sluice_leader_epoch", "sluice_dead_letters_total", "sluice_nats_reconnects_total",
+                 "sluice_sink_round_seconds_bucket", "sluice_sink_round_errors_total",
+                 "sluice_api_http_requests_total"):
         assert name in text, name
     ids = [p["id"] for p in json.loads(text)["panels"]]
     assert len(ids) == len(set(ids))

@@ -31,7 +31,7 @@ from libs.changefeeds import record_changefeed
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
-from libs.streams import rows_subject
+from libs.streams import PREPARE_BUCKET, rows_subject
 from tests.helpers.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.integration
@@ -124,6 +124,15 @@ async def _stream_messages(url: str, stream: str) -> list[tuple[str, dict[str, s
         await nc.close()
 
 
+async def _prepare_entries(url: str) -> dict[str, dict[str, Any]]:
+    nc = await nats.connect(url)
+    try:
+        kv = await nc.jetstream().key_value(PREPARE_BUCKET)
+        return {k: json.loads((await kv.get(k)).value or b"{}") for k in await kv.keys()}
+    finally:
+        await nc.close()
+
+
 def stream_messages(system: ObsSystem, fmt: str) -> list[tuple[str, dict[str, str], bytes]]:
     return asyncio.run(_stream_messages(system.nats.url, system.streams[fmt]))
 
@@ -186,8 +195,8 @@ def system(mariadb: MariaDB, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             proc.wait_healthy(90)
         # start=current: capture fixes its start position only once it reads; a change made
         # before that would not be captured. Its first resolved mark says it is reading.
-        system.wait(lambda: _value(_metrics(capture), "sluice_capture_resolved_ts", source=SOURCE) > 0,
-                    90, "capture's first resolved mark")
+        system.wait(lambda: _value(_metrics(capture), "sluice_capture_resolved_timestamp_seconds",
+                                   source=SOURCE) > 0, 90, "capture's first resolved mark")
         yield system
     finally:
         system.stop()
@@ -271,14 +280,19 @@ def _metrics(proc: ServiceProcess) -> str:
         return str(resp.read().decode())
 
 
-def _value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
+def _values(text: str, name: str, **labels: str) -> list[float]:
+    """The samples of ``name`` whose labels include ``labels``."""
+    out: list[float] = []
     for line in text.splitlines():
         m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
         if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+            out.append(float(m.group(2)))
+    return out
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    return sum(_values(text, name, **labels))
 
 
 def test_every_service_serves_the_metrics_operators_watch(system: ObsSystem) -> None:
@@ -299,6 +313,11 @@ def test_every_service_serves_the_metrics_operators_watch(system: ObsSystem) -> 
     assert _value(scheduler, "sluice_scheduler_tasks_total", type="schedule.add_table") >= 2
     manager = _metrics(procs["replication-manager-1"])
     assert _value(manager, "sluice_replication_sets", state="replicating") == 2
+    # The worker recorded what each span's prepare waited for (the api's waiting_for): its
+    # last phase is the commit it then got.
+    prepared = asyncio.run(_prepare_entries(system.nats.url))
+    assert {e["member"] for e in prepared.values()} == {"sink-worker-1"}, prepared
+    assert len(prepared) == 2 and {e["phase"] for e in prepared.values()} == {"prepared"}, prepared
     assert _value(manager, "sluice_replication_member_spans", member="sink-worker-1") == 2
     cf = system.changefeeds["sluice"]
     system.wait(lambda: f'sluice_changefeed_checkpoint_lag_seconds{{changefeed="{cf}"}}'
@@ -314,6 +333,20 @@ def test_every_service_serves_the_metrics_operators_watch(system: ObsSystem) -> 
     assert _value(worker, "sluice_sink_batch_events_sum") > 0
     assert _value(worker, "sluice_sink_spans", state="replicating") == 2
     assert _value(worker, "sluice_sink_checkpoint_lag_seconds", changefeed=cf) >= 0
+    # Checkpoints and resolved marks are exported as Unix seconds (a raw ts, ~4.7e17, is beyond
+    # float64's exact integers): each is a time of this run.
+    def stamps() -> dict[str, list[float]]:
+        return {"sink": _values(_metrics(procs["sink-worker-1"]),
+                                "sluice_sink_checkpoint_timestamp_seconds", changefeed=cf),
+                "manager": _values(_metrics(procs["replication-manager-1"]),
+                                   "sluice_replication_checkpoint_timestamp_seconds", changefeed=cf),
+                "capture": _values(_metrics(procs["capture-obs"]),
+                                   "sluice_capture_resolved_timestamp_seconds", source=SOURCE)}
+
+    system.wait(lambda: all(stamps().values()), 30, "every checkpoint and resolved timestamp gauge")
+    now = time.time()
+    for who, values in stamps().items():
+        assert all(now - 600 < v <= now + 5 for v in values), (who, values, now)
 
     # Garbage on the span's subject: dead-lettered by the worker, and the counter moves.
     before = _value(worker, "sluice_dead_letters_total", stream="SLUICE_ROWS")

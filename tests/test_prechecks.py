@@ -66,7 +66,20 @@ def test_unreachable_source_sink_and_empty_route_are_each_refused(api_stack: Api
         got = _refusals(c.post(f"{V1}/changefeeds", json=missing))
         assert "SLUICE_SECRET_NOT_THERE" in got["source_secret"]
 
-        for cf in ("pc-src", "pc-sink", "pc-route", "pc-secret"):
+        # A NATS sink (examples/changefeeds/nats-sink.jsonc): checked for a reachable JetStream.
+        got = _refusals(c.post(f"{V1}/changefeeds", json=_spec(
+            api_stack, "pc-nats", sink_url=f"nats://127.0.0.1:{port}/OUT?subject=out.x")))
+        assert list(got) == ["sink_reachable"] and "JetStream" in got["sink_reachable"]
+        r = c.post(f"{V1}/changefeeds", json=_spec(api_stack, "pc-nats-bad", sink_url="nats://h:4222/"))
+        assert r.status_code == 422 and "stream name" in r.text, r.text
+        host = api_stack.nats.plain_url.split("://", 1)[1]
+        sink = f"nats://sink-worker:secret:nats-sink-pw@{host}/PC_OUT?subject=pc.out&format=debezium"
+        r = c.post(f"{V1}/changefeeds", json=_spec(api_stack, "pc-nats-ok", sink_url=sink))
+        assert r.status_code == 202, r.text
+        assert c.get(f"{V1}/changefeeds/pc-nats-ok").json()["failed_checks"] == []
+        assert c.delete(f"{V1}/changefeeds/pc-nats-ok").status_code == 202
+
+        for cf in ("pc-src", "pc-sink", "pc-route", "pc-secret", "pc-nats", "pc-nats-bad"):
             assert c.get(f"{V1}/changefeeds/{cf}").status_code == 404
 
 

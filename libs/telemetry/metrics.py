@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, generate_latest
+
+from libs.ts import lag_seconds
+
+__all__ = ["lag_seconds", "render_latest"]
 
 NATS_RECONNECTS = Counter("sluice_nats_reconnects", "NATS reconnections of this process.")
 LEADER_EPOCH = Gauge("sluice_leader_epoch", "Epoch this process leads with; 0 when not leader.",
@@ -17,13 +19,6 @@ DEAD_LETTERS = Counter("sluice_dead_letters", "Messages moved to a dead-letter s
 EVENTS_APPENDED = Counter("sluice_events_appended", "Events appended to domain streams.", ["stream"])
 APPEND_CONFLICTS = Counter("sluice_append_conflicts",
                            "Appends refused by the expected-sequence check.", ["stream"])
-
-
-def lag_seconds(ts: int, now: float | None = None) -> float:
-    """How far a Sluice ts (``physical_ms << 18 | logical``) is behind the wall clock, in seconds."""
-    if ts <= 0:
-        return 0.0
-    return max(0.0, (time.time() if now is None else now) - (ts >> 18) / 1000.0)
 
 
 def render_latest() -> tuple[bytes, str]:

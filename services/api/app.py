@@ -1,5 +1,6 @@
 """The api's FastAPI app: the operator endpoints under /api/v1 beside the runtime's /healthz,
-/readyz and /metrics; OpenAPI at /openapi.json, Swagger UI at /docs."""
+/readyz and /metrics; OpenAPI at /openapi.json, Swagger UI at /docs and ReDoc at /redoc, their
+scripts and styles served by the api itself (DOCS_ASSETS) so the pages work without internet."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 
 from services.api.auth import AUTH_RESPONSES, WRITE_RESPONSES, TokenTable
 from services.api.context import ApiContext
@@ -16,6 +18,8 @@ from services.api.http_guards import BodyLimit, RequestMetrics
 from services.api.routes import changefeeds, cluster, ddl, deadletters, events, leaders, table_errors
 
 API_PREFIX = "/api/v1"
+# Where the Swagger UI and ReDoc bundles (from the fastapi-offline package) are served.
+DOCS_ASSETS = "/docs-assets"
 _READ_METHODS = {"get", "head", "options"}
 
 
@@ -29,7 +33,10 @@ async def field_errors_only(request: Request, exc: Exception) -> JSONResponse:
 
 
 def create_app(ctx: ApiContext) -> FastAPI:
-    app = FastAPI(
+    app = FastAPIOffline(
+        docs_url="/docs", redoc_url="/redoc", static_url=DOCS_ASSETS,
+        # Swagger UI would otherwise send the spec to an online validator.
+        swagger_ui_parameters={"validatorUrl": None},
         title="Sluice operator API", version="1",
         description="Changefeeds, tables, members, DDL locks, leaders, dead letters and the event "
                     "feed. Every endpoint needs `Authorization: Bearer <token>` (unless "

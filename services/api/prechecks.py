@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import nats
 import psycopg
 import pymysql
 
@@ -27,6 +28,12 @@ from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpecV2
 from libs.dburl import DatabaseUrl, DatabaseUrlError, parse_database_url
 from libs.routing import RouteRule, TableRef
 from services.capture.source import check_source
+from services.sink_worker.sinks.nats_stream import (
+    StreamSinkUrl,
+    StreamUrlError,
+    is_stream_sink,
+    parse_stream_url,
+)
 
 CONNECT_TIMEOUT_S = 3
 # Each replication need, and the privilege names that grant it (MariaDB >= 10.5 shows
@@ -131,7 +138,34 @@ def _check_source(source_id: str, url_text: str, tables: dict[str, list[tuple[st
     return failed
 
 
+async def _jetstream_reachable(url: StreamSinkUrl) -> None:
+    nc = await nats.connect(servers=url.servers, user=url.user, password=url.password,
+                            connect_timeout=CONNECT_TIMEOUT_S, max_reconnect_attempts=0,
+                            allow_reconnect=False)
+    try:
+        await nc.jetstream().account_info()
+    finally:
+        await nc.close()
+
+
+def _check_stream_sink(url_text: str) -> list[ChangefeedCheckV1]:
+    try:
+        url = parse_stream_url(url_text)
+    except StreamUrlError as exc:
+        return [_check("sink_secret", "sink", f"sink: {exc}")]
+    try:
+        asyncio.run(asyncio.wait_for(_jetstream_reachable(url), CONNECT_TIMEOUT_S * 2))
+    except Exception as exc:  # nats-py raises many kinds (refused, auth, no JetStream, timeout)
+        return [_check("sink_reachable", "sink",
+                       f"sink: cannot reach JetStream at {', '.join(url.hosts)} as "
+                       f"{url.user or 'no user'!r}: {type(exc).__name__} {exc}. Start nats-server "
+                       "with -js, open the network path from the api, or fix the URL's user or secret")]
+    return []
+
+
 def _check_sink(url_text: str) -> list[ChangefeedCheckV1]:
+    if is_stream_sink(url_text):
+        return _check_stream_sink(url_text)
     try:
         url = parse_database_url(url_text)
     except DatabaseUrlError as exc:

@@ -6,13 +6,17 @@ import re
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from contracts.events.changefeeds import ChangefeedSpecV2
 from libs.secret_refs import is_reference
-from libs.telemetry.metrics import lag_seconds as telemetry_lag_seconds
+from libs.ts import behind_text, duration_text
+from libs.ts import lag_seconds as ts_lag_seconds
 
 REDACTED = "***"
+_CHECKPOINT_TIME = ("The checkpoint as a UTC time and how far it is behind the wall clock "
+                    "(`2026-11-23 22:31:07.120 UTC, 0.8 s behind`); null before the first checkpoint. "
+                    "checkpoint_ts and lag_s hold the raw values.")
 
 
 def redact_url(url: str) -> str:
@@ -62,7 +66,28 @@ def lag_seconds(ts: int, now: float | None = None) -> float | None:
     """Seconds between now and a ts, rounded for display; None before any ts (not 0: unknown)."""
     if ts <= 0:
         return None
-    return round(telemetry_lag_seconds(ts, now), 3)
+    return round(ts_lag_seconds(ts, now), 3)
+
+
+_NOT_YET_RUNNING = {"absent", "prepare", "commit"}
+
+
+def waiting_for(state: str, members: tuple[str | None, ...], prepare: dict[str, Any] | None,
+                snapshot: dict[str, Any] | None, now: float) -> str | None:
+    """Why a span is not streaming yet, for people: its initial load's progress, or what its
+    worker's prepare waits for (the prepare bucket); None once it streams."""
+    if snapshot and snapshot.get("state") not in (None, "done"):
+        done, estimate = snapshot.get("rows_copied") or 0, snapshot.get("rows_estimate")
+        rows = f"{done:,}/{estimate:,} rows" if estimate else f"{done:,} rows"
+        return f"initial load {snapshot['state']}: {rows} copied"
+    if state not in _NOT_YET_RUNNING:
+        return None
+    if prepare and prepare.get("member") in members:
+        since = float(prepare.get("since") or now)
+        return f"{prepare.get('waiting_for')} on {prepare['member']}, {duration_text(max(0.0, now - since))}"
+    if state == "absent":
+        return "the scheduler to place it on a worker (workers join once their Spark is warm)"
+    return "its worker to start preparing it"
 
 
 class Accepted(BaseModel):
@@ -86,6 +111,11 @@ class ChangefeedOut(BaseModel):
     lag_s: float | None
     tables: int
     tables_by_state: dict[str, int]
+
+    @computed_field(description=_CHECKPOINT_TIME)  # type: ignore[prop-decorator]
+    @property
+    def checkpoint_time(self) -> str | None:
+        return behind_text(self.checkpoint_ts)
     failed_checks: list[dict[str, str]] = Field(
         default_factory=list, description="Creation checks that failed when it was accepted with "
                                           "skip_checks (check, target, message).")
@@ -112,9 +142,18 @@ class TableOut(BaseModel):
     lag_s: float | None
     checkpoint: CheckpointOut | None = Field(None, description="The span's stored checkpoint.")
     snapshot: dict[str, Any] | None = Field(None, description="Initial-load progress, when any.")
+    waiting_for: str | None = Field(
+        None, description="Why the table does not stream yet (initial-load progress, or what its "
+                          "worker's prepare waits for: its start, Spark warming up, the commit); "
+                          "null once it streams.")
     incident: dict[str, Any] | None = Field(
         None, description="The downstream refused a change for good: the table waits for an operator "
                           "(POST .../errors/{incident}/skip|retry|resume).")
+
+    @computed_field(description=_CHECKPOINT_TIME)  # type: ignore[prop-decorator]
+    @property
+    def checkpoint_time(self) -> str | None:
+        return behind_text(self.checkpoint_ts)
 
 
 class MemberOut(BaseModel):
@@ -134,6 +173,12 @@ class SourceOut(BaseModel):
     resolved_ts: int | None
     resolved_lag_s: float | None
     capture_leader: str | None
+
+    @computed_field(description="The newest resolved mark as a UTC time and how far it is behind the "  # type: ignore[prop-decorator]
+                                "wall clock; null before the capture published one.")
+    @property
+    def resolved_time(self) -> str | None:
+        return behind_text(self.resolved_ts or 0)
 
 
 class LeaderOut(BaseModel):

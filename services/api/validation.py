@@ -16,6 +16,7 @@ from libs.routing import OriginColumn, Router, RouteRule, RoutingConfigError, Ta
 from libs.secret_refs import literal_password
 from libs.table_rules import rule_problems
 from services.api.schemas import REDACTED
+from services.sink_worker.sinks.nats_stream import is_stream_sink, parse_stream_url
 
 
 def _error(loc: list[str | int], msg: str) -> dict[str, Any]:
@@ -47,7 +48,10 @@ def spec_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
         return [_error([], f"the spec holds text that is not valid Unicode: {exc}")]
     errors: list[dict[str, Any]] = []
     try:
-        parse_database_url(spec.sink_url, resolve_secrets=False)
+        if is_stream_sink(spec.sink_url):
+            parse_stream_url(spec.sink_url, resolve_secrets=False)
+        else:
+            parse_database_url(spec.sink_url, resolve_secrets=False)
     except (DatabaseUrlError, ValueError) as exc:
         errors.append(_error(["sink_url"], f"sink URL refused: {exc}"))
     seen: set[str] = set()

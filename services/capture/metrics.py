@@ -12,10 +12,8 @@ PUBLISH_LATENCY = Histogram("sluice_capture_publish_latency_seconds",
                             "From publish to the JetStream ack.", ["source"],
                             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                                      0.5, 1.0, 2.5, 5.0))
-RESOLVED_TS = Gauge("sluice_capture_resolved_ts", "Last published resolved ts (physical << 18 | logical).",
-                    ["source"])
-RESOLVED_PHYSICAL_MS = Gauge("sluice_capture_resolved_physical_ms",
-                             "Physical part (Unix ms) of the last published resolved ts.", ["source"])
+RESOLVED_TIME = Gauge("sluice_capture_resolved_timestamp_seconds",
+                      "Commit time (Unix seconds) of the last published resolved ts.", ["source"])
 REJECTIONS = Counter("sluice_capture_rejections", "Inputs capture refused to replicate, by kind.",
                      ["source", "kind"])
 SESSIONS = Counter("sluice_capture_sessions", "Binlog reading sessions started, by how they ended.",

@@ -34,6 +34,7 @@ from contracts.registry import REGISTRY
 from libs.chunks import chunk_size_for, digest_of, needs_chunks, split
 from libs.streams import ROWS_STREAM, resolved_subject
 from libs.telemetry.tracing import publish_span
+from libs.ts import ts_seconds
 from services.capture import metrics
 from services.capture.large_encode import approx_size, encode_rows_deterministic
 
@@ -197,5 +198,4 @@ class Publisher:
         self._latency.observe(time.perf_counter() - started)
         self.resolved_stream_seq = int(ack.seq)
         metrics.MESSAGES_PUBLISHED.labels(self.source, type_).inc()
-        metrics.RESOLVED_TS.labels(self.source).set(event.ts)
-        metrics.RESOLVED_PHYSICAL_MS.labels(self.source).set(event.ts >> 18)
+        metrics.RESOLVED_TIME.labels(self.source).set(ts_seconds(event.ts))

@@ -101,9 +101,16 @@ def status(ctx: typer.Context) -> None:
 
 # -- changefeeds ----------------------------------------------------------------------------------
 
+def spec_from_text(text: str) -> Any:
+    """JSON, with whole-line ``//`` comments allowed (examples/changefeeds/*.jsonc). Only whole
+    lines: ``//`` inside a value (every URL has one) stays."""
+    return json.loads("\n".join("" if line.lstrip().startswith("//") else line
+                                for line in text.splitlines()))
+
+
 def _read_spec(path: Path) -> dict[str, Any]:
     try:
-        spec = json.loads(path.read_text())
+        spec = spec_from_text(path.read_text())
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(f"cannot read a JSON spec from {path}: {exc}") from None
     if not isinstance(spec, dict):
@@ -120,7 +127,7 @@ def changefeed_list(ctx: typer.Context) -> None:
 @changefeed_app.command("get")
 def changefeed_get(ctx: typer.Context, changefeed: str) -> None:
     cli = _cli(ctx)
-    cli.show(cli.run("GET", f"/changefeeds/{changefeed}"))
+    cli.show(cli.run("GET", f"/changefeeds/{changefeed}"), render.changefeed)
 
 
 @changefeed_app.command("rules")
@@ -141,7 +148,9 @@ def _skip(skip_checks: bool) -> str:
 
 @changefeed_app.command("create")
 def changefeed_create(ctx: typer.Context,
-                      spec_file: Annotated[Path, typer.Argument(help="JSON file with the changefeed spec.")],
+                      spec_file: Annotated[Path, typer.Argument(
+                          help="JSON file with the changefeed spec (// comment lines allowed; "
+                               "see examples/changefeeds/).")],
                       skip_checks: SkipChecks = False) -> None:
     """Create a changefeed from a spec (id, sources, filter, routes, table_rules, sink_url, start...)."""
     cli = _cli(ctx)
@@ -264,12 +273,12 @@ def rebalance(ctx: typer.Context) -> None:
 
 @app.command()
 def sources(ctx: typer.Context) -> None:
-    """Sources of the changefeeds, with their resolved-ts lag and capture leader."""
+    """Sources of the changefeeds, with their newest resolved mark and capture leader."""
     cli = _cli(ctx)
 
     def human(items: list[dict[str, Any]]) -> None:
-        render.table("sources", ["source", "url", "changefeeds", "resolved lag", "capture"],
-                     ([s["id"], s["url"], ",".join(s["changefeeds"]), render.lag(s.get("resolved_lag_s")),
+        render.table("sources", ["source", "url", "changefeeds", "resolved", "capture"],
+                     ([s["id"], s["url"], ",".join(s["changefeeds"]), render.checkpoint(s, "resolved_time"),
                        s.get("capture_leader")] for s in items))
 
     cli.show(cli.run("GET", "/sources"), human)

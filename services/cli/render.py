@@ -1,4 +1,5 @@
-"""Human output: tables and durations; ``--json`` bypasses all of this."""
+"""Human output: tables, and checkpoints as UTC times with how far they are behind; ``--json``
+bypasses all of this (and is the only place raw ts values appear)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,9 @@ def as_json(value: Any) -> None:
     console.out(json.dumps(value, indent=2, sort_keys=True), highlight=False)
 
 
-def lag(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if value < 120:
-        return f"{value:.1f}s"
-    if value < 7200:
-        return f"{value / 60:.1f}m"
-    return f"{value / 3600:.1f}h"
+def checkpoint(item: dict[str, Any], field: str = "checkpoint_time") -> str:
+    """The api's ``2026-11-23 22:31:07.120 UTC, 0.8 s behind``, or why there is none."""
+    return str(item.get(field) or "none yet")
 
 
 def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
@@ -49,8 +45,8 @@ def _state(c: dict[str, Any]) -> str:
 
 
 def changefeeds(items: list[dict[str, Any]]) -> None:
-    table("changefeeds", ["id", "state", "lag", "checkpoint ts", "tables", "by state"],
-          ([c["id"], _state(c), lag(c.get("lag_s")), c["checkpoint_ts"], c["tables"],
+    table("changefeeds", ["id", "state", "checkpoint", "tables", "by state"],
+          ([c["id"], _state(c), checkpoint(c), c["tables"],
             " ".join(f"{k}={v}" for k, v in c.get("tables_by_state", {}).items())] for c in items))
 
 
@@ -75,6 +71,14 @@ def table_rules(items: list[dict[str, Any]]) -> None:
     table("table rules", ["tables", "ignored events", "ignored rows", "columns"],
           ([", ".join(r["tables"]), ", ".join(r.get("ignore_events") or []) or None, ignored_rows(r),
             columns(r)] for r in items))
+
+
+def changefeed(item: dict[str, Any]) -> None:
+    changefeeds([item])
+    for check in item.get("failed_checks") or []:
+        console.print(f"failed check {check.get('check')} on {check.get('target')}: {check.get('message')}")
+    console.print("spec (passwords redacted):")
+    as_json(item.get("spec"))
 
 
 def members(items: list[dict[str, Any]]) -> None:
@@ -126,7 +130,7 @@ def tables(items: list[dict[str, Any]]) -> None:
         return (f"{stopped['incident']}: {stopped['statement']} of key {stopped.get('key')} refused: "
                 f"{stopped['error']}")
 
-    table("tables", ["source", "database", "table", "state", "primary", "secondary", "lag", "snapshot",
-                     "incident"],
+    table("tables", ["source", "database", "table", "state", "primary", "secondary", "checkpoint",
+                     "snapshot", "waiting for", "incident"],
           ([t["source"], t["database"], t["table"], t["state"], t.get("primary"), t.get("secondary"),
-            lag(t.get("lag_s")), progress(t), incident(t)] for t in items))
+            checkpoint(t), progress(t), t.get("waiting_for"), incident(t)] for t in items))

@@ -58,8 +58,8 @@ from libs.eventstore import DomainLog, Fenced, StoredEvent
 from libs.scheduling import Dispatch, SetState
 from libs.service import ServiceRuntime
 from libs.streams import HEARTBEAT_SUBJECTS, announce_subject, dispatch_subject
-from libs.telemetry.metrics import lag_seconds
 from libs.telemetry.tracing import extract_context, publish_span, tracer
+from libs.ts import lag_seconds, ts_seconds
 from services.replication_manager.core import Output, ReplicationCore
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,9 @@ REBUILD_SECONDS = Histogram("sluice_replication_rebuild_seconds",
                             "From winning the lease to the rebuilt sets (replay + waiting for reports).",
                             buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
 SETS = Gauge("sluice_replication_sets", "Replication sets by state.", ["state"])
-CHECKPOINT_TS = Gauge("sluice_replication_checkpoint_ts", "Published changefeed checkpoint ts.",
-                      ["changefeed"])
+CHECKPOINT_TIME = Gauge("sluice_replication_checkpoint_timestamp_seconds",
+                        "Commit time (Unix seconds) of the published changefeed checkpoint ts.",
+                        ["changefeed"])
 CONFLICTS = Gauge("sluice_replication_conflicts", "Spans more than one member may be writing.")
 CHECKPOINT_LAG = Gauge("sluice_changefeed_checkpoint_lag_seconds",
                        "Wall clock minus the commit time of the changefeed's published checkpoint.",
@@ -192,7 +193,7 @@ class ReplicationService:
                     for event in events:
                         await domain_log.append(event)
                         policy.appended()
-                        CHECKPOINT_TS.labels(event.changefeed).set(event.checkpoint_ts)
+                        CHECKPOINT_TIME.labels(event.changefeed).set(ts_seconds(event.checkpoint_ts))
                     if events:
                         advanced = True
                         last_checkpoint = now

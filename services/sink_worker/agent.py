@@ -72,6 +72,7 @@ from libs.streams import (
 from libs.telemetry.tracing import inject_headers, process_span
 from services.sink_worker.fence import SelfFence
 from services.sink_worker.pipeline import Pipeline, SpanConfig
+from services.sink_worker.prepare_progress import Phase
 from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,8 @@ class SinkAgent:
         self.warm: Callable[[], Awaitable[None]] | None = None
         """Awaited before a span is declared Prepared: whatever the first write needs that is
         slow to start (the worker starts Spark there), so a committed span writes at once."""
+        self.report_prepare: Callable[[Span, Phase], Awaitable[None]] | None = None
+        """Records what a preparing span waits for (the worker writes the prepare bucket)."""
         self.status_sink: dict[str, Any] | None = None
         """Where ``status()`` is published with every heartbeat (the service's /healthz dict):
         a round can take seconds, the agent's state should not look that old."""
@@ -428,10 +431,16 @@ class SinkAgent:
                 self._preparing[span] = asyncio.create_task(self._prepare(self._pipeline, span, config),
                                                             name=f"prepare {span.key}")
 
+    async def _report(self, span: SchedSpan, phase: Phase) -> None:
+        if self.report_prepare is not None:
+            await self.report_prepare(sink_span(span), phase)
+
     async def _prepare(self, pipeline: Pipeline, span: SchedSpan, config: SpanConfig) -> None:
         try:
+            await self._report(span, "start")
             start = await pipeline.prepare(sink_span(span), config)
             if self.warm is not None:
+                await self._report(span, "spark")
                 await self.warm()
         except asyncio.CancelledError:
             raise
@@ -440,6 +449,7 @@ class SinkAgent:
             self.state.abandon(span)
         else:
             self.state.prepared(span)
+            await self._report(span, "prepared")
             log.info("span prepared", extra={"span": span.key, "checkpoint_ts": start.ts,
                                              "stream_seq": start.stream_seq,
                                              "state": self.state.state_of(span).value})

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.telemetry.metrics import lag_seconds
+from libs.ts import lag_seconds, ts_seconds
 
-__all__ = ["lag_seconds", "ts_to_seconds"]
+__all__ = ["lag_seconds", "ts_seconds"]
 
 ROWS_APPLIED = Counter("sluice_sink_rows_applied", "Final row images written downstream.",
                        ["changefeed", "op"])
@@ -29,7 +29,8 @@ CHECKPOINT_LAG = Gauge("sluice_sink_checkpoint_lag_seconds",
 RESOLVED_LAG = Gauge("sluice_sink_checkpoint_behind_resolved_seconds",
                      "How far a span's checkpoint is behind its source's resolved ts.",
                      ["changefeed", "span"])
-CHECKPOINT_TS = Gauge("sluice_sink_checkpoint_ts", "A span's checkpoint ts.", ["changefeed", "span"])
+CHECKPOINT_TIME = Gauge("sluice_sink_checkpoint_timestamp_seconds",
+                        "Commit time (Unix seconds) of a span's checkpoint ts.", ["changefeed", "span"])
 SPANS = Gauge("sluice_sink_spans", "Spans this worker runs, by state.", ["state"])
 TABLE_INCIDENTS = Counter("sluice_sink_table_incidents",
                           "Times a span stopped because the downstream refused a change for good.",
@@ -43,11 +44,6 @@ CROSS_SHARD_CONFLICTS = Counter("sluice_sink_cross_shard_unique_conflicts",
                                 ["changefeed", "action"])
 KEYLESS_REFUSED = Counter("sluice_sink_keyless_refusals",
                           "Times a span was refused because its table has no usable key.", ["changefeed"])
-
-
-def ts_to_seconds(ts: int) -> float:
-    """A Sluice ts (``physical_ms << 18 | logical``) as Unix seconds."""
-    return (ts >> 18) / 1000.0
 
 
 # Initial load (services/sink_worker/snapshot.py).

@@ -178,7 +178,7 @@ class SpanRuntime:
             "checkpoint_ts": cp.ts if cp else None, "stream_seq": cp.stream_seq if cp else None,
             "resolved_ts": self.resolved_ts,
             "lag_s": round(m.lag_seconds(cp.ts), 3) if cp and cp.ts else None,
-            "behind_resolved_s": (round(m.ts_to_seconds(self.resolved_ts) - m.ts_to_seconds(cp.ts), 3)
+            "behind_resolved_s": (round(m.ts_seconds(self.resolved_ts) - m.ts_seconds(cp.ts), 3)
                                   if cp and self.resolved_ts else None),
             "rows_written": self.rows_written, "dead_lettered": self.dead_lettered,
         }
@@ -386,7 +386,7 @@ class Pipeline:
             rt.shards = max(known, local) if known is not None else max(local, 2)
 
     def _forget_gauges(self, span: Span) -> None:
-        for gauge in (m.CHECKPOINT_LAG, m.RESOLVED_LAG, m.CHECKPOINT_TS, m.TABLE_STOPPED):
+        for gauge in (m.CHECKPOINT_LAG, m.RESOLVED_LAG, m.CHECKPOINT_TIME, m.TABLE_STOPPED):
             with contextlib.suppress(KeyError):
                 gauge.remove(span.changefeed, span.name)
 
@@ -1266,11 +1266,11 @@ class Pipeline:
             with contextlib.suppress(Exception):  # a leftover record is only clutter
                 await self.initial_loads.store.delete(rt.span, w.recopy_key)
         cf, name = rt.span.changefeed, rt.span.name
-        m.CHECKPOINT_TS.labels(cf, name).set(proposed.ts)
+        m.CHECKPOINT_TIME.labels(cf, name).set(m.ts_seconds(proposed.ts))
         m.CHECKPOINT_LAG.labels(cf, name).set(m.lag_seconds(proposed.ts))
         if rt.resolved_ts:
             m.RESOLVED_LAG.labels(cf, name).set(
-                max(0.0, m.ts_to_seconds(rt.resolved_ts) - m.ts_to_seconds(proposed.ts)))
+                max(0.0, m.ts_seconds(rt.resolved_ts) - m.ts_seconds(proposed.ts)))
 
     def _stopped(self, rt: SpanRuntime, incident: TableIncident) -> None:
         rt.incident = incident

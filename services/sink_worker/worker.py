@@ -49,6 +49,7 @@ from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.fence import Fenced
 from services.sink_worker.incidents import carry_out, record_incidents
 from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
+from services.sink_worker.prepare_progress import Phase, PrepareProgress
 from services.sink_worker.shard_ddl import ShardDdl
 from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
 from services.sink_worker.span import Span
@@ -94,9 +95,12 @@ class SinkWorker:
         self.changefeeds_replayed = False
         self._folded_seq = 0
         self._view_changed = asyncio.Event()
+        self.prepare_progress = PrepareProgress(js, agent.member_id if agent is not None else "",
+                                                replicas=settings.stream_replicas)
         if agent is not None:
             agent.wake = self._view_changed
             agent.warm = self._warm_spark
+            agent.report_prepare = self._report_prepare
             agent.status_sink = self.status
         self._spark_warming: asyncio.Task[SparkSession] | None = None
         self._spark_warmed = False
@@ -137,6 +141,11 @@ class SinkWorker:
                 log.info("Spark warmed up", extra={"seconds": round(seconds, 3)})
             self._spark_warmed = True
         return session
+
+    async def _report_prepare(self, span: Span, phase: Phase) -> None:
+        if phase == "spark" and self._spark_warmed:
+            return  # warm already: the span does not wait for it
+        await self.prepare_progress.report(span, phase)
 
     @property
     def spark_warm(self) -> bool:

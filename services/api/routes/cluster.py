@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections import Counter
 from typing import Any
 
@@ -21,6 +22,7 @@ from contracts.events.scheduling import ScheduleRequestV1, SpanRefV1
 from libs.streams import (
     CHECKPOINT_BUCKET,
     LEADER_BUCKET,
+    PREPARE_BUCKET,
     ROWS_STREAM,
     SNAPSHOT_BUCKET,
     command_subject,
@@ -42,6 +44,7 @@ from services.api.schemas import (
     TableOut,
     lag_seconds,
     redact_url,
+    waiting_for,
 )
 from services.sink_worker.span import Span as WorkerSpan
 
@@ -86,6 +89,9 @@ async def table_out(ctx: ApiContext, row: SpanRow) -> TableOut:
     stopped = projections_of(ctx).changefeeds.state.stopped.get(
         (row.changefeed, row.source, row.database, row.table))
     state, error = row.state, row.error
+    members = tuple(json.loads(row.members_json))
+    snapshot = await _kv_json(ctx, SNAPSHOT_BUCKET, key)
+    prepare = await _kv_json(ctx, PREPARE_BUCKET, key) if state in ("absent", "prepare", "commit") else None
     if stopped is not None:
         state, error = "error", (f"stopped: the downstream refused the {stopped.statement} of key "
                                  f"{stopped.key} in {stopped.target}: {stopped.error}")
@@ -94,8 +100,9 @@ async def table_out(ctx: ApiContext, row: SpanRow) -> TableOut:
                     secondary=row.secondary, members=json.loads(row.members_json), error=error,
                     incident=stopped.model_dump(mode="json") if stopped is not None else None,
                     checkpoint_ts=checkpoint_ts, resolved_ts=row.resolved_ts,
-                    lag_s=lag_seconds(checkpoint_ts), checkpoint=checkpoint,
-                    snapshot=await _kv_json(ctx, SNAPSHOT_BUCKET, key))
+                    lag_s=lag_seconds(checkpoint_ts), checkpoint=checkpoint, snapshot=snapshot,
+                    waiting_for=waiting_for(state, (row.primary, row.secondary, *members), prepare,
+                                            snapshot, time.time()))
 
 
 def _span_row(ctx: ApiContext, changefeed_id: str, source: str, database: str, table: str) -> SpanRow:

@@ -82,7 +82,8 @@ def is_stream_sink(url: str) -> bool:
     return urlsplit(url).scheme.lower() in _SCHEMES
 
 
-def parse_stream_url(url: str) -> StreamSinkUrl:
+def parse_stream_url(url: str, *, resolve_secrets: bool = True) -> StreamSinkUrl:
+    """``resolve_secrets=False`` checks the URL's form only (the api, before a worker runs it)."""
     parts = urlsplit(url)
     scheme = _SCHEMES.get(parts.scheme.lower())
     if scheme is None:
@@ -93,7 +94,7 @@ def parse_stream_url(url: str) -> StreamSinkUrl:
         auth, netloc = netloc.rsplit("@", 1)
         user, _, pw = auth.partition(":")
         user, password = unquote(user) or None, unquote(pw) or None
-        if password is not None and is_reference(password):
+        if password is not None and is_reference(password) and resolve_secrets:
             try:
                 password = resolve_password(password)
             except SecretError as exc:

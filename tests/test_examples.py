@@ -1,0 +1,122 @@
+"""examples/: the commented changefeed specs are what the api accepts, and the MySQL/MariaDB
+user and settings are what capture and the creation checks need."""
+
+from __future__ import annotations
+
+import configparser
+import re
+import secrets
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pymysql
+import pytest
+
+from contracts.events.changefeeds import ChangefeedSpecV3
+from libs.localservers.mariadb import MariaDB
+from libs.routing import TableRef, Target, router_for, validate_spec
+from services.api.prechecks import missing_source_grants
+from services.api.validation import password_problems, spec_problems
+from services.capture.source import check_source
+from services.cli.app import spec_from_text
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _spec(name: str) -> ChangefeedSpecV3:
+    text = (EXAMPLES / "changefeeds" / name).read_text()
+    assert sum(line.lstrip().startswith("//") for line in text.splitlines()) >= 5, "explain the fields"
+    return ChangefeedSpecV3.model_validate(spec_from_text(text))
+
+
+def _refs(sources: list[str], databases: list[str], tables: list[str]) -> list[TableRef]:
+    return [TableRef(s, d, t) for s in sources for d in databases for t in tables]
+
+
+def test_every_example_spec_is_one_the_api_accepts() -> None:
+    names = sorted(p.name for p in (EXAMPLES / "changefeeds").glob("*.jsonc"))
+    assert names == ["nats-sink.jsonc", "one-database-to-postgres.jsonc", "shards-into-mariadb.jsonc"]
+    for name in names:
+        spec = _spec(name)
+        assert spec_problems(spec) == [] and password_problems(spec) == [], name
+
+    one = _spec("one-database-to-postgres.jsonc")
+    assert one.sink_url.startswith("postgresql://") and one.initial_load == "snapshot"
+    assert validate_spec(one, _refs(["shop"], ["shop"], ["orders", "customers", "tmp_import"])) == []
+
+    merged = _spec("shards-into-mariadb.jsonc")
+    assert merged.sink_url.startswith("mysql://") and merged.origin_column and len(merged.sources) == 2
+    shards = _refs(["shard-1", "shard-2"], ["shop_a", "shop_b"], ["orders_0", "orders_1", "orders_2"])
+    assert validate_spec(merged, shards) == []
+    router = router_for(merged)
+    assert {router.route(*ref) for ref in shards} == {Target("shop", "orders")}
+    assert router.route("shard-1", "shop_a", "customers") is None, "the filter leaves it out"
+    one_router = router_for(one)
+    assert one_router.route("shop", "shop", "tmp_import") is None
+    assert one_router.route("shop", "shop", "orders") == Target("shop", "orders")
+
+    events = _spec("nats-sink.jsonc")
+    assert events.sink_url.startswith("nats://") and events.initial_load == "binlog-only"
+
+
+@pytest.mark.integration
+def test_the_example_source_user_and_settings_pass_capture_and_the_creation_checks(mariadb: MariaDB) -> None:
+    password = secrets.token_hex(12)
+    sql = (EXAMPLES / "mysql" / "source-user.sql").read_text().replace("change-me", password)
+    statements = [s.strip() for s in "\n".join(
+        line for line in sql.splitlines() if not line.startswith("--")).split(";") if s.strip()]
+    admin = mariadb.connect()
+    try:
+        with admin.cursor() as cur:
+            cur.execute("DROP USER IF EXISTS 'sluice'@'%'")
+            for statement in statements:
+                cur.execute(statement)
+        user = pymysql.connect(host="127.0.0.1", port=mariadb.port, user="sluice", password=password)
+        try:
+            with user.cursor() as cur:
+                cur.execute("SHOW GRANTS")
+                grants = [row[0] for row in cur.fetchall()]
+            assert missing_source_grants(grants) == [], grants
+            assert check_source(user) == []
+        finally:
+            user.close()
+        # The option file names the settings this server runs with, the ones capture accepts.
+        cnf = configparser.ConfigParser()
+        cnf.read_string((EXAMPLES / "mysql" / "source.cnf").read_text())
+        wanted = dict(cnf["mysqld"])
+        with admin.cursor() as cur:
+            for name in ("binlog_format", "binlog_row_image", "binlog_row_metadata"):
+                cur.execute(f"SELECT @@GLOBAL.{name}")
+                assert str(cur.fetchone()[0]).upper() == wanted[name].upper(), name
+            cur.execute("SELECT @@GLOBAL.log_bin")
+            assert str(cur.fetchone()[0]) in ("1", "ON") and wanted["log_bin"]
+            cur.execute("DROP USER 'sluice'@'%'")
+    finally:
+        admin.close()
+
+
+def test_the_first_hour_walkthrough_names_real_commands_and_files() -> None:
+    from typer.main import get_command
+
+    from services.cli.app import app
+
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    first_screen = readme[:1500]
+    assert "bash infra/dev.sh demo" in first_screen and "bash infra/dev.sh test" in first_screen
+    assert "(#the-first-hour)" in first_screen
+    section = readme.split("## The first hour", 1)[1].split("\n## ", 1)[0]
+    for link in re.findall(r"\]\((examples/[^)]+)\)", section):
+        assert (EXAMPLES.parent / link).is_file(), link
+    scripts = set(tomllib.loads((EXAMPLES.parent / "pyproject.toml").read_text())["project"]["scripts"])
+    for script in ("sluice-capture", "sluice-sink-worker", "sluice-api", "sluice-member",
+                   "sluice-scheduler", "sluice-replication-manager", "sluice-ddl-lock"):
+        assert script in scripts and script.split("-", 1)[1].split("-")[0] in section, script
+    cli: Any = get_command(app)
+    used = re.findall(r"\bsluice ([a-z-]+)(?: ([a-z-]+))?", section)
+    assert len(used) >= 5, used
+    for word, sub in used:
+        assert word in cli.commands, word
+        command = cli.commands[word]
+        if hasattr(command, "commands"):
+            assert sub in command.commands, (word, sub)
