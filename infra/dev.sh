@@ -87,8 +87,15 @@ case "${1:-}" in
     shift
     setup
     say "running the test suite"
+    # Two workers unless told otherwise (-n N, -n 0 or -p no:xdist): much of the suite waits on
+    # servers and processes, so two of them fill the machine's two cores (tests/conftest.py
+    # keeps each module on one worker).
+    workers=(-n "${SLUICE_TEST_WORKERS:-2}" --dist loadgroup)
+    for arg in "$@"; do
+      case "$arg" in -n|-n*|--numprocesses*|no:xdist) workers=() ;; esac
+    done
     set +e
-    "$VENV/bin/python" -m pytest "$@"
+    "$VENV/bin/python" -m pytest "${workers[@]}" "$@"
     rc=$?
     set -e
     # pytest exits 5 when it collected nothing: a suite that ran no test has not passed.

@@ -55,7 +55,15 @@ _SERVER_FIXTURES = frozenset({
 })
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups below
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if _SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if _SERVER_FIXTURES.intersection(fixtures):
             item.add_marker(pytest.mark.integration)
+        # `infra/dev.sh test` runs two xdist workers with --dist loadgroup: a module's tests stay
+        # on one worker (in order, sharing what the module sets up), and the modules of the
+        # session's api stack share one worker, so the stack starts once.
+        if not any(item.iter_markers("xdist_group")):
+            group = "api_stack" if "api_stack" in fixtures else item.nodeid.split("::", 1)[0]
+            item.add_marker(pytest.mark.xdist_group(group))
