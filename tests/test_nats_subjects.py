@@ -95,8 +95,8 @@ def _folds(*domains: str) -> list[Use]:
 
 def _writes_domain(domain: str) -> list[Use]:
     """A domain's one writer: its events and snapshots, on a stream it creates."""
-    return [Use("domain_events_subject", publish=(domain_events_subject(domain), domain_snapshot_subject(domain)),
-                owns=(domain_stream(domain),))]
+    return [Use("domain_events_subject", owns=(domain_stream(domain),),
+                publish=(domain_events_subject(domain), domain_snapshot_subject(domain)))]
 
 
 def _dead_letters(*streams: str) -> Use:
@@ -105,7 +105,8 @@ def _dead_letters(*streams: str) -> Use:
 
 
 def _leader(role: str, domain: str, *follows: str) -> list[Use]:
-    return [_kv_write(LEADER_BUCKET, role), Use("leader_command_subject", subscribe=(leader_command_subject(role),)),
+    return [_kv_write(LEADER_BUCKET, role),
+            Use("leader_command_subject", subscribe=(leader_command_subject(role),)),
             *_writes_domain(domain), *_folds(*follows), _dead_letters(*(domain_stream(d) for d in follows))]
 
 
