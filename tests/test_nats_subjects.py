@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from contracts import ContractError
+from libs.eventstore import check_subject
 from libs.nats_auth import (
     API,
     DDL_LOCK,
@@ -230,3 +232,15 @@ def test_the_refusal_check_refuses() -> None:
     assert _refused(perms, Use("x", publish=(domain_events_subject("changefeeds"),)))
     assert _refused(perms, Use("x", owns=(domain_stream("changefeeds"),)))
     assert _refused(perms, Use("x", reads=((domain_stream("schedule"), domain_events_subject("schedule")),)))
+
+
+def test_the_incidents_subject_carries_table_incidents_only() -> None:
+    for event_type in ("table.stopped", "table.unique_conflict_overwritten"):
+        check_subject(table_incidents_subject(), event_type)
+    for event_type in ("changefeed.created", "changefeed.state_changed", "table.action_requested"):
+        with pytest.raises(ContractError, match=r"not accepted on sluice\.ctl\.changefeeds\.incidents"):
+            check_subject(table_incidents_subject(), event_type)
+    check_subject(domain_events_subject("changefeeds"), "table.action_requested")
+    folded = domain_fold_subjects("changefeeds")
+    assert folded == [domain_events_subject("changefeeds"), table_incidents_subject()]
+    assert domain_fold_subjects("schedule") == [domain_events_subject("schedule")]

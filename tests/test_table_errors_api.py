@@ -21,6 +21,7 @@ from libs.nats_auth import SINK_WORKER
 from libs.streams import domain_events_subject, domain_stream, table_incidents_subject
 from services.cli.app import app
 from tests.api_stack import CF, TOKEN, ApiStack
+from tests.test_api import _frames
 
 pytestmark = pytest.mark.integration
 V1 = "/api/v1"
@@ -154,6 +155,13 @@ def test_a_sink_worker_records_incidents_but_cannot_forge_changefeed_events(api_
         # Still stopped: the skip a worker slipped onto the incidents subject did nothing.
         assert a["state"] == "error" and a["incident"]["incident"] == "inc-w", a
         assert c.get(f"{V1}/changefeeds/{CF}").json()["state"] == "running"
+        # The event feed shows the incident and, for the other two, why they are not events.
+        since = {"domain": "changefeeds", "since": f"changefeeds:{seqs[0] - 1}", "limit": 3}
+        with c.stream("GET", f"{V1}/events", params=since) as r:
+            fed = [f["data"] for f in _frames(r) if f["event"] == "event"]
+        assert [(f["seq"], f["type"]) for f in fed] == [(seqs[0], "table.stopped"), (seqs[1], None),
+                                                        (seqs[2], None)], fed
+        assert all("not accepted on" in f["error"] for f in fed[1:]), fed
         # The operator's own decision, through the api, clears it.
         assert c.post(f"{TABLES}/a/errors/inc-w/resume").status_code == 202
         assert c.get(f"{TABLES}/a").json()["incident"] is None
