@@ -31,7 +31,14 @@ from contracts.events.table_incidents import TableActionRequestedV1, TableStoppe
 from libs.eventstore import EventStore
 from libs.routing import RoutingConfigError, TableFilter
 from libs.source_tables import source_tables
-from libs.streams import ROWS_STREAM, domain_events_subject, domain_stream, domain_subjects, token
+from libs.streams import (
+    ROWS_STREAM,
+    domain_events_subject,
+    domain_stream,
+    domain_subjects,
+    table_incidents_subject,
+    token,
+)
 
 DOMAIN = "changefeeds"
 log = logging.getLogger(__name__)
@@ -81,9 +88,12 @@ TableKey = tuple[str, str, str, str]
 
 async def record_table_event(js: JetStreamContext, event: TableStoppedV1 | TableActionRequestedV1,
                              producer: str, *, expected_last_subject_seq: int | None = None) -> int:
-    """Append a stopped table's incident or an operator's action to the changefeeds log."""
+    """Append a stopped table's incident (on the incidents subject, where sink-workers record
+    them) or an operator's action (a changefeed command, on the events subject)."""
     store = await _store(js, producer)
-    return await store.append(domain_events_subject(DOMAIN), event,
+    subject = (table_incidents_subject(DOMAIN) if isinstance(event, TableStoppedV1)
+               else domain_events_subject(DOMAIN))
+    return await store.append(subject, event,
                               expected_last_subject_seq=expected_last_subject_seq)
 
 

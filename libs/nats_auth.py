@@ -29,8 +29,8 @@ from libs.streams import (
     PREPARE_BUCKET,
     ROWS_STREAM,
     SNAPSHOT_BUCKET,
-    domain_events_subject,
     domain_stream,
+    table_incidents_subject,
     token,
 )
 
@@ -207,9 +207,10 @@ def role_permissions(role: str) -> Permissions | None:
                    *kv_write(CHECKPOINT_BUCKET), *kv_write(SNAPSHOT_BUCKET), *kv_write(PREPARE_BUCKET),
                    *kv_read(LEADER_BUCKET),
                    "sluice.hb.*", "sluice.shardddl.report",
-                   # A table its downstream refused for good is recorded (table.stopped,
-                   # table.unique_conflict_overwritten) in the changefeeds log every worker folds.
-                   domain_events_subject("changefeeds")]),
+                   # A table its downstream refused for good (table.stopped,
+                   # table.unique_conflict_overwritten) goes to the changefeeds' incidents
+                   # subject, which carries nothing else; changefeed events it cannot write.
+                   table_incidents_subject("changefeeds")]),
             (INBOX, "sluice.dispatch.*", "sluice.announce.*", "sluice.shardddl.ops.*",
              # Answers the member leader's probe while its connection is up.
              "sluice.member.alive.*.*"),

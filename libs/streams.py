@@ -39,6 +39,32 @@ def domain_events_subject(domain: str) -> str:
     return f"sluice.ctl.{domain}.events"
 
 
+def table_incidents_subject(domain: str = "changefeeds") -> str:
+    """Where sink-workers record a table's incidents (``table.stopped``, overwritten rows): beside
+    the changefeeds events in their stream, but a subject of its own, so a worker may write
+    incidents without being able to forge a changefeed event."""
+    return f"sluice.ctl.{domain}.incidents"
+
+
+# The event types an incidents subject carries; any other type there is dead-lettered.
+TABLE_INCIDENT_TYPES = ("table.stopped", "table.unique_conflict_overwritten")
+
+
+def domain_fold_subjects(domain: str) -> list[str]:
+    """The subjects a domain's state is folded from, in stream order: its events, and for the
+    changefeeds the table incidents too."""
+    if domain == "changefeeds":
+        return [domain_events_subject(domain), table_incidents_subject(domain)]
+    return [domain_events_subject(domain)]
+
+
+def event_types_on(subject: str) -> tuple[str, ...] | None:
+    """The only event types ``subject`` may carry; None when it is not restricted."""
+    if subject.startswith("sluice.ctl.") and subject.endswith(".incidents"):
+        return TABLE_INCIDENT_TYPES
+    return None
+
+
 def domain_snapshot_subject(domain: str) -> str:
     return f"sluice.ctl.{domain}.snapshot"
 

@@ -152,12 +152,12 @@ class ApiStack:
         return httpx.Client(base_url=self.url, headers=headers, timeout=30,
                             event_hooks={"response": [keep]})
 
-    def append(self, domain: str, *events: Any) -> int:
+    def append(self, domain: str, *events: Any, subject: str | None = None) -> int:
         async def go() -> int:
             store = EventStore(self.nc.jetstream(), f"SLUICE_{domain.upper()}", producer="test-peer")
             seq = 0
             for ev in events:
-                seq = await store.append(domain_events_subject(domain), ev)
+                seq = await store.append(subject or domain_events_subject(domain), ev)
             return seq
 
         return self.bg.run(go())

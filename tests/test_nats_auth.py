@@ -221,6 +221,7 @@ async def test_a_row_forged_with_another_services_credentials_never_reaches_the_
     mariadb: MariaDB, processes: list[ServiceProcess],
 ) -> None:
     db, table, source = "natsauth_forge", "items", "nats_forge"
+    log_from = nats_server.log_size()
     mariadb.execute(f"DROP DATABASE IF EXISTS {db}", f"CREATE DATABASE {db}",
                     f"CREATE TABLE {db}.{table} (id INT PRIMARY KEY, name VARCHAR(32))")
     downstream = tmp_path / "down.db"
@@ -271,6 +272,9 @@ async def test_a_row_forged_with_another_services_credentials_never_reaches_the_
         await asyncio.to_thread(wait_until, lambda: {1, 2, 777} <= _downstream_ids(downstream, table), 300,
                                 "the second real row and the capture-published one downstream")
         assert 666 not in _downstream_ids(downstream, table)
+        # The test's own clients were refused on purpose; the capture and the sink-worker, running
+        # with their roles' credentials, never were.
+        assert not nats_server.service_violations(since=log_from)
     finally:
         await record_state(rows_js, spec.id, "deleted", requested_by="test", reason="test over")
 

@@ -52,6 +52,7 @@ from libs.streams import (
     resolved_subject,
     rows_subject,
     shard_ddl_ops_subject,
+    table_incidents_subject,
 )
 
 SERVICE_ROLES = [*CONTROL_ROLES, API, SINK_WORKER, capture_role("a"), capture_role("b"), READER]
@@ -122,13 +123,16 @@ def test_each_domain_is_written_by_its_one_owner() -> None:
     owners = {"members": "member", "schedule": "scheduler", "replication": REPLICATION_MANAGER,
               "ddl": DDL_LOCK, "changefeeds": API}
     assert set(owners) == set(DOMAINS)
-    # Sink-workers also append to the changefeeds log: the tables their downstream refused for
-    # good (table.stopped) that every worker and the api fold (DESIGN.md names this limit).
-    extra = {"changefeeds": {SINK_WORKER}}
     for domain, owner in owners.items():
         for role in SERVICE_ROLES:
-            allowed = role == owner or role in extra.get(domain, set())
-            assert perms(role).may_publish(domain_events_subject(domain)) is allowed, (domain, role)
+            assert perms(role).may_publish(domain_events_subject(domain)) is (role == owner), (domain, role)
+    # Sink-workers record the tables their downstream refused for good on the changefeeds'
+    # incidents subject, the one changefeeds subject they may write (the folds take only table
+    # incidents from it).
+    for role in SERVICE_ROLES:
+        assert perms(role).may_publish(table_incidents_subject()) is (role in (API, SINK_WORKER)), role
+    worker_ctl = [s for s in perms(SINK_WORKER).publish if s.startswith("sluice.ctl.")]
+    assert worker_ctl == [table_incidents_subject()]
 
 
 def test_no_service_purges_or_deletes_a_stream_and_leases_are_per_key() -> None:

@@ -17,8 +17,9 @@ from pyspark.sql import SparkSession
 from contracts import REGISTRY
 from contracts.events.changefeeds import ChangefeedCreatedV2, ChangefeedSpecV2, SourceRefV1, TableFilterV1
 from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV1
+from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
-from libs.streams import DEADLETTER_STREAM, domain_events_subject, rows_subject
+from libs.streams import DEADLETTER_STREAM, domain_events_subject, rows_subject, table_incidents_subject
 from services.sink_worker import metrics as m
 from services.sink_worker.checkpoints import CheckpointStore
 from tests import test_sort_apply as data_path
@@ -141,7 +142,9 @@ async def test_retry_stops_again_and_resume_after_a_downstream_fix_applies(
 
 
 async def test_worker_process_records_the_incident_and_carries_out_a_skip_from_the_log(
-        rows_js: JetStreamContext, service_env: dict[str, str], tmp_path: Path) -> None:
+        rows_js: JetStreamContext, service_env: dict[str, str], tmp_path: Path,
+        nats_server: NatsServer) -> None:
+    log_from = nats_server.log_size()
     sink_url = f"sqlite:///{tmp_path / 'poison-down.db'}"
     _checked_table(sink_url, "age < 100")
     src = Source(rows_js)
@@ -182,6 +185,8 @@ async def test_worker_process_records_the_incident_and_carries_out_a_skip_from_t
                 msg = await rows_js.get_msg(store.stream, seq)
                 event = REGISTRY.decode(msg.data or b"").event
                 if isinstance(event, TableStoppedV1) and event.incident == incident["incident"]:
+                    # On the incidents subject: the worker's role may not write changefeed events.
+                    assert msg.subject == table_incidents_subject()
                     return event
             return None
 
@@ -199,6 +204,7 @@ async def test_worker_process_records_the_incident_and_carries_out_a_skip_from_t
         assert fetch_rows(sink_url, "shop", "people") == people((1, "ann", 30))
         assert fetch_rows(sink_url, "shop", "pets") == people((1, "rex", 3))
         assert proc.terminate(timeout=30) == 0, proc.tail_log()
+        assert not nats_server.service_violations(since=log_from)
     finally:
         proc.kill()
 

@@ -7,15 +7,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import nats
+import nats.errors
 import pytest
 from typer.testing import CliRunner
 
 from contracts import REGISTRY
+from contracts.events.changefeeds import ChangefeedStateChangedV1
 from contracts.events.table_incidents import TableActionRequestedV1, TableRefV1, TableStoppedV1
+from libs.eventstore import EventStore
 from libs.localservers.common import wait_until
-from libs.streams import domain_events_subject, domain_stream
+from libs.nats_auth import SINK_WORKER
+from libs.streams import domain_events_subject, domain_stream, table_incidents_subject
 from services.cli.app import app
 from tests.api_stack import CF, TOKEN, ApiStack
+from tests.test_api import _frames
 
 pytestmark = pytest.mark.integration
 V1 = "/api/v1"
@@ -36,7 +42,8 @@ def _cli(api_stack: ApiStack, *args: str) -> tuple[int, str]:
 
 
 def test_a_stopped_table_shows_its_incident_and_takes_one_decision(api_stack: ApiStack) -> None:
-    api_stack.append("changefeeds", _stopped("b", "inc-1"), _stopped("c", "inc-2", key=None))
+    api_stack.append("changefeeds", _stopped("b", "inc-1"), _stopped("c", "inc-2", key=None),
+                     subject=table_incidents_subject())
     with api_stack.client() as c:
         def shown() -> bool:
             return all(c.get(f"{TABLES}/{t}").json().get("incident") is not None for t in "bc")
@@ -102,3 +109,61 @@ def test_creating_a_merge_without_origin_column_answers_with_a_warning(api_stack
     path.write_text(json.dumps({**spec, "id": "merge-warn-cli"}))
     code, out = _cli(api_stack, "changefeed", "create", str(path), "--skip-checks")
     assert code == 0 and "warning" in out and "origin_column" in out, out
+
+
+def test_a_sink_worker_records_incidents_but_cannot_forge_changefeed_events(api_stack: ApiStack) -> None:
+    """With a sink-worker's credentials: a changefeed event is refused by the server; a table
+    incident on the incidents subject is taken and shown; anything else there (a changefeed
+    event, an operator's decision) is dead-lettered with its reason and changes nothing."""
+    stream = domain_stream("changefeeds")
+    table_a = TableRefV1(changefeed=CF, source="src1", database="shop", table="a")
+    errors: list[str] = []
+
+    async def as_worker() -> list[int]:
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        client = await nats.connect(**api_stack.nats.client_options(SINK_WORKER), error_cb=on_error,
+                                    allow_reconnect=False)
+        try:
+            js = client.jetstream()
+            pause = REGISTRY.encode(ChangefeedStateChangedV1(id=CF, state="paused", requested_by="w9"),
+                                    producer="sink-worker/w9")
+            with pytest.raises(nats.errors.TimeoutError):
+                await js.publish(domain_events_subject("changefeeds"), pause, timeout=1)
+            store = EventStore(js, stream, producer="sink-worker/w9")
+            return [await store.append(table_incidents_subject(), _stopped("a", "inc-w")),
+                    await store.append(table_incidents_subject(),
+                                       ChangefeedStateChangedV1(id=CF, state="paused", requested_by="w9")),
+                    await store.append(table_incidents_subject(), TableActionRequestedV1(
+                        table=table_a, incident="inc-w", action="skip", requested_by="w9"))]
+        finally:
+            await client.close()
+
+    seqs = api_stack.bg.run(as_worker())
+    assert any("permissions violation" in e.lower() and domain_events_subject("changefeeds") in e
+               for e in errors), errors
+    with api_stack.client() as c:
+        def parked() -> list[dict[str, object]]:
+            return [d for d in c.get(f"{V1}/dead-letters", params={"limit": 1000}).json()
+                    if d["original_subject"] == table_incidents_subject() and d["original_seq"] in seqs[1:]]
+
+        wait_until(lambda: {d["original_seq"] for d in parked()} == set(seqs[1:]), 30,
+                   "the api to dead-letter the changefeed event and the decision on the incidents subject")
+        assert all("not accepted on" in str(d["reason"]) for d in parked()), parked()
+        a = c.get(f"{TABLES}/a").json()
+        # Still stopped: the skip a worker slipped onto the incidents subject did nothing.
+        assert a["state"] == "error" and a["incident"]["incident"] == "inc-w", a
+        assert c.get(f"{V1}/changefeeds/{CF}").json()["state"] == "running"
+        # The event feed shows the incident and, for the other two, why they are not events.
+        since = {"domain": "changefeeds", "since": f"changefeeds:{seqs[0] - 1}", "limit": 3}
+        with c.stream("GET", f"{V1}/events", params=since) as r:
+            fed = [f["data"] for f in _frames(r) if f["event"] == "event"]
+        assert [(f["seq"], f["type"]) for f in fed] == [(seqs[0], "table.stopped"), (seqs[1], None),
+                                                        (seqs[2], None)], fed
+        assert all("not accepted on" in f["error"] for f in fed[1:]), fed
+        # The operator's own decision, through the api, clears it.
+        assert c.post(f"{TABLES}/a/errors/inc-w/resume").status_code == 202
+        assert c.get(f"{TABLES}/a").json()["incident"] is None
+    # No service of the stack (api, scheduler) was refused anything all session long.
+    assert not api_stack.nats.service_violations()

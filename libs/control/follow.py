@@ -23,9 +23,9 @@ from nats.js.errors import NotFoundError
 
 from contracts import ContractError
 from libs.config import Settings
-from libs.eventstore import EventStore, Snapshots, StoredEvent, dead_letter, decode_message
+from libs.eventstore import EventStore, Snapshots, StoredEvent, dead_letter, decode_message, filter_fields
 from libs.eventstore.snapshots import Fold, Restore
-from libs.streams import domain_events_subject, domain_stream
+from libs.streams import domain_events_subject, domain_fold_subjects, domain_stream
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,10 @@ class DomainFollower(Generic[S]):
         self.domain = domain
         self.stream = domain_stream(domain)
         self.subject = domain_events_subject(domain)
+        self.subjects = domain_fold_subjects(domain)
+        self.subject_seq: dict[str, int] = {}
+        """Per folded subject, the sequence of its newest message processed (folded or
+        dead-lettered): what an append to that subject expects as its last subject sequence."""
         self._fold = fold
         self._initial = initial
         self._restore = restore
@@ -57,14 +61,24 @@ class DomainFollower(Generic[S]):
     async def load(self) -> S:
         """Newest snapshot + the events after it, up to the stream's end now."""
         store = EventStore(self.js, self.stream, f"follower/{self.name}", self._settings)
+        seen: dict[str, int] = {}
+
+        def fold(state: S, stored: StoredEvent) -> S:
+            seen[stored.subject] = stored.seq
+            return self._fold(state, stored)
+
         try:
-            loaded = await Snapshots(store, self.domain).load(self._fold, self._initial(),
+            loaded = await Snapshots(store, self.domain).load(fold, self._initial(),
                                                               restore=self._restore)
         except NotFoundError:
             self.state, self.next_seq = self._initial(), 1
         else:
             self.state, self.next_seq = loaded.state, loaded.last_seq + 1
             self.events_folded += loaded.events_replayed
+            # The replay skips what a snapshot covers and what it dead-lettered: ask the stream.
+            for subject in self.subjects:
+                seen[subject] = max(seen.get(subject, 0), await self._last_before(subject, self.next_seq))
+        self.subject_seq = seen
         self.loaded = True
         self.changed.set()
         return self.state
@@ -94,7 +108,7 @@ class DomainFollower(Generic[S]):
     async def _follow(self, stopping: asyncio.Event) -> None:
         name = f"follow_{self.name}_{uuid4().hex[:12]}"
         await self.js.add_consumer(self.stream, api.ConsumerConfig(
-            name=name, ack_policy=api.AckPolicy.NONE, filter_subject=self.subject,
+            name=name, ack_policy=api.AckPolicy.NONE, **filter_fields(self.subjects),
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.next_seq,
             inactive_threshold=60.0, mem_storage=True, num_replicas=1))
         sub = await self.js.pull_subscribe_bind(name, stream=self.stream)
@@ -108,6 +122,7 @@ class DomainFollower(Generic[S]):
                     seq = int(msg.metadata.sequence.stream)
                     if seq < self.next_seq:
                         continue
+                    self.subject_seq[msg.subject] = seq
                     try:
                         stored = decode_message(msg)
                     except ContractError as exc:
@@ -127,6 +142,20 @@ class DomainFollower(Generic[S]):
                 await sub.unsubscribe()
             with contextlib.suppress(Exception):
                 await self.js.delete_consumer(self.stream, name)
+
+
+    async def _last_before(self, subject: str, next_seq: int) -> int:
+        """The newest message of ``subject`` before ``next_seq``; 0 when there is none, or it
+        is not known to be before (the follower then meets it)."""
+        try:
+            last = await self.js.get_last_msg(self.stream, subject)
+        except NotFoundError:
+            return 0
+        seq = int(last.seq or 0)
+        return seq if seq < next_seq else 0
+
+    def last_seq_of(self, subject: str) -> int:
+        return self.subject_seq.get(subject, 0)
 
 
 async def _wait(event: asyncio.Event, seconds: float) -> None:

@@ -3,7 +3,15 @@
 from libs.eventstore.deadletter import dead_letter, ensure_deadletter_stream
 from libs.eventstore.domain_log import DomainLog, Fenced, LeaseLost, LeaseView
 from libs.eventstore.snapshots import Loaded, Snapshot, Snapshots
-from libs.eventstore.store import AppendConflict, EventStore, StoredEvent, consume, decode_message
+from libs.eventstore.store import (
+    AppendConflict,
+    EventStore,
+    StoredEvent,
+    check_subject,
+    consume,
+    decode_message,
+    filter_fields,
+)
 
 __all__ = [
     "AppendConflict",
@@ -16,8 +24,10 @@ __all__ = [
     "Snapshot",
     "Snapshots",
     "StoredEvent",
+    "check_subject",
     "consume",
     "dead_letter",
     "decode_message",
     "ensure_deadletter_stream",
+    "filter_fields",
 ]

@@ -19,7 +19,7 @@ from contracts import REGISTRY, ContractError
 from contracts.events.snapshots import SnapshotTakenV1
 from libs.eventstore.deadletter import dead_letter
 from libs.eventstore.store import EventStore, StoredEvent
-from libs.streams import domain_events_subject, domain_snapshot_subject
+from libs.streams import domain_fold_subjects, domain_snapshot_subject
 
 S = TypeVar("S")
 Fold = Callable[[S, StoredEvent], S]
@@ -61,7 +61,9 @@ class Snapshots:
                  snapshot_subject: str | None = None) -> None:
         self.store = store
         self.domain = domain
-        self.events_subject = events_subject or domain_events_subject(domain)
+        self.fold_subjects = [events_subject] if events_subject else domain_fold_subjects(domain)
+        """What ``load`` replays: the events subject, and any other subject the domain folds."""
+        self.events_subject = self.fold_subjects[0]
         self.snapshot_subject = snapshot_subject or domain_snapshot_subject(domain)
 
     async def latest(self) -> Snapshot | None:
@@ -117,7 +119,7 @@ class Snapshots:
             state, state_seq = initial, 0
         replayed = 0
         max_epoch = snap.epoch if snap is not None else 0
-        async for stored in self.store.replay(self.events_subject, state_seq + 1, until_seq=end):
+        async for stored in self.store.replay(self.fold_subjects, state_seq + 1, until_seq=end):
             state = fold(state, stored)
             state_seq = stored.seq
             max_epoch = max(max_epoch, stored.envelope.epoch)

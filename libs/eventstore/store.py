@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from contracts import REGISTRY, ContractError, Envelope
 from contracts.envelope import new_event_id
 from libs.config import Settings, get_settings
 from libs.eventstore.deadletter import dead_letter, ensure_deadletter_stream
+from libs.streams import event_types_on
 from libs.telemetry.metrics import APPEND_CONFLICTS, EVENTS_APPENDED
 from libs.telemetry.tracing import process_span, publish_span
 
@@ -70,11 +71,31 @@ class StoredEvent:
 
 
 def decode_message(msg: Msg) -> StoredEvent:
-    """Decode one JetStream message; raises ``ContractError`` for anything not a known event."""
+    """Decode one JetStream message; raises ``ContractError`` for anything not a known event,
+    and for an event of a type its subject does not carry (``streams.event_types_on``)."""
     decoded = REGISTRY.decode(msg.data)
+    check_subject(msg.subject, decoded.envelope.type)
     return StoredEvent(seq=int(msg.metadata.sequence.stream), subject=msg.subject,
                        headers=dict(msg.headers or {}), envelope=decoded.envelope, event=decoded.event,
                        original_version=decoded.original_version)
+
+
+def check_subject(subject: str, event_type: str) -> None:
+    """Refuse an event its subject may not carry: a writer allowed only that subject (a
+    sink-worker on the incidents subject) cannot pass off another event type there."""
+    allowed = event_types_on(subject)
+    if allowed is not None and event_type not in allowed:
+        raise ContractError("unknown_type", f"{event_type!r} is not accepted on {subject} "
+                                            f"(only {', '.join(allowed)})", type=event_type)
+
+
+def filter_fields(subjects: str | Sequence[str]) -> dict[str, Any]:
+    """Consumer config fields that select ``subjects`` (one subject or several, in stream order)."""
+    if isinstance(subjects, str):
+        return {"filter_subject": subjects}
+    if len(subjects) == 1:
+        return {"filter_subject": subjects[0]}
+    return {"filter_subjects": list(subjects)}
 
 
 class EventStore:
@@ -167,7 +188,7 @@ class EventStore:
         except NotFoundError:
             return None
 
-    async def replay(self, subject_filter: str, from_seq: int = 1, *,
+    async def replay(self, subject_filter: str | Sequence[str], from_seq: int = 1, *,
                      until_seq: int | None = None) -> AsyncIterator[StoredEvent]:
         """Yield the decoded events on ``subject_filter`` with ``from_seq <= seq <= until_seq``.
 
@@ -184,7 +205,7 @@ class EventStore:
         info = await self.js.add_consumer(self.stream, api.ConsumerConfig(
             name=consumer, ack_policy=api.AckPolicy.NONE,
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=from_seq,
-            filter_subject=subject_filter, inactive_threshold=30.0, mem_storage=True,
+            **filter_fields(subject_filter), inactive_threshold=30.0, mem_storage=True,
             num_replicas=1,
         ))
         try:

@@ -11,6 +11,7 @@ certificates and requires a client certificate from every client.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ from libs.localservers.common import find_binary, free_port, port_open, wait_unt
 from libs.nats_auth import ADMIN, StackAuth, TlsFiles, role_of_service, server_config
 
 _RELOADED = b"Reloaded server configuration"
+# nats-server's line for a refused publish/subscribe: ``... - "<version>:<lang>:<connection
+# name>" - "$G/user:<user>" - Publish Violation - Subject "..."``.
+_VIOLATION = re.compile(r'"[^":]*:[^":]*:(?P<name>[^"]+)" - "[^"]*" - (?:Publish|Subscription) Violation')
 
 
 @dataclass
@@ -123,6 +127,30 @@ class NatsServer:
             return self.log_path.read_bytes().count(_RELOADED)
         except FileNotFoundError:
             return 0
+
+    def log_size(self) -> int:
+        """Where the server's log ends now: ``service_violations(since=...)`` reads from there."""
+        try:
+            return self.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def service_violations(self, since: int = 0) -> list[str]:
+        """The log's permission violations (a publish or subscription its user may not make) by a
+        Sluice service's connection, from byte ``since`` on. A service names its connection
+        ``<service>/<instance>``; a test's own clients, refused on purpose, are not services."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(since)
+                text = log.read().decode(errors="replace")
+        except FileNotFoundError:
+            return []
+        found = []
+        for line in text.splitlines():
+            match = _VIOLATION.search(line)
+            if match and role_of_service(match["name"].split("/")[0]) is not None:
+                found.append(line)
+        return found
 
     def service_env(self, role: str) -> dict[str, str]:
         """``SLUICE_NATS_*`` settings of a process running as ``role``."""

@@ -148,7 +148,8 @@ class Projections:
     def seen_seq(self, domain: str) -> int:
         """The newest sequence of ``domain``'s events subject the follower has processed: folded
         or, when undecodable, dead-lettered (the next append's expected last subject sequence)."""
-        return self.followers[domain].next_seq - 1
+        follower = self.followers[domain]
+        return follower.last_seq_of(follower.subject)
 
     async def wait_seen(self, domain: str, seq: int, wait_s: float) -> bool:
         """Wait until the follower has processed ``seq`` (its state, not yet the tables)."""

@@ -2,7 +2,8 @@
 
 The pipeline stops a span whose downstream refused a change for good
 (``pipeline.Pipeline._stop_refused``); the worker records each such incident as
-``table.stopped`` in the changefeeds log, and carries out the ``table.action_requested``
+``table.stopped`` on the changefeeds' incidents subject (``streams.table_incidents_subject``:
+the one changefeeds subject its NATS role may write), and carries out the ``table.action_requested``
 decisions it folds from that log. A decision names its incident, so only the worker whose span
 is stopped by exactly that incident acts on it (a late, repeated or misrouted one changes
 nothing); a ``skip`` is also kept for the span wherever it runs later, since the log is folded
@@ -56,8 +57,8 @@ def overwritten_event(changefeed: str, report: str) -> UniqueConflictOverwritten
 
 async def record_incidents(js: JetStreamContext, stream: str, subject: str, pipeline: Pipeline,
                            worker: str) -> None:
-    """Append every new incident and overwritten row of the pipeline to the changefeeds log
-    (kept for the next call when the log cannot be written)."""
+    """Append every new incident and overwritten row of the pipeline to the changefeeds'
+    incidents ``subject`` (kept for the next call when the log cannot be written)."""
     store = EventStore(js, stream, producer=f"sink-worker/{worker}")
     while pipeline.new_incidents:
         span, incident = pipeline.new_incidents[0]

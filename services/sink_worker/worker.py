@@ -38,12 +38,18 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 from pyspark.sql import SparkSession
 
-from contracts import REGISTRY, ContractError
+from contracts import ContractError
 from contracts.events.table_incidents import TableActionRequestedV1
 from libs.changefeeds import ChangefeedView, discover_spans
 from libs.config import Settings
-from libs.eventstore import dead_letter, ensure_deadletter_stream
-from libs.streams import CHECKPOINT_BUCKET, ROWS_STREAM, domain_events_subject, domain_stream
+from libs.eventstore import dead_letter, decode_message, ensure_deadletter_stream, filter_fields
+from libs.streams import (
+    CHECKPOINT_BUCKET,
+    ROWS_STREAM,
+    domain_fold_subjects,
+    domain_stream,
+    table_incidents_subject,
+)
 from services.sink_worker.agent import SinkAgent
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.fence import Fenced
@@ -89,7 +95,10 @@ class SinkWorker:
         self.status = status if status is not None else {}
         self.rows_stream = rows_stream
         self.changefeeds_stream = domain_stream(changefeeds_domain)
-        self.changefeeds_subject = domain_events_subject(changefeeds_domain)
+        # Folded from the changefeeds' events and their table incidents; this worker writes
+        # only the latter (its NATS role may not publish changefeed events).
+        self.changefeeds_subjects = domain_fold_subjects(changefeeds_domain)
+        self.incidents_subject = table_incidents_subject(changefeeds_domain)
         self.options = options or WorkerOptions.from_settings(settings)
         self.view = ChangefeedView()
         self.changefeeds_replayed = False
@@ -320,7 +329,7 @@ class SinkWorker:
                 self.agent.after_round(self.pipeline, before, t0, time.time())
             if self.pipeline.new_incidents or self.pipeline.new_overwrites:
                 try:
-                    await record_incidents(self.js, self.changefeeds_stream, self.changefeeds_subject,
+                    await record_incidents(self.js, self.changefeeds_stream, self.incidents_subject,
                                            self.pipeline, self.settings.instance_id)
                 except Exception:
                     log.warning("recording a stopped table failed; retrying after the next round",
@@ -352,21 +361,23 @@ class SinkWorker:
         A pull consumer without acks, re-created after the last folded sequence on any error:
         every event is folded once and in order, whatever happens to the consumer meanwhile."""
         try:
-            last = await self.js.get_last_msg(self.changefeeds_stream, self.changefeeds_subject)
-            replay_end = int(last.seq or 0)
+            await self.js.stream_info(self.changefeeds_stream)
         except NotFoundError:
-            # No stream or no changefeed yet: nothing to replay; created ones will arrive.
-            replay_end = 0
+            # No stream yet: nothing to replay; created changefeeds will arrive.
+            self.changefeeds_replayed = True
+            return
+        replay_end = 0
+        for subject in self.changefeeds_subjects:
             try:
-                await self.js.stream_info(self.changefeeds_stream)
+                last = await self.js.get_last_msg(self.changefeeds_stream, subject)
             except NotFoundError:
-                self.changefeeds_replayed = True
-                return
+                continue
+            replay_end = max(replay_end, int(last.seq or 0))
         if replay_end <= self._folded_seq:
             self.changefeeds_replayed = True
         name = f"sink_cf_{uuid4().hex}"
         await self.js.add_consumer(self.changefeeds_stream, api.ConsumerConfig(
-            name=name, ack_policy=api.AckPolicy.NONE, filter_subject=self.changefeeds_subject,
+            name=name, ack_policy=api.AckPolicy.NONE, **filter_fields(self.changefeeds_subjects),
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._folded_seq + 1,
             inactive_threshold=60.0, mem_storage=True, num_replicas=1))
         log.info("following the changefeeds", extra={"stream": self.changefeeds_stream,
@@ -392,7 +403,7 @@ class SinkWorker:
         if seq <= self._folded_seq:
             return
         try:
-            decoded = REGISTRY.decode(msg.data)
+            decoded = decode_message(msg)
         except ContractError as exc:
             await dead_letter(self.js, msg, exc.reason, exc.kind, self.changefeeds_stream, seq=seq,
                               ack=False)

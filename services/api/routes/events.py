@@ -23,7 +23,8 @@ from nats.js.errors import NotFoundError
 
 from contracts import REGISTRY, ContractError
 from contracts.events.changefeeds import ChangefeedSpecV2
-from libs.streams import DOMAINS, domain_events_subject, domain_stream
+from libs.eventstore import check_subject, filter_fields
+from libs.streams import DOMAINS, domain_fold_subjects, domain_stream
 from services.api.auth import require_read
 from services.api.context import ApiContext, get_ctx, js_of
 from services.api.schemas import redact_spec
@@ -58,9 +59,10 @@ def _frame(event: str, data: dict[str, Any], event_id: str | None = None) -> str
     return "\n".join(lines) + "\n\n"
 
 
-def _decode(domain: str, seq: int, raw: bytes) -> dict[str, Any]:
+def _decode(domain: str, seq: int, subject: str, raw: bytes) -> dict[str, Any]:
     try:
         decoded = REGISTRY.decode(raw)
+        check_subject(subject, decoded.envelope.type)
     except ContractError as exc:
         return {"domain": domain, "seq": seq, "type": None, "error": f"{exc.kind}: {exc.reason}"}
     env = decoded.envelope
@@ -85,7 +87,7 @@ async def _last_seq(js: JetStreamContext, domain: str) -> int:
 
 
 async def _pump(js: JetStreamContext, domain: str, after: int,
-                out: asyncio.Queue[tuple[str, int, bytes]], stop: asyncio.Event) -> None:
+                out: asyncio.Queue[tuple[str, int, str, bytes]], stop: asyncio.Event) -> None:
     """Put every event of ``domain`` with seq > ``after`` on ``out``, in order, until ``stop``."""
     stream = domain_stream(domain)
     next_seq = after + 1
@@ -93,7 +95,7 @@ async def _pump(js: JetStreamContext, domain: str, after: int,
         name = f"sse_{domain}_{uuid4().hex[:12]}"
         try:
             await js.add_consumer(stream, api.ConsumerConfig(
-                name=name, ack_policy=api.AckPolicy.NONE, filter_subject=domain_events_subject(domain),
+                name=name, ack_policy=api.AckPolicy.NONE, **filter_fields(domain_fold_subjects(domain)),
                 deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=next_seq,
                 inactive_threshold=30.0, mem_storage=True, num_replicas=1))
         except NotFoundError:  # the stream does not exist yet
@@ -110,7 +112,7 @@ async def _pump(js: JetStreamContext, domain: str, after: int,
                 for msg in msgs:
                     seq = int(msg.metadata.sequence.stream)
                     if seq >= next_seq:
-                        await out.put((domain, seq, bytes(msg.data or b"")))
+                        await out.put((domain, seq, msg.subject, bytes(msg.data or b"")))
                         next_seq = seq + 1
         except asyncio.CancelledError:
             raise
@@ -124,7 +126,7 @@ async def _pump(js: JetStreamContext, domain: str, after: int,
 
 async def _feed(js: JetStreamContext, cursor: dict[str, int], limit: int | None,
                 stopping: asyncio.Event | None) -> AsyncIterator[str]:
-    queue: asyncio.Queue[tuple[str, int, bytes]] = asyncio.Queue(maxsize=1024)
+    queue: asyncio.Queue[tuple[str, int, str, bytes]] = asyncio.Queue(maxsize=1024)
     stop = asyncio.Event()
     closing = stopping or asyncio.Event()
     tasks = [asyncio.create_task(_pump(js, d, s, queue, stop)) for d, s in cursor.items()]
@@ -143,10 +145,10 @@ async def _feed(js: JetStreamContext, cursor: dict[str, int], limit: int | None,
                 if not closing.is_set():
                     yield ": keep-alive\n\n"
                 continue
-            domain, seq, raw = getter.result()
+            domain, seq, subject, raw = getter.result()
             cursor[domain] = seq
             sent += 1
-            yield _frame("event", _decode(domain, seq, raw), format_cursor(cursor))
+            yield _frame("event", _decode(domain, seq, subject, raw), format_cursor(cursor))
     finally:
         stop.set()
         for t in tasks:
