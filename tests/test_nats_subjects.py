@@ -36,6 +36,7 @@ from libs.streams import (
     DOMAINS,
     HEARTBEAT_SUBJECTS,
     LEADER_BUCKET,
+    PREPARE_BUCKET,
     ROWS_STREAM,
     SHARD_DDL_OPS_SUBJECTS,
     SHARD_DDL_REPORT_SUBJECT,
@@ -78,7 +79,7 @@ class Use:
 
 
 _BUCKETS = {LEADER_BUCKET: "LEADER_BUCKET", CHECKPOINT_BUCKET: "CHECKPOINT_BUCKET",
-            SNAPSHOT_BUCKET: "SNAPSHOT_BUCKET"}
+            SNAPSHOT_BUCKET: "SNAPSHOT_BUCKET", PREPARE_BUCKET: "PREPARE_BUCKET"}
 
 
 def _kv_write(bucket: str, key: str) -> Use:
@@ -133,7 +134,7 @@ USES: dict[str, list[Use]] = {
         Use("domain_stream"), *_folds("changefeeds"),
         Use("table_incidents_subject", publish=(table_incidents_subject(),)),
         _kv_write(CHECKPOINT_BUCKET, "cf.src1.db.t"), _kv_write(SNAPSHOT_BUCKET, "cf.src1.db.t"),
-        _kv_read(LEADER_BUCKET),
+        _kv_write(PREPARE_BUCKET, "cf.src1.db.t"), _kv_read(LEADER_BUCKET),
         Use("heartbeat_subject", publish=(heartbeat_subject("w1"),)),
         Use("dispatch_subject", subscribe=(dispatch_subject("w1"),)),
         Use("announce_subject", subscribe=(announce_subject(REPLICATION_MANAGER),)),
@@ -147,6 +148,7 @@ USES: dict[str, list[Use]] = {
         Use("leader_command_subject", publish=tuple(leader_command_subject(s) for s in
                                                     (MEMBER, SCHEDULER, REPLICATION_MANAGER, DDL_LOCK))),
         _kv_read(LEADER_BUCKET), _kv_read(CHECKPOINT_BUCKET), _kv_read(SNAPSHOT_BUCKET),
+        _kv_read(PREPARE_BUCKET),
         Use("ROWS_STREAM", reads=((ROWS_STREAM, resolved_subject(SOURCE)),)),
         Use("resolved_subject", reads=((ROWS_STREAM, resolved_subject(SOURCE)),)),
         Use("DEADLETTER_STREAM", reads=((DEADLETTER_STREAM, deadletter_subject(ROWS_STREAM)),),
