@@ -87,10 +87,11 @@ case "${1:-}" in
     shift
     setup
     say "running the test suite"
-    # Two workers unless told otherwise (-n N, -n 0 or -p no:xdist): much of the suite waits on
-    # servers and processes, so two of them fill the machine's two cores (tests/conftest.py
-    # keeps each module on one worker).
-    workers=(-n "${SLUICE_TEST_WORKERS:-2}" --dist loadgroup)
+    # SLUICE_TEST_WORKERS=N runs the suite on N pytest-xdist workers (tests/conftest.py keeps each
+    # module on one worker); one by default: on two cores the process tests' timing needs the
+    # whole machine. An -n in the arguments wins.
+    workers=()
+    if [ "${SLUICE_TEST_WORKERS:-1}" -gt 1 ]; then workers=(-n "$SLUICE_TEST_WORKERS" --dist loadgroup); fi
     for arg in "$@"; do
       case "$arg" in -n|-n*|--numprocesses*|no:xdist) workers=() ;; esac
     done

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 
 def sluice(stack: ApiStack, *args: str, token: str | None = TOKEN) -> tuple[int, str]:
     opts = ["--url", stack.url] + (["--token", token] if token else [])
-    result = CliRunner().invoke(app, [*opts, *args], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(app, [*opts, *args], env={"COLUMNS": "320"})
     return result.exit_code, result.output
 
 

@@ -93,6 +93,8 @@ def _peak_rss(pid: int) -> dict[str, int]:
         except OSError:
             continue  # gone meanwhile
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if "VmHWM" not in fields:
+            continue  # exited meanwhile (a zombie has no memory to report)
         kind = "worker" if p == pid else "jvm" if b"java" in cmdline.split(b"\0")[0] else "python tasks"
         hwm = int(fields["VmHWM"].split()[0]) * 1024
         peaks[kind] = max(peaks.get(kind, 0), hwm)

@@ -37,7 +37,7 @@ def _stopped(table: str, incident: str, key: str | None = "[7]") -> TableStopped
 
 def _cli(api_stack: ApiStack, *args: str) -> tuple[int, str]:
     result = CliRunner().invoke(app, ["--url", api_stack.url, "--token", TOKEN, *args],
-                                env={"COLUMNS": "250"})
+                                env={"COLUMNS": "320"})
     return result.exit_code, result.output
 
 

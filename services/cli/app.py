@@ -74,6 +74,9 @@ def main_options(ctx: typer.Context,
                      help="Bearer token (env SLUICE_API_TOKEN).", show_default=False)] = None,
                  as_json: Annotated[bool, typer.Option("--json", help="JSON output for scripts.")] = False,
                  ) -> None:
+    # Each command measures the terminal (or COLUMNS) again: the width at import time may not
+    # be the width of the terminal the command runs in.
+    render.console = render.make_console()
     settings = Settings()
     secret = token or (settings.api_token.get_secret_value() if settings.api_token else None)
     client = ApiClient(url or settings.api_url, secret)

@@ -10,7 +10,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-console = Console(highlight=False, soft_wrap=True)
+
+def make_console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+console = make_console()
 
 
 def as_json(value: Any) -> None:
