@@ -311,8 +311,11 @@ def test_every_service_serves_the_metrics_operators_watch(system: ObsSystem) -> 
     scheduler = _metrics(procs["scheduler-1"])
     assert "sluice_scheduler_tasks_in_flight" in scheduler
     assert _value(scheduler, "sluice_scheduler_tasks_total", type="schedule.add_table") >= 2
+    # The manager's gauges follow its state machine a moment behind (a set's commit is reported,
+    # then counted): wait for both spans replicating on the worker.
+    system.wait(lambda: _value(_metrics(procs["replication-manager-1"]), "sluice_replication_sets",
+                               state="replicating") == 2, 30, "the manager's gauge of 2 replicating sets")
     manager = _metrics(procs["replication-manager-1"])
-    assert _value(manager, "sluice_replication_sets", state="replicating") == 2
     # The worker recorded what each span's prepare waited for (the api's waiting_for): its
     # last phase is the commit it then got.
     prepared = asyncio.run(_prepare_entries(system.nats.url))

@@ -909,8 +909,12 @@ class Pipeline:
         for w in works:
             if not w.fresh or w.refused:
                 continue
+            # Row expressions and computed columns read the images inside the job, so a table
+            # with them keeps its values whole there (a reference would be filtered or computed
+            # on instead of the value); its row size is then bounded by the Spark driver's memory.
+            seen_whole = w.rules is not None and w.rules.needs_spark
             try:
-                records.extend(event_records(w.rt.span.kv_key, w.fresh, large,
+                records.extend(event_records(w.rt.span.kv_key, w.fresh, None if seen_whole else large,
                                              w.plan.table.key if w.plan is not None else ()))
             except LargeKeyError as exc:
                 outcomes[w.rt.span.kv_key] = _Outcome(incident=_large_key_incident(w, exc))
