@@ -351,7 +351,13 @@ class InitialLoads:
             found = req.router.origin_for(ref) if req.router is not None else None
             origin = (found.name, found.value(ref)) if found is not None else None
             chunk_key = tuple(meta.primary_key)
-            if not progress.planned or progress.key != list(chunk_key):
+            # A re-copy taken up again by a new run (its worker died, or the span moved) starts
+            # over: the source may have changed shape since its chunks were copied (a later DDL
+            # on the table), while the target kept the shape of those chunks, so resuming would
+            # put today's values into yesterday's columns. Re-planned, the target is emptied and
+            # made again from the current metadata below.
+            restart = req.recopy_of is not None and bool(progress.done)
+            if restart or not progress.planned or progress.key != list(chunk_key):
                 progress.rows_estimate = estimate_rows(conn, database, table)
                 chunks = plan_chunks(conn, database, table, chunk_key, meta, self.options.chunk_rows,
                                      progress.rows_estimate)
