@@ -780,7 +780,8 @@ class Pipeline:
         - ``leave``: the name's target is dropped and the span moves past the DDL.
         - ``recopy``: the initial-load machinery copies the table into an emptied target; the
           progress is recorded under the DDL's stream sequence, so a worker that takes the span
-          over (crash, move) finds the same DDL at the head and resumes the same copy. Once it
+          over (crash, move) finds the same DDL at the head and runs the same copy again, from
+          the start (``InitialLoads._prepare``: the source's shape may have moved on). Once it
           is done, the checkpoint moves to the copy's low watermark (at or past the DDL) and
           the span streams on from there, as after an initial load.
         """
