@@ -11,6 +11,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from libs.localservers.nats_server import NatsServer
+from libs.localservers.service_process import ServiceProcess
 
 pytest_plugins = ["tests.fixtures_servers", "tests.api_stack"]
 
@@ -44,6 +45,15 @@ def service_env(nats_server: NatsServer, tmp_path: Path) -> dict[str, str]:
         "SLUICE_DOWNSTREAM_URL": f"sqlite:///{tmp_path / 'downstream.db'}",
         "SLUICE_LOG_JSON": "true",
     }
+
+
+@pytest.fixture
+def processes() -> Iterator[list[ServiceProcess]]:
+    """Service processes a test starts; each is killed (SIGKILL) when the test ends."""
+    procs: list[ServiceProcess] = []
+    yield procs
+    for p in procs:
+        p.kill()
 
 
 # Fixtures that start a real server, a SparkSession or a service process. A test that uses any of

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,6 @@ pytestmark = pytest.mark.integration
 def capture_env(service_env: dict[str, str], source: str, url: str, server_id: int) -> dict[str, str]:
     return {**service_env, "SLUICE_SOURCE_ID": source, "SLUICE_SOURCE_URL": url,
             "SLUICE_SOURCE_SERVER_ID": str(server_id)}
-
-
-@pytest.fixture
-def processes() -> Iterator[list[ServiceProcess]]:
-    procs: list[ServiceProcess] = []
-    yield procs
-    for p in procs:
-        p.kill()
 
 
 def start_capture(procs: list[ServiceProcess], env: dict[str, str], log_dir: Path,

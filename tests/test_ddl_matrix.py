@@ -14,7 +14,7 @@ import random
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,14 +65,6 @@ async def _delete_changefeeds_afterwards(js: JetStreamContext) -> AsyncIterator[
     yield
     while _created:
         await record_state(js, _created.pop(), "deleted", requested_by="test", reason="test over")
-
-
-@pytest.fixture
-def processes() -> Iterator[list[ServiceProcess]]:
-    procs: list[ServiceProcess] = []
-    yield procs
-    for p in procs:
-        p.kill()
 
 
 @dataclass

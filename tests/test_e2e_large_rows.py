@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -44,14 +44,6 @@ async def _delete_changefeeds_afterwards(js: JetStreamContext) -> AsyncIterator[
     yield
     while _created:
         await record_state(js, _created.pop(), "deleted", requested_by="test", reason="test over")
-
-
-@pytest.fixture
-def processes() -> Iterator[list[ServiceProcess]]:
-    procs: list[ServiceProcess] = []
-    yield procs
-    for p in procs:
-        p.kill()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -73,14 +73,6 @@ async def _delete_changefeeds_afterwards(js: JetStreamContext) -> AsyncIterator[
     yield
     while _created:
         await record_state(js, _created.pop(), "deleted", requested_by="test", reason="test over")
-
-
-@pytest.fixture
-def processes() -> Iterator[list[ServiceProcess]]:
-    procs: list[ServiceProcess] = []
-    yield procs
-    for p in procs:
-        p.kill()
 
 
 async def _progress(js: JetStreamContext, span: Span) -> SnapshotProgress | None:

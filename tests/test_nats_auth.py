@@ -185,14 +185,6 @@ async def test_a_read_only_consumer_reads_rows_and_publishes_nothing(
 
 # ------------------------------------------------------------------ a forged row, end to end
 
-@pytest.fixture
-def processes() -> Iterator[list[ServiceProcess]]:
-    procs: list[ServiceProcess] = []
-    yield procs
-    for p in procs:
-        p.kill()
-
-
 def _downstream_ids(path: Path, table: str) -> set[int]:
     try:
         with sqlite3.connect(path) as conn:

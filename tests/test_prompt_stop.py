@@ -33,12 +33,11 @@ from tests.test_initial_load import (
     _wait_equal,
     _wait_progress,
     _worker,
-    processes,
 )
 
 pytestmark = pytest.mark.integration
 
-__all__ = ["_delete_changefeeds_afterwards", "processes"]  # fixtures used here
+__all__ = ["_delete_changefeeds_afterwards"]  # fixtures used here
 
 STOP_BOUND_S = 12.0
 

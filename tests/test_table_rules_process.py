@@ -35,7 +35,6 @@ from tests.test_e2e_replication import (  # noqa: F401 - fixtures
     _delete_changefeeds_afterwards,
     _worker,
     downstream_mariadb,
-    processes,
 )
 
 DB = "rules_e2e"
