@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
+from libs.foreign_keys import load_foreign_keys
 from services.api.prechecks import missing_mysql_sink_grants, missing_source_grants
 from tests.api_stack import CANARY, ApiStack
 
@@ -117,3 +118,49 @@ def test_skip_checks_accepts_and_the_changefeed_shows_its_failed_checks(api_stac
         assert c.put(f"{V1}/changefeeds/pc-skipped", json=fixed).status_code == 202
         assert c.get(f"{V1}/changefeeds/pc-skipped").json()["failed_checks"] == []
         assert c.delete(f"{V1}/changefeeds/pc-skipped").status_code == 202
+
+
+@pytest.mark.integration
+def test_cascading_foreign_keys_are_named_in_the_answer(api_stack: ApiStack) -> None:
+    source = api_stack.source
+    source.execute(
+        "CREATE DATABASE fk_pc",
+        "CREATE TABLE fk_pc.orders (shop INT, no INT, PRIMARY KEY (shop, no))",
+        "CREATE TABLE fk_pc.items (id INT PRIMARY KEY, shop INT, no INT, CONSTRAINT fk_order"
+        " FOREIGN KEY (shop, no) REFERENCES fk_pc.orders (shop, no) ON DELETE CASCADE ON UPDATE CASCADE)",
+        "CREATE TABLE fk_pc.audit (id INT PRIMARY KEY, item INT, CONSTRAINT fk_item FOREIGN KEY (item)"
+        " REFERENCES fk_pc.items (id) ON DELETE SET NULL)",
+        "CREATE TABLE fk_pc.tree (id INT PRIMARY KEY, up INT, CONSTRAINT fk_up FOREIGN KEY (up)"
+        " REFERENCES fk_pc.tree (id) ON DELETE CASCADE)",
+        "CREATE TABLE fk_pc.notes (id INT PRIMARY KEY, item INT, CONSTRAINT fk_note FOREIGN KEY (item)"
+        " REFERENCES fk_pc.items (id))")
+    try:
+        conn = source.connect()
+        try:
+            fks = {fk.name: fk for fk in load_foreign_keys(conn, "fk_pc")}
+        finally:
+            conn.close()
+        assert fks["fk_order"].columns == ("shop", "no") and fks["fk_order"].ref_columns == ("shop", "no")
+        assert (fks["fk_order"].on_delete, fks["fk_order"].on_update) == ("CASCADE", "CASCADE")
+        assert fks["fk_item"].on_delete == "SET NULL" and fks["fk_up"].self_referencing
+        assert not fks["fk_note"].cascading
+        # The changefeed's user has SELECT only: MariaDB hides REFERENTIAL_CONSTRAINTS from it.
+        repl = source.connect(user="repl", password=CANARY)
+        try:
+            assert load_foreign_keys(repl, "fk_pc") == sorted(fks.values())
+        finally:
+            repl.close()
+
+        spec = _spec(api_stack, "pc-fk", filter={"include": ["fk_pc.*"], "exclude": ["fk_pc.audit"]})
+        with api_stack.client() as c:
+            r = c.post(f"{V1}/changefeeds", json=spec)
+            assert r.status_code == 202, r.text
+            warnings = [w for w in r.json()["warnings"] if "fk_pc." in w]
+            assert c.delete(f"{V1}/changefeeds/pc-fk").status_code == 202
+        named = sorted(w.split(" ", 3)[2] for w in warnings)
+        assert named == ["src1:fk_pc.audit.fk_item", "src1:fk_pc.items.fk_order", "src1:fk_pc.tree.fk_up"]
+        audit = next(w for w in warnings if "fk_item" in w)
+        assert "ON DELETE SET NULL" in audit and "leaves out the child fk_pc.audit" in audit
+        assert all("below the binlog" in w for w in warnings)
+    finally:
+        source.execute("DROP DATABASE fk_pc")

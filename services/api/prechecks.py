@@ -7,7 +7,9 @@ instead of showing "running" with no tables.
   check, ``services.capture.source.check_source``); the grants replication needs
   (REPLICATION SLAVE, REPLICATION CLIENT, SELECT);
 - the sink: reachable and writable;
-- every route rule: matches at least one table of the sources.
+- every route rule: matches at least one table of the sources;
+- cascading foreign keys of the tables it replicates (``libs.foreign_keys``): not a failure, a
+  warning in the answer, since the binlog never shows the child rows a cascade changes.
 
 Messages name what failed and the fix, never a password."""
 
@@ -17,6 +19,7 @@ import asyncio
 import os
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,8 @@ import pymysql
 
 from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpecV2
 from libs.dburl import DatabaseUrl, DatabaseUrlError, parse_database_url
-from libs.routing import RouteRule, TableRef
+from libs.foreign_keys import ForeignKey, cascade_warnings, load_foreign_keys
+from libs.routing import RouteRule, RoutingConfigError, TableRef, router_for
 from services.capture.source import check_source
 from services.sink_worker.sinks.nats_stream import (
     StreamSinkUrl,
@@ -100,8 +104,8 @@ def _unreachable(what: str, url: DatabaseUrl, exc: Exception) -> str:
             "Start it or open the network path from the api, or fix the URL's host, user or secret")
 
 
-def _check_source(source_id: str, url_text: str, tables: dict[str, list[tuple[str, str]]]
-                  ) -> list[ChangefeedCheckV1]:
+def _check_source(source_id: str, url_text: str, tables: dict[str, list[tuple[str, str]]],
+                  fks: dict[str, list[ForeignKey]]) -> list[ChangefeedCheckV1]:
     try:
         url = parse_database_url(url_text)
     except DatabaseUrlError as exc:
@@ -130,6 +134,7 @@ def _check_source(source_id: str, url_text: str, tables: dict[str, list[tuple[st
                         + (" AND TABLE_SCHEMA = %s" if url.database else ""),
                         (url.database,) if url.database else ())
             tables[source_id] = [(str(d), str(t)) for d, t in cur.fetchall()]
+        fks[source_id] = load_foreign_keys(conn, url.database or None)
     except pymysql.err.MySQLError as exc:
         failed.append(_check("source_reachable", source_id,
                              f"source {source_id}: the checks' queries failed: {exc}"))
@@ -210,11 +215,19 @@ def _check_sink(url_text: str) -> list[ChangefeedCheckV1]:
     return []
 
 
-def run_checks_blocking(spec: ChangefeedSpecV2) -> list[ChangefeedCheckV1]:
+@dataclass
+class CheckResult:
+    failed: list[ChangefeedCheckV1] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """Accepted, but the operator should know (cascading foreign keys)."""
+
+
+def run_checks_blocking(spec: ChangefeedSpecV2) -> CheckResult:
     tables: dict[str, list[tuple[str, str]]] = {}
+    fks: dict[str, list[ForeignKey]] = {}
     failed: list[ChangefeedCheckV1] = []
     for source in spec.sources:
-        failed += _check_source(source.id, source.url, tables)
+        failed += _check_source(source.id, source.url, tables, fks)
     failed += _check_sink(spec.sink_url)
     # A route about a source that could not be listed is not judged: its failure says why.
     if tables and len(tables) == len(spec.sources):
@@ -222,9 +235,13 @@ def run_checks_blocking(spec: ChangefeedSpecV2) -> list[ChangefeedCheckV1]:
             failed.append(_check("route_matches_nothing", label,
                                  f"route {label} matches no table of the sources; fix its "
                                  "source/database/table patterns or create the tables first"))
-    return failed
+    try:
+        router = router_for(spec)
+    except RoutingConfigError:
+        return CheckResult(failed)  # the spec validation refuses it with the reason
+    return CheckResult(failed, [w.message for w in cascade_warnings(router, fks, tables)])
 
 
-async def run_checks(spec: ChangefeedSpecV2) -> list[ChangefeedCheckV1]:
+async def run_checks(spec: ChangefeedSpecV2) -> CheckResult:
     """The checks off the event loop (the drivers block)."""
     return await asyncio.to_thread(run_checks_blocking, spec)

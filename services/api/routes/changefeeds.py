@@ -17,14 +17,14 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from sqlmodel import Session, select
 
-from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpecV2, ChangefeedSpecV4
+from contracts.events.changefeeds import ChangefeedSpecV2, ChangefeedSpecV4
 from libs.changefeeds import record_changefeed, record_state, record_update
 from libs.eventstore import AppendConflict
 from libs.routing import unique_conflict_warnings
 from services.api.auth import require_read, require_write
 from services.api.context import ApiContext, get_ctx, js_of, projections_of
 from services.api.models import ChangefeedRow, SpanRow
-from services.api.prechecks import run_checks
+from services.api.prechecks import CheckResult, run_checks
 from services.api.schemas import Accepted, ChangefeedOut, lag_seconds, redact_spec, unredact_url
 from services.api.validation import password_problems, spec_problems
 
@@ -93,14 +93,15 @@ SKIP_CHECKS = Query(False, description="Record the changefeed even when creation
                                       "the failures are shown as its failed_checks.")
 
 
-async def _prechecks(spec: ChangefeedSpecV2, skip: bool) -> list[ChangefeedCheckV1]:
+async def _prechecks(spec: ChangefeedSpecV2, skip: bool) -> CheckResult:
     """Run the creation checks; refuse with 422 (each failure with its fix) unless skipped."""
-    failed = await run_checks(spec)
+    checks = await run_checks(spec)
+    failed = checks.failed
     if failed and not skip:
         raise RequestValidationError([
             {"loc": ["checks", f.check, f.target], "msg": f.message, "type": f"precheck.{f.check}"}
             for f in failed])
-    return failed
+    return checks
 
 
 def _validate(spec: ChangefeedSpecV2, password_checked: bool = False) -> None:
@@ -129,7 +130,8 @@ async def create_changefeed(spec: ChangefeedSpecV4, response: Response,
     if spec.id in view.state.specs:  # before connecting anywhere; checked again when appending
         raise HTTPException(409, f"changefeed {spec.id!r} exists "
                                  f"({view.state.states.get(spec.id, 'running')})")
-    failed = await _prechecks(spec, skip_checks)
+    checks = await _prechecks(spec, skip_checks)
+    failed = checks.failed
 
     def check() -> None:
         if spec.id in view.state.specs:
@@ -143,7 +145,7 @@ async def create_changefeed(spec: ChangefeedSpecV4, response: Response,
     accepted = _accepted(spec.id, seq, "changefeed recorded; the scheduler starts its tables"
                          + (f" (accepted with {len(failed)} failed checks: see its failed_checks)"
                             if failed else ""))
-    accepted.warnings = unique_conflict_warnings(spec)
+    accepted.warnings = unique_conflict_warnings(spec) + checks.warnings
     return accepted
 
 
@@ -171,7 +173,8 @@ async def update_changefeed(changefeed_id: str, spec: ChangefeedSpecV4,
                     for s in spec.sources]})
     # A kept password is the one stored before secrets were references (a v2 changefeed).
     _validate(spec, password_checked=True)
-    failed = await _prechecks(spec, skip_checks)
+    checks = await _prechecks(spec, skip_checks)
+    failed = checks.failed
 
     def check() -> None:
         if changefeed_id not in view.state.specs:
@@ -181,7 +184,7 @@ async def update_changefeed(changefeed_id: str, spec: ChangefeedSpecV4,
         js_of(ctx), spec, ctx.requested_by, expected_last_subject_seq=expected,
         failed_checks=failed))
     accepted = _accepted(changefeed_id, seq, "changefeed updated")
-    accepted.warnings = unique_conflict_warnings(spec)
+    accepted.warnings = unique_conflict_warnings(spec) + checks.warnings
     return accepted
 
 

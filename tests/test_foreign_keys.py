@@ -1,0 +1,78 @@
+"""Cascading foreign keys: read from information_schema's rows, and named at changefeed creation
+with what keeps each from being reproduced downstream (``libs.foreign_keys``)."""
+
+from __future__ import annotations
+
+from contracts.events.changefeeds import TableFilterV1, TableRuleV1
+from libs.foreign_keys import NOT_REPRODUCED, ForeignKey, cascade_warnings, create_table_actions, fold_rows
+from libs.routing import OriginColumn, Router, RouteRule, TableFilter
+
+
+def _fk(table: str, parent: str, columns: tuple[str, ...] = ("parent_id",), on_delete: str = "CASCADE",
+        on_update: str = "RESTRICT", db: str = "shop") -> ForeignKey:
+    return ForeignKey(db, table, f"fk_{table}", columns, db, parent, ("id",) * len(columns),
+                      on_delete, on_update)
+
+
+def test_rows_fold_into_keys_with_their_columns_in_order() -> None:
+    rows = [
+        ("shop", "items", "fk_order", "order_shop", "shop", "orders", "shop_id", "CASCADE", "SET NULL"),
+        ("shop", "items", "fk_order", "order_no", "shop", "orders", "no", "CASCADE", "SET NULL"),
+        ("shop", "notes", "fk_item", "item_id", "shop", "items", "id", "RESTRICT", "NO ACTION"),
+        ("shop", "tree", "fk_up", "up", "shop", "tree", "id", "set null", "CASCADE"),
+    ]
+    items, notes, tree = fold_rows(rows)
+    assert items == ForeignKey("shop", "items", "fk_order", ("order_shop", "order_no"), "shop", "orders",
+                               ("shop_id", "no"), "CASCADE", "SET NULL")
+    assert items.cascading and not notes.cascading
+    assert tree.self_referencing and tree.on_delete == "SET NULL" and tree.cascading
+    assert items.describe() == ("shop.items.fk_order (order_shop, order_no) -> shop.orders (shop_id, no) "
+                                "ON DELETE CASCADE ON UPDATE SET NULL")
+
+
+def test_every_cascading_key_the_changefeed_touches_is_named_with_its_reasons() -> None:
+    fks = {"src1": [
+        _fk("items", "orders"),                                   # both in
+        _fk("audit", "orders", on_delete="SET NULL"),             # child filtered out
+        _fk("orders", "customers", on_update="CASCADE", on_delete="RESTRICT"),  # parent out
+        _fk("notes", "items", on_delete="RESTRICT"),              # no action InnoDB takes itself
+        _fk("x", "y", db="other"),                                # neither selected
+        _fk("tree", "tree"),                                      # self reference
+    ]}
+    router = Router(table_filter=TableFilter.from_contract(TableFilterV1(
+        include=["shop.*"], exclude=["shop.audit", "shop.customers"])))
+    got = {w.fk.table: w for w in cascade_warnings(router, fks)}
+    assert sorted(got) == ["audit", "items", "orders", "tree"]
+    assert all(w.reasons[0] == NOT_REPRODUCED for w in got.values())
+    assert got["items"].reasons == (NOT_REPRODUCED,) and got["tree"].reasons == (NOT_REPRODUCED,)
+    audit = got["audit"].reasons[1]
+    assert "leaves out the child shop.audit while it selects its parent shop.orders" in audit
+    assert "leaves out the parent shop.customers" in got["orders"].reasons[1]
+    message = got["items"].message
+    assert message.startswith("foreign key src1:shop.items.fk_items (parent_id) -> shop.orders (id) "
+                              "ON DELETE CASCADE: MariaDB applies it below the binlog")
+
+
+def test_a_dropped_key_column_or_a_merge_without_origin_cannot_follow_a_cascade() -> None:
+    fks = {s: [_fk("items", "orders", db=f"shop_{s}")] for s in ("s1", "s2")}
+    tables = {s: [(f"shop_{s}", "orders"), (f"shop_{s}", "items")] for s in ("s1", "s2")}
+    rules = [RouteRule(schema="shop_*", table="items", target_schema="all", target_table="items")]
+    merged = Router(rules)
+    got = cascade_warnings(merged, fks, tables)
+    assert len(got) == 2
+    assert all("merged with 1 other table(s) into all.items without an origin_column" in w.reasons[-1]
+               for w in got)
+    # With an origin column each shard's cascade stays within its shard.
+    kept_apart = Router(rules, origin=OriginColumn("_origin"))
+    assert [w.reasons for w in cascade_warnings(kept_apart, fks, tables)] == [(NOT_REPRODUCED,)] * 2
+    dropping = Router(table_rules=[TableRuleV1(tables=["*.items"], drop_columns=["parent_id"])])
+    reasons = cascade_warnings(dropping, {"s1": fks["s1"]})[0].reasons
+    assert reasons[1] == "table rules drop its column(s) parent_id"
+
+
+def test_actions_come_from_show_create_table_when_information_schema_hides_them() -> None:
+    text = ("CREATE TABLE `a``b` (\n  `id` int(11) NOT NULL,\n  `up` int(11) DEFAULT NULL,\n"
+            "  CONSTRAINT `fk``up` FOREIGN KEY (`up`) REFERENCES `a``b` (`id`) ON DELETE SET NULL "
+            "ON UPDATE CASCADE,\n  CONSTRAINT `plain` FOREIGN KEY (`x`, `y`) REFERENCES `db`.`p` (`x`, `y`)\n"
+            ") ENGINE=InnoDB")
+    assert create_table_actions(text) == {"fk`up": ("SET NULL", "CASCADE"), "plain": ("RESTRICT", "RESTRICT")}
