@@ -76,3 +76,21 @@ def test_actions_come_from_show_create_table_when_information_schema_hides_them(
             "ON UPDATE CASCADE,\n  CONSTRAINT `plain` FOREIGN KEY (`x`, `y`) REFERENCES `db`.`p` (`x`, `y`)\n"
             ") ENGINE=InnoDB")
     assert create_table_actions(text) == {"fk`up": ("SET NULL", "CASCADE"), "plain": ("RESTRICT", "RESTRICT")}
+
+
+def test_only_a_delete_or_a_referenced_key_change_of_a_cascading_parent_triggers() -> None:
+    from services.sink_worker.cascades import CascadeGraph
+
+    graph = CascadeGraph({}, [_fk("items", "orders"), _fk("audit", "orders", on_delete="RESTRICT",
+                                                          on_update="SET NULL")])
+    old = {"id": 1, "note": "a"}
+    assert graph.triggers("shop", "orders", "delete", old, None)
+    assert graph.triggers("shop", "orders", "update", old, {"id": 2, "note": "a"})
+    assert not graph.triggers("shop", "orders", "update", old, {"id": 1, "note": "b"})
+    assert not graph.triggers("shop", "orders", "insert", None, old)
+    assert not graph.triggers("shop", "orders", "delete", {"id": None}, None)
+    assert not graph.triggers("shop", "items", "delete", {"id": 1, "parent_id": 1}, None)
+    # RESTRICT on delete, SET NULL on update: only the key change triggers.
+    audit_only = CascadeGraph({}, [_fk("audit", "orders", on_delete="RESTRICT", on_update="SET NULL")])
+    assert not audit_only.triggers("shop", "orders", "delete", old, None)
+    assert audit_only.triggers("shop", "orders", "update", old, {"id": 3, "note": "a"})
