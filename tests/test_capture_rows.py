@@ -11,6 +11,7 @@ from nats.js import JetStreamContext
 from contracts.events.rows import DdlExecutedV1, RowsChangedV1
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
+from services.capture.metrics import CASCADING_FOREIGN_KEYS
 from services.capture.ts_clock import physical_ms, wall_ms
 from tests.test_capture_support import (
     binlog_position,
@@ -187,6 +188,35 @@ async def test_table_without_key_and_unsupported_type_are_rejected(
     assert uk.meta.primary_key == ["a"] and uk.rows[0].after == {"a": 5, "b": None}
     assert all(isinstance(m.event, RowsChangedV1 | DdlExecutedV1) or m.subject.endswith(".rejected")
                for m in messages)
+
+
+async def test_cascading_foreign_keys_are_named_and_followed_through_ddl(
+        mariadb: MariaDB, nats_server: NatsServer, js: JetStreamContext, replica_server_id: int) -> None:
+    source, name = "cap_fk", "cap_fk"
+    fresh_database(mariadb, name, "CREATE TABLE p (id INT PRIMARY KEY)",
+                   "CREATE TABLE c (id INT PRIMARY KEY, p INT, CONSTRAINT fk_p FOREIGN KEY (p)"
+                   " REFERENCES p (id) ON DELETE CASCADE)",
+                   "CREATE TABLE r (id INT PRIMARY KEY, p INT, FOREIGN KEY (p) REFERENCES p (id))")
+    settings = capture_settings(nats_server.url, source, mariadb.url_for(name), replica_server_id)
+
+    def named() -> list[str]:
+        return list(capture.status.get("cascading_foreign_keys") or [])
+
+    async with running_capture(settings) as capture:
+        await wait_reading(capture)
+        mariadb.execute("INSERT INTO p VALUES (1)", "INSERT INTO c VALUES (10, 1)", database=name)
+        first = ["cap_fk.c.fk_p (p) -> cap_fk.p (id) ON DELETE CASCADE"]
+        await eventually(lambda: _is(named(), first), 20, f"capture to name {first}")
+        # A DDL replaces the key: capture follows it (the old one is gone, the new one named).
+        mariadb.execute("ALTER TABLE c DROP FOREIGN KEY fk_p", "ALTER TABLE c ADD CONSTRAINT fk_q FOREIGN KEY"
+                        " (p) REFERENCES p (id) ON UPDATE SET NULL", database=name)
+        second = ["cap_fk.c.fk_q (p) -> cap_fk.p (id) ON UPDATE SET NULL"]
+        await eventually(lambda: _is(named(), second), 20, f"capture to name {second} after the DDL")
+        assert CASCADING_FOREIGN_KEYS.labels(source)._value.get() == 1
+
+
+async def _is(got: list[str], want: list[str]) -> bool:
+    return got == want
 
 
 async def test_huge_transaction_is_split_into_parts(mariadb: MariaDB, nats_server: NatsServer,

@@ -99,7 +99,8 @@ class Accepted(BaseModel):
     follow: str = Field("", description="Where to watch the effect (a resource URL).")
     events: str = Field("", description="The event feed from just before this command.")
     warnings: list[str] = Field(default_factory=list,
-                                description="Accepted, but worth a look (e.g. cross-shard unique conflicts).")
+                                description="Accepted, but worth a look (e.g. cross-shard unique conflicts, "
+                                            "cascading foreign keys the binlog does not show).")
 
 
 class ChangefeedOut(BaseModel):

@@ -24,3 +24,7 @@ CHUNKS_PUBLISHED = Counter("sluice_capture_chunks_published",
 OVERSIZED = Counter("sluice_capture_oversized_messages",
                     "Messages over SLUICE_CAPTURE_MAX_MESSAGE_BYTES; their table is stopped.",
                     ["source"])
+CASCADING_FOREIGN_KEYS = Gauge(
+    "sluice_capture_cascading_foreign_keys",
+    "Foreign keys with ON DELETE/UPDATE CASCADE, SET NULL or SET DEFAULT among the captured tables: "
+    "the child rows they change never reach the binlog.", ["source"])

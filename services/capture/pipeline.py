@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from contracts.events.rows import (
     CaptureRejectedV1,
@@ -30,6 +30,7 @@ from contracts.events.rows import (
     RowsChangedV1,
     SourcePositionV1,
 )
+from libs.foreign_keys import ForeignKey, load_foreign_keys
 from libs.streams import ddl_subject, rejected_subject, rows_subject
 from services.capture import metrics
 from services.capture.binlog_reader import Begin, Commit, Heartbeat, Item, Position, Query, ReaderFailed, Rows
@@ -52,6 +53,7 @@ SYSTEM_SCHEMAS = frozenset({"mysql", "sys", "performance_schema", "information_s
 STOPPING_KINDS = frozenset({"unsupported_type", "binlog_not_row"})
 
 TableKey = tuple[str, str]
+T = TypeVar("T")
 RejectKind = Literal["no_primary_key", "unsupported_type", "binlog_not_row", "binlog_not_full_image"]
 
 
@@ -68,7 +70,8 @@ class StartState:
 
 
 class MetaStore:
-    """Table metadata from the source's information_schema, cached until a DDL names the table.
+    """Table metadata from the source's information_schema, cached until a DDL names the table,
+    and each database's foreign keys, cached until a DDL names one of its tables.
 
     ``connect`` returns a new pymysql connection; lookups run on a worker thread.
     """
@@ -77,18 +80,30 @@ class MetaStore:
         self._connect = connect
         self._conn: Any = None
         self._cache: dict[TableKey, TableInfo | None] = {}
+        self._fks: dict[str, list[ForeignKey]] = {}
 
-    def _load(self, key: TableKey) -> TableInfo | None:
+    def _query(self, load: Callable[[Any], T]) -> T:
         for attempt in (1, 2):
             try:
                 if self._conn is None:
                     self._conn = self._connect()
-                return load_table_info(self._conn, *key)
+                return load(self._conn)
             except Exception:
                 self.close()
                 if attempt == 2:
                     raise
-        return None
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def _load(self, key: TableKey) -> TableInfo | None:
+        return self._query(lambda conn: load_table_info(conn, *key))
+
+    async def foreign_keys(self, database: str) -> list[ForeignKey]:
+        """The foreign keys of ``database``'s tables (as children), as information_schema shows
+        them now."""
+        if database not in self._fks:
+            self._fks[database] = await asyncio.to_thread(
+                self._query, lambda conn: load_foreign_keys(conn, database))
+        return self._fks[database]
 
     async def get(self, key: TableKey, *, fresh: bool = False) -> TableInfo | None:
         if fresh or key not in self._cache:
@@ -97,6 +112,7 @@ class MetaStore:
 
     def forget(self, key: TableKey) -> None:
         self._cache.pop(key, None)
+        self._fks.pop(key[0], None)  # the DDL may have added or dropped a foreign key
 
     def known_tables(self, database: str) -> list[TableKey]:
         return [k for k, v in self._cache.items() if k[0] == database and v is not None]
@@ -158,6 +174,9 @@ class SourcePipeline:
         # Table -> the position from which it is stopped (None: from anywhere).
         self.stopped: dict[TableKey, Position | None] = dict(stopped or {})
         self._warned_no_key: set[TableKey] = set()
+        self.cascading: set[ForeignKey] = set()
+        """Cascading foreign keys of the captured databases seen so far (``follow_foreign_keys``)."""
+        self._fk_databases: set[str] = set()
         self._infos: dict[TableKey, TableInfo] = {}  # what this session last described each table by
         self._txn: _Txn | None = None
         self._part_rows = part_rows
@@ -259,6 +278,8 @@ class SourcePipeline:
         if known is not None and known.names == names:
             return known
         info = await self.meta.get(key, fresh=known is not None)
+        if key[0] not in self._fk_databases:
+            await self.follow_foreign_keys(key[0])
         if info is None or info.names != names:
             # information_schema already shows a later shape (or no table): capture reads behind
             # a DDL. The rows are what the binlog says they are.
@@ -404,7 +425,33 @@ class SourcePipeline:
             msg_id = f"{self.source}:{item.position.file}:{item.position.pos}:{key[0]}.{key[1]}:ddl"
             await self.publisher.send(ddl_subject(self.source, *key), event, msg_id)
             self.next_seq += 1
+        for database in sorted({key[0] for key in tables}):
+            await self.follow_foreign_keys(database)
         self._group_end(item.position)
+
+    async def follow_foreign_keys(self, database: str) -> None:
+        """Name each cascading foreign key of ``database`` once (log, metric, ``/healthz``).
+
+        InnoDB applies them below the binlog, so the rows they change reach no changefeed
+        (DESIGN.md, "Foreign-key cascades"). Read when a database's first table is met and again
+        after every DDL in it, so a key added or dropped later is followed. Only a warning: the
+        metadata is information_schema's *now*, and what is published never depends on it.
+        """
+        self._fk_databases.add(database)
+        try:
+            found = {fk for fk in await self.meta.foreign_keys(database) if fk.cascading}
+        except Exception as exc:  # a failed lookup must not stop capture: rows do not need it
+            log.warning("reading foreign keys failed", extra={
+                "source": self.source, "database": database, "error": f"{type(exc).__name__}: {exc}"})
+            self._fk_databases.discard(database)
+            return
+        known = {fk for fk in self.cascading if fk.database == database}
+        for fk in sorted(found - known):
+            log.warning("cascading foreign key: the child rows it deletes or changes never reach the "
+                        "binlog, so changefeeds do not see them", extra={
+                            "source": self.source, "foreign_key": fk.describe()})
+        self.cascading = (self.cascading - known) | found
+        metrics.CASCADING_FOREIGN_KEYS.labels(self.source).set(len(self.cascading))
 
     async def _heartbeat(self, item: Heartbeat) -> None:
         if self._txn is not None:

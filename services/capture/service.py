@@ -127,7 +127,8 @@ class Capture:
         self._show(position=str(pipeline.position), read_position=str(reader.position),
                    last_ts=pipeline.clock.last, resolved_ts=pipeline.resolved_ts,
                    resolved_position=str(pipeline.resolved_position), next_seq=pipeline.next_seq,
-                   stopped_tables=sorted(".".join(key) for key in pipeline.stopped))
+                   stopped_tables=sorted(".".join(key) for key in pipeline.stopped),
+                   cascading_foreign_keys=sorted(fk.describe() for fk in pipeline.cascading))
 
     # ------------------------------------------------------------------- run
 
