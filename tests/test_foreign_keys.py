@@ -1,11 +1,21 @@
-"""Cascading foreign keys: read from information_schema's rows, and named at changefeed creation
-with what keeps each from being reproduced downstream (``libs.foreign_keys``)."""
+"""Cascading foreign keys: read from information_schema's rows, named at changefeed creation with
+what keeps each from being reproduced downstream (``libs.foreign_keys``), and the limits of
+carrying them out downstream (``services.sink_worker.cascades``, on SQLite: no server)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from contracts.events.changefeeds import TableFilterV1, TableRuleV1
+from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.foreign_keys import NOT_REPRODUCED, ForeignKey, cascade_warnings, create_table_actions, fold_rows
 from libs.routing import OriginColumn, Router, RouteRule, TableFilter
+from services.sink_worker.cascades import CascadeError, CascadeGraph, CascadeTable, apply_cascade
+from services.sink_worker.sinks.base import TargetTable, Upsert
+from services.sink_worker.sinks.factory import open_sink
+from services.sink_worker.sinks.sql_common import SqlSink
 
 
 def _fk(table: str, parent: str, columns: tuple[str, ...] = ("parent_id",), on_delete: str = "CASCADE",
@@ -79,8 +89,6 @@ def test_actions_come_from_show_create_table_when_information_schema_hides_them(
 
 
 def test_only_a_delete_or_a_referenced_key_change_of_a_cascading_parent_triggers() -> None:
-    from services.sink_worker.cascades import CascadeGraph
-
     graph = CascadeGraph({}, [_fk("items", "orders"), _fk("audit", "orders", on_delete="RESTRICT",
                                                           on_update="SET NULL")])
     old = {"id": 1, "note": "a"}
@@ -94,3 +102,28 @@ def test_only_a_delete_or_a_referenced_key_change_of_a_cascading_parent_triggers
     audit_only = CascadeGraph({}, [_fk("audit", "orders", on_delete="RESTRICT", on_update="SET NULL")])
     assert not audit_only.triggers("shop", "orders", "delete", old, None)
     assert audit_only.triggers("shop", "orders", "update", old, {"id": 3, "note": "a"})
+
+
+def test_a_cascade_deeper_than_innodb_allows_or_set_default_is_refused(tmp_path: Path) -> None:
+    """Past InnoDB's depth the upstream statement would have failed, so the downstream does not
+    hold the source's rows; SET DEFAULT is never carried out by InnoDB. Both stop, neither guesses."""
+    sink = open_sink(f"sqlite:///{tmp_path / 'deep.db'}")
+    assert isinstance(sink, SqlSink)
+    meta = TableMetaV1(columns=[ColumnV1(name="id", kind="int", sql_type="int", nullable=False),
+                                ColumnV1(name="parent_id", kind="int", sql_type="int")], primary_key=["id"])
+    chain = TargetTable(schema=None, name="chain", meta=meta, key=("id",))
+    sink.ensure_table(chain)
+    sink.apply_partition(chain, [Upsert((i,), {"id": i, "parent_id": i - 1 if i else None})
+                                 for i in range(20)])
+    tables = {("shop", "chain"): CascadeTable(chain)}
+    graph = CascadeGraph(tables, [_fk("chain", "chain")])
+    with pytest.raises(CascadeError, match="deeper than InnoDB's limit of 14 levels"):
+        apply_cascade(sink, graph, "shop", "chain", {"id": 0, "parent_id": None}, None)
+    assert len(sink.fetch_rows(chain)) == 20  # the transaction rolled back whole
+    # 14 levels are within the limit: the chain goes, level by level.
+    result = apply_cascade(sink, graph, "shop", "chain", {"id": 5, "parent_id": 4}, None)
+    assert result.deleted == {("shop", "chain"): 14}
+    assert [r["id"] for r in sink.fetch_rows(chain)] == [0, 1, 2, 3, 4, 5]
+    defaulting = CascadeGraph(tables, [_fk("chain", "chain", on_delete="SET DEFAULT")])
+    with pytest.raises(CascadeError, match="SET DEFAULT"):
+        apply_cascade(sink, defaulting, "shop", "chain", {"id": 4, "parent_id": 3}, None)

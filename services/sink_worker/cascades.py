@@ -30,9 +30,10 @@ from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.sql_common import SqlSink
 from services.sink_worker.values import normalize_fetched
 
-# InnoDB's FK_MAX_CASCADE_DEL: a cascade deeper than this fails the statement upstream, so a
-# deeper one here means the downstream does not hold the source's state.
-MAX_CASCADE_DEPTH = 15
+# InnoDB's cascade depth: 14 levels of child rows commit, a 15th fails the parent's statement
+# (error 193; measured on MariaDB 10.11). A deeper cascade here therefore means the downstream
+# does not hold the source's state.
+MAX_CASCADE_LEVELS = 14
 
 
 class CascadeError(RuntimeError):
@@ -125,9 +126,10 @@ def run_cascade(sink: SqlSink, cur: Any, graph: CascadeGraph, database: str, tab
         if action == "SET DEFAULT":
             raise CascadeError(f"{fk.describe()}: SET DEFAULT is not carried out by InnoDB; a source "
                                "that has it is not a MariaDB/MySQL InnoDB table")
-        if depth >= MAX_CASCADE_DEPTH:
+        if depth >= MAX_CASCADE_LEVELS:
             raise CascadeError(f"{fk.describe()}: the cascade goes deeper than InnoDB's limit of "
-                               f"{MAX_CASCADE_DEPTH}, so the downstream does not hold the source's rows")
+                               f"{MAX_CASCADE_LEVELS} levels, so the downstream does not hold the "
+                               "source's rows")
         child_key = (fk.database, fk.table)
         for row in _select(sink, cur, child, fk.columns, old):
             if action == "CASCADE" and new is None:
