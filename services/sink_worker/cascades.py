@@ -126,12 +126,13 @@ def run_cascade(sink: SqlSink, cur: Any, graph: CascadeGraph, database: str, tab
         if action == "SET DEFAULT":
             raise CascadeError(f"{fk.describe()}: SET DEFAULT is not carried out by InnoDB; a source "
                                "that has it is not a MariaDB/MySQL InnoDB table")
-        if depth >= MAX_CASCADE_LEVELS:
+        child_key = (fk.database, fk.table)
+        rows = _select(sink, cur, child, fk.columns, old)
+        if rows and depth >= MAX_CASCADE_LEVELS:
             raise CascadeError(f"{fk.describe()}: the cascade goes deeper than InnoDB's limit of "
                                f"{MAX_CASCADE_LEVELS} levels, so the downstream does not hold the "
                                "source's rows")
-        child_key = (fk.database, fk.table)
-        for row in _select(sink, cur, child, fk.columns, old):
+        for row in rows:
             if action == "CASCADE" and new is None:
                 _delete(sink, cur, child, row)
                 result.count(result.deleted, child_key)
