@@ -105,7 +105,7 @@ def _unreachable(what: str, url: DatabaseUrl, exc: Exception) -> str:
 
 
 def _check_source(source_id: str, url_text: str, tables: dict[str, list[tuple[str, str]]],
-                  fks: dict[str, list[ForeignKey]]) -> list[ChangefeedCheckV1]:
+                  fks: dict[str, list[ForeignKey]], fk_problems: list[str]) -> list[ChangefeedCheckV1]:
     try:
         url = parse_database_url(url_text)
     except DatabaseUrlError as exc:
@@ -134,7 +134,12 @@ def _check_source(source_id: str, url_text: str, tables: dict[str, list[tuple[st
                         + (" AND TABLE_SCHEMA = %s" if url.database else ""),
                         (url.database,) if url.database else ())
             tables[source_id] = [(str(d), str(t)) for d, t in cur.fetchall()]
-        fks[source_id] = load_foreign_keys(conn, url.database or None)
+        try:
+            fks[source_id] = load_foreign_keys(conn, url.database or None)
+        except pymysql.err.MySQLError as exc:
+            # Only a warning is at stake: never refuse a changefeed because of it.
+            fk_problems.append(f"source {source_id}: its foreign keys could not be read ({exc}), so "
+                               "cascades the binlog does not show are not named here")
     except pymysql.err.MySQLError as exc:
         failed.append(_check("source_reachable", source_id,
                              f"source {source_id}: the checks' queries failed: {exc}"))
@@ -225,9 +230,10 @@ class CheckResult:
 def run_checks_blocking(spec: ChangefeedSpecV2) -> CheckResult:
     tables: dict[str, list[tuple[str, str]]] = {}
     fks: dict[str, list[ForeignKey]] = {}
+    fk_problems: list[str] = []
     failed: list[ChangefeedCheckV1] = []
     for source in spec.sources:
-        failed += _check_source(source.id, source.url, tables, fks)
+        failed += _check_source(source.id, source.url, tables, fks, fk_problems)
     failed += _check_sink(spec.sink_url)
     # A route about a source that could not be listed is not judged: its failure says why.
     if tables and len(tables) == len(spec.sources):
@@ -238,8 +244,8 @@ def run_checks_blocking(spec: ChangefeedSpecV2) -> CheckResult:
     try:
         router = router_for(spec)
     except RoutingConfigError:
-        return CheckResult(failed)  # the spec validation refuses it with the reason
-    return CheckResult(failed, [w.message for w in cascade_warnings(router, fks, tables)])
+        return CheckResult(failed, fk_problems)  # the spec validation refuses it with the reason
+    return CheckResult(failed, fk_problems + [w.message for w in cascade_warnings(router, fks, tables)])
 
 
 async def run_checks(spec: ChangefeedSpecV2) -> CheckResult:
