@@ -76,15 +76,22 @@ _CREATE_FK = re.compile(
 _ACTION = re.compile(r"ON (DELETE|UPDATE) (CASCADE|SET NULL|SET DEFAULT|RESTRICT|NO ACTION)")
 
 
-def load_foreign_keys(conn: Any, database: str | None = None) -> list[ForeignKey]:
-    """Every foreign key of the server (of ``database`` only when given), columns in key order.
+def load_foreign_keys(conn: Any, database: str | None = None, table: str | None = None
+                      ) -> list[ForeignKey]:
+    """Every foreign key of the server (of ``database``, of its ``table``, when given), columns in
+    key order. A table's keys are the ones it holds as the child.
 
     ``conn`` is a DB-API connection to the source (pymysql). MariaDB shows a user with only
     SELECT (capture's and the checks' user) the columns of a foreign key in KEY_COLUMN_USAGE but
     no row of REFERENTIAL_CONSTRAINTS, so the actions of a key without one come from
     ``SHOW CREATE TABLE`` of its table, which SELECT allows.
     """
-    where, args = ("", ()) if database is None else (" AND k.CONSTRAINT_SCHEMA = %s", (database,))
+    where, args = "", []
+    if database is not None:
+        where, args = " AND k.CONSTRAINT_SCHEMA = %s", [database]
+        if table is not None:
+            where += " AND k.TABLE_NAME = %s"
+            args.append(table)
     with conn.cursor() as cur:
         cur.execute(_FK_QUERY.format(where=where), args)
         rows = [list(r) for r in cur.fetchall()]

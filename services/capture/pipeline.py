@@ -71,7 +71,7 @@ class StartState:
 
 class MetaStore:
     """Table metadata from the source's information_schema, cached until a DDL names the table,
-    and each database's foreign keys, cached until a DDL names one of its tables.
+    and each database's foreign keys, read whole once, then again for each table a DDL names.
 
     ``connect`` returns a new pymysql connection; lookups run on a worker thread.
     """
@@ -81,6 +81,7 @@ class MetaStore:
         self._conn: Any = None
         self._cache: dict[TableKey, TableInfo | None] = {}
         self._fks: dict[str, list[ForeignKey]] = {}
+        self._stale_fks: dict[str, set[str]] = {}
 
     def _query(self, load: Callable[[Any], T]) -> T:
         for attempt in (1, 2):
@@ -101,8 +102,15 @@ class MetaStore:
         """The foreign keys of ``database``'s tables (as children), as information_schema shows
         them now."""
         if database not in self._fks:
+            self._stale_fks.pop(database, None)
             self._fks[database] = await asyncio.to_thread(
                 self._query, lambda conn: load_foreign_keys(conn, database))
+        # After a DDL only its tables are read again: a database may hold thousands of keys.
+        for table in sorted(self._stale_fks.get(database, ())):
+            fresh = await asyncio.to_thread(
+                self._query, lambda conn, table=table: load_foreign_keys(conn, database, table))
+            self._fks[database] = sorted([fk for fk in self._fks[database] if fk.table != table] + fresh)
+            self._stale_fks[database].discard(table)
         return self._fks[database]
 
     async def get(self, key: TableKey, *, fresh: bool = False) -> TableInfo | None:
@@ -112,7 +120,8 @@ class MetaStore:
 
     def forget(self, key: TableKey) -> None:
         self._cache.pop(key, None)
-        self._fks.pop(key[0], None)  # the DDL may have added or dropped a foreign key
+        if key[0] in self._fks:  # the DDL may have added or dropped a foreign key of the table
+            self._stale_fks.setdefault(key[0], set()).add(key[1])
 
     def known_tables(self, database: str) -> list[TableKey]:
         return [k for k, v in self._cache.items() if k[0] == database and v is not None]
@@ -433,8 +442,8 @@ class SourcePipeline:
         """Name each cascading foreign key of ``database`` once (log, metric, ``/healthz``).
 
         InnoDB applies them below the binlog, so the rows they change reach no changefeed
-        (DESIGN.md, "Foreign-key cascades"). Read when a database's first table is met and again
-        after every DDL in it, so a key added or dropped later is followed. Only a warning: the
+        (DESIGN.md, "Foreign-key cascades"). Read when a database's first table is met and, for
+        the tables a DDL names, again after it, so a key added or dropped later is followed. Only a warning: the
         metadata is information_schema's *now*, and what is published never depends on it.
         """
         self._fk_databases.add(database)
