@@ -443,8 +443,9 @@ class SourcePipeline:
 
         InnoDB applies them below the binlog, so the rows they change reach no changefeed
         (DESIGN.md, "Foreign-key cascades"). Read when a database's first table is met and, for
-        the tables a DDL names, again after it, so a key added or dropped later is followed. Only a warning: the
-        metadata is information_schema's *now*, and what is published never depends on it.
+        the tables a DDL names, again after it, so a key added or dropped later is followed.
+        Only a warning: the metadata is information_schema's *now*, and what is published never
+        depends on it.
         """
         self._fk_databases.add(database)
         try:
