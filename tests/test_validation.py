@@ -1,0 +1,117 @@
+"""Validation without servers: what the rules say a downstream row should be, key identity across
+drivers, the changefeed v5 contract and the CLI's rendering of a status."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from contracts import REGISTRY
+from contracts.envelope import Envelope
+from contracts.events.changefeeds import (
+    ChangefeedCreatedV4,
+    ChangefeedCreatedV5,
+    ChangefeedSpecV4,
+    SourceRefV1,
+    TableRuleV1,
+    spec_v5,
+)
+from contracts.events.rows import ColumnV1
+from libs.table_rules import rules_for
+from libs.validation import Mismatch, RowPlan, compare_row, key_text
+
+
+def _col(name: str, kind: str, sql_type: str) -> ColumnV1:
+    return ColumnV1(name=name, kind=kind, sql_type=sql_type)  # type: ignore[arg-type]
+
+
+COLUMNS = [_col("id", "int", "int"), _col("name", "string", "varchar(8)"),
+           _col("amount", "decimal", "decimal(8,2)"), _col("at", "datetime", "datetime(6)"),
+           _col("masked", "string", "text")]
+
+
+def _plan(mode: str, **rule: Any) -> RowPlan:
+    rules = rules_for([TableRuleV1(tables=["db.t"], **rule)], "db", "t") if rule else None
+    return RowPlan.of(mode, COLUMNS, rules)
+
+
+def test_full_mode_compares_values_as_the_checksum_normalises_them() -> None:
+    plan = _plan("full")
+    up = {"id": 1, "name": "a", "amount": Decimal("1.50"), "at": datetime(2026, 1, 2, 3, 4, 5)}
+    # PostgreSQL/SQLite give other Python types for the same data: equal.
+    down = {"id": "1", "name": "a", "amount": "1.5", "at": "2026-01-02 03:04:05", "masked": None}
+    assert compare_row(plan, up, down) is None
+    assert compare_row(plan, up, {**down, "name": "b", "amount": "2"}) == Mismatch("different",
+                                                                                  ("name", "amount"))
+    assert compare_row(plan, up, None) == Mismatch("missing")
+    assert compare_row(plan, None, down) == Mismatch("extra")
+    assert compare_row(plan, None, None) is None
+
+
+def test_fast_mode_compares_existence_only() -> None:
+    plan = _plan("fast")
+    assert compare_row(plan, {"id": 1, "name": "a"}, {"id": 1, "name": "b"}) is None
+    assert compare_row(plan, {"id": 1}, None) == Mismatch("missing")
+
+
+def test_rules_decide_what_the_downstream_should_hold() -> None:
+    # Computed and dropped columns are not compared (a dropped one is not among the target's).
+    plan = _plan("full", computed=[{"name": "masked", "expr": "left(name, 1)"}])
+    assert [c.name for c in plan.columns] == ["id", "name", "amount", "at"]
+    assert compare_row(plan, {"id": 1, "name": "a"}, {"id": 1, "name": "a", "masked": "zzz"}) is None
+    # An ignored delete (by type or expression) keeps the row downstream: not a mismatch.
+    for rule in ({"ignore_events": ["delete"]}, {"ignore_delete_value_expr": "name = 'x'"}):
+        plan = _plan("full", **rule)
+        assert compare_row(plan, None, {"id": 1}) is None, rule
+        assert compare_row(plan, {"id": 1}, None) == Mismatch("missing"), rule
+    # An ignored insert leaves the row out downstream.
+    for rule in ({"ignore_events": ["insert"]}, {"ignore_insert_value_expr": "name = 'x'"}):
+        plan = _plan("full", **rule)
+        assert compare_row(plan, {"id": 1}, None) is None, rule
+        assert compare_row(plan, None, {"id": 1}) == Mismatch("extra"), rule
+    # An ignored update keeps the older image (and an ignored key change the older key).
+    plan = _plan("full", ignore_update_new_value_expr="amount > 10")
+    assert not plan.compare_values and not plan.report_missing and not plan.report_extra
+    assert compare_row(plan, {"id": 1, "name": "new"}, {"id": 1, "name": "old"}) is None
+
+
+def test_origin_column_is_not_compared() -> None:
+    plan = RowPlan.of("full", [_col("_origin", "string", "varchar(64)"), *COLUMNS], None, skip=("_origin",))
+    assert "_origin" not in [c.name for c in plan.columns]
+
+
+def test_key_text_is_equal_for_equal_keys_read_by_different_drivers() -> None:
+    cols = [_col("id", "int", "bigint unsigned"), _col("d", "decimal", "decimal(8,2)")]
+    assert key_text(cols, [18446744073709551615, Decimal("1.50")]) == key_text(cols, ["18446744073709551615",
+                                                                                      "1.5"])
+    assert key_text(cols, [1, Decimal("1")]) != key_text(cols, [2, Decimal("1")])
+
+
+def test_changefeed_v5_adds_validation_and_v4_upcasts_to_off() -> None:
+    spec = ChangefeedSpecV4(id="cf", sources=[SourceRefV1(id="s1", url="mysql://u@h/")], sink_url="sqlite:///x")
+    old = Envelope(type="changefeed.created", version=4, id="e1", producer="test", epoch=0,
+                   time=datetime(2026, 11, 24), data=ChangefeedCreatedV4(spec=spec).model_dump(mode="json"))
+    event = REGISTRY.decode(old.model_dump_json().encode()).event
+    assert isinstance(event, ChangefeedCreatedV5) and event.spec.validation.mode == "off"
+    assert spec_v5(spec).validation.mode == "off"
+    with pytest.raises(ValueError, match="mode"):
+        spec_v5(spec).model_validate({**spec_v5(spec).model_dump(), "validation": {"mode": "sometimes"}})
+
+
+def test_cli_renders_a_status(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli.app import _validation
+
+    _validation({"changefeed": "cf", "mode": "full", "rows_checked": 10, "pending": 0, "rechecking": 1,
+                 "mismatches": 1, "repaired_total": 2,
+                 "compare": {"state": "running", "request": {"id": "abc"}, "tables_done": 0, "tables": 1,
+                             "rows_checked": 5, "rows_estimate": 9},
+                 "tables": [{"table": "s/db.t", "mode": "full", "rows_checked": 10, "pending": 0,
+                             "rechecking": 1, "mismatches": 1, "compare": {"state": "running"},
+                             "error": None}],
+                 "mismatched_rows": [{"table": "s/db.t", "key": {"id": 4}, "kind": "different",
+                                      "columns": ["name"]}]})
+    out = capsys.readouterr().out
+    assert "1 mismatched" in out and "compare abc: running" in out and '{"id": 4}' in out
