@@ -186,6 +186,23 @@ async def read_json(kv: KeyValue, key: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+async def span_statuses(kv: KeyValue, changefeed: str) -> list[SpanValidation]:
+    """Every status record of ``changefeed``'s spans (keys ``<changefeed>.*.*.*``), by span."""
+    watcher = await kv.watch(f"{changefeed}.*.*.*", ignore_deletes=True)
+    out: list[SpanValidation] = []
+    try:
+        async for entry in watcher:
+            if entry is None:
+                break  # every current value delivered
+            try:
+                out.append(SpanValidation.model_validate_json(entry.value or b""))
+            except ValueError:
+                continue  # not a status this version can read: leave it out
+    finally:
+        await watcher.stop()
+    return sorted(out, key=lambda s: s.span)
+
+
 async def request_compare(js: JetStreamContext, changefeed: str, requested_by: str,
                           replicas: int = 1) -> CompareRequest:
     """Ask the workers of ``changefeed`` to compare every table of it from its first key."""

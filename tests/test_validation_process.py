@@ -120,9 +120,9 @@ async def test_validation_reports_a_hand_changed_row_until_it_is_repaired(
     assert status.compare is not None and status.compare.rows_checked == 24, status.compare
     assert _metric(worker, "sluice_sink_validation_mismatches") == 2
 
-    # Repaired by hand: it leaves the report; the other one by a new change upstream.
+    # Repaired by hand (4 holds what its source holds: 'm5'); 6 by a new change upstream.
     with sqlite3.connect(down) as db:
-        db.execute("UPDATE t SET name = 'di' WHERE id = 4")
+        db.execute("UPDATE t SET name = 'm5' WHERE id = 4")
     await asyncio.to_thread(run, f"UPDATE {DB}.t SET name = 'again' WHERE id = 6")
     status = await _until(js, lambda s: s.mismatches == 0, "the repaired rows to leave the report",
                           processes)

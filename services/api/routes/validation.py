@@ -7,7 +7,6 @@ running the changefeed's tables read at their next cycle."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi import APIRouter, Depends, Query
@@ -21,16 +20,15 @@ from libs.validation import (
     CompareRequest,
     ReportedRow,
     SpanValidation,
-    read_json,
     read_request,
     request_compare,
+    span_statuses,
 )
 from services.api.auth import require_read, require_write
 from services.api.context import ApiContext, get_ctx, js_of, projections_of
 from services.api.models import SpanRow
 from services.api.routes.changefeeds import load_changefeed
 from services.api.schemas import Accepted
-from services.sink_worker.span import Span as WorkerSpan
 
 router = APIRouter(tags=["validation"])
 
@@ -82,24 +80,23 @@ class ValidationOut(BaseModel):
     tables: list[TableValidationOut]
 
 
-Statuses = list[tuple[SpanRow, SpanValidation | None]]
+Statuses = list[tuple[str, SpanValidation | None]]
 
 
 async def _statuses(ctx: ApiContext, changefeed_id: str) -> tuple[Statuses, CompareRequest | None]:
+    """Each table's status: every record its workers wrote, plus the tables the read model knows
+    that have none yet (a table that never ran a check)."""
     with Session(projections_of(ctx).engine) as session:
-        rows = list(session.exec(select(SpanRow).where(SpanRow.changefeed == changefeed_id)
-                                 .order_by(SpanRow.key)))
+        rows = list(session.exec(select(SpanRow).where(SpanRow.changefeed == changefeed_id)))
+    names = {f"{r.source}/{r.database}.{r.table}" for r in rows}
     try:
         kv = await js_of(ctx).key_value(VALIDATION_BUCKET)
     except (BucketNotFoundError, NotFoundError):
-        return [(r, None) for r in rows], None
-
-    async def one(row: SpanRow) -> SpanValidation | None:
-        raw = await read_json(kv, WorkerSpan(row.changefeed, row.source, row.database, row.table).kv_key)
-        return SpanValidation.model_validate(raw) if raw is not None else None
-
-    found = await asyncio.gather(*(one(r) for r in rows))
-    return list(zip(rows, found, strict=True)), await read_request(kv, changefeed_id)
+        return [(n, None) for n in sorted(names)], None
+    found: dict[str, SpanValidation | None] = dict.fromkeys(names)
+    for status in await span_statuses(kv, changefeed_id):
+        found[f"{status.source}/{status.database}.{status.table}"] = status
+    return sorted(found.items()), await read_request(kv, changefeed_id)
 
 
 @router.get("/changefeeds/{changefeed_id}/validation", response_model=ValidationOut,
@@ -111,8 +108,7 @@ async def get_validation(changefeed_id: str, limit: int = Query(20, ge=0, le=100
     out = ValidationOut(changefeed=changefeed_id, mode=str(spec.get("validation", {}).get("mode", "off")),
                         compare=CompareOut(request=request), tables=[])
     states: list[str] = []
-    for row, s in statuses:
-        name = f"{row.source}/{row.database}.{row.table}"
+    for name, s in statuses:
         if s is None:
             out.tables.append(TableValidationOut(table=name))
             continue
