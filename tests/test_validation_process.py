@@ -41,8 +41,9 @@ async def _status(js: JetStreamContext) -> SpanValidation | None:
     return SpanValidation.model_validate(raw) if raw is not None else None
 
 
-async def _until(js: JetStreamContext, ok: Any, what: str, procs: list[ServiceProcess]) -> SpanValidation:
-    deadline = asyncio.get_running_loop().time() + 60
+async def _until(js: JetStreamContext, ok: Any, what: str, procs: list[ServiceProcess],
+                 within: float = 60) -> SpanValidation:
+    deadline = asyncio.get_running_loop().time() + within
     last = None
     while asyncio.get_running_loop().time() < deadline:
         for p in procs:
@@ -103,7 +104,7 @@ async def test_validation_reports_a_hand_changed_row_until_it_is_repaired(
         await asyncio.to_thread(run, f"INSERT INTO {DB}.t VALUES ({i}, 'n{i}', 'c')",
                                 f"UPDATE {DB}.t SET name = 'm{i}' WHERE id = {i - 1}")
     status = await _until(js, lambda s: s.rows_checked >= 24 and s.pending == 0 and s.rechecking == 0,
-                          "every changed row checked", processes)
+                          "every changed row checked", processes, within=180)  # Spark's first job
     assert status.mode == "full" and status.mismatches == 0 and status.found_total == 0, status
     assert _metric(worker, "sluice_sink_validation_mismatches") == 0
 

@@ -152,10 +152,17 @@ class Validator:
 
     def note_batch(self, w: _Work, upto_ts: int) -> None:
         """The keys a written batch changed (events at or below ``upto_ts``) wait for a check."""
-        rt = w.rt
-        if rt.config.validation == "off":
+        if w.rt.config.validation == "off" or is_stream_sink(w.rt.config.sink_url):
             return
-        check = self._check(rt)
+        check = self._check(w.rt)
+        try:
+            self._note(check, w, upto_ts)
+        except Exception as exc:  # validation never stops replication
+            log.warning("validation could not note a batch's keys", exc_info=True,
+                        extra={"span": w.rt.span.name})
+            check.status.error = f"{type(exc).__name__}: {exc}"
+
+    def _note(self, check: _SpanCheck, w: _Work, upto_ts: int) -> None:
         for e in w.fresh:
             if e.dead or e.ts > upto_ts or not isinstance(e.event, RowsChangedV1):
                 continue
@@ -219,8 +226,8 @@ class Validator:
                     await self._load(kv, rt, check)
                 if rt.span.changefeed not in requests:
                     requests[rt.span.changefeed] = await read_request(kv, rt.span.changefeed)
-                await self._cycle(rt, check, requests[rt.span.changefeed])
                 check.status.error = None
+                await self._cycle(rt, check, requests[rt.span.changefeed])
             except Exception as exc:
                 log.warning("validation cycle failed", exc_info=True, extra={"span": rt.span.name})
                 check.status.error = f"{type(exc).__name__}: {exc}"
@@ -262,7 +269,8 @@ class Validator:
         if rt.state != "replicating" or rt.checkpoint is None:
             return  # copying, stopped or refused: its downstream is not at its checkpoint
         if is_stream_sink(rt.config.sink_url):
-            raise ValueError("a NATS sink holds no rows to compare")
+            status.error = "a NATS sink holds no rows to compare"
+            return
         checkpoint = rt.checkpoint.ts
         if check.table is None:
             check.table = await asyncio.to_thread(_table_from_source, rt)
