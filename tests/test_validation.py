@@ -19,9 +19,9 @@ from contracts.events.changefeeds import (
     TableRuleV1,
     spec_v5,
 )
-from contracts.events.rows import ColumnV1
+from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.table_rules import rules_for
-from libs.validation import Mismatch, RowPlan, compare_row, key_text
+from libs.validation import Mismatch, RowPlan, SpanValidation, compare_row, key_text
 
 
 def _col(name: str, kind: str, sql_type: str) -> ColumnV1:
@@ -115,3 +115,86 @@ def test_cli_renders_a_status(capsys: pytest.CaptureFixture[str]) -> None:
                                       "columns": ["name"]}]})
     out = capsys.readouterr().out
     assert "1 mismatched" in out and "compare abc: running" in out and '{"id": 4}' in out
+
+
+# --------------------------------------------------------------------------- the validator's re-check
+
+
+class _FakeKv:
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    async def get(self, key: str) -> Any:
+        from nats.js.errors import KeyNotFoundError
+
+        if key not in self.values:
+            raise KeyNotFoundError
+        return type("Entry", (), {"value": self.values[key]})()
+
+    async def put(self, key: str, value: bytes) -> int:
+        self.values[key] = value
+        return 1
+
+
+async def test_a_row_is_reported_only_when_it_still_differs_past_the_checkpoint_of_its_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In flight first (not reported), then past a resolved mark after the read and a checkpoint
+    past that mark: re-read and reported; a reported row repaired leaves the report; a suspect
+    that is equal at its re-check was in flight and is never reported."""
+    from services.sink_worker import validation as v
+    from services.sink_worker.checkpoints import Checkpoint
+    from services.sink_worker.pipeline import SpanConfig, SpanRuntime
+    from services.sink_worker.pull import ResolvedMark
+    from services.sink_worker.sinks.base import TargetTable
+    from services.sink_worker.span import Span
+
+    meta = TableMetaV1(columns=[_col("id", "int", "int"), _col("name", "string", "varchar(8)")],
+                       primary_key=["id"])
+    span = Span("cf", "s", "db", "t")
+    rt = SpanRuntime(span=span, config=SpanConfig(sink_url="sqlite:///x.db", validation="full",
+                                                  source_url="mysql://u@h/"),
+                     reader=None, checkpoint=Checkpoint(1, 100 << 18), state="replicating")  # type: ignore[arg-type]
+    upstream: dict[int, dict[str, Any]] = {1: {"id": 1, "name": "new"}, 2: {"id": 2, "name": "x"}}
+    downstream: dict[int, dict[str, Any]] = {1: {"id": 1, "name": "old"}, 2: {"id": 2, "name": "y"}}
+    mark: list[ResolvedMark | None] = [None]
+
+    def read(rt: Any, table: Any, keys: list[Any], compare: Any, chunk_rows: int) -> Any:
+        texts = {key_text(table.key, k): k[0] for k in keys}
+        return v._Reads({t: upstream[i] for t, i in texts.items() if i in upstream},
+                        {t: downstream[i] for t, i in texts.items() if i in downstream})
+
+    async def latest(*_: Any) -> ResolvedMark | None:
+        return mark[0]
+
+    monkeypatch.setattr(v, "_read", read)
+    monkeypatch.setattr(v, "latest_resolved", latest)
+    validator = v.Validator(None, v.ValidationOptions(interval_s=0.0))  # type: ignore[arg-type]
+    kv = _FakeKv()
+    validator._kv = kv  # type: ignore[assignment]
+    check = validator._check(rt)
+    check.loaded = True
+    target = TargetTable(schema="db", name="t", meta=meta, key=("id",))
+    check.table = v._table(rt, "db", "t", meta, target, None, None)
+    check.pending = {key_text(check.table.key, (i,)): (i,) for i in (1, 2)}
+    pipeline = type("P", (), {"spans": {span: rt}})()
+
+    async def cycle() -> SpanValidation:
+        await validator.run(pipeline)  # type: ignore[arg-type]
+        return SpanValidation.model_validate_json(kv.values[span.kv_key])
+
+    status = await cycle()
+    assert (status.rechecking, status.mismatches) == (2, 0), status  # in flight as far as it knows
+    read_ms = next(iter(check.suspects.values())).read_ms
+    mark[0] = ResolvedMark(ts=(read_ms - 5) << 18, stream_seq=9)  # a mark from before the read
+    assert (await cycle()).mismatches == 0
+    mark[0] = ResolvedMark(ts=(read_ms + 5) << 18, stream_seq=10)  # after the read: the re-check waits
+    assert (await cycle()).mismatches == 0  # ... for the checkpoint to pass it
+    downstream[1] = {"id": 1, "name": "new"}  # 1 was in flight: applied by the next batch
+    rt.checkpoint = Checkpoint(11, (read_ms + 5) << 18)
+    status = await cycle()
+    assert (status.rechecking, status.mismatches, status.found_total) == (0, 1, 1), status
+    assert [(r.key, r.kind, r.columns) for r in status.reported] == [({"id": 2}, "different", ["name"])]
+    downstream[2] = {"id": 2, "name": "x"}  # repaired by hand
+    status = await cycle()
+    assert (status.mismatches, status.repaired_total) == (0, 1), status
