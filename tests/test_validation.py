@@ -198,3 +198,15 @@ async def test_a_row_is_reported_only_when_it_still_differs_past_the_checkpoint_
     downstream[2] = {"id": 2, "name": "x"}  # repaired by hand
     status = await cycle()
     assert (status.mismatches, status.repaired_total) == (0, 1), status
+
+
+def test_the_api_refuses_validation_of_a_nats_sink() -> None:
+    from contracts.events.changefeeds import ChangefeedSpecV5, ValidationSpecV1
+    from services.api.validation import spec_problems
+
+    spec = ChangefeedSpecV5(id="cf", sources=[SourceRefV1(id="s1", url="mysql://u@h/")],
+                            sink_url="nats://127.0.0.1:4222/OUT?subject=out",
+                            validation=ValidationSpecV1(mode="fast"))
+    problems = spec_problems(spec)
+    assert [p["loc"] for p in problems] == [["body", "validation", "mode"]], problems
+    assert spec_problems(spec.model_copy(update={"validation": ValidationSpecV1()})) == []
