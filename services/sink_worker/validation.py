@@ -231,6 +231,10 @@ class Validator:
             except Exception as exc:
                 log.warning("validation cycle failed", exc_info=True, extra={"span": rt.span.name})
                 check.status.error = f"{type(exc).__name__}: {exc}"
+                compare = check.status.compare
+                if isinstance(exc, LookupError) and compare is not None and compare.state == "running":
+                    # The table is gone upstream: nothing left to compare (anything else is retried).
+                    compare.state, compare.error, compare.finished_at = "failed", str(exc), time.time()
             try:
                 await self._publish(rt, check)
             except Exception:
@@ -292,9 +296,10 @@ class Validator:
         if not keys and chunk is None:
             status.checkpoint_ts = checkpoint
             return
-        read_ms = int(time.time() * 1000)
         reads = await asyncio.to_thread(_read, rt, table, list(keys.values()), chunk,
                                         self.options.compare_chunk_rows)
+        # Taken after the upstream read: a mark at or after it covers every change the read saw.
+        read_ms = int(time.time() * 1000)
         status.checked_at, status.checkpoint_ts = time.time(), checkpoint
         checked = 0
         for text, key in keys.items():
