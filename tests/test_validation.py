@@ -210,3 +210,79 @@ def test_the_api_refuses_validation_of_a_nats_sink() -> None:
     problems = spec_problems(spec)
     assert [p["loc"] for p in problems] == [["body", "validation", "mode"]], problems
     assert spec_problems(spec.model_copy(update={"validation": ValidationSpecV1()})) == []
+
+
+async def test_a_compare_walks_the_table_by_key_range_and_resumes_on_a_new_owner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chunks of two keys a cycle; the worker running the span goes away after the first chunk
+    and a new one (fresh validator, the same bucket) goes on after the last key compared."""
+    from libs.validation import CompareRequest, request_key
+    from services.sink_worker import validation as v
+    from services.sink_worker.checkpoints import Checkpoint
+    from services.sink_worker.pipeline import SpanConfig, SpanRuntime
+    from services.sink_worker.sinks.base import TargetTable
+    from services.sink_worker.span import Span
+
+    meta = TableMetaV1(columns=[_col("id", "int", "int"), _col("name", "string", "varchar(8)")],
+                       primary_key=["id"])
+    span = Span("cf", "s", "db", "t")
+    rt = SpanRuntime(span=span, config=SpanConfig(sink_url="sqlite:///x.db", validation="off",
+                                                  source_url="mysql://u@h/"),
+                     reader=None, checkpoint=Checkpoint(1, 100 << 18), state="replicating")  # type: ignore[arg-type]
+    upstream = {i: {"id": i, "name": f"n{i}"} for i in range(1, 6)}
+    downstream = {**upstream, 3: {"id": 3, "name": "other"}}
+    chunks: list[list[int]] = []
+
+    def read(rt: Any, table: Any, keys: list[Any], compare: Any, chunk_rows: int) -> Any:
+        after = compare.after_key[0] if compare is not None and compare.after_key else 0
+        chunk = sorted(i for i in upstream if i > after)[:chunk_rows] if compare is not None else []
+        chunks.append(chunk)
+        wanted = {key_text(table.key, k): k[0] for k in keys} | {key_text(table.key, (i,)): i for i in chunk}
+        return v._Reads({t: upstream[i] for t, i in wanted.items()},
+                        {t: downstream[i] for t, i in wanted.items()},
+                        [(i,) for i in chunk], (chunk[-1],) if chunk else None, len(chunk) < chunk_rows)
+
+    mark: list[Any] = [None]
+
+    async def latest(*_: Any) -> Any:
+        return mark[0]
+
+    monkeypatch.setattr(v, "_read", read)
+    monkeypatch.setattr(v, "latest_resolved", latest)
+    monkeypatch.setattr(v, "_table_from_source", lambda rt: v._table(
+        rt, "db", "t", meta, TargetTable(schema="db", name="t", meta=meta, key=("id",)), None, None))
+    kv = _FakeKv()
+    kv.values[request_key("cf")] = CompareRequest(id="r1").model_dump_json().encode()
+    pipeline = type("P", (), {"spans": {span: rt}})()
+
+    def owner() -> Any:
+        validator = v.Validator(None, v.ValidationOptions(interval_s=0.0, compare_chunk_rows=2))  # type: ignore[arg-type]
+        validator._kv = kv  # type: ignore[assignment]
+        return validator
+
+    async def cycle(validator: Any) -> SpanValidation:
+        await validator.run(pipeline)
+        return SpanValidation.model_validate_json(kv.values[span.kv_key])
+
+    first = owner()
+    status = await cycle(first)
+    assert status.compare is not None and (status.compare.after_key, status.compare.state) == ([2], "running")
+    second = owner()  # the span moved: the new owner reads the progress back
+    status = await cycle(second)
+    assert status.compare is not None and status.compare.after_key == [4], status.compare
+    assert status.rechecking == 1  # key 3 differs: re-checked before it is reported
+    status = await cycle(second)
+    assert status.compare is not None and status.compare.state == "done", status.compare
+    assert status.compare.rows_checked == 5 and status.compare.candidates == 1, status.compare
+    assert chunks == [[1, 2], [3, 4], [5]]
+    await cycle(second)  # done: no further chunk for the same request
+    assert len(chunks) == 3
+    # Its re-check (every column, although the changefeed's mode is off) reports it.
+    from services.sink_worker.pull import ResolvedMark
+
+    read_ms = next(iter(second.checks[span].suspects.values())).read_ms
+    mark[0] = ResolvedMark(ts=(read_ms + 1) << 18, stream_seq=5)
+    rt.checkpoint = Checkpoint(5, (read_ms + 1) << 18)
+    status = await cycle(second)
+    assert [(r.key, r.kind, r.columns) for r in status.reported] == [({"id": 3}, "different", ["name"])]

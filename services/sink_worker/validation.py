@@ -102,6 +102,9 @@ class _Table:
     """The source's key columns (the target's key without the origin column)."""
     origin: tuple[str, str] | None
     plan: RowPlan
+    """How changed rows are compared (the changefeed's mode)."""
+    full: RowPlan
+    """How a compare's rows are compared: every column, whatever the mode."""
     extras_by_range: bool
     """Whether a compare may take a downstream row in a key range for this span's (not a
     merged target without an origin column, whose rows of other shards share the range)."""
@@ -111,6 +114,8 @@ class _Table:
 class _Suspect:
     key: Key
     read_ms: int
+    full: bool = False
+    """Found by a compare: re-checked on every column, whatever the mode."""
     mark_ts: int | None = None
 
 
@@ -285,13 +290,12 @@ class Validator:
             passed = mark is not None and (mark.ts >> _TS_LOGICAL_BITS) >= suspect.read_ms
             if suspect.mark_ts is None and passed and mark is not None:
                 suspect.mark_ts = mark.ts
-        due = {t: s.key for t, s in check.suspects.items()
-               if s.mark_ts is not None and checkpoint >= s.mark_ts}
+        due = {t: s for t, s in check.suspects.items() if s.mark_ts is not None and checkpoint >= s.mark_ts}
         fresh = dict(list(check.pending.items())[: self.options.batch_rows])
         for text in fresh:
             del check.pending[text]
         again = {t: k for t, (k, _) in list(check.reported.items())[: self.options.batch_rows] if k}
-        keys = {**fresh, **due, **again}
+        keys = {**fresh, **{t: s.key for t, s in due.items()}, **again}
         chunk = compare if comparing else None
         if not keys and chunk is None:
             status.checkpoint_ts = checkpoint
@@ -304,8 +308,12 @@ class Validator:
         checked = 0
         for text, key in keys.items():
             checked += 1
-            wrong = compare_row(table.plan, reads.upstream.get(text), reads.downstream.get(text))
-            if text in check.reported:
+            reported = check.reported.get(text)
+            full = (reported[1].kind == "different" if reported is not None
+                    else text in due and due[text].full)
+            wrong = compare_row(table.full if full else table.plan, reads.upstream.get(text),
+                                reads.downstream.get(text))
+            if reported is not None:
                 if wrong is None:
                     del check.reported[text]
                     status.repaired_total += 1
@@ -326,9 +334,9 @@ class Validator:
                        read_ms: int) -> int:
         for key in reads.chunk:
             text = key_text(table.key, key)
-            wrong = compare_row(table.plan, reads.upstream.get(text), reads.downstream.get(text))
+            wrong = compare_row(table.full, reads.upstream.get(text), reads.downstream.get(text))
             if wrong is not None and text not in check.reported and text not in check.pending:
-                check.suspects.setdefault(text, _Suspect(key, read_ms))
+                check.suspects.setdefault(text, _Suspect(key, read_ms, full=True))
                 progress.candidates += 1
         progress.rows_checked += len(reads.chunk)
         progress.chunks_done += 1
@@ -392,6 +400,7 @@ def _table(rt: SpanRuntime, database: str, table: str, meta: TableMetaV1, target
     skip = (origin[0],) if origin is not None else ()
     return _Table(database=database, table=table, source_meta=meta, target=target, key=key, origin=origin,
                   plan=RowPlan.of(rt.config.validation, target.meta.columns, rules, skip),
+                  full=RowPlan.of("full", target.meta.columns, rules, skip),
                   extras_by_range=origin is not None or rt.shards <= 1)
 
 
