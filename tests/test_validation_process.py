@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from nats.js import JetStreamContext
 
 from contracts.events.changefeeds import (
@@ -34,6 +35,7 @@ from tests.test_e2e_replication import (  # noqa: F401 - fixtures
     _worker,
 )
 
+pytestmark = pytest.mark.integration
 DB = "valid_e2e"
 CFS = ("valid-sqlite", "valid-pg")
 
