@@ -19,13 +19,15 @@ from contracts.events.changefeeds import (
     ChangefeedCreatedV2,
     ChangefeedCreatedV3,
     ChangefeedCreatedV4,
+    ChangefeedCreatedV5,
     ChangefeedSpecV2,
     ChangefeedStateChangedV1,
     ChangefeedUpdatedV2,
     ChangefeedUpdatedV3,
     ChangefeedUpdatedV4,
+    ChangefeedUpdatedV5,
     TableFilterV1,
-    spec_v4,
+    spec_v5,
 )
 from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV1
 from libs.eventstore import EventStore
@@ -57,7 +59,7 @@ async def record_changefeed(js: JetStreamContext, spec: ChangefeedSpecV2, reques
     to the changefeeds log since (else ``AppendConflict``)."""
     store = await _store(js, requested_by)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedCreatedV4(spec=spec_v4(spec), requested_by=requested_by,
+                              ChangefeedCreatedV5(spec=spec_v5(spec), requested_by=requested_by,
                                                   failed_checks=failed_checks or []),
                               expected_last_subject_seq=expected_last_subject_seq)
 
@@ -67,7 +69,7 @@ async def record_update(js: JetStreamContext, spec: ChangefeedSpecV2, requested_
                         failed_checks: list[ChangefeedCheckV1] | None = None) -> int:
     store = await _store(js, requested_by)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedUpdatedV4(spec=spec_v4(spec), requested_by=requested_by,
+                              ChangefeedUpdatedV5(spec=spec_v5(spec), requested_by=requested_by,
                                                   failed_checks=failed_checks or []),
                               expected_last_subject_seq=expected_last_subject_seq)
 
@@ -132,17 +134,19 @@ class ChangefeedView:
         if isinstance(event, TableStoppedV1 | TableActionRequestedV1):
             self._fold_incident(event)
             return False
-        if isinstance(event, ChangefeedCreatedV2 | ChangefeedCreatedV3 | ChangefeedCreatedV4):
+        if isinstance(event, ChangefeedCreatedV2 | ChangefeedCreatedV3 | ChangefeedCreatedV4
+                      | ChangefeedCreatedV5):
             cf = event.spec.id
-            spec = spec_v4(event.spec)
+            spec = spec_v5(event.spec)
             changed = self.specs.get(cf) != spec or self.states.get(cf) != "running"
             self.specs[cf] = spec
             self.states[cf] = "running"
             self._checks(cf, event)
             return changed
-        if isinstance(event, ChangefeedUpdatedV2 | ChangefeedUpdatedV3 | ChangefeedUpdatedV4):
+        if isinstance(event, ChangefeedUpdatedV2 | ChangefeedUpdatedV3 | ChangefeedUpdatedV4
+                      | ChangefeedUpdatedV5):
             cf = event.spec.id
-            spec = spec_v4(event.spec)
+            spec = spec_v5(event.spec)
             changed = self.specs.get(cf) != spec
             self.specs[cf] = spec
             self.states.setdefault(cf, "running")  # an update does not resume a paused feed

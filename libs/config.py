@@ -145,6 +145,20 @@ class Settings(BaseSettings):
     )
     snapshot_retry_s: float = Field(10.0, gt=0, description="Pause before a failed initial load runs again.")
 
+    # --- validation: continuous validation and on-demand compares (sink-worker)
+    validation_interval_s: float = Field(
+        2.0, gt=0, description="sink-worker: how often each validated span checks its changed rows.")
+    validation_batch_rows: int = Field(
+        500, ge=1, description="sink-worker: changed rows (and reported rows) a span checks per cycle.")
+    validation_max_pending: int = Field(
+        10_000, ge=1, description="sink-worker: changed rows a span keeps waiting for a check; more are "
+                                  "counted as skipped.")
+    validation_max_reported: int = Field(
+        1000, ge=1, description="sink-worker: mismatched rows a span lists and re-checks; more are counted.")
+    validation_compare_chunk_rows: int = Field(
+        1000, ge=1, description="sink-worker: rows of an on-demand compare per span and cycle.")
+    # --- end validation
+
     # Databases
     downstream_url: str = Field(
         "sqlite:///.sluice/downstream.db", description="Default downstream (sink) database URL."

@@ -29,6 +29,7 @@ from libs.streams import (
     PREPARE_BUCKET,
     ROWS_STREAM,
     SNAPSHOT_BUCKET,
+    VALIDATION_BUCKET,
     domain_stream,
     table_incidents_subject,
     token,
@@ -178,7 +179,8 @@ def role_permissions(role: str) -> Permissions | None:
     if role == READER:
         # Event-stream consumers: every Sluice stream and bucket, read-only.
         streams = [ROWS_STREAM, DEADLETTER_STREAM, *(domain_stream(d) for d in DOMAINS),
-                   *(f"KV_{b}" for b in (LEADER_BUCKET, CHECKPOINT_BUCKET, SNAPSHOT_BUCKET, PREPARE_BUCKET))]
+                   *(f"KV_{b}" for b in (LEADER_BUCKET, CHECKPOINT_BUCKET, SNAPSHOT_BUCKET, PREPARE_BUCKET,
+                                              VALIDATION_BUCKET))]
         return Permissions(tuple([*_COMMON_PUB, "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
                                   *(s for st in streams for s in js_read(st))]), (INBOX,))
     if role.startswith(CAPTURE_PREFIX):
@@ -206,6 +208,8 @@ def role_permissions(role: str) -> Permissions | None:
             tuple([*_COMMON_PUB, *js_read(ROWS_STREAM), *_domain_reader("changefeeds"), *_dead_letters(),
                    *kv_write(CHECKPOINT_BUCKET), *kv_write(SNAPSHOT_BUCKET), *kv_write(PREPARE_BUCKET),
                    *kv_read(LEADER_BUCKET),
+                   # Validation status of the spans it runs (it only reads compare requests).
+                   *kv_write(VALIDATION_BUCKET),
                    "sluice.hb.*", "sluice.shardddl.report",
                    # A table its downstream refused for good (table.stopped,
                    # table.unique_conflict_overwritten) goes to the changefeeds' incidents
@@ -224,7 +228,9 @@ def role_permissions(role: str) -> Permissions | None:
                    *js_own(DEADLETTER_STREAM), f"$JS.API.STREAM.MSG.DELETE.{DEADLETTER_STREAM}",
                    *js_read(ROWS_STREAM),
                    *kv_read(LEADER_BUCKET), *kv_read(CHECKPOINT_BUCKET), *kv_read(SNAPSHOT_BUCKET),
-                   *kv_read(PREPARE_BUCKET)]),
+                   *kv_read(PREPARE_BUCKET),
+                   # Validation: reads the workers' status, writes only compare requests.
+                   *kv_write(VALIDATION_BUCKET, ["*.request"])]),
             (INBOX,))
     raise ValueError(f"unknown NATS role {role!r}")
 

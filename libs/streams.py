@@ -14,6 +14,9 @@ SNAPSHOT_BUCKET = "sluice-snapshots"
 # What a span being prepared waits for on its worker (reading its start, Spark warming up, the
 # commit), so the api can say why a span shows `prepare`. Entries expire: only the live ones matter.
 PREPARE_BUCKET = "sluice-prepare"
+# Continuous validation: each span's status (key: the span's checkpoint key), written by the
+# worker that runs it; on-demand compare requests (key: ``<changefeed>.request``), written by the api.
+VALIDATION_BUCKET = "sluice-validation"
 
 # One event-sourced stream per control domain; its leader is the only writer.
 DOMAINS = ("members", "schedule", "replication", "ddl", "changefeeds")

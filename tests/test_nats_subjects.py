@@ -41,6 +41,7 @@ from libs.streams import (
     SHARD_DDL_OPS_SUBJECTS,
     SHARD_DDL_REPORT_SUBJECT,
     SNAPSHOT_BUCKET,
+    VALIDATION_BUCKET,
     announce_subject,
     command_subject,
     ddl_subject,
@@ -79,7 +80,8 @@ class Use:
 
 
 _BUCKETS = {LEADER_BUCKET: "LEADER_BUCKET", CHECKPOINT_BUCKET: "CHECKPOINT_BUCKET",
-            SNAPSHOT_BUCKET: "SNAPSHOT_BUCKET", PREPARE_BUCKET: "PREPARE_BUCKET"}
+            SNAPSHOT_BUCKET: "SNAPSHOT_BUCKET", PREPARE_BUCKET: "PREPARE_BUCKET",
+            VALIDATION_BUCKET: "VALIDATION_BUCKET"}
 
 
 def _kv_write(bucket: str, key: str) -> Use:
@@ -135,6 +137,7 @@ USES: dict[str, list[Use]] = {
         Use("table_incidents_subject", publish=(table_incidents_subject(),)),
         _kv_write(CHECKPOINT_BUCKET, "cf.src1.db.t"), _kv_write(SNAPSHOT_BUCKET, "cf.src1.db.t"),
         _kv_write(PREPARE_BUCKET, "cf.src1.db.t"), _kv_read(LEADER_BUCKET),
+        _kv_write(VALIDATION_BUCKET, "cf.src1.db.t"), _kv_read(VALIDATION_BUCKET),
         Use("heartbeat_subject", publish=(heartbeat_subject("w1"),)),
         Use("dispatch_subject", subscribe=(dispatch_subject("w1"),)),
         Use("announce_subject", subscribe=(announce_subject(REPLICATION_MANAGER),)),
@@ -149,6 +152,7 @@ USES: dict[str, list[Use]] = {
                                                     (MEMBER, SCHEDULER, REPLICATION_MANAGER, DDL_LOCK))),
         _kv_read(LEADER_BUCKET), _kv_read(CHECKPOINT_BUCKET), _kv_read(SNAPSHOT_BUCKET),
         _kv_read(PREPARE_BUCKET),
+        _kv_read(VALIDATION_BUCKET), _kv_write(VALIDATION_BUCKET, "cf.request"),
         Use("ROWS_STREAM", reads=((ROWS_STREAM, resolved_subject(SOURCE)),)),
         Use("resolved_subject", reads=((ROWS_STREAM, resolved_subject(SOURCE)),)),
         Use("DEADLETTER_STREAM", reads=((DEADLETTER_STREAM, deadletter_subject(ROWS_STREAM)),),

@@ -17,7 +17,7 @@ from pyspark.sql import SparkSession
 
 from contracts import REGISTRY
 from contracts.events.changefeeds import (
-    ChangefeedCreatedV4,
+    ChangefeedCreatedV5,
     ChangefeedSpecV4,
     ComputedColumnV1,
     SourceRefV1,
@@ -135,7 +135,7 @@ def test_v3_changefeed_events_upcast_to_v4_without_rules() -> None:
                       "producer": "t", "epoch": 0,
                       "data": {"spec": _spec().model_dump(mode="json", exclude={"table_rules"})}})
     event = REGISTRY.decode(raw.encode()).event
-    assert isinstance(event, ChangefeedCreatedV4) and event.spec.table_rules == []
+    assert isinstance(event, ChangefeedCreatedV5) and event.spec.table_rules == []
 
 
 # -- Spark ---------------------------------------------------------------------------------------

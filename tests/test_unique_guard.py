@@ -39,7 +39,7 @@ def test_changefeed_v3_defaults_to_error_and_old_feeds_keep_overwriting() -> Non
     from contracts import REGISTRY
     from contracts.events.changefeeds import (
         ChangefeedCreatedV2,
-        ChangefeedCreatedV4,
+        ChangefeedCreatedV5,
         ChangefeedSpecV2,
         ChangefeedSpecV3,
         SourceRefV1,
@@ -50,7 +50,7 @@ def test_changefeed_v3_defaults_to_error_and_old_feeds_keep_overwriting() -> Non
     assert ChangefeedSpecV3(id="cf", sources=sources, sink_url="sqlite:///x").on_unique_conflict == "error"
     old = REGISTRY.decode(REGISTRY.encode(ChangefeedCreatedV2(spec=ChangefeedSpecV2(
         id="cf", sources=sources, sink_url="sqlite:///x")), producer="t")).event
-    assert isinstance(old, ChangefeedCreatedV4) and old.spec.on_unique_conflict == "overwrite"
+    assert isinstance(old, ChangefeedCreatedV5) and old.spec.on_unique_conflict == "overwrite"
     view = ChangefeedView()
     view.apply(ChangefeedCreatedV2(spec=ChangefeedSpecV2(id="cf2", sources=sources, sink_url="sqlite:///x")))
     assert getattr(view.specs["cf2"], "on_unique_conflict", None) == "overwrite"

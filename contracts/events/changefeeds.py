@@ -321,3 +321,68 @@ def _created_v3_to_v4(data: dict[str, Any]) -> dict[str, Any]:
 def _updated_v3_to_v4(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v3_to_v4(data["spec"])}
 # --- end v4
+
+
+# --- v5 of changefeed.created / changefeed.updated: continuous validation (``validation``).
+
+ValidationMode = Literal["off", "fast", "full"]
+
+
+class ValidationSpecV1(BaseModel):
+    """Continuous validation: the worker that runs a table compares the rows its batches changed
+    with the source once they are applied, at a consistent point (see DESIGN.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: ValidationMode = Field(
+        "off", description="off; fast: a row exists downstream exactly when it exists upstream; "
+                           "full: and every column the table rules send downstream is equal.")
+
+
+class ChangefeedSpecV5(ChangefeedSpecV4):
+    """v5 adds ``validation`` (continuous validation, off by default)."""
+
+    validation: ValidationSpecV1 = Field(default_factory=ValidationSpecV1)
+
+
+def _spec_v4_to_v5(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, "validation": {"mode": "off"}}
+
+
+def spec_v5(spec: ChangefeedSpecV2) -> ChangefeedSpecV5:
+    """A spec as v5 (older ones do not validate)."""
+    if isinstance(spec, ChangefeedSpecV5):
+        return spec
+    return ChangefeedSpecV5.model_validate(_spec_v4_to_v5(spec_v4(spec).model_dump()))
+
+
+_V5_DOC = _V4_DOC + " v5: the spec gains ``validation`` (continuous validation, fast or full)."
+
+
+@register("changefeed.created", 5)
+class ChangefeedCreatedV5(BaseModel):
+    __doc__ = _V5_DOC
+    model_config = ConfigDict(extra="forbid")
+    spec: ChangefeedSpecV5
+    requested_by: str = ""
+    failed_checks: list[ChangefeedCheckV1] = Field(default_factory=list)
+
+
+@register("changefeed.updated", 5)
+class ChangefeedUpdatedV5(BaseModel):
+    __doc__ = _V5_DOC
+    model_config = ConfigDict(extra="forbid")
+    spec: ChangefeedSpecV5
+    requested_by: str = ""
+    failed_checks: list[ChangefeedCheckV1] = Field(default_factory=list)
+
+
+# A v4 changefeed did not validate.
+@upcaster("changefeed.created", 4)
+def _created_v4_to_v5(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v4_to_v5(data["spec"])}
+
+
+@upcaster("changefeed.updated", 4)
+def _updated_v4_to_v5(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v4_to_v5(data["spec"])}
+# --- end v5

@@ -16,6 +16,7 @@ from services.api.auth import AUTH_RESPONSES, WRITE_RESPONSES, TokenTable
 from services.api.context import ApiContext
 from services.api.http_guards import BodyLimit, RequestMetrics
 from services.api.routes import changefeeds, cluster, ddl, deadletters, events, leaders, table_errors
+from services.api.routes import validation as validation_routes
 
 API_PREFIX = "/api/v1"
 # Where the Swagger UI and ReDoc bundles (from the fastapi-offline package) are served.
@@ -49,6 +50,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     api = APIRouter(prefix=API_PREFIX)
     for module in (changefeeds, cluster, ddl, leaders, deadletters, events, table_errors):
         api.include_router(module.router, responses=AUTH_RESPONSES)
+    api.include_router(validation_routes.router, responses=AUTH_RESPONSES)
     app.include_router(api)
     # Added last is outermost: the metrics see the body limit's 413s too.
     app.add_middleware(BodyLimit, limit=ctx.settings.api_max_body_bytes)

@@ -92,6 +92,11 @@ def spec_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
     # Table rules (v4): patterns that compile, expressions that parse (``libs.table_rules``).
     for text in rule_problems(getattr(spec, "table_rules", []), spec.initial_load):
         errors.append(_error(["table_rules"], text))
+    # Continuous validation (v5) reads the downstream's rows: a NATS sink has none.
+    validation = getattr(spec, "validation", None)
+    if validation is not None and validation.mode != "off" and is_stream_sink(spec.sink_url):
+        errors.append(_error(["validation", "mode"], "validation compares downstream rows; a NATS sink "
+                                                     "holds none (set mode to off)"))
     for source_id in spec.start_position:
         if source_id not in seen:
             errors.append(_error(["start_position", source_id],

@@ -432,3 +432,65 @@ def events(ctx: typer.Context,
 
 def main() -> None:
     app()
+
+
+# --- validation: continuous validation status and on-demand compares
+validation_app = typer.Typer(help="Validation: status of a changefeed's checks, full compares.",
+                             no_args_is_help=True)
+app.add_typer(validation_app, name="validation")
+
+
+def _validation(value: dict[str, Any]) -> None:
+    compare = value["compare"]
+    render.console.print(
+        f"{value['changefeed']}: mode {value['mode']}, {value['rows_checked']} rows checked, "
+        f"{value['pending']} pending, {value['rechecking']} re-checking, "
+        f"[{'red' if value['mismatches'] else 'green'}]{value['mismatches']} mismatched[/], "
+        f"{value['repaired_total']} repaired")
+    if compare["state"] != "none":
+        render.console.print(f"compare {compare['request']['id']}: {compare['state']}, "
+                             f"{compare['tables_done']}/{compare['tables']} tables, "
+                             f"{compare['rows_checked']} of ~{compare['rows_estimate']} rows")
+    render.table("tables", ["table", "mode", "checked", "pending", "re-checking", "mismatched", "compare",
+                            "error"],
+                 ([t["table"], t["mode"], t["rows_checked"], t["pending"], t["rechecking"], t["mismatches"],
+                   (t["compare"] or {}).get("state"), t["error"]] for t in value["tables"]))
+    if value["mismatched_rows"]:
+        render.table("mismatched rows", ["table", "key", "kind", "columns"],
+                     ([r["table"], json.dumps(r["key"]), r["kind"], ", ".join(r["columns"])]
+                      for r in value["mismatched_rows"]))
+
+
+@validation_app.command("status")
+def validation_status(ctx: typer.Context, changefeed: str,
+                      limit: Annotated[int, typer.Option(help="Mismatched rows to list.")] = 20) -> None:
+    """Rows checked, waiting and mismatched per table, and the first mismatched rows."""
+    cli = _cli(ctx)
+    cli.show(cli.run("GET", f"/changefeeds/{changefeed}/validation", limit=limit), _validation)
+
+
+@validation_app.command("compare")
+def validation_compare(ctx: typer.Context, changefeed: str,
+                       wait: Annotated[bool, typer.Option(help="Follow until all are compared.")] = False,
+                       timeout: Annotated[float, typer.Option(help="Give up after this many s.")] = 3600,
+                       ) -> None:
+    """Compare every table of the changefeed with its sources, from its first key (resumable)."""
+    cli = _cli(ctx)
+    cli.accepted(cli.run("POST", f"/changefeeds/{changefeed}/validation/compare"))
+    if not wait:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cli.run("GET", f"/changefeeds/{changefeed}/validation")
+        compare = value["compare"]
+        if not cli.json:
+            render.console.print(f"{compare['state']}: {compare['tables_done']}/{compare['tables']} tables, "
+                                 f"{compare['rows_checked']} rows, {value['mismatches']} mismatched")
+        if compare["state"] in ("done", "failed"):
+            cli.show(value, _validation)
+            raise typer.Exit(1 if compare["state"] == "failed" or value["mismatches"] else 0)
+        if time.monotonic() > deadline:
+            render.console.print("timed out waiting for the compare")
+            raise typer.Exit(1)
+        time.sleep(1.0)
+# --- end validation

@@ -67,3 +67,9 @@ SNAPSHOT_FAILURES = Counter("sluice_snapshot_failures", "Initial-load runs that 
                             ["changefeed"])
 CHUNK_SETS_JOINED = Counter("sluice_sink_chunk_sets_joined",
                             "Events larger than the NATS max_payload joined from their chunks.")
+VALIDATION_MISMATCHES = Gauge("sluice_sink_validation_mismatches",
+                              "Rows validation found different downstream (re-checked, still different).",
+                              ["changefeed", "span"])
+VALIDATION_ROWS_CHECKED = Counter("sluice_sink_validation_rows_checked",
+                                  "Rows validation compared with their source (changed rows, re-checks "
+                                  "and on-demand compares).", ["changefeed"])

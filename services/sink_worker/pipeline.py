@@ -78,6 +78,7 @@ from services.sink_worker.sort_job import SortResult, SpanCut, SpanInput, event_
 from services.sink_worker.span import KeylessTableError, Span, route_of, shard_ref, target_for
 from services.sink_worker.start_point import start_at_position, start_at_time
 from services.sink_worker.table_errors import DdlFailure, ddl_failed
+from services.sink_worker.validation import Validator
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,8 @@ class SpanConfig:
     start_position: SourcePositionV1 | None = None
     on_unique_conflict: UniqueConflictPolicy = "error"
     """A merged target's unique value held by another shard's row (``sinks.unique_guard``)."""
+    validation: str = "off"
+    """Continuous validation: off, fast or full (``services.sink_worker.validation``)."""
 
     @classmethod
     def of(cls, spec: ChangefeedSpecV2, source: str) -> SpanConfig:
@@ -140,7 +143,8 @@ class SpanConfig:
                    source_url=ref.url if ref is not None else "", start_time=spec.start_time,
                    start_position=spec.start_position.get(ref.id) if ref is not None else None,
                    # A v2 spec (never upcast: built in code) keeps the behaviour v2 had.
-                   on_unique_conflict=getattr(spec, "on_unique_conflict", "overwrite"))
+                   on_unique_conflict=getattr(spec, "on_unique_conflict", "overwrite"),
+                   validation=_validation_mode(spec))
 
 
 @dataclass
@@ -219,6 +223,11 @@ class _Work:
     """The table rules of the span's table (``libs.table_rules``), when it has any."""
     source_meta: TableMetaV1 | None = None
     """The table's metadata as its rows carry it (what the rules' expressions see)."""
+
+
+def _validation_mode(spec: ChangefeedSpecV2) -> str:
+    validation = getattr(spec, "validation", None)
+    return str(validation.mode) if validation is not None else "off"
 
 
 def _row_changes(work: _Work) -> int:
@@ -310,6 +319,8 @@ class Pipeline:
         self.fence: SelfFence | None = None
         """Checked before every write of a round (``Fenced`` ends the round, nothing advances)."""
         # --- end liveness ---
+        self.validation: Validator | None = None
+        """Continuous validation: told the keys of every written batch (``validation``)."""
         self.rounds = 0
         self.last_report: RoundReport | None = None
         # (sink url, schema, table) -> meta JSON the target was last brought to by this process.
@@ -1261,6 +1272,8 @@ class Pipeline:
         if proposed != w.start:
             rt.checkpoint = proposed
             report.advanced += 1
+        if self.validation is not None and cut is not None and cut.batch_events:
+            self.validation.note_batch(w, handled)
         # Written batches are recorded at once; an idle span following the resolved ts only
         # every checkpoint_interval_s (a restart then re-reads a little, which is harmless).
         wrote = cut is not None and (cut.batch_events > 0 or (outcome is not None and outcome.ddl_applied))

@@ -59,6 +59,7 @@ from services.sink_worker.prepare_progress import Phase, PrepareProgress
 from services.sink_worker.shard_ddl import ShardDdl
 from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
 from services.sink_worker.span import Span
+from services.sink_worker.validation import ValidationOptions, Validator
 from services.sink_worker.warm_up import warm_up
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,10 @@ class SinkWorker:
                                  initial_loads=self.initial_loads)
         if agent is not None:
             self.pipeline.fence = agent.fence
+        self.validator = Validator(js, ValidationOptions.from_settings(settings),
+                                   worker_id=settings.instance_id, rows_stream=rows_stream,
+                                   replicas=settings.stream_replicas)
+        self.pipeline.validation = self.validator
         self.shard_ddl = shard_ddl
         if shard_ddl is not None:
             shard_ddl.specs = self.view.running
@@ -327,6 +332,10 @@ class SinkWorker:
                 report = RoundReport(errors=[repr(exc)])
             if self.agent is not None:
                 self.agent.after_round(self.pipeline, before, t0, time.time())
+            try:
+                await self.validator.run(self.pipeline)
+            except Exception:
+                log.warning("validation failed; trying again after the next round", exc_info=True)
             if self.pipeline.new_incidents or self.pipeline.new_overwrites:
                 try:
                     await record_incidents(self.js, self.changefeeds_stream, self.incidents_subject,

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from sqlmodel import Session, select
 
-from contracts.events.changefeeds import ChangefeedSpecV2, ChangefeedSpecV4
+from contracts.events.changefeeds import ChangefeedSpecV2, ChangefeedSpecV5
 from libs.changefeeds import record_changefeed, record_state, record_update
 from libs.eventstore import AppendConflict
 from libs.routing import unique_conflict_warnings
@@ -34,7 +34,7 @@ _ATTEMPTS = 5
 
 
 def changefeed_out(row: ChangefeedRow, spans: list[SpanRow]) -> ChangefeedOut:
-    spec = ChangefeedSpecV4.model_validate_json(row.spec_json)
+    spec = ChangefeedSpecV5.model_validate_json(row.spec_json)
     by_state = Counter(s.state for s in spans)
     return ChangefeedOut(id=row.id, state=row.state, spec=redact_spec(spec),
                          checkpoint_ts=row.checkpoint_ts, resolved_ts=row.resolved_ts,
@@ -123,7 +123,7 @@ async def get_changefeed(changefeed_id: str, ctx: ApiContext = Depends(get_ctx))
 
 @router.post("", status_code=202, response_model=Accepted, dependencies=[Depends(require_write)],
              responses={409: {"description": "The id exists"}, 422: {"description": "Invalid spec"}})
-async def create_changefeed(spec: ChangefeedSpecV4, response: Response,
+async def create_changefeed(spec: ChangefeedSpecV5, response: Response,
                             ctx: ApiContext = Depends(get_ctx), skip_checks: bool = SKIP_CHECKS) -> Accepted:
     _validate(spec)
     view = projections_of(ctx).changefeeds
@@ -152,7 +152,7 @@ async def create_changefeed(spec: ChangefeedSpecV4, response: Response,
 @router.put("/{changefeed_id}", status_code=202, response_model=Accepted,
             dependencies=[Depends(require_write)],
             responses={404: {"description": "Unknown changefeed"}, 422: {"description": "Invalid spec"}})
-async def update_changefeed(changefeed_id: str, spec: ChangefeedSpecV4,
+async def update_changefeed(changefeed_id: str, spec: ChangefeedSpecV5,
                             ctx: ApiContext = Depends(get_ctx), skip_checks: bool = SKIP_CHECKS) -> Accepted:
     literal = password_problems(spec)
     if literal:

@@ -17,7 +17,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from sqlmodel import Session, select
 
-from contracts.events.changefeeds import ChangefeedSpecV4
+from contracts.events.changefeeds import ChangefeedSpecV5
 from contracts.events.scheduling import ScheduleRequestV1, SpanRefV1
 from libs.streams import (
     CHECKPOINT_BUCKET,
@@ -224,7 +224,7 @@ async def list_sources(ctx: ApiContext) -> list[SourceOut]:
         rows = list(session.exec(select(ChangefeedRow).order_by(ChangefeedRow.id)))
     sources: dict[str, tuple[str, list[str]]] = {}
     for row in rows:
-        for src in ChangefeedSpecV4.model_validate_json(row.spec_json).sources:
+        for src in ChangefeedSpecV5.model_validate_json(row.spec_json).sources:
             url, feeds = sources.setdefault(src.id, (redact_url(src.url), []))
             feeds.append(row.id)
     out = []
