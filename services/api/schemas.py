@@ -170,6 +170,7 @@ class SourceOut(BaseModel):
     id: str
     url: str
     changefeeds: list[str]
+    registered: bool = Field(False, description="In the sources registry (`sluice source add`).")
     resolved_ts: int | None
     resolved_lag_s: float | None
     capture_leader: str | None

@@ -31,6 +31,7 @@ from contracts.registry import REGISTRY, ContractError
 from libs.config import Settings
 from libs.election import Election, Leadership
 from libs.service import ServiceRuntime
+from libs.sources import registered_url
 from libs.streams import ROWS_STREAM, rejected_subject, resolved_subject, token
 from libs.streams_setup import ensure_rows_stream
 from services.capture import metrics
@@ -132,8 +133,21 @@ class Capture:
     # ------------------------------------------------------------------- run
 
     async def run(self) -> None:
+        url = self.settings.source_url
+        if not url:
+            # --- sources registry: started with only its source id ---
+            self._show(state="starting",
+                       problem=f"waiting for source {self.source!r} in the sources registry")
+            found = await registered_url(self.js, self.source, self.stopping, settings=self.settings)
+            if found is None:
+                self._show(state="stopped", lease=False)
+                return
+            url = found
+            self.status.pop("problem", None)
+            log.info("source URL from the sources registry", extra={"source": self.source})
+            # --- end sources registry ---
         try:
-            self.options = SourceOptions.parse(self.settings.source_url)
+            self.options = SourceOptions.parse(url)
         except ValueError as exc:
             log.error("capture cannot start: bad source URL: %s", exc, extra={"source": self.source})
             self._show(state="refused", problem=f"bad source URL: {exc}")
