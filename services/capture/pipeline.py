@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tenacity import Retrying, stop_after_attempt
+
 from contracts.events.rows import (
     CaptureRejectedV1,
     DdlExecutedV1,
@@ -79,16 +81,17 @@ class MetaStore:
         self._cache: dict[TableKey, TableInfo | None] = {}
 
     def _load(self, key: TableKey) -> TableInfo | None:
-        for attempt in (1, 2):
-            try:
-                if self._conn is None:
-                    self._conn = self._connect()
-                return load_table_info(self._conn, *key)
-            except Exception:
-                self.close()
-                if attempt == 2:
+        # A kept connection may have gone stale: one more try on a new one.
+        for attempt in Retrying(stop=stop_after_attempt(2), reraise=True):
+            with attempt:
+                try:
+                    if self._conn is None:
+                        self._conn = self._connect()
+                    return load_table_info(self._conn, *key)
+                except Exception:
+                    self.close()
                     raise
-        return None
+        return None  # not reached: the last attempt returns or raises
 
     async def get(self, key: TableKey, *, fresh: bool = False) -> TableInfo | None:
         if fresh or key not in self._cache:
