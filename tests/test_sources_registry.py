@@ -50,6 +50,18 @@ def test_registry_folds_and_resolves_sources_by_id() -> None:
     assert "registered with another URL" in problems[1].message
 
 
+def test_a_registered_url_is_a_mysql_url_without_a_literal_password() -> None:
+    from services.api.routes.sources import _url_problems
+
+    assert _url_problems(URL) == []
+    for bad, why in (("mysql://repl:hunter2@h:3306/", "secret"), ("postgresql://u@h/db", "MySQL or MariaDB"),
+                     ("mysql://u@h:99999/", "Port out of range"), ("mysql://[", "refused"),
+                     ("ftp://h/", "unsupported database URL scheme")):
+        problems = _url_problems(bad)
+        assert len(problems) == 1 and why in problems[0]["msg"], (bad, problems)
+        assert "hunter2" not in problems[0]["msg"]
+
+
 # ----------------------------------------------------------------------------- processes
 
 TOKEN = "registry-token-4c1d"

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.events.sources import SOURCE_ID_PATTERN
-from libs.dburl import DatabaseUrlError, parse_database_url
+from libs.dburl import parse_database_url
 from libs.secret_refs import literal_password
 from libs.sources import readers, record_source, record_source_removed
 from services.api.auth import require_write
@@ -45,7 +45,7 @@ def _url_problems(url: str) -> list[dict[str, Any]]:
                      "user:secret:NAME@host in the URL instead")
     try:
         parsed = parse_database_url(url, resolve_secrets=False)
-    except DatabaseUrlError as exc:
+    except ValueError as exc:  # DatabaseUrlError, or urlsplit's own (an unclosed "[" host)
         return error(f"source URL refused: {exc}")
     if parsed.dialect != "mysql":
         return error(f"a source is MySQL or MariaDB (mysql://...), not {parsed.dialect}")
