@@ -161,3 +161,17 @@ def test_one_command_per_shard_and_a_capture_started_with_only_its_id(
     assert "regshop2" not in registry.sources()
     assert not registry.nats.service_violations(), registry.nats.service_violations()
     assert PASSWORD not in registry.api.log_path.read_text() + capture.log_path.read_text()
+
+
+@pytest.mark.integration
+def test_a_capture_waiting_for_its_source_stops_at_once(
+        registry: Registry, replica_server_id: int, processes: list[ServiceProcess]) -> None:
+    capture = ServiceProcess("services.capture", {
+        **registry.env, "SLUICE_SOURCE_ID": "never-added", "SLUICE_SOURCE_URL": "",
+        "SLUICE_SOURCE_SERVER_ID": str(replica_server_id)}, registry.tmp / "logs")
+    processes.append(capture.start())
+    wait_until(lambda: "sources registry" in str((capture.health() or {}).get("problem")), 60,
+               "the capture to report that it waits for its source in the registry")
+    status, _ = capture.get_json("/readyz")
+    assert status == 503, "not ready while it has no source to read"
+    assert capture.terminate(timeout=15) == 0
