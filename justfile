@@ -24,3 +24,8 @@ schemas:
 # suite; ~30 min; `just bench --quick` for a smoke run). Needs `.venv/bin/pip install -e '.[bench]'`.
 bench *ARGS:
     .venv/bin/python -m benchmarks.run_all {{ARGS}}
+
+# One self-contained HTML page of the benchmark figures and the lag chart (what `just bench`
+# left in benchmarks/results/ and benchmarks/lag_through_faults.png) -> .sluice/benchmarks.html.
+report *ARGS:
+    .venv/bin/python -m benchmarks.html_report {{ARGS}}

@@ -29,6 +29,7 @@ from contracts.events.changefeeds import (
     TableFilterV1,
     spec_v5,
 )
+from contracts.events.sources import SourceRegisteredV1, SourceRemovedV1
 from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV1
 from libs.eventstore import EventStore
 from libs.routing import RoutingConfigError, TableFilter
@@ -113,6 +114,8 @@ class ChangefeedView:
     """Each table's open incident (none once an operator acted on it)."""
     skipped: dict[TableKey, dict[str, int]] = field(default_factory=dict)
     """Each table's skipped keys (key JSON -> the ts the skip covers up to)."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """The sources registry (libs/sources.py): source id -> URL (passwords as references)."""
 
     def _fold_incident(self, event: TableStoppedV1 | TableActionRequestedV1) -> None:
         ref = event.table
@@ -133,6 +136,14 @@ class ChangefeedView:
         """Fold one event; True when it changed anything the worker acts on."""
         if isinstance(event, TableStoppedV1 | TableActionRequestedV1):
             self._fold_incident(event)
+            return False
+        # Changefeeds hold the URL they were recorded with, so the registry alone changes
+        # nothing a worker runs.
+        if isinstance(event, SourceRegisteredV1):
+            self.sources[event.id] = event.url
+            return False
+        if isinstance(event, SourceRemovedV1):
+            self.sources.pop(event.id, None)
             return False
         if isinstance(event, ChangefeedCreatedV2 | ChangefeedCreatedV3 | ChangefeedCreatedV4
                       | ChangefeedCreatedV5):

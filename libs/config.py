@@ -165,7 +165,8 @@ class Settings(BaseSettings):
     )
     state_db_url: str = Field("sqlite:///.sluice/state.db", description="The api's read-model database.")
     source_id: str = Field("src1", description="capture: id of the source this process reads.")
-    source_url: str = Field("mysql://root@127.0.0.1:3306/", description="capture: the source's URL.")
+    source_url: str = Field(
+        "", description="capture: the source's URL; empty: the URL the sources registry holds for source_id.")
     source_server_id: int = Field(4101, ge=1, description="capture: replica server id for the binlog.")
     # --- bigrows: rows larger than a NATS message
     capture_max_message_bytes: int = Field(

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import urlsplit
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from libs.secret_refs import SecretError, resolve_password
 
@@ -54,33 +57,38 @@ class DatabaseUrl:
 
 
 def parse_database_url(url: str, *, resolve_secrets: bool = True) -> DatabaseUrl:
-    """Parse ``url``; a ``secret:NAME`` password is resolved (libs.secret_refs) unless
-    ``resolve_secrets`` is false (checking a spec's shape without its secrets)."""
-    parts = urlsplit(url)
-    dialect = _SCHEMES.get(parts.scheme.lower())
+    """Parse ``url`` with SQLAlchemy's ``make_url``; a ``secret:NAME`` password is resolved
+    (libs.secret_refs) unless ``resolve_secrets`` is false (checking a spec's shape without its
+    secrets). Kept here because make_url does not: map scheme aliases to a dialect, fill default
+    ports, refuse a port out of range, or resolve secret references."""
+    scheme = urlsplit(url).scheme
+    dialect = _SCHEMES.get(scheme.lower())
     if dialect is None:
         raise DatabaseUrlError(
-            f"unsupported database URL scheme {parts.scheme!r}; use one of {sorted(_SCHEMES)}"
+            f"unsupported database URL scheme {scheme!r}; use one of {sorted(_SCHEMES)}"
         )
-    options = tuple((k, v[-1]) for k, v in parse_qs(parts.query).items())
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError) as exc:
+        raise DatabaseUrlError(f"bad database URL: {exc}") from None
+    # Blank values are left out and a repeated option's last value wins, as parse_qs did.
+    options = tuple((k, v[-1] if isinstance(v, tuple) else v)
+                    for k, v in parsed.query.items() if (v[-1] if isinstance(v, tuple) else v))
     if dialect == "sqlite":
         # sqlite:///relative/path and sqlite:////absolute/path, as SQLAlchemy spells them.
-        raw = url.split("://", 1)[1].split("?", 1)[0]
-        path = raw[1:] if raw.startswith("/") else raw
-        if not path:
+        if not parsed.database:
             raise DatabaseUrlError("sqlite URL needs a file path, e.g. sqlite:///data/sluice.db")
-        return DatabaseUrl(dialect="sqlite", path=str(Path(path)), options=options)
-    try:
-        port = parts.port or _DEFAULT_PORTS[dialect]
-    except ValueError as exc:
-        raise DatabaseUrlError(f"bad port in database URL: {exc}") from exc
+        return DatabaseUrl(dialect="sqlite", path=str(Path(parsed.database)), options=options)
+    port = parsed.port or _DEFAULT_PORTS[dialect]
+    if not 0 <= port <= 65535:
+        raise DatabaseUrlError("bad port in database URL: Port out of range 0-65535")
     return DatabaseUrl(
         dialect=dialect,
-        host=parts.hostname or "127.0.0.1",
+        host=(parsed.host or "127.0.0.1").lower(),
         port=port,
-        user=unquote(parts.username or ""),
-        password=_password(unquote(parts.password or ""), resolve_secrets),
-        database=parts.path.lstrip("/"),
+        user=parsed.username or "",
+        password=_password(parsed.password or "", resolve_secrets),
+        database=parsed.database or "",
         options=options,
     )
 

@@ -188,7 +188,10 @@ def role_permissions(role: str) -> Permissions | None:
         lease_pub, lease_sub = _lease(role)
         return Permissions(
             tuple([*_COMMON_PUB, *js_own(ROWS_STREAM), *lease_pub,
-                   f"sluice.rows.{source}.>", f"sluice.ddl.{source}.>", f"sluice.resolved.{source}"]),
+                   f"sluice.rows.{source}.>", f"sluice.ddl.{source}.>", f"sluice.resolved.{source}",
+                   # Started without SLUICE_SOURCE_URL it reads its URL from the sources registry
+                   # (libs/sources.py, in the changefeeds log), parking what it cannot decode there.
+                   *_domain_reader("changefeeds"), *_dead_letters()]),
             (INBOX, *lease_sub))
     if role == MEMBER:
         # It probes a silent member's liveness subject (libs.streams.member_probe_subject).

@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def redact_url(url: str) -> str:
-    """``url`` (comma-separated servers) without the user info, for logs and errors."""
+    """``url`` (comma-separated servers) without the user info, for logs and errors. Not
+    SQLAlchemy's ``make_url``: a NATS server list is not one URL, and make_url reads it as a bad port."""
     parts = []
     for one in url.split(","):
         split = urlsplit(one.strip())

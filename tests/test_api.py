@@ -78,7 +78,7 @@ def test_reads_need_a_viewer_token_and_mutations_an_operator_token(api_stack: Ap
         assert {f"{V1}/changefeeds", f"{V1}/events", f"{V1}/leaders/{{service}}/resign"} <= paths
         assert "HTTPBearer" in spec_doc["components"]["securitySchemes"]
         schemas = set(spec_doc["components"]["schemas"])
-        assert {"ChangefeedSpecV5", "TableRuleV1", "ComputedColumnV1", "ValidationSpecV1"} <= schemas
+        assert {"ChangefeedSpecIn", "TableRuleV1", "ComputedColumnV1", "ValidationSpecV1"} <= schemas
         assert {"401"} <= set(spec_doc["paths"][f"{V1}/changefeeds"]["get"]["responses"])
         assert {"401", "403", "413"} <= set(spec_doc["paths"][f"{V1}/changefeeds"]["post"]["responses"])
         # Every operation documents what auth and the body limit answer.

@@ -127,6 +127,8 @@ USES: dict[str, list[Use]] = {
         Use("rejected_subject", publish=(rejected_subject(SOURCE),)),
         Use("resolved_subject", publish=(resolved_subject(SOURCE),)),
         _kv_write(LEADER_BUCKET, CAPTURE),
+        # The sources registry (libs.sources.registered_url) when started without a source URL.
+        *_folds("changefeeds"), _dead_letters(domain_stream("changefeeds")),
     ],
     SINK_WORKER: [
         ROWS_READ,

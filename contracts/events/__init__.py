@@ -9,8 +9,10 @@ from contracts.events import (
     shard_ddl,
     sink,
     snapshots,
+    sources,  # the sources registry
     table_incidents,  # poison: tables stopped by their downstream
 )
 
 __all__ = ["changefeeds", "leadership", "members", "rows", "scheduling", "shard_ddl", "sink", "snapshots"]
 __all__ += ["table_incidents"]
+__all__ += ["sources"]

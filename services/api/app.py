@@ -15,7 +15,7 @@ from fastapi_offline import FastAPIOffline
 from services.api.auth import AUTH_RESPONSES, WRITE_RESPONSES, TokenTable
 from services.api.context import ApiContext
 from services.api.http_guards import BodyLimit, RequestMetrics
-from services.api.routes import changefeeds, cluster, ddl, deadletters, events, leaders, table_errors
+from services.api.routes import changefeeds, cluster, ddl, deadletters, events, leaders, sources, table_errors
 from services.api.routes import validation as validation_routes
 
 API_PREFIX = "/api/v1"
@@ -48,7 +48,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app.add_exception_handler(RequestValidationError, field_errors_only)
     app.state.tokens = TokenTable.from_settings(ctx.settings)
     api = APIRouter(prefix=API_PREFIX)
-    for module in (changefeeds, cluster, ddl, leaders, deadletters, events, table_errors):
+    for module in (changefeeds, cluster, ddl, leaders, deadletters, events, table_errors, sources):
         api.include_router(module.router, responses=AUTH_RESPONSES)
     api.include_router(validation_routes.router, responses=AUTH_RESPONSES)
     app.include_router(api)

@@ -20,7 +20,11 @@ _CHECKPOINT_TIME = ("The checkpoint as a UTC time and how far it is behind the w
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (everything else kept)."""
+    """``url`` with its password replaced by ``***`` (everything else kept).
+
+    Not SQLAlchemy's ``make_url`` (libs/dburl.py parses database URLs with it): the NATS sink's
+    URLs list several ``host:port`` servers, which make_url reads as one bad port, and its
+    rendering would percent-encode the ``***``."""
     try:
         parts = urlsplit(url)
         if not parts.password or is_reference(unquote(parts.password)):
@@ -171,6 +175,7 @@ class SourceOut(BaseModel):
     id: str
     url: str
     changefeeds: list[str]
+    registered: bool = Field(False, description="In the sources registry (`sluice source add`).")
     resolved_ts: int | None
     resolved_lag_s: float | None
     capture_leader: str | None

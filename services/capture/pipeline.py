@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from tenacity import Retrying, stop_after_attempt
+
 from contracts.events.rows import (
     CaptureRejectedV1,
     DdlExecutedV1,
@@ -84,16 +86,17 @@ class MetaStore:
         self._stale_fks: dict[str, set[str]] = {}
 
     def _query(self, load: Callable[[Any], T]) -> T:
-        for attempt in (1, 2):
-            try:
-                if self._conn is None:
-                    self._conn = self._connect()
-                return load(self._conn)
-            except Exception:
-                self.close()
-                if attempt == 2:
+        # A kept connection may have gone stale: one more try on a new one.
+        for attempt in Retrying(stop=stop_after_attempt(2), reraise=True):
+            with attempt:
+                try:
+                    if self._conn is None:
+                        self._conn = self._connect()
+                    return load(self._conn)
+                except Exception:
+                    self.close()
                     raise
-        raise AssertionError("unreachable: the second attempt returns or raises")
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _load(self, key: TableKey) -> TableInfo | None:
         return self._query(lambda conn: load_table_info(conn, *key))

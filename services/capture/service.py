@@ -25,12 +25,14 @@ import pymysql
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from contracts.events.rows import CaptureRejectedV1, ResolvedAdvancedV1, SourcePositionV1
 from contracts.registry import REGISTRY, ContractError
 from libs.config import Settings
 from libs.election import Election, Leadership
 from libs.service import ServiceRuntime
+from libs.sources import registered_url
 from libs.streams import ROWS_STREAM, rejected_subject, resolved_subject, token
 from libs.streams_setup import ensure_rows_stream
 from services.capture import metrics
@@ -133,8 +135,21 @@ class Capture:
     # ------------------------------------------------------------------- run
 
     async def run(self) -> None:
+        url = self.settings.source_url
+        if not url:
+            # --- sources registry: started with only its source id ---
+            self._show(state="starting",
+                       problem=f"waiting for source {self.source!r} in the sources registry")
+            found = await registered_url(self.js, self.source, self.stopping, settings=self.settings)
+            if found is None:
+                self._show(state="stopped", lease=False)
+                return
+            url = found
+            self.status.pop("problem", None)
+            log.info("source URL from the sources registry", extra={"source": self.source})
+            # --- end sources registry ---
         try:
-            self.options = SourceOptions.parse(self.settings.source_url)
+            self.options = SourceOptions.parse(url)
         except ValueError as exc:
             log.error("capture cannot start: bad source URL: %s", exc, extra={"source": self.source})
             self._show(state="refused", problem=f"bad source URL: {exc}")
@@ -197,39 +212,50 @@ class Capture:
                                                       "reason": leadership.lost_reason or "stopped"})
 
     async def _sessions(self, leadership: Leadership) -> None:
-        backoff = 0.5
+        # A failed session is retried after 0.5 s, doubling up to MAX_BACKOFF_S; a session that
+        # ends any other way (_attempt) starts the next call, and so the backoff, afresh.
+        retrying = AsyncRetrying(retry=retry_if_exception_type(Exception),
+                                 wait=wait_exponential(multiplier=0.5, max=MAX_BACKOFF_S),
+                                 stop=lambda _: not leadership.valid() or self.stopping.is_set(),
+                                 sleep=self._sleep, reraise=True)
         while leadership.valid() and not self.stopping.is_set():
-            outcome = "error"
             try:
-                await self._session(leadership)
-                outcome = "ended"
-            except LeaseLost:
-                outcome = "lease-lost"
-                return
-            except SourceRefused as exc:
-                outcome = "refused"
-                self._show(state="refused", problem=str(exc))
-                await self._sleep(RETRY_REFUSED_S)
-                continue
-            except CaptureStopped as exc:
-                outcome = "stopped"
-                self._show(state="refused", problem=str(exc))
-                await self.stopping.wait()
-                return
-            except Fenced as exc:
-                outcome = "fenced"
-                log.warning("capture fenced, restarting from the stream: %s", exc,
-                            extra={"source": self.source})
-            except Exception as exc:  # every failure restarts from the stream
-                log.error("capture session failed: %r", exc, extra={"source": self.source},
-                          exc_info=not isinstance(exc, OSError | NatsError | pymysql.err.MySQLError))
-                self._show(state="source-error", problem=repr(exc))
-                await self._sleep(backoff)
-                backoff = min(MAX_BACKOFF_S, backoff * 2)
-                continue
-            finally:
-                metrics.SESSIONS.labels(self.source, outcome).inc()
-            backoff = 0.5
+                if await retrying(self._attempt, leadership):
+                    return
+            except Exception:
+                return  # failed as the lease ended or the service stops: nothing to retry for
+
+    async def _attempt(self, leadership: Leadership) -> bool:
+        """One session; True when reading must end for this term (lease lost, capture stopped).
+        A failure is logged and raised for the backoff."""
+        outcome = "error"
+        try:
+            await self._session(leadership)
+            outcome = "ended"
+        except LeaseLost:
+            outcome = "lease-lost"
+            return True
+        except SourceRefused as exc:
+            outcome = "refused"
+            self._show(state="refused", problem=str(exc))
+            await self._sleep(RETRY_REFUSED_S)
+        except CaptureStopped as exc:
+            outcome = "stopped"
+            self._show(state="refused", problem=str(exc))
+            await self.stopping.wait()
+            return True
+        except Fenced as exc:
+            outcome = "fenced"
+            log.warning("capture fenced, restarting from the stream: %s", exc,
+                        extra={"source": self.source})
+        except Exception as exc:  # every failure restarts from the stream
+            log.error("capture session failed: %r", exc, extra={"source": self.source},
+                      exc_info=not isinstance(exc, OSError | NatsError | pymysql.err.MySQLError))
+            self._show(state="source-error", problem=repr(exc))
+            raise
+        finally:
+            metrics.SESSIONS.labels(self.source, outcome).inc()
+        return False
 
     async def _session(self, leadership: Leadership) -> None:
         assert self.options is not None

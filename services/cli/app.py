@@ -430,6 +430,52 @@ def events(ctx: typer.Context,
         raise typer.Exit(1) from None
 
 
+# -- sources registry -----------------------------------------------------------------------------
+
+source_app = typer.Typer(help="The sources registry: add, list, remove (changefeeds and captures "
+                              "read a source's URL from it by id).", no_args_is_help=True)
+app.add_typer(source_app, name="source")
+
+
+@source_app.command("add")
+def source_add(ctx: typer.Context, source: str,
+               url: Annotated[str, typer.Argument(help="mysql://user:secret:NAME@host:port/ (the "
+                                                       "password as a named secret).")],
+               changefeed: Annotated[list[str] | None, typer.Option(
+                   "--changefeed", help="Also add the source to this changefeed (repeat).")] = None,
+               skip_checks: SkipChecks = False) -> None:
+    """Register a source once; with --changefeed a new shard is one command."""
+    cli = _cli(ctx)
+    cli.accepted(cli.run("POST", "/sources", {"id": source, "url": url}))
+    for cf in changefeed or []:
+        spec = cli.run("GET", f"/changefeeds/{cf}")["spec"]
+        if any(s.get("id") == source for s in spec["sources"]):
+            render.console.print(f"changefeed {cf} reads {source} already")
+            continue
+        spec["sources"].append({"id": source})
+        cli.accepted(cli.run("PUT", f"/changefeeds/{cf}" + _skip(skip_checks), spec))
+
+
+@source_app.command("list")
+def source_list(ctx: typer.Context) -> None:
+    """Registered sources and the sources changefeeds read."""
+    cli = _cli(ctx)
+
+    def human(items: list[dict[str, Any]]) -> None:
+        render.table("sources", ["source", "url", "registered", "changefeeds", "resolved", "capture"],
+                     ([s["id"], s["url"], "yes" if s.get("registered") else "no", ",".join(s["changefeeds"]),
+                       render.checkpoint(s, "resolved_time"), s.get("capture_leader")] for s in items))
+
+    cli.show(cli.run("GET", "/sources"), human)
+
+
+@source_app.command("remove")
+def source_remove(ctx: typer.Context, source: str) -> None:
+    """Remove a source from the registry (refused while a changefeed reads it)."""
+    cli = _cli(ctx)
+    cli.accepted(cli.run("DELETE", f"/sources/{source}"))
+
+
 def main() -> None:
     app()
 

@@ -26,6 +26,7 @@ from services.api.context import ApiContext, get_ctx, js_of, projections_of
 from services.api.models import ChangefeedRow, SpanRow
 from services.api.prechecks import CheckResult, run_checks
 from services.api.schemas import Accepted, ChangefeedOut, lag_seconds, redact_spec, unredact_url
+from services.api.source_refs import ChangefeedSpecIn, resolve_spec
 from services.api.validation import password_problems, spec_problems
 
 router = APIRouter(prefix="/changefeeds", tags=["changefeeds"])
@@ -123,8 +124,9 @@ async def get_changefeed(changefeed_id: str, ctx: ApiContext = Depends(get_ctx))
 
 @router.post("", status_code=202, response_model=Accepted, dependencies=[Depends(require_write)],
              responses={409: {"description": "The id exists"}, 422: {"description": "Invalid spec"}})
-async def create_changefeed(spec: ChangefeedSpecV5, response: Response,
+async def create_changefeed(spec_in: ChangefeedSpecIn, response: Response,
                             ctx: ApiContext = Depends(get_ctx), skip_checks: bool = SKIP_CHECKS) -> Accepted:
+    spec = resolve_spec(ctx, spec_in)  # sources given by id only take their registered URL
     _validate(spec)
     view = projections_of(ctx).changefeeds
     if spec.id in view.state.specs:  # before connecting anywhere; checked again when appending
@@ -152,8 +154,9 @@ async def create_changefeed(spec: ChangefeedSpecV5, response: Response,
 @router.put("/{changefeed_id}", status_code=202, response_model=Accepted,
             dependencies=[Depends(require_write)],
             responses={404: {"description": "Unknown changefeed"}, 422: {"description": "Invalid spec"}})
-async def update_changefeed(changefeed_id: str, spec: ChangefeedSpecV5,
+async def update_changefeed(changefeed_id: str, spec_in: ChangefeedSpecIn,
                             ctx: ApiContext = Depends(get_ctx), skip_checks: bool = SKIP_CHECKS) -> Accepted:
+    spec = resolve_spec(ctx, spec_in)  # sources given by id only take their registered URL
     literal = password_problems(spec)
     if literal:
         raise RequestValidationError(literal)

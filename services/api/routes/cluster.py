@@ -227,11 +227,16 @@ async def list_sources(ctx: ApiContext) -> list[SourceOut]:
         for src in ChangefeedSpecV5.model_validate_json(row.spec_json).sources:
             url, feeds = sources.setdefault(src.id, (redact_url(src.url), []))
             feeds.append(row.id)
+    # Registered sources no changefeed reads yet are listed too (sources registry).
+    registry = projections_of(ctx).changefeeds.state.sources
+    for source_id, registered_url in registry.items():
+        sources.setdefault(source_id, (redact_url(registered_url), []))
     out = []
     for source_id, (url, feeds) in sorted(sources.items()):
         resolved = await _resolved_ts(ctx, source_id)
         lease = await _kv_json(ctx, LEADER_BUCKET, f"capture.{token(source_id)}")
-        out.append(SourceOut(id=source_id, url=url, changefeeds=feeds, resolved_ts=resolved,
+        out.append(SourceOut(id=source_id, url=url, changefeeds=feeds, registered=source_id in registry,
+                             resolved_ts=resolved,
                              resolved_lag_s=lag_seconds(resolved or 0),
                              capture_leader=str(lease.get("candidate")) if lease else None))
     return out
@@ -243,12 +248,12 @@ async def get_sources(ctx: ApiContext = Depends(get_ctx)) -> list[SourceOut]:
 
 
 @router.get("/sources/{source_id}", response_model=SourceOut, dependencies=[Depends(require_read)],
-            responses={404: {"description": "No changefeed reads this source"}})
+            responses={404: {"description": "No changefeed reads this source and it is not registered"}})
 async def get_source(source_id: str, ctx: ApiContext = Depends(get_ctx)) -> SourceOut:
     for s in await list_sources(ctx):
         if s.id == source_id:
             return s
-    raise HTTPException(404, f"no changefeed reads a source {source_id!r}")
+    raise HTTPException(404, f"no changefeed reads a source {source_id!r} and it is not registered")
 
 
 # -- status ---------------------------------------------------------------------------------------

@@ -16,10 +16,10 @@ from typing import Any, Literal
 from uuid import uuid4
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query
-from fastapi.responses import StreamingResponse
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contracts import REGISTRY, ContractError
 from contracts.events.changefeeds import ChangefeedSpecV2
@@ -51,12 +51,12 @@ def format_cursor(cursor: dict[str, int]) -> str:
     return ",".join(f"{d}:{s}" for d, s in sorted(cursor.items()))
 
 
-def _frame(event: str, data: dict[str, Any], event_id: str | None = None) -> str:
-    lines = [f"event: {event}"]
-    if event_id is not None:
-        lines.append(f"id: {event_id}")
-    lines.append("data: " + json.dumps(data, separators=(",", ":")))
-    return "\n".join(lines) + "\n\n"
+def _frame(event: str, data: dict[str, Any], event_id: str) -> ServerSentEvent:
+    return ServerSentEvent(event=event, id=event_id, data=json.dumps(data, separators=(",", ":")))
+
+
+def _keepalive() -> ServerSentEvent:
+    return ServerSentEvent(comment="keep-alive")
 
 
 def _decode(domain: str, seq: int, subject: str, raw: bytes) -> dict[str, Any]:
@@ -125,7 +125,7 @@ async def _pump(js: JetStreamContext, domain: str, after: int,
 
 
 async def _feed(js: JetStreamContext, cursor: dict[str, int], limit: int | None,
-                stopping: asyncio.Event | None) -> AsyncIterator[str]:
+                stopping: asyncio.Event | None) -> AsyncIterator[ServerSentEvent]:
     queue: asyncio.Queue[tuple[str, int, str, bytes]] = asyncio.Queue(maxsize=1024)
     stop = asyncio.Event()
     closing = stopping or asyncio.Event()
@@ -136,14 +136,13 @@ async def _feed(js: JetStreamContext, cursor: dict[str, int], limit: int | None,
         while (limit is None or sent < limit) and not closing.is_set():
             getter = asyncio.ensure_future(queue.get())
             closed = asyncio.ensure_future(closing.wait())
+            # Idle feeds get EventSourceResponse's keep-alive comment every KEEPALIVE_S.
             await asyncio.wait({getter, closed}, timeout=KEEPALIVE_S,
                                return_when=asyncio.FIRST_COMPLETED)
             closed.cancel()
             getter.cancel()  # no-op when it has an item: that one is never dropped
             await asyncio.gather(getter, closed, return_exceptions=True)
             if getter.cancelled():
-                if not closing.is_set():
-                    yield ": keep-alive\n\n"
                 continue
             domain, seq, subject, raw = getter.result()
             cursor[domain] = seq
@@ -157,7 +156,7 @@ async def _feed(js: JetStreamContext, cursor: dict[str, int], limit: int | None,
 
 
 @router.get("/events", dependencies=[Depends(require_read)],
-            response_class=StreamingResponse,
+            response_class=EventSourceResponse,
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "Server-sent events; each id is the cursor to resume from."}})
 async def events(domain: list[Domain] | None = Query(None, description="Domains to follow (default all)."),
@@ -166,7 +165,7 @@ async def events(domain: list[Domain] | None = Query(None, description="Domains 
                  limit: int | None = Query(None, ge=1, le=100_000,
                                            description="Close the feed after this many events."),
                  last_event_id: str | None = Header(None, max_length=500),
-                 ctx: ApiContext = Depends(get_ctx)) -> StreamingResponse:
+                 ctx: ApiContext = Depends(get_ctx)) -> EventSourceResponse:
     wanted = list(dict.fromkeys(domain or DOMAINS))
     try:
         given = parse_cursor(since if since is not None else (last_event_id or ""))
@@ -177,5 +176,6 @@ async def events(domain: list[Domain] | None = Query(None, description="Domains 
     cursor: dict[str, int] = {}
     for d in wanted:
         cursor[d] = given[d] if d in given else await _last_seq(js, d)
-    return StreamingResponse(_feed(js, cursor, limit, ctx.stopping), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    # sse-starlette frames the events (``sep`` "\n" as before) and sends the keep-alive comment.
+    return EventSourceResponse(_feed(js, cursor, limit, ctx.stopping), sep="\n", ping=KEEPALIVE_S,
+                               ping_message_factory=_keepalive, headers={"Cache-Control": "no-cache"})

@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
+
 from contracts.events.rows import ColumnV1
 from libs.dburl import DatabaseUrl, parse_database_url
 from services.sink_worker.sinks.base import Change, Delete, PartitionResult, Sink, TargetTable, Upsert
@@ -204,9 +206,8 @@ class SqlSink(Sink):
         ``_connect``), retrying the whole of it."""
         retryable = retryable or self._retryable
         connect = connect or self._connect
-        attempt = 0
-        while True:
-            attempt += 1
+
+        def once() -> T:
             conn = None
             try:
                 conn = connect()
@@ -224,20 +225,30 @@ class SqlSink(Sink):
                         conn.rollback()
                     except Exception:  # the connection may be gone: the server rolls back anyway
                         log.debug("rollback failed after %s", type(exc).__name__)
-                if attempt >= self.max_attempts or not retryable(exc):
-                    raise
-                delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
-                delay *= 0.5 + random.random()  # jitter, so two victims do not collide again
-                log.warning("%s on %s: retrying (attempt %d/%d) in %.2fs after %s: %s", what,
-                            self.db.redacted(), attempt + 1, self.max_attempts, delay,
-                            type(exc).__name__, exc)
-                time.sleep(delay)
+                raise
             finally:
                 if conn is not None:
                     try:
                         conn.close()
                     except Exception:
                         log.debug("close failed")
+
+        def log_retry(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            delay = state.next_action.sleep if state.next_action is not None else 0.0
+            log.warning("%s on %s: retrying (attempt %d/%d) in %.2fs after %s: %s", what,
+                        self.db.redacted(), state.attempt_number + 1, self.max_attempts, delay,
+                        type(exc).__name__, exc)
+
+        retrying = Retrying(stop=stop_after_attempt(self.max_attempts), retry=retry_if_exception(retryable),
+                            wait=self._backoff, before_sleep=log_retry, sleep=time.sleep, reraise=True)
+        return retrying(once)
+
+    def _backoff(self, state: RetryCallState) -> float:
+        """Exponential from ``backoff_s`` up to ``max_backoff_s``, then 0.5-1.5x jitter so two
+        victims of one deadlock do not collide again (tenacity's own jitter only adds)."""
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (state.attempt_number - 1))
+        return float(delay * (0.5 + random.random()))
 
     # ------------------------------------------------------------------ statement building
 

@@ -1,0 +1,107 @@
+"""/api/v1/sources: the sources registry (register, remove; GET /sources in routes/cluster.py
+lists registered sources beside those changefeeds read). Changefeeds naming a source by id only
+are resolved in services/api/source_refs.py.
+
+Registry commands go through the changefeeds log like changefeed commands (``_command``: fenced
+on what the read model folded), so a source cannot be removed while a changefeed that reads it
+is being created."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field
+
+from contracts.events.sources import SOURCE_ID_PATTERN
+from libs.dburl import parse_database_url
+from libs.secret_refs import literal_password
+from libs.sources import readers, record_source, record_source_removed
+from services.api.auth import require_write
+from services.api.context import ApiContext, get_ctx, js_of, projections_of
+from services.api.routes.changefeeds import _command
+from services.api.schemas import Accepted, redact_url
+
+router = APIRouter(prefix="/sources", tags=["sources"])
+
+
+class SourceIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=128, pattern=SOURCE_ID_PATTERN)
+    url: str = Field(min_length=1, max_length=2048, description=(
+        "mysql://user:secret:NAME@host:port/ of the source: the password as a named secret, "
+        "resolved by each service that connects."))
+
+
+def _url_problems(url: str) -> list[dict[str, Any]]:
+    def error(msg: str) -> list[dict[str, Any]]:
+        return [{"loc": ["body", "url"], "msg": msg, "type": "value_error"}]
+
+    if literal_password(url):
+        return error("the URL holds a password; the registry never stores one. Put it in a named "
+                     "secret (file $SLUICE_SECRETS_DIR/NAME or environment variable "
+                     "SLUICE_SECRET_NAME of the api, capture and sink-worker) and write "
+                     "user:secret:NAME@host in the URL instead")
+    try:
+        parsed = parse_database_url(url, resolve_secrets=False)
+    except ValueError as exc:  # DatabaseUrlError, or urlsplit's own (an unclosed "[" host)
+        return error(f"source URL refused: {exc}")
+    if parsed.dialect != "mysql":
+        return error(f"a source is MySQL or MariaDB (mysql://...), not {parsed.dialect}")
+    return []
+
+
+_ADD_RESPONSES: dict[int | str, dict[str, Any]] = {
+    409: {"description": "The id is registered, or read by a changefeed, with another URL"},
+    422: {"description": "Invalid id or URL"}}
+
+
+@router.post("", status_code=202, response_model=Accepted, dependencies=[Depends(require_write)],
+             responses=_ADD_RESPONSES)
+async def add_source(source: SourceIn, ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+    """Register a source's URL once; changefeeds then name it by id and its capture needs only
+    SLUICE_SOURCE_ID. Registering the same URL again changes nothing."""
+    problems = _url_problems(source.url)
+    if problems:
+        raise RequestValidationError(problems)
+    view = projections_of(ctx).changefeeds
+    follow = f"/api/v1/sources/{source.id}"
+    if view.state.sources.get(source.id) == source.url:
+        return Accepted(detail=f"source {source.id!r} is registered with this URL already", follow=follow)
+
+    def check() -> None:
+        registered = view.state.sources.get(source.id)
+        if registered is not None and registered != source.url:
+            raise HTTPException(409, f"source {source.id!r} is registered with {redact_url(registered)}: "
+                                     "remove it first (no changefeed may read it then)")
+        other = {cf: url for cf, url in readers(view.state, source.id).items() if url != source.url}
+        if other:
+            raise HTTPException(409, f"changefeed(s) {', '.join(sorted(other))} read source "
+                                     f"{source.id!r} from another URL")
+
+    seq = await _command(ctx, check, lambda expected: record_source(
+        js_of(ctx), source.id, source.url, ctx.requested_by, expected_last_subject_seq=expected))
+    return Accepted(detail=f"source {source.id!r} registered", seq=seq, follow=follow,
+                    events=f"/api/v1/events?since=changefeeds:{seq - 1}")
+
+
+@router.delete("/{source_id}", status_code=202, response_model=Accepted,
+               dependencies=[Depends(require_write)],
+               responses={404: {"description": "Not registered"},
+                          409: {"description": "A changefeed reads it"}})
+async def remove_source(source_id: str, ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+    view = projections_of(ctx).changefeeds
+
+    def check() -> None:
+        if source_id not in view.state.sources:
+            raise HTTPException(404, f"source {source_id!r} is not registered")
+        using = readers(view.state, source_id)
+        if using:
+            raise HTTPException(409, f"changefeed(s) {', '.join(using)} read source {source_id!r}: "
+                                     "update or delete them first")
+
+    seq = await _command(ctx, check, lambda expected: record_source_removed(
+        js_of(ctx), source_id, ctx.requested_by, expected_last_subject_seq=expected))
+    return Accepted(detail=f"source {source_id!r} removed from the registry", seq=seq,
+                    follow="/api/v1/sources", events=f"/api/v1/events?since=changefeeds:{seq - 1}")
