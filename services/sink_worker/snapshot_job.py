@@ -37,6 +37,7 @@ from pyspark.sql import SparkSession
 from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.dburl import parse_database_url
 from services.capture.values import encode_value
+from services.sink_worker import source_read
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.mysql import MySQLSink
 from services.sink_worker.snapshot_plan import (
@@ -189,39 +190,32 @@ class CopyJob:
     """The origin column's name and value every copied row gains (a routed shard with one)."""
 
 
-def _row_bytes(row: Sequence[Any]) -> int:
-    return sum(len(v) if isinstance(v, bytes | bytearray | str) else 8 for v in row)
+# Kinds whose values are short whatever the table: the batch's byte bound counts them as 8.
+_FIXED_SIZE = frozenset({"int", "float", "decimal", "date", "datetime", "timestamp", "time", "bit"})
 
 
-def _read_batches(job: CopyJob, chunk: Chunk, columns: Sequence[str], *,
-                  as_text: bool = False) -> Iterator[list[tuple[Any, ...]]]:
+def _read_batches(job: CopyJob, chunk: Chunk, columns: Sequence[ColumnV1], *,
+                  mode: source_read.Mode) -> Iterator[list[tuple[Any, ...]]]:
     """The chunk's rows in batches of ``job.write_rows`` rows or ``job.write_bytes`` bytes,
-    whichever comes first (a larger row alone), streamed from one unbuffered query;
-    ``as_text``: values as the server sent them (str; bytes for binary columns), undecoded."""
+    whichever comes first (a larger row alone), streamed from one unbuffered query
+    (``source_read``)."""
     where, params = range_condition(job.chunk_key, chunk, quote)
-    sql = (f"SELECT {', '.join(quote(n) for n in columns)} FROM {table_ref(job.database, job.table)}"
+    sql = (f"SELECT {', '.join(quote(c.name) for c in columns)} FROM {table_ref(job.database, job.table)}"
            f" WHERE {where}")
-    conn = connect_source(job.source_url, unbuffered=True)
-    if as_text:
-        conn.decoders = {}  # pymysql then hands over each field's text as it arrived
-    try:
-        with conn.cursor() as cur:
-            cur.execute(sql, params)
-            batch: list[tuple[Any, ...]] = []
-            size = 0
-            for row in cur:
-                batch.append(row)
-                size += _row_bytes(row)
-                if len(batch) >= job.write_rows or size >= job.write_bytes:
-                    yield batch
-                    batch, size = [], 0
-            if batch:
-                yield batch
-    finally:
-        conn.close()
+    sized = [i for i, c in enumerate(columns) if c.kind not in _FIXED_SIZE]
+    return source_read.stream_batches(job.source_url, sql, params, mode=mode, batch_rows=job.write_rows,
+                                      batch_bytes=job.write_bytes, sized=sized)
 
 
 _DONE = object()
+
+
+def _as_source_bytes(value: Any) -> bytes | None:
+    """A Python value as a MySQL source's text protocol would send it (the origin column's
+    value beside the rows read raw)."""
+    if value is None or isinstance(value, bytes):
+        return value
+    return str(value).encode()
 
 
 def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
@@ -240,10 +234,11 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
     converters = [_converter(c) for c in columns]
     # Multi-row statements as large as one write batch where a sink has no bulk path.
     sink = open_sink(job.sink_url, chunk_rows=job.write_rows)
-    # MySQL/MariaDB into MySQL/MariaDB by LOAD DATA: the source's text goes into the file as it
-    # is (numbers, dates and times are spelled alike on both sides), which saves decoding every
-    # value in pymysql and encoding it again; the edge-value tests hold both paths to one result.
-    as_text = isinstance(sink, MySQLSink) and sink.local_infile_on()
+    # MySQL/MariaDB into MySQL/MariaDB by LOAD DATA: the source's bytes go into the file as they
+    # are (numbers, dates and times are spelled alike on both sides), which saves decoding every
+    # value and encoding it again; the edge-value tests hold both paths to one result.
+    raw = isinstance(sink, MySQLSink) and sink.local_infile_on()
+    mode = source_read.RAW if raw else source_read.TYPED
     ahead: queue.Queue[Any] = queue.Queue(maxsize=2)
     stop = threading.Event()
 
@@ -259,7 +254,7 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
 
     def read() -> None:
         try:
-            for rows in _read_batches(job, chunk, names, as_text=as_text):
+            for rows in _read_batches(job, chunk, columns, mode=mode):
                 if not offer(rows):
                     return
             offer(_DONE)
@@ -269,6 +264,7 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
     reader = threading.Thread(target=read, name=f"snapshot-read-{chunk.id}", daemon=True)
     reader.start()
     loaded = [*names, origin[0]] if origin is not None else names
+    origin_raw = None if origin is None else _as_source_bytes(origin[1])
     # Keyed by the source's primary key, the copied rows never share a target key.
     keys_unique = bool(job.chunk_key) and set(job.chunk_key) <= set(job.target.key)
     written = 0
@@ -276,11 +272,11 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
         while (rows := ahead.get()) is not _DONE:
             if isinstance(rows, BaseException):
                 raise rows
-            if as_text:
+            if raw:
                 assert isinstance(sink, MySQLSink)
-                if origin is not None:
-                    rows = [(*row, origin[1]) for row in rows]
-                written += sink.load_source_text(job.target, loaded, rows)
+                if origin_raw is not None:
+                    rows = [(*row, origin_raw) for row in rows]
+                written += sink.load_source_bytes(job.target, loaded, rows)
                 continue
             values = [[None if v is None else conv(v) for v, conv in zip(raw, converters, strict=True)]
                       for raw in rows]

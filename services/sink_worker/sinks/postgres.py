@@ -4,9 +4,11 @@ Upserts are ``INSERT ... ON CONFLICT (key) DO UPDATE``; PostgreSQL has no REPLAC
 hold the same unique-key values under another key are deleted first (``SqlSink._apply``).
 DDL is transactional here, so ``reconcile_schema`` changes the table all at once or not at all.
 
-The initial load's bulk path (``load_rows``): ``COPY ... FROM STDIN`` into a temporary staging
-table (dropped at commit), then the same two steps set-wise: delete the rows holding a staged
-row's unique values under another key, and ``INSERT ... SELECT ... ON CONFLICT DO UPDATE``.
+The initial load's bulk path (``load_rows``): ``COPY ... FROM STDIN`` straight into the target
+while no copied row meets one already there (a unique violation proves it did not); otherwise
+into a temporary staging table (dropped at commit), then the same two steps set-wise: delete
+the rows holding a staged row's unique values under another key, and ``INSERT ... SELECT ...
+ON CONFLICT DO UPDATE``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import psycopg
+import psycopg.errors
 from psycopg.types.string import TextLoader
 
 from services.sink_worker.sinks.base import TargetTable
@@ -134,6 +137,9 @@ class PostgresSink(SqlSink):
 
     # ------------------------------------------------------------------ DML
 
+    _direct_conflicted = False
+    """A direct COPY of this sink met a row already there (see ``load_rows``)."""
+
     def load_rows(self, table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]],
                   *, keys_unique: bool = True) -> int:
         if not rows:
@@ -162,7 +168,25 @@ class PostgresSink(SqlSink):
         statements.append(f"INSERT INTO {ref} ({cols}) SELECT {cols} FROM {stage}"
                           f" ON CONFLICT ({', '.join(self.ident(k) for k in table.key)}) {action}")
 
+        # Straight into the target first, when a unique violation is the only way the copy's
+        # rows can differ from their upsert: no key repeats in the rows, no unique key besides
+        # the primary one. A fresh copy then costs one COPY, as a plain bulk load does. A
+        # violation (the chunk is copied again, or another shard holds the key) rolls back to
+        # the savepoint and takes the staging path, and so does every later load of this sink.
+        direct = keys_unique and not self._direct_conflicted and all(
+            set(unique) == key for unique in table.unique_keys if unique)
+
         def work(cur: Any) -> None:
+            if direct:
+                cur.execute("SAVEPOINT sluice_direct")
+                try:
+                    with cur.copy(f"COPY {ref} ({cols}) FROM STDIN") as copy:
+                        for row in rows:
+                            copy.write_row(row)
+                    return
+                except psycopg.errors.UniqueViolation:
+                    cur.execute("ROLLBACK TO SAVEPOINT sluice_direct")
+                    self._direct_conflicted = True
             cur.execute(f"CREATE TEMPORARY TABLE {stage} (LIKE {ref}) ON COMMIT DROP")
             with cur.copy(f"COPY {stage} ({cols}) FROM STDIN") as copy:
                 for row in rows:
