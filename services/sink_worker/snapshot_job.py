@@ -39,7 +39,6 @@ from libs.dburl import parse_database_url
 from services.capture.values import encode_value
 from services.sink_worker import source_read
 from services.sink_worker.sinks.base import TargetTable
-from services.sink_worker.sinks.mysql import MySQLSink
 from services.sink_worker.snapshot_plan import (
     Chunk,
     KeyValues,
@@ -234,10 +233,12 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
     converters = [_converter(c) for c in columns]
     # Multi-row statements as large as one write batch where a sink has no bulk path.
     sink = open_sink(job.sink_url, chunk_rows=job.write_rows)
-    # MySQL/MariaDB into MySQL/MariaDB by LOAD DATA: the source's bytes go into the file as they
-    # are (numbers, dates and times are spelled alike on both sides), which saves decoding every
-    # value and encoding it again; the edge-value tests hold both paths to one result.
-    raw = isinstance(sink, MySQLSink) and sink.local_infile_on()
+    loaded = [*names, origin[0]] if origin is not None else names
+    # The source's bytes go into the sink's bulk file as they are where the sink reads them
+    # (LOAD DATA into MySQL/MariaDB; COPY into PostgreSQL for numbers, text, dates): decoding
+    # every value in Python and encoding it again was most of a copy's CPU. The edge-value
+    # tests hold both paths to one result.
+    raw = sink.takes_source_bytes(job.target, loaded)
     mode = source_read.RAW if raw else source_read.TYPED
     ahead: queue.Queue[Any] = queue.Queue(maxsize=2)
     stop = threading.Event()
@@ -263,7 +264,6 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
 
     reader = threading.Thread(target=read, name=f"snapshot-read-{chunk.id}", daemon=True)
     reader.start()
-    loaded = [*names, origin[0]] if origin is not None else names
     origin_raw = None if origin is None else _as_source_bytes(origin[1])
     # Keyed by the source's primary key, the copied rows never share a target key.
     keys_unique = bool(job.chunk_key) and set(job.chunk_key) <= set(job.target.key)
@@ -273,13 +273,12 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
             if isinstance(rows, BaseException):
                 raise rows
             if raw:
-                assert isinstance(sink, MySQLSink)
-                if origin_raw is not None:
+                if origin is not None:
                     rows = [(*row, origin_raw) for row in rows]
-                written += sink.load_source_bytes(job.target, loaded, rows)
+                written += sink.load_source_bytes(job.target, loaded, rows, keys_unique=keys_unique)
                 continue
-            values = [[None if v is None else conv(v) for v, conv in zip(raw, converters, strict=True)]
-                      for raw in rows]
+            values = [[None if v is None else conv(v) for v, conv in zip(read, converters, strict=True)]
+                      for read in rows]
             if origin is not None:
                 for row in values:
                     row.append(origin[1])

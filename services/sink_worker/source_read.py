@@ -70,9 +70,6 @@ def _typed_conv() -> dict[int, Any]:
 
 _CONV: dict[Mode, dict[int, Any]] = {RAW: {}, TYPED: _typed_conv()}
 
-# Rows asked of the C layer at once before their size is known: small, so a table of
-# multi-MB rows does not fetch a large block before the byte bound applies.
-_FIRST_STEP = 64
 
 
 def connect(url: str, mode: Mode) -> Any:
@@ -111,14 +108,14 @@ def stream_batches(url: str, sql: str, params: Sequence[Any], *, mode: Mode, bat
     values may be large (strings, binary, JSON); the others count 8 bytes each.
 
     Rows come off the socket as they are fetched (unbuffered), so memory holds one batch being
-    filled plus what the caller keeps. The block asked of the C layer adapts to the row size
-    seen so far, so it never holds much more than the byte bound."""
+    filled plus what the caller keeps. The block asked of the C layer starts at one row and
+    adapts to the row size seen so far, so it holds little more than the byte bound."""
     conn = connect(url, mode)
     try:
         conn.query(bind(sql, params))
         result = conn.use_result()
         fixed = 8 * (result.num_fields() - len(sized))
-        step = min(batch_rows, _FIRST_STEP)
+        step = 1
         batch: list[tuple[Any, ...]] = []
         size = 0
         while rows := result.fetch_row(maxrows=step, how=0):
@@ -128,8 +125,10 @@ def stream_batches(url: str, sql: str, params: Sequence[Any], *, mode: Mode, bat
             if len(batch) >= batch_rows or size >= batch_bytes:
                 yield batch
                 batch, size = [], 0
+            # The next block: what the bounds leave room for at the size of the rows so far, at
+            # most twice the last one, so rows growing larger overshoot the byte bound little.
             per_row = max(1, got // len(rows))
-            step = max(1, min(batch_rows - len(batch), (batch_bytes - size) // per_row))
+            step = max(1, min(batch_rows - len(batch), (batch_bytes - size) // per_row, 2 * len(rows)))
         if batch:
             yield batch
     finally:

@@ -32,7 +32,7 @@ import pymysql.connections
 
 from contracts.events.rows import ColumnV1
 from services.sink_worker.sinks.base import TargetTable
-from services.sink_worker.sinks.sql_common import SqlSink
+from services.sink_worker.sinks.sql_common import ByteEncoder, SqlSink, source_text_files
 from services.sink_worker.values import (
     MYSQL_MAX_KEY_BYTES,
     SqlTypeError,
@@ -214,10 +214,7 @@ def _bit_bytes(value: bytes) -> bytes:
     return str(int.from_bytes(value, "big")).encode()
 
 
-_ByteEncoder = Callable[[bytes], bytes] | None
-
-
-def _source_bytes_encoder(column: ColumnV1) -> tuple[_ByteEncoder, str | None]:
+def _source_bytes_encoder(column: ColumnV1) -> tuple[ByteEncoder, str | None]:
     """``_load_encoder`` for a value as the bytes a MySQL source's text protocol sent (in
     utf8mb4): numbers, dates and times are already spelled as the server reads them back
     (None: the bytes go as they are), only text needs escaping and binary its hex."""
@@ -235,28 +232,6 @@ def _source_bytes_encoder(column: ColumnV1) -> tuple[_ByteEncoder, str | None]:
     if kind in ("int", "float", "decimal", "date", "datetime", "timestamp", "time"):
         return None, None
     return _escape_bytes, None
-
-
-_NULL = b"\\N"
-
-
-def _byte_files(rows: Iterable[Sequence[bytes | None]], encoders: Sequence[_ByteEncoder],
-                limit: int) -> Iterator[bytes]:
-    """``_load_files`` of rows of source bytes."""
-    lines: list[bytes] = []
-    size = 0
-    for row in rows:
-        line = b"\t".join([_NULL if v is None else v if encode is None else encode(v)
-                           for v, encode in zip(row, encoders, strict=True)])
-        lines.append(line)
-        size += len(line) + 1
-        if size >= limit:
-            lines.append(b"")
-            yield b"\n".join(lines)
-            lines, size = [], 0
-    if lines:
-        lines.append(b"")
-        yield b"\n".join(lines)
 
 
 class MySQLSink(SqlSink):
@@ -494,15 +469,17 @@ class MySQLSink(SqlSink):
             self._local_infile_refused = True
             return super().load_rows(table, columns, rows, keys_unique=keys_unique)
 
+    def takes_source_bytes(self, table: TargetTable, columns: Sequence[str]) -> bool:
+        # There is no upsert to fall back to with undecoded values: LOAD DATA LOCAL or nothing.
+        return self.local_infile_on()
+
     def load_source_bytes(self, table: TargetTable, columns: Sequence[str],
-                          rows: Sequence[Sequence[bytes | None]]) -> int:
-        """``load_rows`` of rows as the bytes a MySQL source's text protocol sent them (no
-        decoding on either side: the copy's fast path into a MySQL/MariaDB downstream). Only
-        when ``local_infile_on()``: there is no upsert to fall back to with undecoded values."""
+                          rows: Sequence[Sequence[bytes | None]], *, keys_unique: bool = True) -> int:
         if not rows:
             return 0
         sql, encoders = self._load_statement(table, columns, _source_bytes_encoder)
-        self._send_load(table, sql, lambda: _byte_files(rows, encoders, self.load_file_chars))
+        # REPLACE: the last row of a key wins, whether or not keys repeat.
+        self._send_load(table, sql, lambda: source_text_files(rows, encoders, self.load_file_chars))
         return len(rows)
 
     def _load(self, table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> int:

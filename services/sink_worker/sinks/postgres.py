@@ -13,15 +13,41 @@ ON CONFLICT DO UPDATE``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import binascii
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
 import psycopg.errors
 from psycopg.types.string import TextLoader
 
+from contracts.events.rows import ColumnV1
 from services.sink_worker.sinks.base import TargetTable
-from services.sink_worker.sinks.sql_common import SqlSink
+from services.sink_worker.sinks.sql_common import ByteEncoder, SqlSink, source_text_files
+
+# Kinds whose values the source's text protocol spells as COPY's text format reads them:
+# numbers, text, dates and times of day (a zero or invalid date fails the COPY, as its decoded
+# value fails the upsert). BIT, SET, TIME (an interval here) and JSON take the decoded path.
+_SOURCE_TEXT_KINDS = frozenset({"int", "float", "decimal", "string", "bytes", "date", "datetime",
+                                "timestamp"})
+
+
+def _escape_text(value: bytes) -> bytes:
+    # Byte-wise is safe in utf8mb4: no byte of a multi-byte character is an ASCII byte. A NUL
+    # goes through and fails the COPY, as PostgreSQL text holds none.
+    return value.replace(b"\\", b"\\\\").replace(b"\t", b"\\t").replace(b"\n", b"\\n").replace(b"\r", b"\\r")
+
+
+def _bytea_text(value: bytes) -> bytes:
+    return b"\\\\x" + binascii.hexlify(value)  # bytea's hex input, its backslash escaped for COPY
+
+
+def _source_bytes_encoder(column: ColumnV1) -> ByteEncoder:
+    if column.kind == "bytes":
+        return _bytea_text
+    if column.kind == "string":
+        return _escape_text
+    return None
 
 
 class PostgresSink(SqlSink):
@@ -138,18 +164,57 @@ class PostgresSink(SqlSink):
     # ------------------------------------------------------------------ DML
 
     _direct_conflicted = False
-    """A direct COPY of this sink met a row already there (see ``load_rows``)."""
+    """A direct COPY of this sink met a row already there (see ``_copy_in``)."""
+    load_file_bytes = 8 * 1024 * 1024
+    """Bytes of COPY text built at once from source bytes (``load_source_bytes``)."""
 
     def load_rows(self, table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]],
                   *, keys_unique: bool = True) -> int:
         if not rows:
             return 0
+        rows = self._last_per_key(table, columns, rows, keys_unique)
+
+        def feed(copy: Any) -> None:
+            for row in rows:
+                copy.write_row(row)
+
+        self._copy_in(table, columns, feed, keys_unique=keys_unique)
+        return len(rows)
+
+    def takes_source_bytes(self, table: TargetTable, columns: Sequence[str]) -> bool:
+        colmap = self._columns(table)
+        return all(colmap[c].kind in _SOURCE_TEXT_KINDS for c in columns)
+
+    def load_source_bytes(self, table: TargetTable, columns: Sequence[str],
+                          rows: Sequence[Sequence[bytes | None]], *, keys_unique: bool = True) -> int:
+        if not rows:
+            return 0
+        rows = self._last_per_key(table, columns, rows, keys_unique)
+        colmap = self._columns(table)
+        encoders = [_source_bytes_encoder(colmap[c]) for c in columns]
+
+        def feed(copy: Any) -> None:
+            for data in source_text_files(rows, encoders, self.load_file_bytes):
+                copy.write(data)
+
+        self._copy_in(table, columns, feed, keys_unique=keys_unique)
+        return len(rows)
+
+    @staticmethod
+    def _last_per_key(table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                      keys_unique: bool) -> Sequence[Sequence[Any]]:
+        if keys_unique:
+            return rows
+        # ON CONFLICT DO UPDATE refuses to touch a row twice: the last row of a key wins, as in
+        # the apply path.
+        index = [list(columns).index(k) for k in table.key]
+        return list({tuple(r[i] for i in index): r for r in rows}.values())
+
+    def _copy_in(self, table: TargetTable, columns: Sequence[str], feed: Callable[[Any], None], *,
+                 keys_unique: bool) -> None:
+        """``feed(copy)`` writes the rows into a ``COPY ... FROM STDIN`` of ``columns``; they
+        end up inserted or updated by key, in one transaction (see the module doc)."""
         self._validate(table)
-        if not keys_unique:
-            # ON CONFLICT DO UPDATE refuses to touch a row twice: the last row of a key wins, as
-            # in the apply path.
-            index = [list(columns).index(k) for k in table.key]
-            rows = list({tuple(r[i] for i in index): r for r in rows}.values())
         ref = self._table_ref(table)
         stage = self.ident("sluice_bulk_stage")
         cols = ", ".join(self.ident(c) for c in columns)
@@ -177,25 +242,22 @@ class PostgresSink(SqlSink):
             set(unique) == key for unique in table.unique_keys if unique)
 
         def work(cur: Any) -> None:
-            if direct:
+            if direct and not self._direct_conflicted:
                 cur.execute("SAVEPOINT sluice_direct")
                 try:
                     with cur.copy(f"COPY {ref} ({cols}) FROM STDIN") as copy:
-                        for row in rows:
-                            copy.write_row(row)
+                        feed(copy)
                     return
                 except psycopg.errors.UniqueViolation:
                     cur.execute("ROLLBACK TO SAVEPOINT sluice_direct")
                     self._direct_conflicted = True
             cur.execute(f"CREATE TEMPORARY TABLE {stage} (LIKE {ref}) ON COMMIT DROP")
             with cur.copy(f"COPY {stage} ({cols}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
+                feed(copy)
             for sql in statements:
                 cur.execute(sql)
 
         self._run(work, f"load into {table.name!r}")
-        return len(rows)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
         cols = ", ".join(self.pident(c) for c in columns)

@@ -54,6 +54,33 @@ class _Guarded:
 
 T = TypeVar("T")
 
+ByteEncoder = Callable[[bytes], bytes] | None
+"""How one column's source bytes are spelled in a bulk-load text file (None: as they are)."""
+
+_NULL = b"\\N"
+
+
+def source_text_files(rows: Iterable[Sequence[bytes | None]], encoders: Sequence[ByteEncoder],
+                      limit: int) -> Iterator[bytes]:
+    """Rows of source bytes as the text format LOAD DATA and COPY share (tab-separated fields,
+    ``\\N`` for NULL, a row a line; each encoder escapes what its dialect needs), in files of
+    about ``limit`` bytes (a row is never split): a batch of wide rows is sent as several
+    files, so the encoded copy in memory stays one file, not the batch."""
+    lines: list[bytes] = []
+    size = 0
+    for row in rows:
+        line = b"\t".join([_NULL if v is None else v if encode is None else encode(v)
+                           for v, encode in zip(row, encoders, strict=True)])
+        lines.append(line)
+        size += len(line) + 1
+        if size >= limit:
+            lines.append(b"")
+            yield b"\n".join(lines)
+            lines, size = [], 0
+    if lines:
+        lines.append(b"")
+        yield b"\n".join(lines)
+
 # Longest identifier each dialect keeps: PostgreSQL silently truncates past 63 bytes, which
 # would make reconcile_schema add the "missing" column forever; MySQL rejects past 64 chars.
 _MAX_IDENT = {"postgresql": 63, "mysql": 64, "sqlite": 1_000_000}
