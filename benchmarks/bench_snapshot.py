@@ -16,9 +16,10 @@ DECIMAL, DATETIME(6), TINYINT, a nullable TEXT). Then:
 - ``LOAD DATA LOCAL INFILE`` of the same rows into an identical table (``CREATE TABLE ... LIKE``
   the copy's target); the file is exported by the source (``SELECT ... INTO OUTFILE``) before
   the clock starts;
-- the same copy into PostgreSQL (``COPY`` into a staging table, then ``INSERT ... ON
-  CONFLICT``), and PostgreSQL's ``COPY ... FROM STDIN`` of the exported file into an identical
-  table (the file's format is also COPY's text format).
+- the same copy into PostgreSQL (``COPY`` of the source's bytes straight into the target, which
+  a fresh copy meets empty; a conflict would send it through a staging table and ``INSERT ...
+  ON CONFLICT``), and PostgreSQL's ``COPY ... FROM STDIN`` of the exported file into an
+  identical table (the file's format is also COPY's text format).
 
 During each copy the process tree of the copy (this driver, the Spark JVM, its Python
 workers; not the database servers) is sampled for its peak RSS, which stands for a worker's.
@@ -79,6 +80,13 @@ def _fill(source: MariaDB, rows: int) -> None:
             " + INTERVAL (seq % 1000000) MICROSECOND, seq % 5,"
             " IF(seq % 3 = 0, NULL, CONCAT('note ', seq, ' ünïcødé'))"
             f" FROM {_SCHEMA}.seq_{start}_to_{end}")
+
+
+def _import_copy(x: int) -> int:
+    import services.sink_worker.sinks.factory
+    import services.sink_worker.snapshot_job  # noqa: F401
+
+    return x
 
 
 def _checksum(db: MariaDB, schema: str) -> tuple[int, int]:
@@ -234,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"source filled with {args.rows} rows in {time.monotonic() - t0:.1f}s")
             spark = get_spark(Settings(spark_master=args.spark_master,
                                        spark_shuffle_partitions=args.parallelism, spark_driver_memory="1g"))
-            spark.sparkContext.parallelize(range(4), 4).map(lambda x: x * 2).collect()  # warm workers
+            # Warm Python workers that imported the copy's modules: a sink-worker pays that once
+            # in its life, not per copy.
+            spark.sparkContext.parallelize(range(args.parallelism), args.parallelism).map(_import_copy).collect()
             my_s, my_rows, chunks, my_rss = _snapshot(source, down.url_for("snap"), "snap", args, spark)
             path = _export(source, tmp)
             load_s = _load_data(down, path)
