@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                                        spark_shuffle_partitions=args.parallelism, spark_driver_memory="1g"))
             # Warm Python workers that imported the copy's modules: a sink-worker pays that once
             # in its life, not per copy.
-            spark.sparkContext.parallelize(range(args.parallelism), args.parallelism).map(_import_copy).collect()
+            workers = spark.sparkContext.parallelize(range(args.parallelism), args.parallelism)
+            workers.map(_import_copy).collect()
             my_s, my_rows, chunks, my_rss = _snapshot(source, down.url_for("snap"), "snap", args, spark)
             path = _export(source, tmp)
             load_s = _load_data(down, path)
