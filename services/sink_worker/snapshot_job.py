@@ -286,6 +286,7 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
     finally:
         stop.set()
         reader.join(timeout=30)
+        sink.close()
     return written
 
 

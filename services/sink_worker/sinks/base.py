@@ -105,6 +105,9 @@ class Sink(ABC):
                                             row=dict(zip(columns, r, strict=True))) for r in rows])
         return len(rows)
 
+    def close(self) -> None:  # noqa: B027 (a hook: most sinks keep nothing open)
+        """Release what the sink keeps open between bulk loads (nothing by default)."""
+
     def takes_source_bytes(self, table: TargetTable, columns: Sequence[str]) -> bool:
         """Whether ``load_source_bytes`` can write these columns of ``table`` (asked once per
         copied chunk)."""

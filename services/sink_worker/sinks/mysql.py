@@ -522,7 +522,7 @@ class MySQLSink(SqlSink):
                     raise pymysql.err.DataError(1265, f"LOAD DATA into {table.name!r} warned: "
                                                       f"{[tuple(r) for r in cur.fetchall()]}")
 
-        self._run(work, f"load into {table.name!r}", connect=self._connect_load)
+        self._run(work, f"load into {table.name!r}", connect=self._connect_load, keep=True)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
         cols = ", ".join(self.pident(c) for c in columns)

@@ -257,7 +257,7 @@ class PostgresSink(SqlSink):
             for sql in statements:
                 cur.execute(sql)
 
-        self._run(work, f"load into {table.name!r}")
+        self._run(work, f"load into {table.name!r}", keep=True)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
         cols = ", ".join(self.pident(c) for c in columns)

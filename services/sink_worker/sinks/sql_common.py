@@ -224,11 +224,25 @@ class SqlSink(Sink):
     def _columns(table: TargetTable) -> dict[str, ColumnV1]:
         return {c.name: c for c in table.meta.columns}
 
+    _kept: Any = None
+    """The connection ``_run(keep=True)`` left open for the next bulk load (``close``)."""
+
+    def close(self) -> None:
+        """Close the connection kept between bulk loads, if any (the sink stays usable)."""
+        conn, self._kept = self._kept, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                log.debug("close failed")
+
     def _run(self, work: Callable[[Any], T], what: str,
              retryable: Callable[[BaseException], bool] | None = None,
-             connect: Callable[[], Any] | None = None) -> T:
+             connect: Callable[[], Any] | None = None, *, keep: bool = False) -> T:
         """Run ``work(cursor)`` in one transaction on a fresh connection (``connect``, default
-        ``_connect``), retrying the whole of it."""
+        ``_connect``), retrying the whole of it. ``keep``: the connection stays open after a
+        commit for the next ``keep`` run (a copy's batches: a PostgreSQL connection is a new
+        server process), until ``close``; one that failed is closed and the retry opens another."""
         retryable = retryable or self._retryable
         connect = connect or self._connect
         attempt = 0
@@ -236,7 +250,10 @@ class SqlSink(Sink):
             attempt += 1
             conn = None
             try:
-                conn = connect()
+                if keep and self._kept is not None:
+                    conn, self._kept = self._kept, None
+                else:
+                    conn = connect()
                 self._begin(conn)
                 cur = conn.cursor()
                 try:
@@ -244,6 +261,8 @@ class SqlSink(Sink):
                 finally:
                     cur.close()
                 conn.commit()
+                if keep:
+                    self._kept, conn = conn, None
                 return result
             except Exception as exc:
                 if conn is not None:
