@@ -168,9 +168,9 @@ def _profile(source: MariaDB, sink_url: str, schema: str, chunk: Chunk, write_ro
             continue
         n = int(count)
         total += n
-        # The reader thread runs copy_chunk's ``read``; the leaf is where the sample's CPU went.
-        reader = any(f.startswith("read (") and "snapshot_job" in f for f in frames)
-        thread = "source reader" if reader else "writer"
+        # The first frame names the thread (copy_chunk's reader is "snapshot-read-<chunk>"); the
+        # leaf is where the sample's CPU went.
+        thread = "source reader" if "snapshot-read-" in frames[0] else "writer"
         by_thread[thread] += n
         leaf = frames[-1]
         name, _, where = leaf.partition(" (")
