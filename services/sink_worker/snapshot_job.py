@@ -10,13 +10,14 @@ and write the rows through the sink's idempotent upsert.
   the copy reaches it (``split_open_chunk``), so no chunk grows unbounded. A table without a
   usable key is one chunk.
 - Copy (executors, ``copy_partition``): one Spark task per chunk. It reads the chunk with one
-  unbuffered query (pymysql ``SSCursor``: rows stream from the server, memory holds a few write
-  batches, not the chunk or the table), decodes each batch's values as the stream's apply job
-  does, and writes it with ``Sink.load_rows``, the sink's bulk path (LOAD DATA LOCAL ... REPLACE,
-  COPY into a staging table then INSERT ... ON CONFLICT, executemany of INSERT OR REPLACE),
-  with the stream's semantics: rows holding a unique value under another key go, the row is
-  inserted or replaced by key. No lock is held on the source beyond that query's own
-  consistent read.
+  unbuffered query through mysqlclient's C layer (``source_read``: rows stream from the server,
+  memory holds a few write batches, not the chunk or the table) and writes each batch through
+  the sink's bulk path (LOAD DATA LOCAL ... REPLACE; COPY straight into the target, or into a
+  staging table then INSERT ... ON CONFLICT; executemany of INSERT OR REPLACE): the source's
+  bytes undecoded where the sink reads them so (``Sink.load_source_bytes``), otherwise values
+  decoded as the stream's apply job does (``Sink.load_rows``). Either way with the stream's
+  semantics: rows holding a unique value under another key go, the row is inserted or replaced
+  by key. No lock is held on the source beyond that query's own consistent read.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from functools import partial
 from typing import Any
 
 import pymysql
-import pymysql.cursors
 from pyspark.sql import SparkSession
 
 from contracts.events.rows import ColumnV1, TableMetaV1
@@ -51,8 +51,9 @@ from services.sink_worker.snapshot_plan import (
 from services.sink_worker.values import decode_value
 
 
-def connect_source(url: str, *, unbuffered: bool = False) -> Any:
-    """A source connection; UTC, so TIMESTAMP values read here match the binlog's (UTC)."""
+def connect_source(url: str) -> Any:
+    """A source connection (pymysql: metadata and planning; the rows are read by
+    ``source_read``); UTC, so TIMESTAMP values read here match the binlog's (UTC)."""
     db = parse_database_url(url)
     params: dict[str, Any] = {
         "host": db.host, "port": db.port, "user": db.user or "root", "password": db.password,
@@ -62,8 +63,6 @@ def connect_source(url: str, *, unbuffered: bool = False) -> Any:
     socket = db.option("unix_socket")
     if socket:
         params["unix_socket"] = socket
-    if unbuffered:
-        params["cursorclass"] = pymysql.cursors.SSCursor
     return pymysql.connect(**params)
 
 
