@@ -72,18 +72,26 @@ _CONV: dict[Mode, dict[int, Any]] = {RAW: {}, TYPED: _typed_conv()}
 
 
 
-def connect(url: str, mode: Mode) -> Any:
-    """A source connection in UTC (TIMESTAMP values then match the binlog's), utf8mb4."""
+def connect_params(url: str, mode: Mode) -> dict[str, Any]:
+    """mysqlclient's connect arguments for a source URL, reaching the server pymysql reaches
+    with the same URL: libmariadb takes the host ``localhost`` for its default unix socket,
+    pymysql for TCP to 127.0.0.1, so ``localhost`` goes as 127.0.0.1 unless the URL names a
+    socket (which libmariadb uses only with the host ``localhost``)."""
     db = parse_database_url(url)
-    params: dict[str, Any] = {"host": db.host or "localhost", "user": db.user or "root",
-                              "password": db.password or "", "connect_timeout": 10,
-                              "conv": _CONV[mode]}
-    if db.port:
-        params["port"] = db.port
+    params: dict[str, Any] = {"user": db.user or "root", "password": db.password or "",
+                              "connect_timeout": 10, "conv": _CONV[mode]}
     socket = db.option("unix_socket")
     if socket:
-        params["unix_socket"] = socket
-    conn = _mysql.connect(**params)
+        params["host"], params["unix_socket"] = "localhost", socket
+    else:
+        params["host"] = "127.0.0.1" if db.host in ("", "localhost") else db.host
+        params["port"] = db.port or 3306
+    return params
+
+
+def connect(url: str, mode: Mode) -> Any:
+    """A source connection in UTC (TIMESTAMP values then match the binlog's), utf8mb4."""
+    conn = _mysql.connect(**connect_params(url, mode))
     try:
         conn.set_character_set("utf8mb4")
         conn.query("SET time_zone = '+00:00'")
