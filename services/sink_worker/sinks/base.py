@@ -105,6 +105,22 @@ class Sink(ABC):
                                             row=dict(zip(columns, r, strict=True))) for r in rows])
         return len(rows)
 
+    def close(self) -> None:  # noqa: B027 (a hook: most sinks keep nothing open)
+        """Release what the sink keeps open between bulk loads (nothing by default)."""
+
+    def takes_source_bytes(self, table: TargetTable, columns: Sequence[str]) -> bool:
+        """Whether ``load_source_bytes`` can write these columns of ``table`` (asked once per
+        copied chunk)."""
+        return False
+
+    def load_source_bytes(self, table: TargetTable, columns: Sequence[str],
+                          rows: Sequence[Sequence[bytes | None]], *, keys_unique: bool = True) -> int:
+        """``load_rows`` of rows as the bytes a MySQL/MariaDB source's text protocol sent them
+        (utf8mb4; NULL as None), undecoded: the copy's fast path, for a sink whose bulk format
+        reads the source's spelling of these columns' values as they are. Only called when
+        ``takes_source_bytes`` said yes."""
+        raise TypeError(f"{type(self).__name__} does not load source bytes")
+
     @abstractmethod
     def fetch_rows(self, table: TargetTable) -> list[dict[str, Any]]:
         """Every row of the table (for checksums and tests)."""

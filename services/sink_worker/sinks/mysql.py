@@ -20,18 +20,19 @@ any unique key, which is the apply path's conflict delete plus upsert in one sta
 
 from __future__ import annotations
 
+import binascii
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import date, datetime, timedelta
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
 import pymysql
 import pymysql.connections
 
 from contracts.events.rows import ColumnV1
 from services.sink_worker.sinks.base import TargetTable
-from services.sink_worker.sinks.sql_common import SqlSink
+from services.sink_worker.sinks.sql_common import ByteEncoder, SqlSink, source_text_files
 from services.sink_worker.values import (
     MYSQL_MAX_KEY_BYTES,
     SqlTypeError,
@@ -85,6 +86,8 @@ class _StreamedLoad(pymysql.connections.MySQLResult):
             raise pymysql.err.OperationalError(2014, "Commands out of sync after LOAD DATA")
         self._read_ok_packet(ok_packet)  # type: ignore[attr-defined]
 
+
+E = TypeVar("E")
 
 _ER_NET_PACKET_TOO_LARGE = 1153
 # MySQL 5.7's default max_allowed_packet: a one-row statement below it is not measured.
@@ -201,29 +204,34 @@ def _load_encoder(column: ColumnV1) -> tuple[Callable[[Any], str], str | None]:
     return _text, None
 
 
-def _as_is(value: Any) -> str:
-    return value if type(value) is str else _text(value)
+def _escape_bytes(value: bytes) -> bytes:
+    # Byte-wise is safe in utf8mb4: no byte of a multi-byte character is an ASCII byte.
+    return (value.replace(b"\\", b"\\\\").replace(b"\t", b"\\t").replace(b"\n", b"\\n")
+            .replace(b"\r", b"\\r").replace(b"\0", b"\\0"))
 
 
-def _source_text_encoder(column: ColumnV1) -> tuple[Callable[[Any], str], str | None]:
-    """``_load_encoder`` for a value as a MySQL source's text protocol sent it (pymysql with no
-    decoders: str, bytes for binary columns): numbers, dates and times are already spelled as
-    the server reads them back, so only text needs escaping and binary its hex."""
+def _bit_bytes(value: bytes) -> bytes:
+    return str(int.from_bytes(value, "big")).encode()
+
+
+def _source_bytes_encoder(column: ColumnV1) -> tuple[ByteEncoder, str | None]:
+    """``_load_encoder`` for a value as the bytes a MySQL source's text protocol sent (in
+    utf8mb4): numbers, dates and times are already spelled as the server reads them back
+    (None: the bytes go as they are), only text needs escaping and binary its hex."""
     kind = column.kind
     try:
         base = parse_sql_type(column.sql_type).base
     except SqlTypeError:
         base = ""
     if kind == "bytes":
-        return (lambda v: (v if isinstance(v, bytes) else str(v).encode()).hex()), "UNHEX({})"
+        return binascii.hexlify, "UNHEX({})"
     if kind == "bit":
-        return (lambda v: str(int.from_bytes(v, "big") if isinstance(v, bytes) else int(v))), \
-            "CAST({} AS UNSIGNED)"
+        return _bit_bytes, "CAST({} AS UNSIGNED)"
     if base == "year":
-        return _as_is, "CAST({} AS UNSIGNED)"
+        return None, "CAST({} AS UNSIGNED)"
     if kind in ("int", "float", "decimal", "date", "datetime", "timestamp", "time"):
-        return _as_is, None
-    return _text, None
+        return None, None
+    return _escape_bytes, None
 
 
 class MySQLSink(SqlSink):
@@ -454,27 +462,37 @@ class MySQLSink(SqlSink):
         if self._local_infile_refused:
             return super().load_rows(table, columns, rows, keys_unique=keys_unique)
         try:
-            return self._load(table, columns, rows, _load_encoder)
+            return self._load(table, columns, rows)
         except pymysql.err.OperationalError as exc:
             if not exc.args or exc.args[0] not in _LOCAL_INFILE_REFUSED:
                 raise
             self._local_infile_refused = True
             return super().load_rows(table, columns, rows, keys_unique=keys_unique)
 
-    def load_source_text(self, table: TargetTable, columns: Sequence[str],
-                         rows: Sequence[Sequence[Any]]) -> int:
-        """``load_rows`` of rows as a MySQL source's text protocol sent them (no decoding on
-        either side: the copy's fast path into a MySQL/MariaDB downstream). Only when
-        ``local_infile_on()``: there is no upsert to fall back to with undecoded values."""
+    def takes_source_bytes(self, table: TargetTable, columns: Sequence[str]) -> bool:
+        # There is no upsert to fall back to with undecoded values: LOAD DATA LOCAL or nothing.
+        return self.local_infile_on()
+
+    def load_source_bytes(self, table: TargetTable, columns: Sequence[str],
+                          rows: Sequence[Sequence[bytes | None]], *, keys_unique: bool = True) -> int:
         if not rows:
             return 0
-        return self._load(table, columns, rows, _source_text_encoder)
+        sql, encoders = self._load_statement(table, columns, _source_bytes_encoder)
+        # REPLACE: the last row of a key wins, whether or not keys repeat.
+        self._send_load(table, sql, lambda: source_text_files(rows, encoders, self.load_file_chars))
+        return len(rows)
 
-    def _load(self, table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]],
-              encoder_of: Callable[[ColumnV1], tuple[Callable[[Any], str], str | None]]) -> int:
+    def _load(self, table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> int:
+        sql, encoders = self._load_statement(table, columns, _load_encoder)
+        self._send_load(table, sql, lambda: _load_files(rows, encoders, self.load_file_chars))
+        return len(rows)
+
+    def _load_statement(self, table: TargetTable, columns: Sequence[str],
+                        encoder_of: Callable[[ColumnV1], tuple[E, str | None]]) -> tuple[str, list[E]]:
+        """The LOAD DATA statement for ``columns`` and each column's encoder."""
         self._validate(table)
         colmap = self._columns(table)
-        encoders: list[Callable[[Any], str]] = []
+        encoders: list[E] = []
         fields: list[str] = []
         sets: list[str] = []
         for i, name in enumerate(columns):
@@ -490,18 +508,21 @@ class MySQLSink(SqlSink):
                " CHARACTER SET utf8mb4 FIELDS TERMINATED BY '\\t' ENCLOSED BY '' ESCAPED BY '\\\\'"
                " LINES STARTING BY '' TERMINATED BY '\\n'"
                f" ({', '.join(fields)})" + (f" SET {', '.join(sets)}" if sets else ""))
+        return sql, encoders
+
+    def _send_load(self, table: TargetTable, sql: str, files: Callable[[], Iterable[bytes]]) -> None:
+        """Run ``sql`` once per file of ``files()`` in one transaction (made again on a retry)."""
 
         def work(cur: Any) -> None:
             # LOCAL turns strict mode's errors into warnings (the server cannot stop the
             # upload): any warning fails the load, as the same value fails the upsert.
-            for data in _load_files(rows, encoders, self.load_file_chars):
+            for data in files():
                 if cur.connection.load(sql, data):
                     cur.execute("SHOW WARNINGS LIMIT 3")
                     raise pymysql.err.DataError(1265, f"LOAD DATA into {table.name!r} warned: "
                                                       f"{[tuple(r) for r in cur.fetchall()]}")
 
-        self._run(work, f"load into {table.name!r}", connect=self._connect_load)
-        return len(rows)
+        self._run(work, f"load into {table.name!r}", connect=self._connect_load, keep=True)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
         cols = ", ".join(self.pident(c) for c in columns)

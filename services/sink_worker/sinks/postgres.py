@@ -4,21 +4,50 @@ Upserts are ``INSERT ... ON CONFLICT (key) DO UPDATE``; PostgreSQL has no REPLAC
 hold the same unique-key values under another key are deleted first (``SqlSink._apply``).
 DDL is transactional here, so ``reconcile_schema`` changes the table all at once or not at all.
 
-The initial load's bulk path (``load_rows``): ``COPY ... FROM STDIN`` into a temporary staging
-table (dropped at commit), then the same two steps set-wise: delete the rows holding a staged
-row's unique values under another key, and ``INSERT ... SELECT ... ON CONFLICT DO UPDATE``.
+The initial load's bulk path (``load_rows``): ``COPY ... FROM STDIN`` straight into the target
+while no copied row meets one already there (a unique violation proves it did not); otherwise
+into a temporary staging table (dropped at commit), then the same two steps set-wise: delete
+the rows holding a staged row's unique values under another key, and ``INSERT ... SELECT ...
+ON CONFLICT DO UPDATE``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import binascii
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
+import psycopg.errors
 from psycopg.types.string import TextLoader
 
+from contracts.events.rows import ColumnV1
 from services.sink_worker.sinks.base import TargetTable
-from services.sink_worker.sinks.sql_common import SqlSink
+from services.sink_worker.sinks.sql_common import ByteEncoder, SqlSink, source_text_files
+
+# Kinds whose values the source's text protocol spells as COPY's text format reads them:
+# numbers, text, dates and times of day (a zero or invalid date fails the COPY, as its decoded
+# value fails the upsert). BIT, SET, TIME (an interval here) and JSON take the decoded path.
+_SOURCE_TEXT_KINDS = frozenset({"int", "float", "decimal", "string", "bytes", "date", "datetime",
+                                "timestamp"})
+
+
+def _escape_text(value: bytes) -> bytes:
+    # Byte-wise is safe in utf8mb4: no byte of a multi-byte character is an ASCII byte. A NUL
+    # goes through and fails the COPY, as PostgreSQL text holds none.
+    return value.replace(b"\\", b"\\\\").replace(b"\t", b"\\t").replace(b"\n", b"\\n").replace(b"\r", b"\\r")
+
+
+def _bytea_text(value: bytes) -> bytes:
+    return b"\\\\x" + binascii.hexlify(value)  # bytea's hex input, its backslash escaped for COPY
+
+
+def _source_bytes_encoder(column: ColumnV1) -> ByteEncoder:
+    if column.kind == "bytes":
+        return _bytea_text
+    if column.kind == "string":
+        return _escape_text
+    return None
 
 
 class PostgresSink(SqlSink):
@@ -134,16 +163,58 @@ class PostgresSink(SqlSink):
 
     # ------------------------------------------------------------------ DML
 
+    _direct_conflicted = False
+    """A direct COPY of this sink met a row already there (see ``_copy_in``)."""
+    load_file_bytes = 8 * 1024 * 1024
+    """Bytes of COPY text built at once from source bytes (``load_source_bytes``)."""
+
     def load_rows(self, table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]],
                   *, keys_unique: bool = True) -> int:
         if not rows:
             return 0
+        rows = self._last_per_key(table, columns, rows, keys_unique)
+
+        def feed(copy: Any) -> None:
+            for row in rows:
+                copy.write_row(row)
+
+        self._copy_in(table, columns, feed, keys_unique=keys_unique)
+        return len(rows)
+
+    def takes_source_bytes(self, table: TargetTable, columns: Sequence[str]) -> bool:
+        colmap = self._columns(table)
+        return all(colmap[c].kind in _SOURCE_TEXT_KINDS for c in columns)
+
+    def load_source_bytes(self, table: TargetTable, columns: Sequence[str],
+                          rows: Sequence[Sequence[bytes | None]], *, keys_unique: bool = True) -> int:
+        if not rows:
+            return 0
+        rows = self._last_per_key(table, columns, rows, keys_unique)
+        colmap = self._columns(table)
+        encoders = [_source_bytes_encoder(colmap[c]) for c in columns]
+
+        def feed(copy: Any) -> None:
+            for data in source_text_files(rows, encoders, self.load_file_bytes):
+                copy.write(data)
+
+        self._copy_in(table, columns, feed, keys_unique=keys_unique)
+        return len(rows)
+
+    @staticmethod
+    def _last_per_key(table: TargetTable, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                      keys_unique: bool) -> Sequence[Sequence[Any]]:
+        if keys_unique:
+            return rows
+        # ON CONFLICT DO UPDATE refuses to touch a row twice: the last row of a key wins, as in
+        # the apply path.
+        index = [list(columns).index(k) for k in table.key]
+        return list({tuple(r[i] for i in index): r for r in rows}.values())
+
+    def _copy_in(self, table: TargetTable, columns: Sequence[str], feed: Callable[[Any], None], *,
+                 keys_unique: bool) -> None:
+        """``feed(copy)`` writes the rows into a ``COPY ... FROM STDIN`` of ``columns``; they
+        end up inserted or updated by key, in one transaction (see the module doc)."""
         self._validate(table)
-        if not keys_unique:
-            # ON CONFLICT DO UPDATE refuses to touch a row twice: the last row of a key wins, as
-            # in the apply path.
-            index = [list(columns).index(k) for k in table.key]
-            rows = list({tuple(r[i] for i in index): r for r in rows}.values())
         ref = self._table_ref(table)
         stage = self.ident("sluice_bulk_stage")
         cols = ", ".join(self.ident(c) for c in columns)
@@ -162,16 +233,31 @@ class PostgresSink(SqlSink):
         statements.append(f"INSERT INTO {ref} ({cols}) SELECT {cols} FROM {stage}"
                           f" ON CONFLICT ({', '.join(self.ident(k) for k in table.key)}) {action}")
 
+        # Straight into the target first, when a unique violation is the only way the copy's
+        # rows can differ from their upsert: no key repeats in the rows, no unique key besides
+        # the primary one. A fresh copy then costs one COPY, as a plain bulk load does. A
+        # violation (the chunk is copied again, or another shard holds the key) rolls back to
+        # the savepoint and takes the staging path, and so does every later load of this sink.
+        direct = keys_unique and not self._direct_conflicted and all(
+            set(unique) == key for unique in table.unique_keys if unique)
+
         def work(cur: Any) -> None:
+            if direct and not self._direct_conflicted:
+                cur.execute("SAVEPOINT sluice_direct")
+                try:
+                    with cur.copy(f"COPY {ref} ({cols}) FROM STDIN") as copy:
+                        feed(copy)
+                    return
+                except psycopg.errors.UniqueViolation:
+                    cur.execute("ROLLBACK TO SAVEPOINT sluice_direct")
+                    self._direct_conflicted = True
             cur.execute(f"CREATE TEMPORARY TABLE {stage} (LIKE {ref}) ON COMMIT DROP")
             with cur.copy(f"COPY {stage} ({cols}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
+                feed(copy)
             for sql in statements:
                 cur.execute(sql)
 
-        self._run(work, f"load into {table.name!r}")
-        return len(rows)
+        self._run(work, f"load into {table.name!r}", keep=True)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
         cols = ", ".join(self.pident(c) for c in columns)

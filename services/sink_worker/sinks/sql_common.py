@@ -56,6 +56,33 @@ class _Guarded:
 
 T = TypeVar("T")
 
+ByteEncoder = Callable[[bytes], bytes] | None
+"""How one column's source bytes are spelled in a bulk-load text file (None: as they are)."""
+
+_NULL = b"\\N"
+
+
+def source_text_files(rows: Iterable[Sequence[bytes | None]], encoders: Sequence[ByteEncoder],
+                      limit: int) -> Iterator[bytes]:
+    """Rows of source bytes as the text format LOAD DATA and COPY share (tab-separated fields,
+    ``\\N`` for NULL, a row a line; each encoder escapes what its dialect needs), in files of
+    about ``limit`` bytes (a row is never split): a batch of wide rows is sent as several
+    files, so the encoded copy in memory stays one file, not the batch."""
+    lines: list[bytes] = []
+    size = 0
+    for row in rows:
+        line = b"\t".join([_NULL if v is None else v if encode is None else encode(v)
+                           for v, encode in zip(row, encoders, strict=True)])
+        lines.append(line)
+        size += len(line) + 1
+        if size >= limit:
+            lines.append(b"")
+            yield b"\n".join(lines)
+            lines, size = [], 0
+    if lines:
+        lines.append(b"")
+        yield b"\n".join(lines)
+
 # Longest identifier each dialect keeps: PostgreSQL silently truncates past 63 bytes, which
 # would make reconcile_schema add the "missing" column forever; MySQL rejects past 64 chars.
 _MAX_IDENT = {"postgresql": 63, "mysql": 64, "sqlite": 1_000_000}
@@ -199,18 +226,35 @@ class SqlSink(Sink):
     def _columns(table: TargetTable) -> dict[str, ColumnV1]:
         return {c.name: c for c in table.meta.columns}
 
+    _kept: Any = None
+    """The connection ``_run(keep=True)`` left open for the next bulk load (``close``)."""
+
+    def close(self) -> None:
+        """Close the connection kept between bulk loads, if any (the sink stays usable)."""
+        conn, self._kept = self._kept, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                log.debug("close failed")
+
     def _run(self, work: Callable[[Any], T], what: str,
              retryable: Callable[[BaseException], bool] | None = None,
-             connect: Callable[[], Any] | None = None) -> T:
+             connect: Callable[[], Any] | None = None, *, keep: bool = False) -> T:
         """Run ``work(cursor)`` in one transaction on a fresh connection (``connect``, default
-        ``_connect``), retrying the whole of it."""
+        ``_connect``), retrying the whole of it. ``keep``: the connection stays open after a
+        commit for the next ``keep`` run (a copy's batches: a PostgreSQL connection is a new
+        server process), until ``close``; one that failed is closed and the retry opens another."""
         retryable = retryable or self._retryable
         connect = connect or self._connect
 
         def once() -> T:
             conn = None
             try:
-                conn = connect()
+                if keep and self._kept is not None:
+                    conn, self._kept = self._kept, None
+                else:
+                    conn = connect()
                 self._begin(conn)
                 cur = conn.cursor()
                 try:
@@ -218,6 +262,8 @@ class SqlSink(Sink):
                 finally:
                     cur.close()
                 conn.commit()
+                if keep:
+                    self._kept, conn = conn, None
                 return result
             except Exception as exc:
                 if conn is not None:

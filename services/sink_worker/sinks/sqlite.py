@@ -223,7 +223,7 @@ class SQLiteSink(SqlSink):
         sql = (f"INSERT OR REPLACE INTO {self._table_ref(table)}"
                f" ({', '.join(self.ident(c) for c in columns)}) VALUES ({marks})")
         self._run(lambda cur: cur.executemany(sql, bound), f"load into {table.name!r}",
-                  connect=self._connect_load)
+                  connect=self._connect_load, keep=True)
         return len(rows)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
