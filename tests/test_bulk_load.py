@@ -22,6 +22,7 @@ from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.checksum import compare_tables
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
+from libs.nats_tls import issue_tls
 from services.capture.table_meta import load_table_info
 from services.sink_worker import source_read
 from services.sink_worker.sinks.base import TargetTable, Upsert
@@ -227,3 +228,26 @@ def test_the_source_read_decodes_as_pymysql_and_keeps_its_batches_bounded(source
     # A key range reads only its rows, with typed key values bound into the query.
     ranged = _read_batches(job, Chunk(1, (0,), (2,)), meta.columns, mode=source_read.RAW)
     assert [r[0] for b in ranged for r in b] == [b"1", b"2"]
+
+
+def test_the_source_read_uses_tls_when_the_server_offers_it(source: MariaDB, tmp_path: Path) -> None:
+    def tls_version(url: str) -> str:
+        conn = source_read.connect(url, source_read.RAW)
+        try:
+            conn.query("SHOW SESSION STATUS LIKE 'Ssl_version'")
+            return bytes(conn.store_result().fetch_row()[0][1]).decode()
+        finally:
+            conn.close()
+
+    # A server without TLS (the module's source) is still read, in clear text as it must be.
+    assert tls_version(source.url) == ""
+    files = issue_tls(tmp_path / "tls")
+    secured = MariaDB(tmp_path / "tls-db", extra_args=(f"--ssl-cert={files.server_cert}",
+                                                      f"--ssl-key={files.server_key}")).start()
+    try:
+        assert secured.execute("SELECT @@have_ssl")[0][0] == "YES"
+        version = tls_version(secured.url)
+        assert version.startswith("TLS"), f"the copy read a TLS-capable source in clear text ({version!r})"
+    finally:
+        secured.stop()
+        secured.cleanup()
