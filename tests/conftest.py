@@ -12,6 +12,7 @@ from nats.js import JetStreamContext
 
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
+from tests.fixtures_servers import SPARK_TEST_JAVA_OPTIONS
 
 pytest_plugins = ["tests.fixtures_servers", "tests.api_stack"]
 
@@ -44,6 +45,7 @@ def service_env(nats_server: NatsServer, tmp_path: Path) -> dict[str, str]:
         "SLUICE_STATE_DB_URL": f"sqlite:///{tmp_path / 'state.db'}",
         "SLUICE_DOWNSTREAM_URL": f"sqlite:///{tmp_path / 'downstream.db'}",
         "SLUICE_LOG_JSON": "true",
+        "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS,
     }
 
 

@@ -11,6 +11,11 @@ started only when a test asks for it:
 - ``spark``: the process' SparkSession (``libs.spark.get_spark``) with local[2], no UI and
   2 shuffle partitions; stopped at the end of the session.
 
+Every Spark JVM of the tests (this session's and the sink-worker processes', through
+``SPARK_TEST_JAVA_OPTIONS``) runs with the C1 JIT only and the serial GC: the tests' Spark jobs
+are tiny, so a JVM's start and first plans dominate, and on two cores the C2 compiler threads
+and the parallel GC's threads take the CPU the other processes of a test need.
+
 Binlog readers in tests need server ids that no server uses: ``replica_server_id`` hands out a
 fresh one per test (from 9000 up).
 """
@@ -30,6 +35,8 @@ from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.spark import get_spark, stop_spark
+
+SPARK_TEST_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 _server_ids = itertools.count(2)  # 1 is the session server's
 _replica_ids = itertools.count(9000)
@@ -99,6 +106,7 @@ def spark() -> Iterator[SparkSession]:
         spark_connect_url=None,
         spark_shuffle_partitions=2,
         spark_driver_memory="1g",
+        spark_driver_java_options=SPARK_TEST_JAVA_OPTIONS,
     )
     session = get_spark(settings)
     yield session

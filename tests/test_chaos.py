@@ -27,6 +27,7 @@ import pytest
 
 from libs.localservers.system import LocalSystem
 from services.sink_worker.verify import ShardRef, Verification, verify_target
+from tests.fixtures_servers import SPARK_TEST_JAVA_OPTIONS
 from tests.helpers.chaos import (
     FAULT_KINDS,
     GARBAGE_HEADER,
@@ -59,7 +60,7 @@ TABLES = ["t0", "t1", "t2", "t3"]
 SOURCES = 2
 SPANS = SOURCES * len(TABLES)
 LEASE_TTL_S = 2.0
-MEMBER_TTL_S = 5.0
+MEMBER_TTL_S = 3.0  # the default
 TXNS_PER_SECOND = 5.0  # per source
 
 
@@ -84,7 +85,7 @@ async def test_chaos_schedule_under_load_keeps_every_invariant(
                      "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S), "SLUICE_CONTROL_SNAPSHOT_EVERY": "20"},
         worker_env={"SLUICE_SPARK_MASTER": "local[1]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
                     "SLUICE_SPARK_DRIVER_MEMORY": "512m", "SLUICE_SINK_APPLY_PARTITIONS": "2",
-                    "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": "-XX:TieredStopAtLevel=1",
+                    "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS,
                     "SLUICE_SINK_WRITER_LOG": str(writer_log), "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S)},
     )
     recorder = Recorder()

@@ -24,6 +24,7 @@ from contracts.events.scheduling import DispatchRequestV1, DispatchResponseV1, S
 from libs.localservers.service_process import ServiceProcess
 from libs.localservers.system import LocalSystem
 from libs.streams import dispatch_subject
+from tests.fixtures_servers import SPARK_TEST_JAVA_OPTIONS
 from tests.helpers.control_plane import (
     TABLES,
     Recorder,
@@ -42,7 +43,7 @@ pytestmark = pytest.mark.integration
 DB = "cp"
 CF = "cp"
 SPANS = len(TABLES)
-MEMBER_TTL_S = 5.0  # the default
+MEMBER_TTL_S = 3.0  # the default
 
 
 class Cluster:
@@ -133,6 +134,7 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
                      "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S), "SLUICE_CONTROL_SNAPSHOT_EVERY": "20"},
         worker_env={"SLUICE_SPARK_MASTER": "local[1]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
                     "SLUICE_SPARK_DRIVER_MEMORY": "512m", "SLUICE_SINK_APPLY_PARTITIONS": "2",
+                    "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS,
                     "SLUICE_SINK_WRITER_LOG": str(writer_log), "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S)},
     )
     recorder = Recorder()
