@@ -12,7 +12,7 @@ from nats.js import JetStreamContext
 
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
-from tests.fixtures_servers import SPARK_TEST_JAVA_OPTIONS
+from tests.helpers.spark_options import SPARK_TEST_JAVA_OPTIONS
 
 pytest_plugins = ["tests.fixtures_servers", "tests.api_stack"]
 

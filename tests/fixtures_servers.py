@@ -10,11 +10,8 @@ started only when a test asks for it:
 - ``postgres`` / ``postgres_factory``: the same for PostgreSQL.
 - ``spark``: the process' SparkSession (``libs.spark.get_spark``) with local[2], no UI and
   2 shuffle partitions; stopped at the end of the session.
-
-Every Spark JVM of the tests (this session's and the sink-worker processes', through
-``SPARK_TEST_JAVA_OPTIONS``) runs with the C1 JIT only and the serial GC: the tests' Spark jobs
-are tiny, so a JVM's start and first plans dominate, and on two cores the C2 compiler threads
-and the parallel GC's threads take the CPU the other processes of a test need.
+  Its JVM gets ``SPARK_TEST_JAVA_OPTIONS`` (tests/helpers/spark_options.py), as the tests'
+  sink-worker processes do.
 
 Binlog readers in tests need server ids that no server uses: ``replica_server_id`` hands out a
 fresh one per test (from 9000 up).
@@ -35,8 +32,7 @@ from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.spark import get_spark, stop_spark
-
-SPARK_TEST_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+from tests.helpers.spark_options import SPARK_TEST_JAVA_OPTIONS
 
 _server_ids = itertools.count(2)  # 1 is the session server's
 _replica_ids = itertools.count(9000)

@@ -27,7 +27,6 @@ import pytest
 
 from libs.localservers.system import LocalSystem
 from services.sink_worker.verify import ShardRef, Verification, verify_target
-from tests.fixtures_servers import SPARK_TEST_JAVA_OPTIONS
 from tests.helpers.chaos import (
     FAULT_KINDS,
     GARBAGE_HEADER,
@@ -51,6 +50,7 @@ from tests.helpers.control_plane import (
     leader_of,
     read_writer_log,
 )
+from tests.helpers.spark_options import SPARK_TEST_JAVA_OPTIONS
 
 pytestmark = pytest.mark.integration
 

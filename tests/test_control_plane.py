@@ -24,7 +24,6 @@ from contracts.events.scheduling import DispatchRequestV1, DispatchResponseV1, S
 from libs.localservers.service_process import ServiceProcess
 from libs.localservers.system import LocalSystem
 from libs.streams import dispatch_subject
-from tests.fixtures_servers import SPARK_TEST_JAVA_OPTIONS
 from tests.helpers.control_plane import (
     TABLES,
     Recorder,
@@ -37,6 +36,7 @@ from tests.helpers.control_plane import (
     read_writer_log,
     verify_all,
 )
+from tests.helpers.spark_options import SPARK_TEST_JAVA_OPTIONS
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from libs.localservers.system import LocalSystem
-from tests.fixtures_servers import SPARK_TEST_JAVA_OPTIONS
 from tests.helpers.control_plane import TABLES, Recorder, Workload, eventually, health, read_writer_log
+from tests.helpers.spark_options import SPARK_TEST_JAVA_OPTIONS
 
 pytestmark = pytest.mark.integration
 
