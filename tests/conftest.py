@@ -12,7 +12,7 @@ from nats.js import JetStreamContext
 
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
-from tests.helpers.spark_options import SPARK_TEST_JAVA_OPTIONS
+from tests.helpers.worker_env import SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
 
 pytest_plugins = ["tests.fixtures_servers", "tests.api_stack"]
 
@@ -46,6 +46,7 @@ def service_env(nats_server: NatsServer, tmp_path: Path) -> dict[str, str]:
         "SLUICE_DOWNSTREAM_URL": f"sqlite:///{tmp_path / 'downstream.db'}",
         "SLUICE_LOG_JSON": "true",
         "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS,
+        **SINK_TEST_PACING,
     }
 
 

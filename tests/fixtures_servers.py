@@ -10,7 +10,7 @@ started only when a test asks for it:
 - ``postgres`` / ``postgres_factory``: the same for PostgreSQL.
 - ``spark``: the process' SparkSession (``libs.spark.get_spark``) with local[2], no UI and
   2 shuffle partitions; stopped at the end of the session.
-  Its JVM gets ``SPARK_TEST_JAVA_OPTIONS`` (tests/helpers/spark_options.py), as the tests'
+  Its JVM gets ``SPARK_TEST_JAVA_OPTIONS`` (tests/helpers/worker_env.py), as the tests'
   sink-worker processes do.
 
 Binlog readers in tests need server ids that no server uses: ``replica_server_id`` hands out a
@@ -32,7 +32,7 @@ from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.spark import get_spark, stop_spark
-from tests.helpers.spark_options import SPARK_TEST_JAVA_OPTIONS
+from tests.helpers.worker_env import SPARK_TEST_JAVA_OPTIONS
 
 _server_ids = itertools.count(2)  # 1 is the session server's
 _replica_ids = itertools.count(9000)

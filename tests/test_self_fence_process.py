@@ -16,7 +16,7 @@ import pytest
 
 from libs.localservers.system import LocalSystem
 from tests.helpers.control_plane import TABLES, Recorder, Workload, eventually, health, read_writer_log
-from tests.helpers.spark_options import SPARK_TEST_JAVA_OPTIONS
+from tests.helpers.worker_env import SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +38,7 @@ async def system(tmp_path: Path) -> AsyncIterator[tuple[LocalSystem, Recorder, P
                      "SLUICE_SCHEDULER_BALANCE_INTERVAL_S": "2"},
         worker_env={"SLUICE_SPARK_MASTER": "local[1]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
                     "SLUICE_SPARK_DRIVER_MEMORY": "512m", "SLUICE_SINK_APPLY_PARTITIONS": "2",
-                    "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS,
+                    "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS, **SINK_TEST_PACING,
                     "SLUICE_SINK_WRITER_LOG": str(writer_log), "SLUICE_MEMBER_FENCE_S": str(FENCE_S)},
     )
     recorder = Recorder()
