@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -12,6 +13,7 @@ from nats.js import JetStreamContext
 
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
+from tests.helpers.worker_env import SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
 
 pytest_plugins = ["tests.fixtures_servers", "tests.api_stack"]
 
@@ -44,6 +46,8 @@ def service_env(nats_server: NatsServer, tmp_path: Path) -> dict[str, str]:
         "SLUICE_STATE_DB_URL": f"sqlite:///{tmp_path / 'state.db'}",
         "SLUICE_DOWNSTREAM_URL": f"sqlite:///{tmp_path / 'downstream.db'}",
         "SLUICE_LOG_JSON": "true",
+        "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS,
+        **SINK_TEST_PACING,
     }
 
 
@@ -65,15 +69,19 @@ _SERVER_FIXTURES = frozenset({
 })
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups below
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        if _SERVER_FIXTURES.intersection(fixtures):
+        if _SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
-        # `infra/dev.sh test` runs two xdist workers with --dist loadgroup: a module's tests stay
-        # on one worker (in order, sharing what the module sets up), and the modules of the
-        # session's api stack share one worker, so the stack starts once.
-        if not any(item.iter_markers("xdist_group")):
-            group = "api_stack" if "api_stack" in fixtures else item.nodeid.split("::", 1)[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (a dev dependency)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``SLUICE_TEST_WORKERS=2 infra/dev.sh test`` runs two xdist workers with ``--dist
+    loadgroup``: each module on one worker, some modules alone (tests/helpers/xdist_modules.py)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from tests.helpers.xdist_modules import ModuleScheduling
+
+    return ModuleScheduling(config, log)

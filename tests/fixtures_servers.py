@@ -10,6 +10,8 @@ started only when a test asks for it:
 - ``postgres`` / ``postgres_factory``: the same for PostgreSQL.
 - ``spark``: the process' SparkSession (``libs.spark.get_spark``) with local[2], no UI and
   2 shuffle partitions; stopped at the end of the session.
+  Its JVM gets ``SPARK_TEST_JAVA_OPTIONS`` (tests/helpers/worker_env.py), as the tests'
+  sink-worker processes do.
 
 Binlog readers in tests need server ids that no server uses: ``replica_server_id`` hands out a
 fresh one per test (from 9000 up).
@@ -30,6 +32,7 @@ from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.spark import get_spark, stop_spark
+from tests.helpers.worker_env import SPARK_TEST_JAVA_OPTIONS
 
 _server_ids = itertools.count(2)  # 1 is the session server's
 _replica_ids = itertools.count(9000)
@@ -99,6 +102,7 @@ def spark() -> Iterator[SparkSession]:
         spark_connect_url=None,
         spark_shuffle_partitions=2,
         spark_driver_memory="1g",
+        spark_driver_java_options=SPARK_TEST_JAVA_OPTIONS,
     )
     session = get_spark(settings)
     yield session

@@ -50,6 +50,7 @@ from tests.helpers.control_plane import (
     leader_of,
     read_writer_log,
 )
+from tests.helpers.worker_env import SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +60,7 @@ TABLES = ["t0", "t1", "t2", "t3"]
 SOURCES = 2
 SPANS = SOURCES * len(TABLES)
 LEASE_TTL_S = 2.0
-MEMBER_TTL_S = 5.0
+MEMBER_TTL_S = 3.0  # the default
 TXNS_PER_SECOND = 5.0  # per source
 
 
@@ -84,7 +85,7 @@ async def test_chaos_schedule_under_load_keeps_every_invariant(
                      "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S), "SLUICE_CONTROL_SNAPSHOT_EVERY": "20"},
         worker_env={"SLUICE_SPARK_MASTER": "local[1]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
                     "SLUICE_SPARK_DRIVER_MEMORY": "512m", "SLUICE_SINK_APPLY_PARTITIONS": "2",
-                    "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": "-XX:TieredStopAtLevel=1",
+                    "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS, **SINK_TEST_PACING,
                     "SLUICE_SINK_WRITER_LOG": str(writer_log), "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S)},
     )
     recorder = Recorder()

@@ -36,13 +36,14 @@ from tests.helpers.control_plane import (
     read_writer_log,
     verify_all,
 )
+from tests.helpers.worker_env import SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
 
 pytestmark = pytest.mark.integration
 
 DB = "cp"
 CF = "cp"
 SPANS = len(TABLES)
-MEMBER_TTL_S = 5.0  # the default
+MEMBER_TTL_S = 3.0  # the default
 
 
 class Cluster:
@@ -133,6 +134,7 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
                      "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S), "SLUICE_CONTROL_SNAPSHOT_EVERY": "20"},
         worker_env={"SLUICE_SPARK_MASTER": "local[1]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
                     "SLUICE_SPARK_DRIVER_MEMORY": "512m", "SLUICE_SINK_APPLY_PARTITIONS": "2",
+                    "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS, **SINK_TEST_PACING,
                     "SLUICE_SINK_WRITER_LOG": str(writer_log), "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S)},
     )
     recorder = Recorder()

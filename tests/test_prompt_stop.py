@@ -74,7 +74,7 @@ async def test_sigterm_mid_copy_and_mid_round_under_load_then_resume_equal(
     db = "prompt_stop"
     workload = RandomWorkload(mariadb.connect(), db, seed=16)
     workload.create_tables()
-    await asyncio.to_thread(_prefill, mariadb, db, workload, 12_000)
+    await asyncio.to_thread(_prefill, mariadb, db, workload, 4_000)
     tables = ["accounts", "events", "select", "pairs", "empty_one"]
     sink = f"sqlite:///{tmp_path / 'down.db'}"
     logs = tmp_path / "logs"

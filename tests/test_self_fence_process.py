@@ -16,6 +16,7 @@ import pytest
 
 from libs.localservers.system import LocalSystem
 from tests.helpers.control_plane import TABLES, Recorder, Workload, eventually, health, read_writer_log
+from tests.helpers.worker_env import SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
 
 pytestmark = pytest.mark.integration
 
@@ -31,9 +32,13 @@ async def system(tmp_path: Path) -> AsyncIterator[tuple[LocalSystem, Recorder, P
         base_dir=tmp_path, sources=1, control_replicas=1, workers=2, lease_ttl_s=2.0, with_api=False,
         control_services=("member", "scheduler", "replication_manager"), standalone_workers=False,
         initial_load="binlog-only",
-        control_env={"SLUICE_REPLICATION_TICK_S": "1", "SLUICE_MEMBER_FENCE_S": str(FENCE_S)},
+        # Balance every 2 s: the worker whose Spark warms first takes every span, and the test
+        # needs both workers holding spans (the default period is a minute).
+        control_env={"SLUICE_REPLICATION_TICK_S": "1", "SLUICE_MEMBER_FENCE_S": str(FENCE_S),
+                     "SLUICE_SCHEDULER_BALANCE_INTERVAL_S": "2"},
         worker_env={"SLUICE_SPARK_MASTER": "local[1]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
                     "SLUICE_SPARK_DRIVER_MEMORY": "512m", "SLUICE_SINK_APPLY_PARTITIONS": "2",
+                    "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS, **SINK_TEST_PACING,
                     "SLUICE_SINK_WRITER_LOG": str(writer_log), "SLUICE_MEMBER_FENCE_S": str(FENCE_S)},
     )
     recorder = Recorder()

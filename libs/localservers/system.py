@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -124,14 +125,19 @@ class LocalSystem:
             proc.wait_healthy(timeout)
 
     def stop(self) -> None:
-        for proc in self.processes.values():
-            if proc.alive():
-                try:
-                    proc.terminate(timeout=20)
-                except Exception:
-                    proc.kill()
-        for db in [*self.source_dbs, *([self.downstream_db] if self.downstream_db else [])]:
-            db.stop()
+        # All at once: each process and server gets its own grace period, and a dozen of them
+        # one after another would add their shutdown times up.
+        def end(proc: ServiceProcess) -> None:
+            try:
+                proc.terminate(timeout=20)
+            except Exception:
+                proc.kill()
+
+        live = [p for p in self.processes.values() if p.alive()]
+        dbs = [*self.source_dbs, *([self.downstream_db] if self.downstream_db else [])]
+        with ThreadPoolExecutor(max_workers=max(1, len(live), len(dbs))) as pool:
+            list(pool.map(end, live))
+            list(pool.map(lambda db: db.stop(), dbs))
         if self.nats is not None:
             self.nats.stop()
 

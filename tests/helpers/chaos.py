@@ -278,7 +278,7 @@ class FaultSchedule:
         self.started = time.monotonic()
         self.note(f"plan: {', '.join(self.plan)}")
         for kind in self.plan:
-            await self.pause(3.5, 8.0)
+            await self.pause(2.0, 5.0)
             began = time.monotonic()
             fault: Callable[[], Awaitable[str]] = getattr(self, "_" + kind.replace("-", "_"))
             detail = await fault()

@@ -1,0 +1,59 @@
+"""The suite's pytest-xdist scheduling (``--dist loadgroup``, as ``infra/dev.sh`` passes it):
+one module per unit of work, and some modules alone.
+
+A module's tests stay on one worker, in file order, sharing what the module sets up (module
+fixtures, a system the tests leave healthy for the next). xdist's own ``loadgroup`` would group by
+``xdist_group`` marks, but with pytest 9 the group it appends to a test's node id is lost
+(``Node.nodeid`` no longer reads ``_nodeid``), so every test became its own unit and the tests of
+one module ran on both workers; the grouping here reads only the node id's module.
+
+The modules of ``EXCLUSIVE_MODULES`` run alone, at the end: once every other module has been
+handed out, the other workers finish and stop, and the last one runs them one after another. Their
+assertions are timing bounds (failover, takeover, stop, fence) or they load the whole machine,
+and on two cores a neighbour's Spark start would otherwise be what they measure."""
+
+from __future__ import annotations
+
+from xdist.scheduler import LoadScopeScheduling
+from xdist.workermanage import WorkerController
+
+EXCLUSIVE_MODULES = frozenset({
+    "tests/test_chaos.py", "tests/test_control_plane.py", "tests/test_self_fence_process.py",
+    "tests/test_self_fence.py", "tests/test_prompt_stop.py", "tests/test_services.py",
+    "tests/test_election.py", "tests/test_leader_probe.py", "tests/test_leader_resign.py",
+    "tests/test_e2e_large_rows.py",
+})
+_EXCLUSIVE = "exclusive:"
+
+
+class ModuleScheduling(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+        module = nodeid.split("::", 1)[0]
+        return _EXCLUSIVE + module if module in EXCLUSIVE_MODULES else module
+
+    def _assign_work_unit(self, node: WorkerController) -> None:
+        shared = next((s for s in self.workqueue if not s.startswith(_EXCLUSIVE)), None)
+        if shared is None:
+            # Only exclusive modules are left; the last worker runs them. An xdist worker keeps
+            # its last test until it gets more work or is shut down, so one that is refused must
+            # be shut down, never left waiting.
+            others = [n for n in self.nodes if n is not node]
+            if any(not n.shutting_down for n in others):
+                node.shutdown()
+                return
+            if any(self._pending_of(self.assigned_work[n]) for n in others):
+                return  # woken by their last completion (mark_test_complete)
+        scope = shared if shared is not None else next(iter(self.workqueue))
+        work_unit = self.workqueue.pop(scope)
+        self.assigned_work.setdefault(node, {})[scope] = work_unit
+        collection = self.registered_collections[node]
+        node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+
+    def mark_test_complete(self, node: WorkerController, item_index: int, duration: float = 0) -> None:
+        super().mark_test_complete(node, item_index, duration)
+        # The last test of a worker that is shutting down may be what the worker left to run
+        # the exclusive modules waits for.
+        if node.shutting_down:
+            for other in self.nodes:
+                if other is not node and not other.shutting_down:
+                    self._reschedule(other)
