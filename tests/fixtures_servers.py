@@ -96,7 +96,6 @@ def postgres_factory() -> Iterator[Callable[..., PostgreSQL]]:
 def spark() -> Iterator[SparkSession]:
     settings = Settings(
         spark_master="local[2]",
-        spark_connect_url=None,
         spark_shuffle_partitions=2,
         spark_driver_memory="1g",
     )
