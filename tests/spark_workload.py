@@ -86,7 +86,8 @@ def records() -> list[EventRecord]:
                                   position=SourcePositionV1(binlog_file="b", binlog_pos=seq),
                                   meta=_meta(table), rows=rows)
             body = REGISTRY.encode(event, producer="tests/spark_workload")
-            out.append((span, "rows", f"{span}-{ts}-{part}", ts, seq, part, part == len(parts) - 1, seq, body))
+            last = part == len(parts) - 1
+            out.append((span, "rows", f"{span}-{ts}-{part}", ts, seq, part, last, seq, body))
     # At-least-once: a copy of an event, later in the stream.
     out.append(out[1])
     # A transaction beyond the horizon, and one whose last part is missing: neither applies.
@@ -129,8 +130,9 @@ def run(master: str, sink_url: str) -> dict[str, list[dict[str, Any]]]:
                   for name in ("people", "pets")}
         for table in tables.values():
             sink.ensure_table(table)
+        routes = (("shop/people", "people"), ("shop2/people", "people"), ("shop/pets", "pets"))
         plans = {span: TargetPlan(target_id=table, sink_url=sink_url, table=tables[table])
-                 for span, table in (("shop/people", "people"), ("shop2/people", "people"), ("shop/pets", "pets"))}
+                 for span, table in routes}
         sort = run_sort(records(), [SpanInput(span, 0, HORIZON) for span in plans])
         result = run_apply(spark, sort.batch(sorted(plans)), plans, 3, split_events=SPLIT_EVENTS)
         if result.failures:
