@@ -1,6 +1,6 @@
 """The table pipelines of one worker: rounds of pull, sort, apply, DDL and checkpoint.
 
-A round covers every span the worker runs, with one sort job for all of them:
+A round covers every span the worker runs, with one cut (on the driver) for all of them:
 
 1. read each source's resolved ts *before* pulling, so that every event at or below it is
    already in the stream when the pull runs;
@@ -572,7 +572,7 @@ class Pipeline:
                     return report
                 except Exception as exc:
                     m.ROUND_ERRORS.labels("sort").inc()
-                    log.exception("sort job failed")
+                    log.exception("round failed before the apply")
                     if spark_gone(exc) and not (stopping is not None and stopping.is_set()):
                         # The driver's JVM died (e.g. out of memory): every later round would fail
                         # the same way. Exit like a crash, so the supervisor starts a fresh process
