@@ -32,7 +32,7 @@ def spark_home() -> Path:
     return Path(pyspark.__file__).parent
 
 
-def _environment() -> dict[str, str]:
+def _environment(daemon: bool) -> dict[str, str]:
     env = dict(os.environ)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env.update({
@@ -40,9 +40,11 @@ def _environment() -> dict[str, str]:
         "SPARK_LOCAL_IP": "127.0.0.1",
         "PYSPARK_PYTHON": sys.executable,
         "PYTHONPATH": os.pathsep.join([_PROJECT_ROOT, *[p for p in paths if p != _PROJECT_ROOT]]),
-        # Small daemons: the master and workers only schedule; executors get their own memory.
-        "SPARK_DAEMON_MEMORY": "256m",
     })
+    if daemon:
+        # Small daemons: the master and workers only schedule; executors get their own memory.
+        # (Not for spark-submit: it would cap the Connect server's driver below Spark's minimum.)
+        env["SPARK_DAEMON_MEMORY"] = "256m"
     return env
 
 
@@ -51,12 +53,13 @@ class _Process:
     name: str
     args: list[str]
     log: Path
+    daemon: bool = True
     proc: subprocess.Popen[bytes] | None = None
     _out: IO[bytes] | None = field(default=None, repr=False)
 
     def start(self, cwd: Path) -> None:
         self._out = self.log.open("ab")
-        self.proc = subprocess.Popen(self.args, cwd=cwd, env=_environment(), stdout=self._out,
+        self.proc = subprocess.Popen(self.args, cwd=cwd, env=_environment(self.daemon), stdout=self._out,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def alive(self) -> bool:
@@ -87,8 +90,8 @@ class _Group:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.processes: list[_Process] = []
 
-    def _launch(self, name: str, args: list[str]) -> _Process:
-        p = _Process(name, args, self.data_dir / f"{name}.log")
+    def _launch(self, name: str, args: list[str], daemon: bool = True) -> _Process:
+        p = _Process(name, args, self.data_dir / f"{name}.log", daemon)
         p.start(self.data_dir)
         self.processes.append(p)
         return p
@@ -174,6 +177,6 @@ class SparkConnect(_Group):
             "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
             "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.catalogImplementation=in-memory",
             "--conf", f"spark.pyspark.python={sys.executable}",
-            "--conf", "spark.sql.shuffle.partitions=3"])
+            "--conf", "spark.sql.shuffle.partitions=3"], daemon=False)
         self._wait(lambda: port_open(self.port), timeout, f"the Spark Connect server on port {self.port}")
         return self
