@@ -83,8 +83,12 @@ class Settings(BaseSettings):
     # --- end liveness ---
 
     # Spark
-    spark_master: str = Field("local[*]", description="Spark master URL for the data path jobs.")
-    spark_connect_url: str | None = Field(None, description="Spark Connect URL; wins over spark_master.")
+    spark_master: str = Field(
+        "local[*]",
+        description="Where the data path jobs run: local[*] | local[N] (in this process), spark://host:port "
+                    "(a standalone cluster) or sc://host:port (a Spark Connect server).",
+        pattern=r"^(local(\[(\*|\d+)\])?|spark://.+|sc://.+)$",
+    )
     spark_shuffle_partitions: int = Field(8, ge=1, description="spark.sql.shuffle.partitions.")
     spark_driver_memory: str = Field("2g", description="spark.driver.memory of the local driver.")
     spark_driver_java_options: str = Field(

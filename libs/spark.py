@@ -5,15 +5,22 @@ SparkContext per JVM, and starting one costs seconds); ``stop_spark()`` ends it 
 ``get_spark()`` starts a fresh one. The settings of the first call win; later calls with other
 settings get the running session.
 
-Local mode (the default, ``spark_master=local[*]``) runs the driver and executors inside this
-process' JVM, bound to 127.0.0.1 (a machine with no network still works), without the web UI.
-``spark_connect_url`` (``sc://host:15002``) sends the same DataFrame jobs to a Spark Connect
-server instead; that needs ``pyspark[connect]`` (grpcio, pandas, pyarrow) installed and gives
-no ``sparkContext``, so RDD code paths need a classic session (``spark_master``).
+One setting, ``spark_master`` (``SLUICE_SPARK_MASTER``), says where the jobs run:
 
-Executors import this project's modules (``libs``, ``services``): in local mode their Python
-workers get the project root on ``PYTHONPATH`` from here; on a cluster, install the project
-(``pip install .``) on every worker.
+- ``local[*]`` (the default; ``local[N]``): driver and executors inside this process' JVM,
+  bound to 127.0.0.1 (a machine with no network still works), without the web UI;
+- ``spark://host:7077``: a Spark standalone cluster (master and workers started with
+  pyspark's own ``spark-class`` launcher or ``sbin`` scripts); executors reach this driver at
+  ``spark_driver_host``;
+- ``sc://host:15002``: a Spark Connect server, which runs the jobs in its own cluster; this
+  process starts no JVM at all. It needs ``pyspark[connect]`` (a dependency of the worker
+  extra) and gives no ``sparkContext``: the data path uses DataFrames and ``mapInArrow`` only.
+
+Python workers run the interpreter of this venv (``PYSPARK_PYTHON``; on a cluster the same path
+must exist on every worker host, as it does with one image everywhere) and import this
+project's modules (``libs``, ``services``): they get the project root on ``PYTHONPATH`` from
+here (local mode and cluster executors alike); a Spark Connect server needs both in its own
+environment when it is started, or the project installed (``pip install .``).
 """
 
 from __future__ import annotations
@@ -45,9 +52,14 @@ def _prepare_environment() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([_PROJECT_ROOT, *paths])
 
 
+def is_connect(master: str) -> bool:
+    """Whether a ``spark_master`` names a Spark Connect server."""
+    return master.startswith("sc://")
+
+
 def _build(settings: Settings) -> SparkSession:
-    if settings.spark_connect_url:
-        return SparkSession.builder.remote(settings.spark_connect_url).getOrCreate()
+    if is_connect(settings.spark_master):
+        return SparkSession.builder.remote(settings.spark_master).getOrCreate()
     _prepare_environment()
     builder = (
         SparkSession.builder.master(settings.spark_master)
@@ -64,7 +76,11 @@ def _build(settings: Settings) -> SparkSession:
         # No Hive metastore (metastore_db/, derby.log) in the working directory.
         .config("spark.sql.catalogImplementation", "in-memory")
         .config("spark.python.worker.reuse", "true")
+        .config("spark.pyspark.python", sys.executable)
     )
+    if not settings.spark_master.startswith("local"):
+        # A cluster's executors start their Python workers with this environment.
+        builder = builder.config("spark.executorEnv.PYTHONPATH", _PROJECT_ROOT)
     if settings.spark_driver_java_options:
         # Passed to spark-submit, which starts the local driver's JVM with them.
         builder = builder.config("spark.driver.extraJavaOptions", settings.spark_driver_java_options)

@@ -99,7 +99,6 @@ def postgres_factory() -> Iterator[Callable[..., PostgreSQL]]:
 def spark() -> Iterator[SparkSession]:
     settings = Settings(
         spark_master="local[2]",
-        spark_connect_url=None,
         spark_shuffle_partitions=2,
         spark_driver_memory="1g",
         spark_driver_java_options=SPARK_TEST_JAVA_OPTIONS,

@@ -9,6 +9,7 @@ whose key column has a case-insensitive collation.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 from uuid import uuid4
 
@@ -19,11 +20,10 @@ from pyspark.sql import SparkSession
 from contracts.events.rows import ColumnV1, RowImageV1, TableMetaV1
 from libs.eventstore import EventStore
 from libs.streams import ROWS_STREAM, ROWS_SUBJECTS
-from services.sink_worker.apply_job import final_images
+from services.sink_worker.apply_job import SpanTargets, final_images, plan_partitions
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.sort_job import EVENT_SCHEMA
 from tests.test_sort_apply import Harness
 
 pytestmark = pytest.mark.integration
@@ -133,8 +133,28 @@ async def _caught_up(h: Harness, ts: int) -> bool:
     return cp is not None and cp.ts >= ts
 
 
-def test_collapse_by_bucket_adds_no_second_shuffle(spark: SparkSession) -> None:
-    # The window over (target, bucket, key) must reuse the (target, bucket) repartition.
-    batch = spark.createDataFrame([], EVENT_SCHEMA)
-    plan = final_images(spark, batch, {}, 3)._jdf.queryExecution().executedPlan().toString()
-    assert plan.count("Exchange ") == 1, plan
+def test_small_units_need_no_shuffle_and_a_split_unit_one(spark: SparkSession) -> None:
+    # Units (a target's spans) within SPLIT_EVENTS arrive whole in one row and are not
+    # moved; a bigger one is hash-partitioned by (target, bucket) once, and nothing else is.
+    body = json.dumps({"type": "rows.changed", "version": 1, "data": {"rows": []}}).encode()
+    events = [("s", 1, 1, 0, body), ("t", 1, 1, 0, body)]
+    targets: SpanTargets = {"s": (0, ("id",), None), "t": (1, ("id",), None)}
+
+    def exchanges(split_events: int) -> int:
+        frame = final_images(spark, events, targets, 3, split_events=split_events)
+        return int(frame._jdf.queryExecution().executedPlan().toString().count("Exchange "))
+
+    assert exchanges(10) == 0
+    assert exchanges(0) == 1
+
+
+def test_plan_partitions_keeps_a_target_whole_and_splits_big_units() -> None:
+    targets: SpanTargets = {"a1": (0, ("id",), None), "a2": (0, ("id",), None), "b": (1, ("id",), None),
+                            "c": (2, ("id",), None)}
+    events = ([("a1", 1, 1, 0, b"x")] * 2 + [("a2", 2, 1, 0, b"x")] * 2 + [("b", 1, 1, 0, b"xx")] * 3
+              + [("c", 1, 1, 0, b"x")] * 7)
+    plan = plan_partitions(events, targets, 2, split_events=5)
+    # The two shards of target 0 share a group; target 2 (7 events) is split, in order.
+    assert sorted(sorted({e[0] for e in p}) for p in plan.local) == [["a1", "a2"], ["b"]]
+    assert plan.split == [("c", 1, 1, 0, b"x")] * 7
+    assert len(plan_partitions(events, targets, 1, split_events=5).local) == 1

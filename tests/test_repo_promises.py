@@ -169,8 +169,15 @@ def test_compose_stack_is_complete_and_consistent() -> None:
     # Spark standalone: master on 7077 and a worker registered with it.
     assert "org.apache.spark.deploy.master.Master" in services["spark-master"]["command"]
     assert "7077" in services["spark-master"]["command"]
-    worker_cmd = services["spark-worker"]["command"]
-    assert "org.apache.spark.deploy.worker.Worker" in worker_cmd and "spark://spark-master:7077" in worker_cmd
+    for worker in ("spark-worker", "spark-worker-2"):
+        worker_cmd = services[worker]["command"]
+        assert "org.apache.spark.deploy.worker.Worker" in worker_cmd
+        assert "spark://spark-master:7077" in worker_cmd
+    # Spark Connect on the same cluster, not published (the sc:// choice of SLUICE_SPARK_MASTER).
+    connect_cmd = " ".join(services["spark-connect"]["command"])
+    assert "org.apache.spark.sql.connect.service.SparkConnectServer" in connect_cmd
+    assert "--master spark://spark-master:7077" in connect_cmd and "binding.port=15002" in connect_cmd
+    assert not services["spark-connect"].get("ports")
     # Grafana with the provisioned dashboard; Prometheus with its config.
     mounts = " ".join(services["grafana"]["volumes"])
     assert "./infra/grafana/provisioning:/etc/grafana/provisioning" in mounts

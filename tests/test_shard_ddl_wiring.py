@@ -5,7 +5,6 @@ the sink's routed targets and the origin column in the apply job, and the ddl-lo
 from __future__ import annotations
 
 import json
-import pickle
 from datetime import datetime
 
 import pytest
@@ -198,9 +197,9 @@ def test_explode_event_puts_the_origin_into_both_images_and_the_key() -> None:
     # update that keeps the key: one upsert; the delete: a delete by the origin-qualified key
     assert [(r[1], r[7]) for r in recs] == [('["src1/shop_a/orders_1",1]', "upsert"),
                                            ('["src1/shop_a/orders_1",2]', "delete")]
-    assert pickle.loads(recs[0][8])["_origin"] == "src1/shop_a/orders_1"
+    assert recs[0][8]["_origin"] == "src1/shop_a/orders_1"
     plain = list(explode_event({"s": (0, ("id",), None)}, "s", 5, 1, 0, body))
-    assert [r[1] for r in plain] == ["[1]", "[2]"] and "_origin" not in pickle.loads(plain[0][8])
+    assert [r[1] for r in plain] == ["[1]", "[2]"] and "_origin" not in plain[0][8]
 
 
 def _rows_event() -> object:

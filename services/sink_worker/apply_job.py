@@ -1,14 +1,15 @@
-"""The apply job (Spark): a sorted batch to the final image per key, written in parallel.
+"""The apply job (Spark): a round's batch to the final image per key, written, in one Spark job.
+
+The batch (``sort_job.SortResult``: rows events in order, per span) goes to Spark as one
+pyarrow Table (``createDataFrame``); every step runs in Python workers over Arrow batches
+(``mapInArrow``): no RDD, no pickled rows.
 
 1. Explode: every row image of every event becomes a record keyed by ``(target, key)``; an
    update that changes the key becomes a delete of the old key followed by an upsert of the new
    one (sub-order 0 then 1), so the old row cannot survive under its old key.
-2. Collapse: repartition by a hash of ``(target, bucket)`` (``key_buckets``: keys a downstream
-   collation may compare as equal share a bucket), then a window over ``(target, key)``
-   ordered by ``(ts, seq, part, row index, sub-order)`` keeps only the last record per key: the
-   image the source had at the end of the batch. The window needs exactly the clustering the
-   repartition made, so this is one shuffle, not two.
-3. Write: every partition writes its final images through the sink (``Sink.apply_partition``:
+2. Collapse: the last record per ``(target, key)`` by ``(ts, seq, part, row index,
+   sub-order)``: the image the source had at the end of the batch.
+3. Write: each partition writes its final images through the sink (``Sink.apply_partition``:
    delete by key, all deletes before any upsert; upsert that first removes rows holding the
    same unique-key values under another key). No lock spans partitions: the batch ends at a
    consistent point of the source, so its final images satisfy every unique key together,
@@ -16,25 +17,41 @@
    partitions land does not matter (the TDSQL "lucy" case needs no lock here). The driver
    sums the counts each partition returns.
 
-Values stay in their contract JSON encoding until the partition decodes them
-(``values.RowDecoder``), so Spark never has to know a column's type. Between the explode and
-the write an image travels pickled (a dict of those JSON values; it never leaves this job):
-half the cost of JSON text in the Python workers and plain bytes to the JVM, for every row
-change of a round.
+Where the records of a key meet (``plan_partitions``): a target's spans (its upstream shards
+too) are one unit. Units of at most ``SPLIT_EVENTS`` events are packed into as many groups as
+partitions, and each group goes to Spark as *one row* (its events' fields as arrays): a row is
+never cut, so whatever partition Spark (or a Spark Connect server) puts it in holds its units
+whole, and explode, collapse and write run in one Python pass with no shuffle; the images
+never leave the Python worker. A bigger unit goes as one row per event, its events explode in
+parallel, and its records are hash-partitioned by ``(target, bucket)`` (``key_buckets``: keys
+a downstream collation may compare as equal share a bucket) so its write is spread over
+several partitions: the one shuffle of the job, of records, not bodies. Both paths are one
+plan, and one ``collect`` runs it.
+
+Values stay in their contract JSON encoding until the write decodes them
+(``values.RowDecoder``), so Spark never has to know a column's type; a record crossing to the
+JVM carries its image as JSON text.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from pyspark.sql import DataFrame, Row, SparkSession, Window
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, StructType
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
 
 from contracts import REGISTRY
 from contracts.events.rows import RowsChangedV1
@@ -45,8 +62,11 @@ from services.sink_worker.poison import RowFailure, Statement
 from services.sink_worker.sinks.base import Change, Delete, PartitionResult, TargetTable, Upsert
 from services.sink_worker.sinks.error_class import ErrorClass
 from services.sink_worker.sinks.unique_guard import DELETED, ConflictGuard, UniqueConflictPolicy
+from services.sink_worker.sort_job import BatchEvent
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from services.sink_worker.row_rules import SpanRowRules
 
 RECORD_SCHEMA = StructType([
@@ -60,7 +80,8 @@ RECORD_SCHEMA = StructType([
     StructField("idx", IntegerType(), False),
     StructField("sub", IntegerType(), False),
     StructField("op", StringType(), False),  # "upsert" | "delete"
-    StructField("image", BinaryType(), True),  # pickled dict of the contract's JSON values
+    # The contract's JSON values (a dict in the worker's process, JSON text in Spark).
+    StructField("image", StringType(), True),
     # The partition: ``key_buckets.key_bucket``, equal for keys the downstream may see as equal.
     StructField("bucket", IntegerType(), False),
     # The span's index in the round's sorted span keys: which shard wrote a final image
@@ -125,10 +146,6 @@ def _bucket(image: dict[str, Any], key: tuple[str, ...]) -> int:
             return value & 0x7FFFFFFF  # no text to fold: the value itself spreads the keys
         return key_bucket([value])
     return key_bucket([image[c] for c in key])
-
-
-def _pack(image: dict[str, Any]) -> bytes:
-    return pickle.dumps(image, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 SpanTargets = dict[str, tuple[int, tuple[str, ...], tuple[str, str] | None]]
@@ -208,7 +225,7 @@ def explode_event(span_targets: SpanTargets, span: str, ts: int, seq: int, part:
             after = {name: value, **after} if after is not None else None
         if op == "insert":
             assert after is not None
-            record = (target, key_json(after, key), ts, seq, part, idx, 0, "upsert", _pack(after),
+            record = (target, key_json(after, key), ts, seq, part, idx, 0, "upsert", after,
                       _bucket(after, key), shard)
             yield (*record, *extra) if extended else record
         elif op == "delete":
@@ -222,7 +239,7 @@ def explode_event(span_targets: SpanTargets, span: str, ts: int, seq: int, part:
             if old != new:
                 record = (target, old, ts, seq, part, idx, 0, "delete", None, _bucket(before, key), shard)
                 yield (*record, *extra) if extended else record
-            record = (target, new, ts, seq, part, idx, 1, "upsert", _pack(after), _bucket(after, key), shard)
+            record = (target, new, ts, seq, part, idx, 1, "upsert", after, _bucket(after, key), shard)
             yield (*record, *extra) if extended else record
 
 
@@ -231,22 +248,6 @@ def _latest(type_: str) -> int:
     if latest is None:
         latest = _LATEST[type_] = REGISTRY.latest_version(type_)
     return latest
-
-
-_EXPLODE_INPUT = ("span", "ts", "seq", "part", "body")
-
-
-def explode_partition(span_targets: SpanTargets, skips: Skips | None, rules: SpanRules | None,
-                      extended: bool, rows: Iterator[Row]) -> Iterator[tuple[Any, ...]]:
-    """``explode_event`` over a partition (rows of ``_EXPLODE_INPUT``, unpacked by position:
-    cheaper than Row's lookups by name), without the garbage collector (``libs.gc_pause``)."""
-    from libs.gc_pause import gc_paused
-
-    shard_of = shard_indexes(span_targets)
-    with gc_paused():
-        for span, ts, seq, part, body in rows:
-            yield from explode_event(span_targets, span, ts, seq, part, body, skips, shard_of[span],
-                                     rules, extended)
 
 
 def shard_indexes(span_targets: SpanTargets) -> dict[str, int]:
@@ -265,11 +266,13 @@ class GuardPlan:
     target: str
 
 
-Deferred = list[tuple[str, bytes, int, str | None]]
+Deferred = list[tuple[str, dict[str, Any], int, str | None]]
 """Upserts a partition leaves to the driver (images holding large-value references):
-``(key JSON, pickled image, shard, computed columns' JSON or None)``."""
+``(key JSON, image, shard, computed columns' JSON or None)``."""
 
 PartitionReport = tuple[str, int, int, int, str | None, list[str], Deferred]
+"""``(target id, deleted, upserted, conflicts removed, refusal JSON or None, overwrite
+reports, deferred upserts)``"""
 
 
 def _decode_key(table: TargetTable, text: str) -> tuple[Any, ...]:
@@ -300,59 +303,6 @@ def _write(sink: Any, plan: TargetPlan, changes: list[Change], keys: list[str],
         return refused
 
 
-def write_partition(plans: list[TargetPlan], guards: dict[int, GuardPlan], defer_large: bool,
-                    rows: Iterator[Row]) -> Iterator[PartitionReport]:
-    """Runs on an executor: decode one partition's final images and write them per target.
-
-    A target the downstream refuses for good (``sinks.error_class``) does not fail the
-    partition: its refused change is found (``poison.locate_poison``) and reported in the
-    fifth field, and the partition goes on with the other targets. With ``defer_large``, an
-    upsert whose image holds a large-value reference (``large_values``) is not written here:
-    it is handed back to the driver in the last field."""
-    # Imported here: executors need them, the driver's import of this module does not.
-    from libs.gc_pause import gc_paused
-    from services.sink_worker.sinks.factory import open_sink
-    from services.sink_worker.values import RowDecoder
-
-    with gc_paused():
-        decoders = [RowDecoder(plan.table.meta) for plan in plans]
-        changes: list[list[Change]] = [[] for _ in plans]
-        keys: list[list[str]] = [[] for _ in plans]
-        deferred: list[Deferred] = [[] for _ in plans]
-        # Positional fields (see final_images): Row lookups by name cost more than the rest.
-        for target, key_json_, op, image, shard, computed in rows:
-            table = plans[target].table
-            if op == "upsert":
-                values = pickle.loads(image)
-                if defer_large and holds_ref(values):
-                    deferred[target].append((key_json_, image, shard, computed))
-                    continue
-                if computed is not None:
-                    values.update(json.loads(computed))
-                decoded = decoders[target](values)
-                key = tuple(decoded[c] for c in table.key)
-                changes[target].append(Upsert(key=key, row=decoded, shard=shard))
-            else:
-                changes[target].append(Delete(key=_decode_key(table, key_json_)))
-            keys[target].append(key_json_)
-        sinks: dict[str, Any] = {}
-        for index, (plan, target_changes, target_keys) in enumerate(zip(plans, changes, keys, strict=True)):
-            if not target_changes:
-                if deferred[index]:
-                    yield (plan.target_id, 0, 0, 0, None, [], deferred[index])
-                continue
-            sink = sinks.get(plan.sink_url)
-            if sink is None:
-                sink = sinks[plan.sink_url] = open_sink(plan.sink_url)
-            result = _write(sink, plan, target_changes, target_keys, _guard(plan, guards.get(index)))
-            if isinstance(result, RowFailure):
-                # Refused for good: the target stops, so its large upserts are not written either.
-                yield (plan.target_id, 0, 0, 0, result.to_json(), [], [])
-                continue
-            yield (plan.target_id, result.deleted, result.upserted, result.conflicts_removed, None,
-                   result.overwritten, deferred[index])
-
-
 def write_deferred(plans: list[TargetPlan], guards: dict[int, GuardPlan], large: LargeValues,
                    deferred: dict[str, Deferred], result: ApplyResult) -> None:
     """Runs on the driver, after every partition: the upserts the partitions left because their
@@ -372,7 +322,7 @@ def write_deferred(plans: list[TargetPlan], guards: dict[int, GuardPlan], large:
         guard = _guard(plan, guards.get(index[target_id]))
         counts = result.per_target.setdefault(target_id, TargetCounts())
         for key_json_, image, shard, computed in rows:
-            values = large.resolve(pickle.loads(image))
+            values = large.resolve(image)
             if computed is not None:
                 values.update(json.loads(computed))
             decoded = decoder(values)
@@ -420,89 +370,411 @@ def _refusal(sink: Any, table: TargetTable, changes: list[Change], keys: list[st
     return RowFailure(statement, keys[index], table.key, message, code)
 
 
-def final_images(spark: SparkSession, batch: DataFrame, span_targets: SpanTargets,
-                 partitions: int, skips: Skips | None = None, rules: SpanRules | None = None,
-                 row_rules: dict[str, SpanRowRules] | None = None) -> DataFrame:
-    """The last record per (target, key) of the batch: ``target, key, op, image, shard,
-    computed`` (as in ``RECORD_SCHEMA``; ``computed``: the computed columns' JSON or null), in
-    ``partitions`` partitions by a hash of (target, bucket): keys the downstream may compare as
-    equal share a partition (``key_buckets``), whose write deletes before it upserts.
+EVENT_SCHEMA = StructType([
+    StructField("span", StringType(), False),
+    StructField("ts", LongType(), False),
+    StructField("seq", LongType(), False),
+    StructField("part", IntegerType(), False),
+    StructField("body", BinaryType(), False),
+])
+"""A batch event as Spark gets it (``sort_job.BatchEvent``), one per row: a chunk of a split unit."""
 
-    ``rules``: spans' table rules (events ignored by type, columns left out); ``row_rules``:
-    spans whose rules have expressions, evaluated by ``row_rules.evaluate`` before the collapse,
-    so an ignored change never becomes a key's final image."""
-    extended = bool(row_rules)
-    # explode_partition yields RECORD_SCHEMA tuples by construction: no per-row type check.
-    explode = partial(explode_partition, span_targets, skips, rules, extended)
-    exploded = batch.select(*_EXPLODE_INPUT).rdd.mapPartitions(explode)
+GROUP_SCHEMA = StructType([StructField(f.name, ArrayType(f.dataType, False), False)
+                           for f in EVENT_SCHEMA.fields])
+"""Whole units as one row: the fields of their events as arrays. A row is never cut, so its
+units stay together in whatever partition Spark (or a Spark Connect server) puts it."""
+
+FINAL_SCHEMA = StructType([
+    StructField("target", IntegerType(), False),
+    StructField("key", StringType(), False),
+    StructField("op", StringType(), False),
+    StructField("image", StringType(), True),
+    StructField("shard", IntegerType(), False),
+    StructField("computed", StringType(), True),
+])
+"""A key's final image (``computed``: the computed columns' JSON, null without any)."""
+
+REPORT_SCHEMA = StructType([
+    StructField("target_id", StringType(), False),
+    StructField("deleted", LongType(), False),
+    StructField("upserted", LongType(), False),
+    StructField("conflicts", LongType(), False),
+    StructField("failure", StringType(), True),
+    StructField("overwritten", StringType(), False),  # JSON list of reports
+    StructField("deferred", StringType(), False),  # JSON list of ``Deferred`` entries
+])
+
+SPLIT_EVENTS = 2000
+"""A unit (a target's spans) with more events than this in a round explodes in chunks and has
+its write spread over several partitions by key hash (one shuffle of its records); smaller
+units are a partition each, with no shuffle."""
+
+_OUT_ROWS = 8192  # rows per Arrow batch a Python worker hands back
+
+
+@dataclass(frozen=True)
+class ApplyPlan:
+    """What every partition of the job needs (shipped with the job, so picklable)."""
+
+    span_targets: SpanTargets
+    plans: list[TargetPlan]
+    skips: Skips | None = None
+    rules: SpanRules | None = None
+    extended: bool = False
+    """Records carry ``row_rules.RULE_FIELDS`` (some span has expressions)."""
+    guards: dict[int, GuardPlan] = field(default_factory=dict)
+    defer_large: bool = False
+    local_owners: bool = False
+    """Guarded targets are whole in their partition: the owners come from its own collapse."""
+
+
+def _arrow() -> Any:
+    import pyarrow as pa
+
+    return pa
+
+
+def _spark_to_arrow(schema: StructType) -> pa.Schema:
+    pa = _arrow()
+    types = {"string": pa.string(), "bigint": pa.int64(), "int": pa.int32(), "binary": pa.binary()}
+
+    def arrow_type(t: Any) -> Any:
+        if isinstance(t, ArrayType):
+            return pa.list_(pa.field("element", arrow_type(t.elementType), nullable=t.containsNull))
+        return types[t.simpleString()]
+
+    return pa.schema([pa.field(f.name, arrow_type(f.dataType), nullable=f.nullable) for f in schema.fields])
+
+
+def _batches(schema: StructType, rows: Iterable[Sequence[Any]]) -> Iterator[pa.RecordBatch]:
+    """``rows`` (tuples in ``schema``'s field order) as Arrow batches of ``_OUT_ROWS`` rows."""
+    pa = _arrow()
+    arrow_schema = _spark_to_arrow(schema)
+    chunk: list[Sequence[Any]] = []
+
+    def flush() -> Any:
+        columns: list[Sequence[Any]] = list(zip(*chunk, strict=True)) if chunk else [[] for _ in arrow_schema]
+        return pa.RecordBatch.from_arrays([pa.array(col, type=f.type) for col, f in zip(columns, arrow_schema,
+                                                                                        strict=True)],
+                                          schema=arrow_schema)
+
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) >= _OUT_ROWS:
+            yield flush()
+            chunk = []
+    if chunk:
+        yield flush()
+
+
+def _rows(batches: Iterable[pa.RecordBatch]) -> Iterator[tuple[Any, ...]]:
+    """The rows of Arrow batches as tuples, column by column (no per-row dict)."""
+    for batch in batches:
+        yield from zip(*(column.to_pylist() for column in batch.columns), strict=True)
+
+
+def _grouped_rows(batches: Iterable[pa.RecordBatch]) -> Iterator[tuple[Any, ...]]:
+    """The events of ``GROUP_SCHEMA`` rows, in order."""
+    for group in _rows(batches):
+        yield from zip(*group, strict=True)
+
+
+def explode_events(plan: ApplyPlan, events: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
+    """``explode_event`` over batch events ``(span, ts, seq, part, body)``."""
+    shard_of = shard_indexes(plan.span_targets)
+    for span, ts, seq, part, body in events:
+        yield from explode_event(plan.span_targets, span, ts, seq, part, body, plan.skips, shard_of[span],
+                                 plan.rules, plan.extended)
+
+
+def collapse(records: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
+    """The last record per ``(target, key)`` by ``(ts, seq, part, idx, sub)``, as a final image
+    ``(target, key, op, image, shard, computed)``; ``records`` in ``RECORD_SCHEMA`` order, with
+    ``computed`` as a twelfth field when there is one."""
+    last: dict[tuple[int, str], Sequence[Any]] = {}
+    for r in records:
+        k = (r[0], r[1])
+        seen = last.get(k)
+        if seen is None or (r[2], r[3], r[4], r[5], r[6]) > (seen[2], seen[3], seen[4], seen[5], seen[6]):
+            last[k] = r
+    for r in last.values():
+        yield (r[0], r[1], r[7], r[8], r[10], r[11] if len(r) > 11 else None)
+
+
+def write_finals(plan: ApplyPlan, finals: Iterable[Sequence[Any]]) -> Iterator[PartitionReport]:
+    """Runs on an executor: decode final images and write them per target.
+
+    A target the downstream refuses for good (``sinks.error_class``) does not fail the
+    partition: its refused change is found (``poison.locate_poison``) and reported in the
+    fifth field, and the partition goes on with the other targets. With ``defer_large``, an
+    upsert whose image holds a large-value reference (``large_values``) is not written here:
+    it is handed back to the driver in the last field. With ``local_owners``, a guarded
+    target's owners are the partition's own final images (the target is whole here)."""
+    # Imported here: executors need them, the driver's import of this module does not.
+    from services.sink_worker.sinks.factory import open_sink
+    from services.sink_worker.values import RowDecoder
+
+    plans = plan.plans
+    decoders = [RowDecoder(p.table.meta) for p in plans]
+    changes: list[list[Change]] = [[] for _ in plans]
+    keys: list[list[str]] = [[] for _ in plans]
+    deferred: list[Deferred] = [[] for _ in plans]
+    owners: dict[int, dict[str, int]] = {}
+    for target, key_json_, op, image, shard, computed in finals:
+        table = plans[target].table
+        if plan.local_owners and target in plan.guards:
+            owners.setdefault(target, {})[key_json_] = DELETED if op == "delete" else shard
+        if op == "upsert":
+            values = json.loads(image) if isinstance(image, str) else image
+            if plan.defer_large and holds_ref(values):
+                deferred[target].append((key_json_, values, shard, computed))
+                continue
+            if computed is not None:
+                values = {**values, **json.loads(computed)}
+            decoded = decoders[target](values)
+            changes[target].append(Upsert(key=tuple(decoded[c] for c in table.key), row=decoded, shard=shard))
+        else:
+            changes[target].append(Delete(key=_decode_key(table, key_json_)))
+        keys[target].append(key_json_)
+    sinks: dict[str, Any] = {}
+    for index, (target_plan, target_changes, target_keys) in enumerate(
+            zip(plans, changes, keys, strict=True)):
+        if not target_changes:
+            if deferred[index]:
+                yield (target_plan.target_id, 0, 0, 0, None, [], deferred[index])
+            continue
+        sink = sinks.get(target_plan.sink_url)
+        if sink is None:
+            sink = sinks[target_plan.sink_url] = open_sink(target_plan.sink_url)
+        spec = plan.guards.get(index)
+        if spec is not None and plan.local_owners:
+            spec = GuardPlan(spec.policy, owners.get(index, {}), spec.shard_names, spec.target)
+        result = _write(sink, target_plan, target_changes, target_keys, _guard(target_plan, spec))
+        if isinstance(result, RowFailure):
+            # Refused for good: the target stops, so its large upserts are not written either.
+            yield (target_plan.target_id, 0, 0, 0, result.to_json(), [], [])
+            continue
+        yield (target_plan.target_id, result.deleted, result.upserted, result.conflicts_removed, None,
+               result.overwritten, deferred[index])
+
+
+def _report_rows(reports: Iterable[PartitionReport]) -> Iterator[tuple[Any, ...]]:
+    for target_id, deleted, upserted, conflicts, failure, overwritten, later in reports:
+        yield (target_id, deleted, upserted, conflicts, failure, json.dumps(overwritten), json.dumps(later))
+
+
+def _record_rows(records: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+    for r in records:
+        yield (*r[:8], None if r[8] is None else json.dumps(r[8]), *r[9:])
+
+
+def _final_rows(finals: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+    for target, key, op, image, shard, computed in finals:
+        yield (target, key, op, image if image is None or isinstance(image, str) else json.dumps(image),
+               shard, computed)
+
+
+def _gc_paused(stage: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    from libs.gc_pause import gc_paused
+
+    with gc_paused():
+        yield from stage
+
+
+# The functions mapInArrow runs (the plan bound with functools.partial).
+
+def events_to_reports(plan: ApplyPlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Rows of whole units (``GROUP_SCHEMA``): explode, collapse and write in one pass."""
+    finals = collapse(explode_events(plan, _grouped_rows(batches)))
+    return _gc_paused(_batches(REPORT_SCHEMA, _report_rows(write_finals(plan, finals))))
+
+
+def events_to_records(plan: ApplyPlan, grouped: bool,
+                      batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    events = _grouped_rows(batches) if grouped else _rows(batches)
+    return _gc_paused(_batches(record_schema(plan.extended), _record_rows(explode_events(plan, events))))
+
+
+def records_to_finals(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    return _gc_paused(_batches(FINAL_SCHEMA, _final_rows(collapse(_rows(batches)))))
+
+
+def records_to_reports(plan: ApplyPlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    finals = collapse(_rows(batches))
+    return _gc_paused(_batches(REPORT_SCHEMA, _report_rows(write_finals(plan, finals))))
+
+
+def finals_to_reports(plan: ApplyPlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    return _gc_paused(_batches(REPORT_SCHEMA, _report_rows(write_finals(plan, _rows(batches)))))
+
+
+def record_schema(extended: bool) -> StructType:
+    if not extended:
+        return RECORD_SCHEMA
+    from services.sink_worker.row_rules import RULE_FIELDS
+
+    return StructType([*RECORD_SCHEMA.fields, *RULE_FIELDS])
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    local: list[list[BatchEvent]]
+    """Whole units, packed into at most as many groups as partitions: no shuffle."""
+    split: list[BatchEvent]
+    """The big units' events, one row each: exploded in parallel, then shuffled by key hash."""
+
+
+def plan_partitions(events: Sequence[BatchEvent], span_targets: SpanTargets, partitions: int,
+                    split_events: int = SPLIT_EVENTS) -> PartitionPlan:
+    """Which events go to which partition (see the module docstring)."""
+    units: dict[int, list[BatchEvent]] = {}
+    for e in events:
+        units.setdefault(span_targets[e[0]][0], []).append(e)
+    small = [u for u in units.values() if len(u) <= split_events]
+    big = [e for u in units.values() if len(u) > split_events for e in u]
+    # The small units packed into at most ``partitions`` partitions of about equal bytes,
+    # largest first, each into the lightest partition so far.
+    bins: list[list[BatchEvent]] = [[] for _ in range(min(partitions, len(small)))]
+    weights = [0] * len(bins)
+    for unit in sorted(small, key=lambda u: -sum(len(e[4]) for e in u)):
+        i = weights.index(min(weights))
+        bins[i].extend(unit)
+        weights[i] += sum(len(e[4]) + 32 for e in unit)
+    return PartitionPlan(local=[b for b in bins if b], split=big)
+
+
+def _events_frame(spark: SparkSession, events: Sequence[BatchEvent]) -> DataFrame:
+    """One row per event (``EVENT_SCHEMA``), as one Arrow table."""
+    pa = _arrow()
+    schema = _spark_to_arrow(EVENT_SCHEMA)
+    columns = [pa.array(col, type=f.type) for col, f in zip(zip(*events, strict=True), schema, strict=True)]
+    return spark.createDataFrame(pa.Table.from_arrays(columns, schema=schema), EVENT_SCHEMA)
+
+
+def _groups_frame(spark: SparkSession, groups: list[list[BatchEvent]]) -> DataFrame:
+    """One row per group of whole units (``GROUP_SCHEMA``), as one Arrow table."""
+    pa = _arrow()
+    schema = _spark_to_arrow(GROUP_SCHEMA)
+    per_field: list[list[list[Any]]] = [[] for _ in EVENT_SCHEMA.fields]
+    for group in groups:
+        for i, col in enumerate(zip(*group, strict=True)):
+            per_field[i].append(list(col))
+    arrays = [pa.array(values, type=f.type) for values, f in zip(per_field, schema, strict=True)]
+    return spark.createDataFrame(pa.Table.from_arrays(arrays, schema=schema), GROUP_SCHEMA)
+
+
+def _records(spark: SparkSession, plan: ApplyPlan, parts: PartitionPlan, partitions: int,
+             row_rules: dict[str, SpanRowRules] | None) -> DataFrame:
+    """The records of the batch, those of the small units in the partitions they came in,
+    those of the big units hash-partitioned by (target, bucket); with ``computed``."""
+    schema = record_schema(plan.extended)
+    frames = []
+    if parts.local:
+        frames.append(_groups_frame(spark, parts.local).mapInArrow(partial(events_to_records, plan, True),
+                                                                   schema))
+    if parts.split:
+        frames.append(_events_frame(spark, parts.split)
+                      .mapInArrow(partial(events_to_records, plan, False), schema)
+                      .repartition(partitions, "target", "bucket"))
+    records = frames[0] if len(frames) == 1 else frames[0].union(frames[1])
     if row_rules:
-        from services.sink_worker.row_rules import RULE_FIELDS, evaluate
+        from services.sink_worker.row_rules import evaluate
 
-        shard_of = shard_indexes(span_targets)
-        records = spark.createDataFrame(exploded, StructType([*RECORD_SCHEMA.fields, *RULE_FIELDS]),
-                                        verifySchema=False)
-        records = evaluate(records, {shard_of[span]: r for span, r in row_rules.items()})
-    else:
-        records = spark.createDataFrame(exploded, RECORD_SCHEMA, verifySchema=False).withColumn(
-            "computed", F.lit(None).cast("string"))
-    # Hash-partitioned by (target, bucket) first: a key has one bucket, so the window over
-    # (target, bucket, key) is the window over (target, key), and its clustering is satisfied
-    # by that partitioning: Spark adds no second shuffle, and the write runs on these
-    # partitions as they are.
-    order = Window.partitionBy("target", "bucket", "key").orderBy(
-        F.desc("ts"), F.desc("seq"), F.desc("part"), F.desc("idx"), F.desc("sub"))
-    return (records.repartition(partitions, "target", "bucket")
-            .withColumn("_rn", F.row_number().over(order)).where(F.col("_rn") == 1)
-            .select("target", "key", "op", "image", "shard", "computed"))
+        shard_of = shard_indexes(plan.span_targets)
+        # Projections and a filter: they keep the partitions as they are.
+        return evaluate(records, {shard_of[span]: r for span, r in row_rules.items()})
+    return records.withColumn("computed", F.lit(None).cast("string"))
 
 
-def run_apply(spark: SparkSession, batch: DataFrame, span_plans: dict[str, TargetPlan],
+def apply_frame(spark: SparkSession, plan: ApplyPlan, parts: PartitionPlan, partitions: int,
+                row_rules: dict[str, SpanRowRules] | None = None) -> DataFrame:
+    """The job's plan (``REPORT_SCHEMA``), for a batch with no guarded target split over
+    partitions (``run_apply`` handles those)."""
+    if not row_rules:
+        frames = []
+        if parts.local:
+            frames.append(_groups_frame(spark, parts.local).mapInArrow(partial(events_to_reports, plan),
+                                                                       REPORT_SCHEMA))
+        if parts.split:
+            split = PartitionPlan(local=[], split=parts.split)
+            frames.append(_records(spark, plan, split, partitions, None)
+                          .mapInArrow(partial(records_to_reports, plan), REPORT_SCHEMA))
+        return frames[0] if len(frames) == 1 else frames[0].union(frames[1])
+    return (_records(spark, plan, parts, partitions, row_rules)
+            .mapInArrow(partial(records_to_reports, plan), REPORT_SCHEMA))
+
+
+def final_images(spark: SparkSession, events: Sequence[BatchEvent], span_targets: SpanTargets,
+                 partitions: int, skips: Skips | None = None, rules: SpanRules | None = None,
+                 row_rules: dict[str, SpanRowRules] | None = None,
+                 split_events: int = SPLIT_EVENTS) -> DataFrame:
+    """The last record per (target, key) of the batch (``FINAL_SCHEMA``): keys the downstream
+    may compare as equal share a partition (``key_buckets``), whose write deletes before it
+    upserts. ``rules``: spans' table rules (events ignored by type, columns left out);
+    ``row_rules``: spans whose rules have expressions, evaluated by ``row_rules.evaluate``
+    before the collapse, so an ignored change never becomes a key's final image."""
+    plan = ApplyPlan(span_targets=span_targets, plans=[], skips=skips, rules=rules, extended=bool(row_rules))
+    parts = plan_partitions(events, span_targets, partitions, split_events)
+    return _records(spark, plan, parts, partitions, row_rules).mapInArrow(records_to_finals, FINAL_SCHEMA)
+
+
+def run_apply(spark: SparkSession, batch: Sequence[BatchEvent], span_plans: dict[str, TargetPlan],
               partitions: int, origins: dict[str, tuple[str, str]] | None = None,
               skips: Skips | None = None, guarded: dict[str, UniqueConflictPolicy] | None = None,
               span_names: dict[str, str] | None = None, large: LargeValues | None = None,
-              rules: SpanRules | None = None, row_rules: dict[str, SpanRowRules] | None = None
-              ) -> ApplyResult:
-    """Collapse ``batch`` (rows events of the sort job) and write it; ``span_plans`` maps each
-    span key in the batch to its target, ``origins`` a span key to the origin column name and
-    value its rows gain (shard routing with an origin column), ``skips`` the keys an operator
-    skipped, ``guarded`` the merged targets (by id) whose unique keys need ``unique_guard`` and
-    their policy, ``span_names`` the names its reports use, ``large`` the round's large values
-    (``large_values``: the batch's bodies hold references to them), ``rules`` and
-    ``row_rules`` the spans' table rules (see ``final_images``)."""
+              rules: SpanRules | None = None, row_rules: dict[str, SpanRowRules] | None = None,
+              split_events: int = SPLIT_EVENTS) -> ApplyResult:
+    """Collapse ``batch`` (rows events of the round's cut, ``SortResult.batch``) and write it;
+    ``span_plans`` maps each span key in the batch to its target, ``origins`` a span key to the
+    origin column name and value its rows gain (shard routing with an origin column),
+    ``skips`` the keys an operator skipped, ``guarded`` the merged targets (by id) whose unique
+    keys need ``unique_guard`` and their policy, ``span_names`` the names its reports use,
+    ``large`` the round's large values (``large_values``: the batch's bodies hold references to
+    them), ``rules`` and ``row_rules`` the spans' table rules (see ``final_images``)."""
     # Shards of one target share its plan (and its index): their rows collapse together.
     plans = list({plan.target_id: plan for plan in span_plans.values()}.values())
     index = {plan.target_id: i for i, plan in enumerate(plans)}
     span_targets: SpanTargets = {span: (index[plan.target_id], plan.table.key, (origins or {}).get(span))
                                  for span, plan in span_plans.items()}
-    final = final_images(spark, batch, span_targets, partitions, skips, rules, row_rules)
-    guards: dict[int, GuardPlan] = {}
-    if guarded:
-        # Who wrote each key's final image, for the guarded targets only: one more pass over
-        # the (cached) final images, so the write of every partition knows every owner.
-        final = final.cache()
-        names = [(span_names or {}).get(span, span) for span in sorted(span_targets)]
-        for plan in plans:
-            if plan.target_id in guarded:
-                table = plan.table
-                guards[index[plan.target_id]] = GuardPlan(
-                    guarded[plan.target_id], {}, names,
-                    f"{table.schema}.{table.name}" if table.schema else table.name)
-        for target, key, op, shard in (final.where(F.col("target").isin(list(guards)))
-                                       .select("target", "key", "op", "shard").collect()):
-            guards[target].owners[key] = DELETED if op == "delete" else shard
-    defer = large is not None and len(large) > 0
-    try:
-        counts = final.rdd.mapPartitions(partial(write_partition, plans, guards, defer)).collect()
-    finally:
-        if guarded:
-            final.unpersist()
     result = ApplyResult(partitions=partitions)
+    if not batch:
+        return result
+    names = [(span_names or {}).get(span, span) for span in sorted(span_targets)]
+    guards: dict[int, GuardPlan] = {}
+    for target_plan in plans:
+        if target_plan.target_id in (guarded or {}):
+            table = target_plan.table
+            guards[index[target_plan.target_id]] = GuardPlan(
+                (guarded or {})[target_plan.target_id], {}, names,
+                f"{table.schema}.{table.name}" if table.schema else table.name)
+    parts = plan_partitions(batch, span_targets, partitions, split_events)
+    defer = large is not None and len(large) > 0
+    plan = ApplyPlan(span_targets=span_targets, plans=plans, skips=skips, rules=rules,
+                     extended=bool(row_rules), guards=guards, defer_large=defer, local_owners=True)
+    split_targets = {span_targets[e[0]][0] for e in parts.split}
+    if not (guards.keys() & split_targets):
+        reports = apply_frame(spark, plan, parts, partitions, row_rules).collect()
+    else:
+        # A guarded target split over partitions: every partition's write must know the owner
+        # of every key of it, so the final images are made (and kept) first, the owners
+        # collected, then written: two jobs, only in such a round.
+        final = _records(spark, plan, parts, partitions, row_rules).mapInArrow(records_to_finals,
+                                                                               FINAL_SCHEMA).cache()
+        try:
+            for target, key, op, shard in (final.where(F.col("target").isin(list(guards)))
+                                           .select("target", "key", "op", "shard").collect()):
+                guards[target].owners[key] = DELETED if op == "delete" else shard
+            plan = ApplyPlan(span_targets=span_targets, plans=plans, skips=skips, rules=rules,
+                             extended=bool(row_rules), guards=guards, defer_large=defer)
+            reports = final.mapInArrow(partial(finals_to_reports, plan), REPORT_SCHEMA).collect()
+        finally:
+            final.unpersist()
     deferred: dict[str, Deferred] = {}
-    for target_id, deleted, upserted, conflicts, failure, overwritten, later in counts:
-        if later:
-            deferred.setdefault(target_id, []).extend(later)
-        if overwritten:
-            result.overwritten.setdefault(target_id, []).extend(overwritten)
+    for target_id, deleted, upserted, conflicts, failure, overwritten, later in reports:
+        for key_json_, image, shard, computed in json.loads(later):
+            deferred.setdefault(target_id, []).append((key_json_, image, shard, computed))
+        if overwritten_list := json.loads(overwritten):
+            result.overwritten.setdefault(target_id, []).extend(overwritten_list)
         if failure is not None:
             result.failures.setdefault(target_id, RowFailure.from_json(failure))
         c = result.per_target.setdefault(target_id, TargetCounts())

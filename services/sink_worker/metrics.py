@@ -13,11 +13,11 @@ ROWS_APPLIED = Counter("sluice_sink_rows_applied", "Final row images written dow
 UNIQUE_CONFLICTS = Counter("sluice_sink_unique_conflicts_removed",
                            "Rows removed because an upserted row took their unique-key values.",
                            ["changefeed"])
-BATCH_EVENTS = Histogram("sluice_sink_batch_events", "Events a round's sort job received (all spans).",
+BATCH_EVENTS = Histogram("sluice_sink_batch_events", "Events a round cut (all spans).",
                          buckets=(1, 10, 50, 100, 500, 1000, 2000, 5000, 10000, 50000))
 BATCH_ROWS = Histogram("sluice_sink_batch_rows", "Final row images one apply job wrote.",
                        buckets=(1, 10, 50, 100, 500, 1000, 5000, 10000, 50000, 100000))
-SORT_SECONDS = Histogram("sluice_sink_sort_seconds", "Duration of a round's sort job.")
+SORT_SECONDS = Histogram("sluice_sink_sort_seconds", "Duration of a round's cut (on the driver).")
 APPLY_SECONDS = Histogram("sluice_sink_apply_seconds", "Duration of one apply job (one sink).")
 ROUND_SECONDS = Histogram("sluice_sink_round_seconds", "Duration of a whole round with work.")
 ROUND_ERRORS = Counter("sluice_sink_round_errors", "Failures of a stage of a round.", ["stage"])

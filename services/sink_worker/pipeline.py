@@ -1,6 +1,6 @@
 """The table pipelines of one worker: rounds of pull, sort, apply, DDL and checkpoint.
 
-A round covers every span the worker runs, with one sort job for all of them:
+A round covers every span the worker runs, with one cut (on the driver) for all of them:
 
 1. read each source's resolved ts *before* pulling, so that every event at or below it is
    already in the stream when the pull runs;
@@ -8,8 +8,9 @@ A round covers every span the worker runs, with one sort job for all of them:
    the spans, which bounds the driver's memory);
 3. in the driver, choose each span's target and key; a table without a usable key is refused
    (clear error in the log, the health status and a metric) and the span stops there;
-4. in a worker thread (never on the event loop): the sort job, then per sink the apply job
-   and the DDL barriers the batches stopped at;
+4. in a worker thread (never on the event loop): each span's cut (on the driver,
+   ``sort_job``), then per sink the apply job (one Spark job) and the DDL barriers the
+   batches stopped at;
 5. advance each span's checkpoint, only for batches that were written in full. A span without
    pending events follows its source's resolved ts.
 
@@ -35,7 +36,6 @@ from uuid import uuid4
 from nats.js import JetStreamContext
 from opentelemetry import trace
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
 from contracts.events.changefeeds import ChangefeedSpecV2, InitialLoad, KeyPolicy
 from contracts.events.rows import DdlExecutedV1, RowImageV1, RowsChangedV1, SourcePositionV1, TableMetaV1
@@ -74,7 +74,14 @@ from services.sink_worker.sinks.nats_stream import (
 )
 from services.sink_worker.sinks.unique_guard import UniqueConflictError, UniqueConflictPolicy
 from services.sink_worker.snapshot import InitialLoads, SnapshotRequest, snapshot_mode
-from services.sink_worker.sort_job import SortResult, SpanCut, SpanInput, event_records, run_sort
+from services.sink_worker.sort_job import (
+    EventRecord,
+    SortResult,
+    SpanCut,
+    SpanInput,
+    event_records,
+    run_sort,
+)
 from services.sink_worker.span import KeylessTableError, Span, route_of, shard_ref, target_for
 from services.sink_worker.start_point import start_at_position, start_at_time
 from services.sink_worker.table_errors import DdlFailure, ddl_failed
@@ -576,7 +583,7 @@ class Pipeline:
                     return report
                 except Exception as exc:
                     m.ROUND_ERRORS.labels("sort").inc()
-                    log.exception("sort job failed")
+                    log.exception("round failed before the apply")
                     if spark_gone(exc) and not (stopping is not None and stopping.is_set()):
                         # The driver's JVM died (e.g. out of memory): every later round would fail
                         # the same way. Exit like a crash, so the supervisor starts a fresh process
@@ -898,7 +905,7 @@ class Pipeline:
             log.warning("stopping: abandoning the current round", extra={"group": group})
             abort.set()  # no further stage starts (cancelJobGroup only reaches running jobs)
             with contextlib.suppress(Exception):
-                self._spark().sparkContext.cancelJobGroup(group)
+                self._spark().interruptTag(group)
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(job, 2.0)
             raise RoundAbandoned() from None
@@ -906,10 +913,13 @@ class Pipeline:
     def _spark_round(self, group: str, works: list[_Work],
                      abort: threading.Event) -> tuple[dict[str, SpanCut], dict[str, _Outcome]]:
         spark = self._spark()
-        sc = spark.sparkContext
-        # Pinned thread mode (PySpark's default) makes the group stick to this thread's jobs.
-        sc.setJobGroup(group, "sluice sink round", interruptOnCancel=True)
-        return self._sort_and_apply(spark, works, abort)
+        # The tag marks this thread's jobs (a classic session and Spark Connect alike), so a
+        # stop interrupts exactly them.
+        spark.addTag(group)
+        try:
+            return self._sort_and_apply(spark, works, abort)
+        finally:
+            spark.removeTag(group)
 
     def _sort_and_apply(self, spark: SparkSession, works: list[_Work],
                         abort: threading.Event) -> tuple[dict[str, SpanCut], dict[str, _Outcome]]:
@@ -917,7 +927,7 @@ class Pipeline:
         # Values above the threshold stay here; the jobs get references (``large_values``).
         large = LargeValues(self.options.large_value_bytes)
         active: list[_Work] = []
-        records: list[tuple[object, ...]] = []
+        records: list[EventRecord] = []
         for w in works:
             if not w.fresh or w.refused:
                 continue
@@ -942,7 +952,7 @@ class Pipeline:
         t0 = time.monotonic()
         with tracer().start_as_current_span("sort", attributes={"sluice.events": len(records),
                                                                 "sluice.spans": len(active)}):
-            sort = run_sort(spark, records, inputs)
+            sort = run_sort(records, inputs)
         m.SORT_SECONDS.observe(time.monotonic() - t0)
         m.BATCH_EVENTS.observe(len(records))
 
@@ -986,7 +996,7 @@ class Pipeline:
                 with tracer().start_as_current_span(
                         "apply",
                         attributes={"sluice.sink": sink.__repr__(), "sluice.spans": len(keys)}):
-                    result = run_apply(spark, sort.batch.where(F.col("span").isin(keys)), plans,
+                    result = run_apply(spark, sort.batch(keys), plans,
                                        self.options.apply_partitions, origins, skips, guarded, names,
                                        large, rules, row_rules)
                 m.APPLY_SECONDS.observe(time.monotonic() - t0)

@@ -1,73 +1,38 @@
-"""The sort job (Spark): from the events pulled for every span of the worker, the batch each span
-may apply now.
+"""The cut of a round, on the driver: from the events pulled for every span of the worker, the
+batch each span may apply now. No Spark job: it is metadata the pull already decoded.
 
-Per span (all spans in one job, never one job per table):
+Per span:
 
 1. drop events with ts <= the span's checkpoint ts (applied before; re-read after a restart or
    because they sit behind an event that was held back), then duplicates by event id (the
-   producer is at-least-once);
-2. summarise each transaction (Spark: one row per span and ts: complete or not, DDL or not);
+   producer is at-least-once; copies of one id are the same message);
+2. summarise each transaction (one entry per ts: complete or not, DDL or not);
 3. walk the summary in ts order up to the span's *horizon* (``PullResult.horizon``: the
    resolved ts, lowered to just below any event the pull has not buffered): the batch ends at
    the last complete transaction, and before the span's first DDL, which is a barrier applied
    alone after the batch; the span continues after it in the next round.
 
 The order of changes, ``(ts, seq, part)`` and then row order inside a message, is applied where
-it matters: the apply job's collapse window picks the last image per key by it, and the cut
-only ever ends at a transaction boundary of that order.
-
-Only the events' metadata goes through the deduplication and the summary: the bodies (the
-row images, nearly all of a round's bytes) are handed to Spark once, after the cut and only
-for events the batch can contain, and joined to the deduplicated batch by stream sequence.
-Shuffling the bodies through the deduplication, twice (the summary's job and the apply job's
-recomputation), was the largest JVM cost of a round (``benchmarks/apply.py``).
+it matters: the apply job's collapse keeps the last image per key by it, and the cut only ever
+ends at a transaction boundary of that order. The batch holds the bodies as the pull received
+them (or with large values as references, ``large_values``); the apply job hands them to
+Spark as one Arrow table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
-
-from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
-from pyspark.sql.types import (
-    BinaryType,
-    BooleanType,
-    IntegerType,
-    LongType,
-    StringType,
-    StructField,
-    StructType,
-)
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from services.sink_worker.large_values import LargeValues
 from services.sink_worker.pull import PulledEvent
 
-META_FIELDS = [
-    StructField("span", StringType(), False),
-    StructField("kind", StringType(), False),  # "rows" | "ddl" | "dead" (a dead-lettered part)
-    StructField("id", StringType(), False),
-    StructField("ts", LongType(), False),
-    StructField("seq", LongType(), False),
-    StructField("part", IntegerType(), False),
-    StructField("last_part", BooleanType(), False),
-    StructField("stream_seq", LongType(), False),
-]
-META_SCHEMA = StructType(META_FIELDS)
-# The message payload (envelope JSON) as bytes: no decoding on the driver, no UTF-16 in the JVM.
-EVENT_SCHEMA = StructType([*META_FIELDS, StructField("body", BinaryType(), False)])
-BODY_SCHEMA = StructType([
-    StructField("span", StringType(), False),
-    StructField("stream_seq", LongType(), False),
-    StructField("body", BinaryType(), False),
-])
+EventRecord = tuple[str, str, str, int, int, int, bool, int, bytes]
+"""``(span, kind, id, ts, seq, part, last_part, stream_seq, body)``; kind: "rows" | "ddl" |
+"dead" (a dead-lettered part)."""
 
-SPAN_SCHEMA = StructType([
-    StructField("span", StringType(), False),
-    StructField("checkpoint_ts", LongType(), False),
-    StructField("horizon_ts", LongType(), False),
-])
+BatchEvent = tuple[str, int, int, int, bytes]
+"""A rows event of a batch, as the apply job reads it: ``(span, ts, seq, part, body)``."""
 
 
 @dataclass(frozen=True)
@@ -91,15 +56,19 @@ class SpanCut:
 
 @dataclass
 class SortResult:
-    batch: DataFrame
-    """Rows events (``EVENT_SCHEMA``) of every span's batch, deduplicated."""
     cuts: dict[str, SpanCut]
+    batches: dict[str, list[BatchEvent]] = field(default_factory=dict)
+    """Per span, the rows events of its batch, deduplicated, in ``(ts, seq, part)`` order."""
+
+    def batch(self, spans: Iterable[str]) -> list[BatchEvent]:
+        """The batch events of ``spans``, span after span (the apply job keeps a span together)."""
+        return [e for span in spans for e in self.batches.get(span, [])]
 
 
 def event_records(span_key: str, events: Iterable[PulledEvent], large: LargeValues | None = None,
-                  key: tuple[str, ...] = ()) -> list[tuple[object, ...]]:
-    """``EVENT_SCHEMA`` tuples of one span's events (the body is the message's bytes, not a copy),
-    with ``large``: a body that may hold large values has them as references instead
+                  key: tuple[str, ...] = ()) -> list[EventRecord]:
+    """The records of one span's events (the body is the message's bytes, not a copy), with
+    ``large``: a body that may hold large values has them as references instead
     (``large_values``; raises ``LargeKeyError`` when one is in a ``key`` column)."""
     def body(e: PulledEvent) -> bytes:
         if e.dead:
@@ -112,7 +81,7 @@ def event_records(span_key: str, events: Iterable[PulledEvent], large: LargeValu
 
 @dataclass(frozen=True)
 class TxnSummary:
-    """One transaction (or DDL) of one span, as the sort job's aggregation sees it."""
+    """One transaction (or DDL) of one span."""
 
     ts: int
     is_ddl: bool
@@ -143,78 +112,46 @@ def cut_span(span: SpanInput, txns: list[TxnSummary]) -> SpanCut:
                    ddl_ts=ddl.ts if ddl else None, ddl_id=ddl.ddl_id if ddl else None)
 
 
-def _local_frame(spark: SparkSession, rows: Sequence[tuple[object, ...]], schema: StructType) -> DataFrame:
-    """A DataFrame of driver-side rows, handed to the JVM as one Arrow table when pyarrow is
-    there: for the bodies (nearly all of a round's bytes) that costs the JVM about 40 % less
-    CPU than unpickling them batch by batch (``benchmarks/apply.py``); otherwise pickled."""
-    try:
-        import pyarrow as pa
-    except ImportError:  # pragma: no cover - pyarrow is a dependency; Spark Connect setups may differ
-        return spark.createDataFrame(rows, schema, verifySchema=False)
-    if not rows:
-        return spark.createDataFrame([], schema)
-    types = [{"string": pa.string(), "bigint": pa.int64(), "binary": pa.binary()}[f.dataType.simpleString()]
-             for f in schema.fields]
-    arrow_schema = pa.schema([pa.field(f.name, t, nullable=f.nullable) for f, t in zip(schema.fields, types,
-                                                                                       strict=True)])
-    # Spark makes one partition per Arrow batch: cut the rows into as many batches as there are
-    # cores, of about equal bytes, so the explode that reads them runs on all of them.
-    slices = max(1, spark.sparkContext.defaultParallelism)
-    sizes = [sum(len(v) for v in row if isinstance(v, bytes | str)) + 16 for row in rows]
-    total, start, acc = sum(sizes), 0, 0
-    batches: list[Any] = []
-    for i, size in enumerate(sizes):
-        acc += size
-        if acc * slices >= total * (len(batches) + 1) or i == len(rows) - 1:
-            columns = list(zip(*rows[start:i + 1], strict=True))
-            batches.append(pa.RecordBatch.from_arrays(
-                [pa.array(col, type=t) for col, t in zip(columns, types, strict=True)], schema=arrow_schema))
-            start = i + 1
-    return spark.createDataFrame(pa.Table.from_batches(batches, schema=arrow_schema), schema)
+def summarise(records: Iterable[EventRecord]) -> list[TxnSummary]:
+    """One span's deduplicated records, one summary per ts: a transaction's rows of one table
+    may span several messages (parts 0..n, the last one flagged); it is complete when the
+    flagged part and every part before it are present. A DDL is a transaction of its own."""
+    groups: dict[int, tuple[set[int], list[bool], list[str]]] = {}
+    rows: dict[int, int] = {}
+    for _, kind, id_, ts, _, part, last_part, _, _ in records:
+        parts, flags, ddl_ids = groups.setdefault(ts, (set(), [False, False], []))
+        parts.add(part)
+        if last_part:
+            flags[0] = True
+        if kind == "ddl":
+            flags[1] = True
+            ddl_ids.append(id_)
+        elif kind == "rows":
+            rows[ts] = rows.get(ts, 0) + 1
+    out = []
+    for ts, (parts, (has_last, is_ddl), ddl_ids) in groups.items():
+        complete = is_ddl or (has_last and len(parts) == max(parts) + 1)
+        out.append(TxnSummary(ts=ts, is_ddl=is_ddl, complete=complete, events=rows.get(ts, 0),
+                              ddl_id=min(ddl_ids) if ddl_ids else None))
+    return out
 
 
-def run_sort(spark: SparkSession, records: list[tuple[object, ...]], spans: list[SpanInput]) -> SortResult:
-    """``records``: ``EVENT_SCHEMA`` tuples (``event_records``) of every span in the round."""
-    # Built by this module, so the schema holds by construction: no per-row type check.
-    events = spark.createDataFrame([r[:-1] for r in records], META_SCHEMA, verifySchema=False)
-    params = spark.createDataFrame([(s.span, s.checkpoint_ts, s.horizon_ts) for s in spans], SPAN_SCHEMA)
-    fresh = (events.join(F.broadcast(params), "span")
-             .where(F.col("ts") > F.col("checkpoint_ts"))
-             .dropDuplicates(["span", "id"]))
-    # One row per (span, ts): a transaction's rows of one table may span several messages
-    # (parts 0..n, the last one flagged); it is complete when the flagged part and every part
-    # before it are present. A DDL is a transaction of its own. The summary is at most one row
-    # per event of the round, so the driver orders it and walks it to find each span's cut.
-    is_ddl = F.col("kind") == "ddl"
-    summary = (fresh.groupBy("span", "ts")
-               .agg(F.max(is_ddl.cast("int")).alias("ddl"),
-                    F.max(F.col("last_part").cast("int")).alias("has_last"),
-                    F.countDistinct("part").alias("nparts"), F.max("part").alias("maxpart"),
-                    F.sum((F.col("kind") == "rows").cast("int")).alias("n"),
-                    F.min(F.when(is_ddl, F.col("id"))).alias("ddl_id"))
-               .collect())
-    per_span: dict[str, list[TxnSummary]] = {s.span: [] for s in spans}
-    for row in summary:
-        per_span[row["span"]].append(TxnSummary(
-            ts=int(row["ts"]), is_ddl=bool(row["ddl"]), events=int(row["n"]),
-            complete=bool(row["ddl"]) or (bool(row["has_last"]) and row["nparts"] == row["maxpart"] + 1),
-            ddl_id=row["ddl_id"]))
-    cuts = {s.span: cut_span(s, per_span[s.span]) for s in spans}
-    limits = spark.createDataFrame([(k, c.limit_ts) for k, c in cuts.items()], "span string, limit_ts long")
-    batch_meta = (fresh.join(F.broadcast(limits), "span")
-                  .where((F.col("kind") == "rows") & (F.col("ts") <= F.col("limit_ts")))
-                  .select(*META_SCHEMA.fieldNames()))
-    # The bodies of every copy the batch may hold (the driver knows the cut); the deduplicated
-    # metadata decides which copy is applied. The metadata side is small: broadcast, so the
-    # bodies are never shuffled.
-    window = {s.span: (s.checkpoint_ts, cuts[s.span].limit_ts) for s in spans}
-    wanted = []
+def run_sort(records: Iterable[EventRecord], spans: list[SpanInput]) -> SortResult:
+    """``records``: ``event_records`` of every span in the round; the cut and the batch of each."""
+    inputs = {s.span: s for s in spans}
+    fresh: dict[str, dict[str, EventRecord]] = {s.span: {} for s in spans}
     for r in records:
-        span, ts = r[0], r[3]
-        assert isinstance(span, str) and isinstance(ts, int)
-        if r[1] == "rows" and window[span][0] < ts <= window[span][1]:
-            wanted.append((span, r[7], r[8]))
-    bodies = _local_frame(spark, wanted, BODY_SCHEMA)
-    batch = (bodies.join(F.broadcast(batch_meta), ["span", "stream_seq"])
-             .select(*EVENT_SCHEMA.fieldNames()))
-    return SortResult(batch=batch, cuts=cuts)
+        span = inputs.get(r[0])
+        if span is None or r[3] <= span.checkpoint_ts:
+            continue
+        fresh[r[0]].setdefault(r[2], r)
+    cuts: dict[str, SpanCut] = {}
+    batches: dict[str, list[BatchEvent]] = {}
+    for s in spans:
+        events = fresh[s.span].values()
+        cut = cuts[s.span] = cut_span(s, summarise(events))
+        batch = sorted((r for r in events if r[1] == "rows" and r[3] <= cut.limit_ts),
+                       key=lambda r: (r[3], r[4], r[5]))
+        if batch:
+            batches[s.span] = [(r[0], r[3], r[4], r[5], r[8]) for r in batch]
+    return SortResult(cuts=cuts, batches=batches)

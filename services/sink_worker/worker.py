@@ -247,7 +247,7 @@ class SinkWorker:
             self._view_changed.set()  # wake a paused rounds loop: it starts over
             if self.spark_started:
                 with contextlib.suppress(Exception):
-                    await asyncio.to_thread(self._spark_factory().sparkContext.cancelAllJobs)
+                    await asyncio.to_thread(self._spark_factory().interruptAll)
 
     async def _start_over(self) -> None:
         assert self.agent is not None
