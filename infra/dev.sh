@@ -102,11 +102,12 @@ case "${1:-}" in
     shift
     setup
     say "running the test suite"
-    # SLUICE_TEST_WORKERS=N runs the suite on N pytest-xdist workers (tests/conftest.py keeps each
-    # module on one worker); one by default: on two cores the process tests' timing needs the
-    # whole machine. An -n in the arguments wins.
+    # SLUICE_TEST_WORKERS=N runs the suite on N pytest-xdist workers (tests/helpers/xdist_modules.py
+    # keeps each module on one worker and runs the timing-bound modules alone at the end); two by
+    # default, which on two cores cuts the wall time by a quarter (most of a process test is
+    # waiting). 1 runs it serially. An -n in the arguments wins.
     workers=()
-    if [ "${SLUICE_TEST_WORKERS:-1}" -gt 1 ]; then workers=(-n "$SLUICE_TEST_WORKERS" --dist loadgroup); fi
+    if [ "${SLUICE_TEST_WORKERS:-2}" -gt 1 ]; then workers=(-n "$SLUICE_TEST_WORKERS" --dist loadgroup); fi
     for arg in "$@"; do
       case "$arg" in -n|-n*|--numprocesses*|no:xdist) workers=() ;; esac
     done

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from libs.routing import Router, TableRef, Target
-from libs.shard_ddl.rerun import quote_ident
+from libs.sql_ident import quote_ident
 from libs.table_rules import TableRulesError, rules_for
 
 # Actions InnoDB carries out itself, out of the binlog's sight (RESTRICT/NO ACTION refuse instead).
@@ -97,7 +97,7 @@ def load_foreign_keys(conn: Any, database: str | None = None, table: str | None 
         rows = [list(r) for r in cur.fetchall()]
         hidden = sorted({(str(r[0]), str(r[1])) for r in rows if r[7] is None})
         for schema, table in hidden:
-            cur.execute(f"SHOW CREATE TABLE {quote_ident(schema)}.{quote_ident(table)}")
+            cur.execute(f"SHOW CREATE TABLE {quote_ident('mysql', schema)}.{quote_ident('mysql', table)}")
             actions = create_table_actions(str(cur.fetchone()[1]))
             for r in rows:
                 if (str(r[0]), str(r[1])) == (schema, table) and r[7] is None:

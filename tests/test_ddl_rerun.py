@@ -18,11 +18,11 @@ from libs.shard_ddl.rerun import (
     check_applied,
     ddls_equal,
     normalise_type,
-    quote_ident,
     rewrite_for_target,
     rewrite_table_names,
     tokenize,
 )
+from libs.sql_ident import mysql_ident as quote_ident
 
 APPLIED, NOT_APPLIED, UNKNOWN = RerunVerdict.ALREADY_APPLIED, RerunVerdict.NOT_APPLIED, RerunVerdict.UNKNOWN
 

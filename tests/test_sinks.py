@@ -26,9 +26,9 @@ import pytest
 
 from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.checksum import compare_tables, table_checksum
+from libs.sql_ident import IdentifierError, quote_ident
 from services.sink_worker.sinks.base import Delete, PartitionResult, Sink, TargetTable, Upsert
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.sinks.sql_common import IdentifierError, quote_ident
 from services.sink_worker.values import (
     SqlTypeError,
     canonical_json,

@@ -26,6 +26,7 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from contracts.events.rows import TableMetaV1
+from libs.sql_ident import quote_ident
 
 __all__ = [
     "ColumnDef",
@@ -39,7 +40,6 @@ __all__ = [
     "check_applied",
     "ddls_equal",
     "normalise_type",
-    "quote_ident",
     "rewrite_for_target",
     "rewrite_table_names",
     "tokenize",
@@ -199,14 +199,10 @@ class DDLRewriteError(ValueError):
     the target could hit the wrong table, so it is refused instead."""
 
 
-def quote_ident(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
 def _quote_name(name: TableName) -> str:
     if name.schema is None:
-        return quote_ident(name.table)
-    return f"{quote_ident(name.schema)}.{quote_ident(name.table)}"
+        return quote_ident("mysql", name.table)
+    return f"{quote_ident('mysql', name.schema)}.{quote_ident('mysql', name.table)}"
 
 
 class _Cursor:

@@ -36,6 +36,7 @@ from pyspark.sql import SparkSession
 
 from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.dburl import parse_database_url
+from libs.sql_ident import mysql_ident as quote
 from services.capture.values import encode_value
 from services.sink_worker import source_read
 from services.sink_worker.sinks.base import TargetTable
@@ -64,10 +65,6 @@ def connect_source(url: str) -> Any:
     if socket:
         params["unix_socket"] = socket
     return pymysql.connect(**params)
-
-
-def quote(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
 
 
 def table_ref(database: str, table: str) -> str:

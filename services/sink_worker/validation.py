@@ -39,6 +39,7 @@ from nats.js.kv import KeyValue
 from contracts.events.rows import ColumnV1, RowsChangedV1, TableMetaV1
 from libs.config import Settings
 from libs.routing import Router
+from libs.sql_ident import mysql_ident as quote
 from libs.streams import ROWS_STREAM
 from libs.table_rules import NO_RULES, TableRules, rules_for
 from libs.validation import (
@@ -60,7 +61,7 @@ from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.sinks.nats_stream import is_stream_sink
 from services.sink_worker.sinks.sql_common import SqlSink
 from services.sink_worker.snapshot import _real_names
-from services.sink_worker.snapshot_job import connect_source, decode_key, encode_key, estimate_rows, quote
+from services.sink_worker.snapshot_job import connect_source, decode_key, encode_key, estimate_rows
 from services.sink_worker.snapshot_plan import key_after
 from services.sink_worker.span import Span, shard_ref, target_for
 from services.sink_worker.values import decode_value, normalize_fetched

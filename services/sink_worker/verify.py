@@ -13,6 +13,7 @@ from typing import Any
 
 from libs.checksum import TableDiff, compare_tables, table_checksum
 from libs.dburl import parse_database_url
+from libs.sql_ident import quote_ident
 from services.capture.table_meta import load_table_info
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
@@ -51,7 +52,7 @@ def _source_rows(ref: ShardRef) -> tuple[list[dict[str, Any]], Any]:
             return [], None
         with conn.cursor(pymysql.cursors.DictCursor) as cur:
             cur.execute("SET time_zone = '+00:00'")
-            name = f"`{ref.database.replace('`', '``')}`.`{ref.table.replace('`', '``')}`"
+            name = f"{quote_ident('mysql', ref.database)}.{quote_ident('mysql', ref.table)}"
             cur.execute(f"SELECT * FROM {name}")
             rows = [dict(r) for r in cur.fetchall()]
         return rows, info.meta()

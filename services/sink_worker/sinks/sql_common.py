@@ -41,6 +41,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 
 from contracts.events.rows import ColumnV1
 from libs.dburl import DatabaseUrl, parse_database_url
+from libs.sql_ident import quote_ident
 from services.sink_worker.sinks.base import Change, Delete, PartitionResult, Sink, TargetTable, Upsert
 from services.sink_worker.sinks.unique_guard import ConflictGuard, UniqueConflict, UniqueConflictError
 from services.sink_worker.values import normalize_fetched, sql_type_for
@@ -83,31 +84,6 @@ def source_text_files(rows: Iterable[Sequence[bytes | None]], encoders: Sequence
         lines.append(b"")
         yield b"\n".join(lines)
 
-# Longest identifier each dialect keeps: PostgreSQL silently truncates past 63 bytes, which
-# would make reconcile_schema add the "missing" column forever; MySQL rejects past 64 chars.
-_MAX_IDENT = {"postgresql": 63, "mysql": 64, "sqlite": 1_000_000}
-
-
-class IdentifierError(ValueError):
-    """A table or column name no target can represent faithfully."""
-
-
-def quote_ident(dialect: str, name: str, *, for_params: bool = False) -> str:
-    """Quote one identifier for ``dialect``; ``for_params`` doubles ``%`` for %s-style drivers."""
-    if not name:
-        raise IdentifierError("empty identifier")
-    if "\x00" in name:
-        raise IdentifierError(f"identifier with a NUL character: {name!r}")
-    size = len(name.encode()) if dialect == "postgresql" else len(name)
-    if size > _MAX_IDENT[dialect]:
-        raise IdentifierError(f"identifier longer than {dialect} allows ({_MAX_IDENT[dialect]}): {name!r}")
-    if dialect == "mysql":
-        quoted = "`" + name.replace("`", "``") + "`"
-    else:
-        quoted = '"' + name.replace('"', '""') + '"'
-    if for_params and dialect in ("mysql", "postgresql"):
-        quoted = quoted.replace("%", "%%")
-    return quoted
 
 
 def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
