@@ -107,7 +107,7 @@ case "${1:-}" in
     # default, which on two cores cuts the wall time by a quarter (most of a process test is
     # waiting). 1 runs it serially. An -n in the arguments wins.
     workers=()
-    if [ "${SLUICE_TEST_WORKERS:-2}" -gt 1 ]; then workers=(-n "$SLUICE_TEST_WORKERS" --dist loadgroup); fi
+    if [ "${SLUICE_TEST_WORKERS:-2}" -gt 1 ]; then workers=(-n "${SLUICE_TEST_WORKERS:-2}" --dist loadgroup); fi
     for arg in "$@"; do
       case "$arg" in -n|-n*|--numprocesses*|no:xdist) workers=() ;; esac
     done
