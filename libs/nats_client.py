@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import ssl
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import nats
 from nats.aio.client import Client
+from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
 
 from libs.config import Settings
 from libs.nats_tls import client_context
@@ -78,3 +82,16 @@ async def connect(settings: Settings, name: str) -> Client:
             f"cannot connect to NATS at {redact_url(settings.nats_url)} within "
             f"{settings.nats_connect_timeout_s:.0f}s: {exc!r}"
         ) from exc
+
+
+async def read_json(kv: KeyValue, key: str) -> dict[str, Any] | None:
+    """A JSON object kept in a KV bucket; None when the key is absent or holds no object."""
+    try:
+        entry = await kv.get(key)
+    except (KeyNotFoundError, NotFoundError):
+        return None
+    try:
+        value = json.loads(entry.value or b"null")
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

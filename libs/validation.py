@@ -35,12 +35,13 @@ from typing import Any, Literal
 from uuid import uuid4
 
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, Field
 
 from contracts.events.rows import ColumnV1
 from libs.checksum import normalize
+from libs.nats_client import read_json
 from libs.streams import VALIDATION_BUCKET
 from libs.table_rules import TableRules
 
@@ -172,18 +173,6 @@ async def bucket(js: JetStreamContext, replicas: int = 1) -> KeyValue:
     except BucketNotFoundError:
         return await js.create_key_value(bucket=VALIDATION_BUCKET, history=1, replicas=replicas,
                                          description="Sluice validation status and compare requests")
-
-
-async def read_json(kv: KeyValue, key: str) -> dict[str, Any] | None:
-    try:
-        entry = await kv.get(key)
-    except (KeyNotFoundError, NotFoundError):
-        return None
-    try:
-        value = json.loads(entry.value or b"null")
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 async def span_statuses(kv: KeyValue, changefeed: str) -> list[SpanValidation]:

@@ -42,6 +42,7 @@ from libs.config import Settings
 from libs.routing import Router
 from libs.streams import ROWS_STREAM, SNAPSHOT_BUCKET, token
 from libs.table_rules import rules_for
+from libs.ts import LOGICAL_BITS
 from services.capture.table_meta import load_table_info
 from services.sink_worker import metrics as m
 from services.sink_worker.checkpoints import Checkpoint
@@ -63,7 +64,6 @@ from services.sink_worker.span import Span, route_of, shard_ref, target_for
 
 log = logging.getLogger(__name__)
 
-_TS_LOGICAL_BITS = 18
 
 
 @dataclass(frozen=True)
@@ -435,7 +435,7 @@ class InitialLoads:
             newest = await latest_resolved(self.js, req.span.source, self.rows_stream) or newest
             if newest is not None and progress.error is not None and progress.error.startswith("waiting"):
                 progress.error = None
-            if newest is not None and (newest.ts >> _TS_LOGICAL_BITS) >= after_ms:
+            if newest is not None and (newest.ts >> LOGICAL_BITS) >= after_ms:
                 return newest, revision
             if time.monotonic() >= deadline:
                 if newest is not None and after_ms:

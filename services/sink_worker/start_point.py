@@ -30,10 +30,10 @@ from nats.js import JetStreamContext, api
 from contracts.events.rows import SourcePositionV1
 from libs.chunks import ChunkError, ChunkJoiner, chunk_info
 from libs.streams import ROWS_STREAM, token
+from libs.ts import LOGICAL_BITS
 from services.sink_worker.checkpoints import Checkpoint
 from services.sink_worker.span import Span
 
-_LOGICAL_BITS = 18
 _FETCH = 256
 _FETCH_TIMEOUT_S = 1.0
 
@@ -45,7 +45,7 @@ def _utc(value: datetime) -> datetime:
 def ts_threshold(start_time: datetime) -> int:
     """The highest ts a transaction committed before ``start_time``'s second has (naive: UTC)."""
     ms = int(_utc(start_time).timestamp()) * 1000
-    return max(0, (ms << _LOGICAL_BITS) - 1)
+    return max(0, (ms << LOGICAL_BITS) - 1)
 
 
 def position_key(position: SourcePositionV1) -> tuple[int, str, int]:

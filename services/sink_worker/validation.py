@@ -38,10 +38,12 @@ from nats.js.kv import KeyValue
 
 from contracts.events.rows import ColumnV1, RowsChangedV1, TableMetaV1
 from libs.config import Settings
+from libs.nats_client import read_json
 from libs.routing import Router
 from libs.sql_ident import mysql_ident as quote
 from libs.streams import ROWS_STREAM
 from libs.table_rules import NO_RULES, TableRules, rules_for
+from libs.ts import LOGICAL_BITS
 from libs.validation import (
     CompareProgress,
     ReportedRow,
@@ -50,7 +52,6 @@ from libs.validation import (
     bucket,
     compare_row,
     key_text,
-    read_json,
     read_request,
 )
 from services.capture.table_meta import load_table_info
@@ -71,7 +72,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TS_LOGICAL_BITS = 18
 Key = tuple[Any, ...]
 
 
@@ -288,7 +288,7 @@ class Validator:
         self._bind_reported(check, table)
         mark = await latest_resolved(self.js, rt.span.source, self.rows_stream)
         for suspect in check.suspects.values():
-            passed = mark is not None and (mark.ts >> _TS_LOGICAL_BITS) >= suspect.read_ms
+            passed = mark is not None and (mark.ts >> LOGICAL_BITS) >= suspect.read_ms
             if suspect.mark_ts is None and passed and mark is not None:
                 suspect.mark_ts = mark.ts
         due = {t: s for t, s in check.suspects.items() if s.mark_ts is not None and checkpoint >= s.mark_ts}

@@ -13,12 +13,13 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException
 from nats.errors import Error as NatsError
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from sqlmodel import Session, select
 
 from contracts.events.changefeeds import ChangefeedSpecV5
 from contracts.events.scheduling import ScheduleRequestV1, SpanRefV1
+from libs.nats_client import read_json
 from libs.streams import (
     CHECKPOINT_BUCKET,
     LEADER_BUCKET,
@@ -67,14 +68,9 @@ async def _kv_json(ctx: ApiContext, bucket: str, key: str) -> dict[str, Any] | N
     """A JSON value from a KV bucket; None when the bucket or key is absent or unreadable."""
     try:
         kv = await _bucket(ctx, bucket)
-        entry = await kv.get(key)
-    except (BucketNotFoundError, KeyNotFoundError, NotFoundError):
+    except BucketNotFoundError:
         return None
-    try:
-        value = json.loads(entry.value or b"null")
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+    return await read_json(kv, key)
 
 
 async def table_out(ctx: ApiContext, row: SpanRow) -> TableOut:
