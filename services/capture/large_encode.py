@@ -24,6 +24,7 @@ import pydantic_core
 
 from contracts.events.rows import RowImageV1, RowsChangedV1
 from contracts.registry import REGISTRY
+from libs.ts import ts_seconds
 
 LARGE_VALUE = 256 * 1024
 """A string value at least this long is spliced in rather than encoded by pydantic."""
@@ -77,7 +78,7 @@ def encode_rows_deterministic(event: RowsChangedV1, *, event_id: str) -> bytes:
             for r in event.rows]
     small = event.model_copy(update={"rows": rows})
     env = REGISTRY.envelope(small, producer=chunk_producer(event.source), epoch=0, event_id=event_id)
-    env = env.model_copy(update={"time": datetime.fromtimestamp((event.ts >> 18) / 1000, UTC)})
+    env = env.model_copy(update={"time": datetime.fromtimestamp(ts_seconds(event.ts), UTC)})
     head = env.model_dump_json().encode()
     if not large:
         return head

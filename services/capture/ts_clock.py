@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-LOGICAL_BITS = 18
+from libs.ts import LOGICAL_BITS
+
 LOGICAL_MASK = (1 << LOGICAL_BITS) - 1
 
 

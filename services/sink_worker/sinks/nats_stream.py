@@ -45,6 +45,7 @@ from contracts.events.sink import SinkRowChangedV1
 from libs.secret_refs import SecretError, is_reference, resolve_password
 from libs.streams import token
 from libs.telemetry.tracing import inject_headers
+from libs.ts import LOGICAL_BITS
 
 StreamFormat = Literal["sluice", "debezium"]
 _SCHEMES = {"nats": "nats", "tls": "tls"}
@@ -197,7 +198,7 @@ def _debezium_source(changefeed: str, ev: RowsChangedV1 | DdlExecutedV1, event_i
                      row: int) -> dict[str, Any]:
     return {
         "version": "sluice", "connector": "sluice", "name": changefeed, "server": ev.source,
-        "ts_ms": ev.ts >> 18, "db": ev.database, "table": ev.table, "snapshot": "false",
+        "ts_ms": ev.ts >> LOGICAL_BITS, "db": ev.database, "table": ev.table, "snapshot": "false",
         "ts": ev.ts, "seq": ev.seq, "part": _part(ev), "row": row, "event_id": event_id,
         "sequence": json.dumps([ev.ts, ev.seq, _part(ev), row]),
     }
