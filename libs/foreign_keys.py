@@ -14,12 +14,13 @@ reproduce even in principle (see DESIGN.md, "Foreign-key cascades").
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from libs.routing import Router, TableRef, Target
 from libs.sql_ident import quote_ident
+from libs.streams import token
 from libs.table_rules import TableRulesError, rules_for
 
 # Actions InnoDB carries out itself, out of the binlog's sight (RESTRICT/NO ACTION refuse instead).
@@ -206,3 +207,55 @@ def cascade_warnings(router: Router, fks_by_source: Mapping[str, Sequence[Foreig
                                    "would reach the others' rows")
             out.append(CascadeWarning(source, fk, tuple(reasons)))
     return out
+
+
+# --- table groups: the tables cascades connect form one span (DESIGN.md, "Foreign-key cascades")
+
+GROUP_PREFIX = "fk~"
+"""Start of a group span's table token. ``libs.streams.token`` keeps only ``[A-Za-z0-9_-]``, so
+no table's own token can start with it or hold the separators below."""
+_MEMBER_SEP, _NAME_SEP = "+", ":"
+
+
+def cascade_groups(fks: Iterable[ForeignKey], selected: Callable[[str, str], bool]
+                   ) -> list[tuple[tuple[str, str], ...]]:
+    """The tables of one source that cascading keys connect, among those ``selected``: the
+    connected components of the key graph (a self-referencing table alone is one too), each
+    sorted, sorted. A key with one end not selected connects nothing (it is named at creation)."""
+    parent: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def find(x: tuple[str, str]) -> tuple[str, str]:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for fk in fks:
+        child, ref = (fk.database, fk.table), (fk.ref_database, fk.ref_table)
+        if not fk.cascading or not (selected(*child) and selected(*ref)):
+            continue
+        parent[find(child)] = find(ref)
+    groups: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for table in list(parent):
+        groups.setdefault(find(table), []).append(table)
+    return sorted(tuple(sorted(members)) for members in groups.values())
+
+
+def group_token(members: Sequence[tuple[str, str]]) -> tuple[str, str]:
+    """``(database token, table token)`` of the group span of ``members`` (real names): the first
+    member's database, and every member's tokens after ``GROUP_PREFIX``. A function of the
+    members only, so every process names a group's span (and its checkpoint) alike."""
+    toks = sorted({(token(d), token(t)) for d, t in members})
+    return toks[0][0], GROUP_PREFIX + _MEMBER_SEP.join(f"{d}{_NAME_SEP}{t}" for d, t in toks)
+
+
+def group_members(table_token: str) -> tuple[tuple[str, str], ...] | None:
+    """The members' ``(database token, table token)`` of a group span's table token; None for
+    the span of one table."""
+    if not table_token.startswith(GROUP_PREFIX):
+        return None
+    out = []
+    for part in table_token[len(GROUP_PREFIX):].split(_MEMBER_SEP):
+        database, _, table = part.partition(_NAME_SEP)
+        out.append((database, table))
+    return tuple(out)

@@ -1,0 +1,143 @@
+"""Foreign-key cascades end to end with real processes: MariaDB binlog -> capture -> sink-worker
+(Spark) -> SQLite, PostgreSQL and MariaDB downstreams, compared row for row with the source.
+
+MariaDB binlogs only the parent's change of an ``ON DELETE``/``ON UPDATE`` action; the tables the
+keys connect form one span (a table group) whose batch carries the cascades out downstream at
+their place (``services.sink_worker.table_group``). One changefeed per downstream, all fed by
+one capture; the cases run one after the other on the same tables."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from nats.js import JetStreamContext
+
+from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1
+from libs.changefeeds import record_changefeed
+from libs.foreign_keys import group_token
+from libs.localservers.mariadb import MariaDB
+from libs.localservers.postgres import PostgreSQL
+from libs.localservers.service_process import ServiceProcess
+from services.sink_worker.verify import ShardRef, verify_target
+from tests.test_e2e_replication import (  # noqa: F401 - fixtures
+    _capture,
+    _created,
+    _delete_changefeeds_afterwards,
+    _worker,
+    downstream_mariadb,
+)
+
+pytestmark = pytest.mark.integration
+DB = "fk_e2e"
+SCHEMA = (
+    "CREATE TABLE customers (id INT PRIMARY KEY, name VARCHAR(20))",
+    "CREATE TABLE orders (id INT PRIMARY KEY, customer INT, FOREIGN KEY (customer) REFERENCES"
+    " customers (id) ON DELETE CASCADE ON UPDATE CASCADE)",
+    "CREATE TABLE items (id INT PRIMARY KEY, order_id INT NOT NULL, FOREIGN KEY (order_id)"
+    " REFERENCES orders (id) ON DELETE CASCADE ON UPDATE CASCADE)",
+    "CREATE TABLE notes (id INT PRIMARY KEY, order_id INT, FOREIGN KEY (order_id) REFERENCES"
+    " orders (id) ON DELETE SET NULL ON UPDATE SET NULL)",
+    "CREATE TABLE tree (id INT PRIMARY KEY, up INT, FOREIGN KEY (up) REFERENCES tree (id)"
+    " ON DELETE CASCADE ON UPDATE CASCADE)",
+    "CREATE TABLE plain (id INT PRIMARY KEY, v INT)",
+)
+TABLES = ("customers", "orders", "items", "notes", "tree", "plain")
+SEED = (
+    "INSERT INTO customers VALUES (1, 'ann'), (2, 'bob'), (3, 'cy'), (5, 'ed')",
+    "INSERT INTO orders VALUES (10, 1), (11, 1), (20, 2), (30, 3), (50, 5)",
+    "INSERT INTO items VALUES (100, 10), (101, 10), (110, 11), (200, 20), (300, 30), (500, 50)",
+    "INSERT INTO notes VALUES (1, 10), (2, 11), (3, 20), (4, NULL), (5, 50)",
+    "INSERT INTO tree VALUES (1, NULL), (2, 1), (3, 2), (4, 3), (5, 1), (6, NULL), (7, 6)",
+    "INSERT INTO plain VALUES (1, 1), (2, 2)",
+)
+# Each a transaction; together: delete and update cascades, several levels, SET NULL, a
+# self-referencing subtree, cascades inside a larger transaction, and rows that come back.
+CASES = (
+    ("UPDATE customers SET id = 4 WHERE id = 2",),  # update cascade: orders 20 -> customer 4
+    ("DELETE FROM customers WHERE id = 1",),  # orders 10, 11, their items; notes 1, 2 SET NULL
+    ("UPDATE orders SET id = 31 WHERE id = 30",),  # items 300 follow; nothing else moves
+    ("DELETE FROM tree WHERE id = 1",),  # 2, 3, 4, 5 (four levels); 6, 7 stay
+    ("INSERT INTO plain VALUES (3, 3)", "INSERT INTO customers VALUES (6, 'fi')",
+     "UPDATE customers SET name = 'cyd' WHERE id = 3", "DELETE FROM customers WHERE id = 3",
+     "UPDATE plain SET v = 20 WHERE id = 2", "INSERT INTO orders VALUES (60, 6)",
+     "INSERT INTO items VALUES (600, 60)"),  # a cascade among other changes of one transaction
+    ("UPDATE orders SET id = 51 WHERE id = 50",),  # notes 5 SET NULL on update; items 500 -> 51
+    ("DELETE FROM orders WHERE id = 20", "INSERT INTO orders VALUES (20, 4)",
+     "INSERT INTO items VALUES (201, 20)"),  # a parent that comes back, with a new child
+)
+
+
+def _run(source: MariaDB, *statements: str) -> None:
+    conn = source.connect(DB)
+    try:
+        with conn.cursor() as cur:
+            for sql in statements:
+                cur.execute(sql)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def _wait_equal(source: MariaDB, sinks: list[str], procs: list[ServiceProcess], timeout: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    last = "nothing compared yet"
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.alive(), f"{p.instance_id} died:\n{p.tail_log()}"
+        try:
+            results = [verify_target([ShardRef(source.url, DB, t)], url, DB, t) for url in sinks for t in TABLES]
+        except Exception as exc:  # a target table appears with the first batch
+            last = repr(exc)
+        else:
+            if all(r.ok for r in results):
+                return
+            last = "\n".join(f"{r.target}: {r.diff}" for r in results if not r.ok)
+        time.sleep(0.3)
+    logs = "\n".join(f"--- {p.instance_id}\n{p.tail_log(20)}\nhealth: {p.health()}" for p in procs)
+    pytest.fail(f"downstream did not converge within {timeout}s:\n{last}\n{logs}")
+
+
+async def test_cascades_reach_three_downstreams_row_for_row(
+    js: JetStreamContext, service_env: dict[str, str], tmp_path: Path, mariadb: MariaDB,
+    postgres: PostgreSQL, downstream_mariadb: MariaDB, processes: list[ServiceProcess],  # noqa: F811
+) -> None:
+    conn = mariadb.connect()
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"DROP DATABASE IF EXISTS {DB}")
+            cur.execute(f"CREATE DATABASE {DB}")
+            for sql in SCHEMA:
+                cur.execute(f"USE {DB}")
+                cur.execute(sql)
+        conn.commit()
+    finally:
+        conn.close()
+    sinks = [f"sqlite:///{tmp_path / 'down.db'}", postgres.url, downstream_mariadb.url]
+    logs = tmp_path / "logs"
+    processes.append(_capture(service_env, logs, mariadb, "fk", DB))
+    processes[-1].wait_healthy(60)
+    for i, url in enumerate(sinks):
+        spec = ChangefeedSpecV2(id=f"fk-{i}", sources=[SourceRefV1(id="fk", url=mariadb.url)],
+                                filter=TableFilterV1(include=[f"{DB}.*"]), sink_url=url,
+                                initial_load="binlog-only")
+        await record_changefeed(js, spec, requested_by="test")
+        _created.append(spec.id)
+    worker = _worker(service_env, logs, "worker-fk")
+    processes.append(worker)
+    worker.wait_healthy(60)
+
+    await asyncio.to_thread(_run, mariadb, *SEED)
+    await asyncio.to_thread(_wait_equal, mariadb, sinks, processes, 180)  # Spark's first job
+    for statements in CASES:
+        await asyncio.to_thread(_run, mariadb, *statements)
+    await asyncio.to_thread(_wait_equal, mariadb, sinks, processes, 60)
+
+    # One span for the four tables the keys connect, one for the self-referencing table, one
+    # for the table outside any key.
+    groups = {group_token([(DB, t) for t in TABLES[:4]])[1], group_token([(DB, "tree")])[1]}
+    spans = {s["table"] for s in (worker.health() or {}).get("spans", []) if s["changefeed"] == "fk-0"}
+    assert spans == groups | {"plain"}, spans
