@@ -9,6 +9,7 @@ one capture; the cases run one after the other on the same tables."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -81,15 +82,14 @@ def _run(source: MariaDB, *statements: str) -> None:
 
 
 def _wait_equal(source: MariaDB, sinks: list[str], procs: list[ServiceProcess], timeout: float) -> None:
-    import time
-
     deadline = time.monotonic() + timeout
     last = "nothing compared yet"
     while time.monotonic() < deadline:
         for p in procs:
             assert p.alive(), f"{p.instance_id} died:\n{p.tail_log()}"
         try:
-            results = [verify_target([ShardRef(source.url, DB, t)], url, DB, t) for url in sinks for t in TABLES]
+            results = [verify_target([ShardRef(source.url, DB, t)], url, DB, t)
+                       for url in sinks for t in TABLES]
         except Exception as exc:  # a target table appears with the first batch
             last = repr(exc)
         else:
