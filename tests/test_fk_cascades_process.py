@@ -11,17 +11,23 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.js import JetStreamContext
 
-from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1
+from contracts.events.changefeeds import ChangefeedSpecV2, RouteRuleV1, SourceRefV1, TableFilterV1
 from libs.changefeeds import record_changefeed
+from libs.checksum import compare_tables
 from libs.foreign_keys import group_token
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
-from services.sink_worker.verify import ShardRef, verify_target
+from libs.routing import OriginColumn, TableRef, rewrite_meta
+from services.capture.table_meta import load_table_info
+from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.factory import open_sink
+from services.sink_worker.verify import ShardRef, Verification, verify_target
 from tests.test_e2e_replication import (  # noqa: F401 - fixtures
     _capture,
     _created,
@@ -70,8 +76,19 @@ CASES = (
 )
 
 
-def _run(source: MariaDB, *statements: str) -> None:
-    conn = source.connect(DB)
+# Two shards merged into one target with an origin column: the same keys in both, and each
+# shard's cascade stays in its shard.
+SHARDS = (("fks1", "fk_s1"), ("fks2", "fk_s2"))
+MERGED = "fk_merged"
+SHARD_SCHEMA = SCHEMA[:2]
+SHARD_TABLES = ("customers", "orders")
+SHARD_SEED = ("INSERT INTO customers VALUES (1, 'a'), (2, 'b')", "INSERT INTO orders VALUES (10, 1), (11, 2)")
+SHARD_CASES = {"fk_s1": ("DELETE FROM customers WHERE id = 1",),
+               "fk_s2": ("UPDATE customers SET id = 3 WHERE id = 2",)}
+
+
+def _run(source: MariaDB, *statements: str, db: str = DB) -> None:
+    conn = source.connect(db)
     try:
         with conn.cursor() as cur:
             for sql in statements:
@@ -81,7 +98,38 @@ def _run(source: MariaDB, *statements: str) -> None:
         conn.close()
 
 
-def _wait_equal(source: MariaDB, sinks: list[str], procs: list[ServiceProcess], timeout: float) -> None:
+def _merged(source: MariaDB, url: str) -> list[Verification]:
+    """Each merged target against the union of the shards' rows, told apart by origin."""
+    origin = OriginColumn("_origin")
+    out = []
+    for table in SHARD_TABLES:
+        upstream: list[dict[str, Any]] = []
+        meta = None
+        for source_id, db in SHARDS:
+            conn = source.connect(db)
+            try:
+                info = load_table_info(conn, db, table)
+                assert info is not None
+                meta = info.meta()
+                with conn.cursor() as cur:
+                    cur.execute(f"SELECT * FROM `{table}`")
+                    names = [d[0] for d in cur.description]
+                    value = origin.value(TableRef(source_id, db, table))
+                    upstream += [{**dict(zip(names, r, strict=True)), origin.name: value}
+                                 for r in cur.fetchall()]
+            finally:
+                conn.close()
+        assert meta is not None
+        merged = rewrite_meta(meta, origin)
+        target = TargetTable(schema=MERGED, name=table, meta=merged, key=tuple(merged.primary_key))
+        downstream = open_sink(url).fetch_rows(target)
+        diff = compare_tables(upstream, downstream, target.key, columns=list(merged.columns))
+        out.append(Verification(f"{MERGED}.{table}", diff, "", ""))
+    return out
+
+
+def _wait_equal(source: MariaDB, sinks: list[str], merged_sinks: list[str], procs: list[ServiceProcess],
+                timeout: float) -> None:
     deadline = time.monotonic() + timeout
     last = "nothing compared yet"
     while time.monotonic() < deadline:
@@ -90,6 +138,7 @@ def _wait_equal(source: MariaDB, sinks: list[str], procs: list[ServiceProcess], 
         try:
             results = [verify_target([ShardRef(source.url, DB, t)], url, DB, t)
                        for url in sinks for t in TABLES]
+            results += [r for url in merged_sinks for r in _merged(source, url)]
         except Exception as exc:  # a target table appears with the first batch
             last = repr(exc)
         else:
@@ -97,7 +146,7 @@ def _wait_equal(source: MariaDB, sinks: list[str], procs: list[ServiceProcess], 
                 return
             last = "\n".join(f"{r.target}: {r.diff}" for r in results if not r.ok)
         time.sleep(0.3)
-    logs = "\n".join(f"--- {p.instance_id}\n{p.tail_log(20)}\nhealth: {p.health()}" for p in procs)
+    logs = "\n".join(f"--- {p.instance_id}\n{p.tail_log(5)}" for p in procs)
     pytest.fail(f"downstream did not converge within {timeout}s:\n{last}\n{logs}")
 
 
@@ -105,36 +154,43 @@ async def test_cascades_reach_three_downstreams_row_for_row(
     js: JetStreamContext, service_env: dict[str, str], tmp_path: Path, mariadb: MariaDB,
     postgres: PostgreSQL, downstream_mariadb: MariaDB, processes: list[ServiceProcess],  # noqa: F811
 ) -> None:
-    conn = mariadb.connect()
-    try:
-        with conn.cursor() as cur:
-            cur.execute(f"DROP DATABASE IF EXISTS {DB}")
-            cur.execute(f"CREATE DATABASE {DB}")
-            for sql in SCHEMA:
-                cur.execute(f"USE {DB}")
-                cur.execute(sql)
-        conn.commit()
-    finally:
-        conn.close()
+    for db, schema in ((DB, SCHEMA), *((db, SHARD_SCHEMA) for _, db in SHARDS)):
+        mariadb.execute(f"DROP DATABASE IF EXISTS {db}", f"CREATE DATABASE {db}")
+        mariadb.execute(*schema, database=db)
     sinks = [f"sqlite:///{tmp_path / 'down.db'}", postgres.url, downstream_mariadb.url]
+    # SQLite has one namespace: the merged targets get a file of their own.
+    merged_sinks = [f"sqlite:///{tmp_path / 'merged.db'}", *sinks[1:]]
     logs = tmp_path / "logs"
-    processes.append(_capture(service_env, logs, mariadb, "fk", DB))
-    processes[-1].wait_healthy(60)
-    for i, url in enumerate(sinks):
-        spec = ChangefeedSpecV2(id=f"fk-{i}", sources=[SourceRefV1(id="fk", url=mariadb.url)],
-                                filter=TableFilterV1(include=[f"{DB}.*"]), sink_url=url,
-                                initial_load="binlog-only")
-        await record_changefeed(js, spec, requested_by="test")
-        _created.append(spec.id)
+    for source_id, db in (("fk", DB), *SHARDS):
+        processes.append(_capture(service_env, logs, mariadb, source_id, db))
+    for p in processes:
+        p.wait_healthy(60)
+    for i, (url, merged_url) in enumerate(zip(sinks, merged_sinks, strict=True)):
+        specs = [
+            ChangefeedSpecV2(id=f"fk-{i}", sources=[SourceRefV1(id="fk", url=mariadb.url)],
+                             filter=TableFilterV1(include=[f"{DB}.*"]), sink_url=url,
+                             initial_load="binlog-only"),
+            ChangefeedSpecV2(id=f"fk-merged-{i}", sources=[SourceRefV1(id=s, url=mariadb.url_for(db))
+                                                           for s, db in SHARDS],
+                             filter=TableFilterV1(include=["fk_s*.*"]), sink_url=merged_url,
+                             routes=[RouteRuleV1(database="fk_s*", target_schema=MERGED)],
+                             origin_column="_origin", initial_load="binlog-only")]
+        for spec in specs:
+            await record_changefeed(js, spec, requested_by="test")
+            _created.append(spec.id)
     worker = _worker(service_env, logs, "worker-fk")
     processes.append(worker)
     worker.wait_healthy(60)
 
     await asyncio.to_thread(_run, mariadb, *SEED)
-    await asyncio.to_thread(_wait_equal, mariadb, sinks, processes, 180)  # Spark's first job
+    for _, db in SHARDS:
+        await asyncio.to_thread(_run, mariadb, *SHARD_SEED, db=db)
+    await asyncio.to_thread(_wait_equal, mariadb, sinks, merged_sinks, processes, 180)  # Spark's first job
     for statements in CASES:
         await asyncio.to_thread(_run, mariadb, *statements)
-    await asyncio.to_thread(_wait_equal, mariadb, sinks, processes, 60)
+    for db, statements in SHARD_CASES.items():
+        await asyncio.to_thread(_run, mariadb, *statements, db=db)
+    await asyncio.to_thread(_wait_equal, mariadb, sinks, merged_sinks, processes, 60)
 
     # One span for the four tables the keys connect, one for the self-referencing table, one
     # for the table outside any key.

@@ -794,6 +794,7 @@ class Pipeline:
                 result = apply_group_batch(sink, graph, w.group.batch,
                                            lambda ev: tables[(ev.database, ev.table)])
                 outcome.rows = result.rows
+                rt.rows_written += result.rows
                 if result.triggers:
                     log.info("cascades carried out", extra={
                         "span": rt.span.name, "parents": result.triggers,
