@@ -80,6 +80,7 @@ CASES = (
 # shard's cascade stays in its shard.
 SHARDS = (("fks1", "fk_s1"), ("fks2", "fk_s2"))
 MERGED = "fk_merged"
+LOADED = "fk_loaded"
 SHARD_SCHEMA = SCHEMA[:2]
 SHARD_TABLES = ("customers", "orders")
 SHARD_SEED = ("INSERT INTO customers VALUES (1, 'a'), (2, 'b')", "INSERT INTO orders VALUES (10, 1), (11, 2)")
@@ -128,16 +129,17 @@ def _merged(source: MariaDB, url: str) -> list[Verification]:
     return out
 
 
-def _wait_equal(source: MariaDB, sinks: list[str], merged_sinks: list[str], procs: list[ServiceProcess],
-                timeout: float) -> None:
+def _wait_equal(source: MariaDB, targets: list[tuple[str, str]], merged_sinks: list[str],
+                procs: list[ServiceProcess], timeout: float) -> None:
+    """``targets``: (sink URL, schema) holding the tables of ``DB``; ``merged_sinks``: the shards'."""
     deadline = time.monotonic() + timeout
     last = "nothing compared yet"
     while time.monotonic() < deadline:
         for p in procs:
             assert p.alive(), f"{p.instance_id} died:\n{p.tail_log()}"
         try:
-            results = [verify_target([ShardRef(source.url, DB, t)], url, DB, t)
-                       for url in sinks for t in TABLES]
+            results = [verify_target([ShardRef(source.url, DB, t)], url, schema, t)
+                       for url, schema in targets for t in TABLES]
             results += [r for url in merged_sinks for r in _merged(source, url)]
         except Exception as exc:  # a target table appears with the first batch
             last = repr(exc)
@@ -185,12 +187,27 @@ async def test_cascades_reach_three_downstreams_row_for_row(
     await asyncio.to_thread(_run, mariadb, *SEED)
     for _, db in SHARDS:
         await asyncio.to_thread(_run, mariadb, *SHARD_SEED, db=db)
-    await asyncio.to_thread(_wait_equal, mariadb, sinks, merged_sinks, processes, 180)  # Spark's first job
-    for statements in CASES:
+    await asyncio.to_thread(_wait_equal, mariadb, [(url, DB) for url in sinks], merged_sinks, processes,
+                            180)  # Spark's first job
+    for statements in CASES[:3]:
+        await asyncio.to_thread(_run, mariadb, *statements)
+    # Initial load of the tables with their keys (each copied on its own, in whatever order the
+    # copies finish), then streaming with the cascades that follow.
+    loaded = [(f"sqlite:///{tmp_path / 'loaded.db'}", LOADED), (postgres.url, LOADED),
+              (downstream_mariadb.url, LOADED)]
+    for i, (url, _) in enumerate(loaded):
+        spec = ChangefeedSpecV2(id=f"fk-load-{i}", sources=[SourceRefV1(id="fk", url=mariadb.url)],
+                                filter=TableFilterV1(include=[f"{DB}.*"]), sink_url=url,
+                                routes=[RouteRuleV1(database=DB, target_schema=LOADED)],
+                                initial_load="snapshot")
+        await record_changefeed(js, spec, requested_by="test")
+        _created.append(spec.id)
+    for statements in CASES[3:]:
         await asyncio.to_thread(_run, mariadb, *statements)
     for db, statements in SHARD_CASES.items():
         await asyncio.to_thread(_run, mariadb, *statements, db=db)
-    await asyncio.to_thread(_wait_equal, mariadb, sinks, merged_sinks, processes, 60)
+    await asyncio.to_thread(_wait_equal, mariadb, [(url, DB) for url in sinks] + loaded, merged_sinks,
+                            processes, 90)
 
     # One span for the four tables the keys connect, one for the self-referencing table, one
     # for the table outside any key.

@@ -485,7 +485,8 @@ class Pipeline:
         from the stored one, which is idempotent)."""
         rt = self.spans.pop(span, None)
         if self.initial_loads is not None:
-            await self.initial_loads.stop(span)  # its finished chunks stay for the next owner
+            for copied in _copied_spans(span):
+                await self.initial_loads.stop(copied)  # its finished chunks stay for the next owner
         if rt is None:
             return None
         final = rt.stored
@@ -546,9 +547,19 @@ class Pipeline:
         """The span copies first (``services.sink_worker.snapshot``): no checkpoint while it
         copies, then one at the copy's low watermark, where streaming starts."""
         assert self.initial_loads is not None
-        decision, start = await self.initial_loads.decide(SnapshotRequest(
-            rt.span, rt.config.source_url, rt.config.sink_url, rt.config.key_policy, mode, rt.shards,
-            rt.config.router))
+        decisions = [await self.initial_loads.decide(SnapshotRequest(
+            span, rt.config.source_url, rt.config.sink_url, rt.config.key_policy, mode, rt.shards,
+            rt.config.router)) for span in _copied_spans(rt.span)]
+        decision, start = decisions[0]
+        if len(decisions) > 1 and all(d != "copying" for d, _ in decisions):
+            # A table group: each table is copied on its own (its own watermarks); the group
+            # streams from the lowest low watermark, so the order of the copies does not matter
+            # and a table copied later only replays more (DESIGN.md, "Foreign-key cascades").
+            starts = [c for _, c in decisions if c is not None]
+            start = Checkpoint(min(c.stream_seq for c in starts), min(c.ts for c in starts))
+            decision = "done" if all(d == "done" for d, _ in decisions) else "stream"
+        elif any(d == "copying" for d, _ in decisions):
+            decision = "copying"
         if decision == "copying":
             rt.checkpoint = None
             rt.state = "snapshot"
@@ -1500,6 +1511,13 @@ class Pipeline:
             counts[rt.state] += 1
         for state, n in counts.items():
             m.SPANS.labels(state).set(n)
+
+
+def _copied_spans(span: Span) -> list[Span]:
+    """The spans whose tables an initial load copies: a table group's tables one by one."""
+    if span.members is None:
+        return [span]
+    return [Span(span.changefeed, span.source, database, table) for database, table in span.members]
 
 
 def _large_key_incident(w: _Work, exc: LargeKeyError) -> TableIncident:
