@@ -146,16 +146,19 @@ class CascadeWarning:
                 + "; ".join(self.reasons) + ")")
 
 
-NOT_REPRODUCED = ("Sluice does not reproduce foreign-key cascades: compare the tables after a "
-                  "parent delete or key update, or avoid cascading actions on replicated tables")
+STREAM_NOT_REPRODUCED = ("Sluice carries cascades out on SQL downstreams only: a NATS downstream "
+                         "gets no message for the child rows a parent delete or key update changes")
 
 
 def cascade_warnings(router: Router, fks_by_source: Mapping[str, Sequence[ForeignKey]],
-                     tables: Mapping[str, Sequence[tuple[str, str]]] | None = None
-                     ) -> list[CascadeWarning]:
-    """Every cascading foreign key whose parent or child the changefeed selects, with the reasons
-    its cascades cannot show downstream: always that Sluice does not synthesise them (the
-    binlog never shows them), plus what would keep them from being reproduced at all:
+                     tables: Mapping[str, Sequence[tuple[str, str]]] | None = None, *,
+                     stream_sink: bool = False) -> list[CascadeWarning]:
+    """Every cascading foreign key whose parent or child the changefeed selects and whose
+    cascades its downstream cannot show, with the reasons. A key with both ends selected is
+    carried out on a SQL downstream (its tables form one span, ``cascade_groups``), so it is
+    named only when something keeps that from being exact:
+
+    - the downstream is a NATS stream (``stream_sink``): cascades are not synthesised there;
 
     - the filter leaves the child out while the parent is in, or the parent out while the child
       is in (its rows then change upstream with no event the changefeed reads);
@@ -181,7 +184,7 @@ def cascade_warnings(router: Router, fks_by_source: Mapping[str, Sequence[Foreig
             parent_in = router.filter.selected(fk.ref_database, fk.ref_table)
             if not (child_in or parent_in):
                 continue
-            reasons = [NOT_REPRODUCED]
+            reasons = [STREAM_NOT_REPRODUCED] if stream_sink else []
             if parent_in and not child_in:
                 reasons.append(f"the filter leaves out the child {fk.database}.{fk.table} while "
                                f"it selects its parent {fk.ref_database}.{fk.ref_table}")
@@ -205,7 +208,8 @@ def cascade_warnings(router: Router, fks_by_source: Mapping[str, Sequence[Foreig
                     reasons.append(f"the child is merged with {groups[target] - 1} other table(s) into "
                                    f"{target} without an origin_column, so a cascade of one shard "
                                    "would reach the others' rows")
-            out.append(CascadeWarning(source, fk, tuple(reasons)))
+            if reasons:
+                out.append(CascadeWarning(source, fk, tuple(reasons)))
     return out
 
 
