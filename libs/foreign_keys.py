@@ -6,9 +6,10 @@ child rows the action deletes or changes. A binlog reader therefore sees nothing
 child, and a downstream fed from the binlog keeps orphans and old parent keys.
 
 This module reads the foreign keys from information_schema (``REFERENTIAL_CONSTRAINTS`` for the
-actions, ``KEY_COLUMN_USAGE`` for the columns in order) and names, for the changefeed-creation
-answer, every cascading foreign key a changefeed touches, with what makes it impossible to
-reproduce even in principle (see DESIGN.md, "Foreign-key cascades").
+actions, ``KEY_COLUMN_USAGE`` for the columns in order), finds the tables cascading keys connect
+(``cascade_groups``: one span each, whose batch carries the cascades out downstream) and names,
+for the changefeed-creation answer, every cascading key a changefeed cannot carry out, with why
+(see DESIGN.md, "Foreign-key cascades").
 """
 
 from __future__ import annotations
