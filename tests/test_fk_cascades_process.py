@@ -49,8 +49,11 @@ SCHEMA = (
     "CREATE TABLE tree (id INT PRIMARY KEY, up INT, FOREIGN KEY (up) REFERENCES tree (id)"
     " ON DELETE CASCADE ON UPDATE CASCADE)",
     "CREATE TABLE plain (id INT PRIMARY KEY, v INT)",
+    # Replicated as tables of their own until a cascading key joins them (then one group).
+    "CREATE TABLE a (id INT PRIMARY KEY)",
+    "CREATE TABLE b (id INT PRIMARY KEY, a_id INT)",
 )
-TABLES = ("customers", "orders", "items", "notes", "tree", "plain")
+TABLES = ("customers", "orders", "items", "notes", "tree", "plain", "a", "b")
 SEED = (
     "INSERT INTO customers VALUES (1, 'ann'), (2, 'bob'), (3, 'cy'), (5, 'ed')",
     "INSERT INTO orders VALUES (10, 1), (11, 1), (20, 2), (30, 3), (50, 5)",
@@ -58,6 +61,8 @@ SEED = (
     "INSERT INTO notes VALUES (1, 10), (2, 11), (3, 20), (4, NULL), (5, 50)",
     "INSERT INTO tree VALUES (1, NULL), (2, 1), (3, 2), (4, 3), (5, 1), (6, NULL), (7, 6)",
     "INSERT INTO plain VALUES (1, 1), (2, 2)",
+    "INSERT INTO a VALUES (1), (2)",
+    "INSERT INTO b VALUES (10, 1), (20, 2)",
 )
 # Each a transaction; together: delete and update cascades, several levels, SET NULL, a
 # self-referencing subtree, cascades inside a larger transaction, and rows that come back.
@@ -212,5 +217,24 @@ async def test_cascades_reach_three_downstreams_row_for_row(
     # One span for the four tables the keys connect, one for the self-referencing table, one
     # for the table outside any key.
     groups = {group_token([(DB, t) for t in TABLES[:4]])[1], group_token([(DB, "tree")])[1]}
-    spans = {s["table"] for s in (worker.health() or {}).get("spans", []) if s["changefeed"] == "fk-0"}
-    assert spans == groups | {"plain"}, spans
+    assert _spans(worker, "fk-0") == groups | {"plain", "a", "b"}
+
+    # A cascading key added to replicated tables: their spans become one group, which goes on
+    # from their checkpoints (not from the stream's start), and carries the cascade out.
+    await asyncio.to_thread(_run, mariadb, "ALTER TABLE b ADD CONSTRAINT fk_a FOREIGN KEY (a_id)"
+                                           " REFERENCES a (id) ON DELETE CASCADE")
+    joined = group_token([(DB, "a"), (DB, "b")])[1]
+    cfs = [f"fk-{i}" for i in range(3)] + [f"fk-load-{i}" for i in range(3)]
+    deadline = time.monotonic() + 60
+    while not all(joined in _spans(worker, cf) for cf in cfs):
+        assert time.monotonic() < deadline, [_spans(worker, cf) for cf in cfs]
+        assert worker.alive(), worker.tail_log()
+        await asyncio.sleep(0.3)
+    await asyncio.to_thread(_run, mariadb, "DELETE FROM a WHERE id = 1", "INSERT INTO b VALUES (30, 2)")
+    await asyncio.to_thread(_wait_equal, mariadb, [(url, DB) for url in sinks] + loaded, merged_sinks,
+                            processes, 60)
+    assert "starts from its tables' lowest checkpoint" in worker.log_path.read_text()
+
+
+def _spans(worker: ServiceProcess, changefeed: str) -> set[str]:
+    return {s["table"] for s in (worker.health() or {}).get("spans", []) if s["changefeed"] == changefeed}

@@ -446,6 +446,8 @@ class Pipeline:
             rt = self.prepared[span] = SpanRuntime(span, config, self._reader(span))
         rt.config = config
         start = await self.checkpoints.get(span)
+        if start is None and span.members is not None:
+            start = await self._inherit(rt)
         if start is None and self.initial_loads is not None and snapshot_mode(config.initial_load):
             # Its initial load runs once it is committed here; nothing to read ahead before.
             rt.checkpoint = Checkpoint()
@@ -514,6 +516,11 @@ class Pipeline:
     async def _load(self, rt: SpanRuntime) -> None:
         stored = await self.checkpoints.get(rt.span)
         rt.stored = stored
+        if stored is None and rt.span.members is not None:
+            inherited = await self._inherit(rt)
+            if inherited is not None:
+                rt.checkpoint = inherited  # stored with the first round, like any checkpoint
+                return
         mode = snapshot_mode(rt.config.initial_load) if self.initial_loads is not None else None
         if mode is not None and (stored is None or mode == "snapshot-only"):
             await self._initial_load(rt, mode, stored)
@@ -541,6 +548,19 @@ class Pipeline:
             rt.checkpoint = initial
             return
         rt.checkpoint = Checkpoint()
+
+    async def _inherit(self, rt: SpanRuntime) -> Checkpoint | None:
+        """A new table group whose tables all ran as spans of their own (a cascading key added
+        to replicated tables) goes on from the lowest of their checkpoints, not from where a new
+        span starts: replaying from the lowest is what any replay does, and converges."""
+        found = [await self.checkpoints.get(span) for span in _copied_spans(rt.span)]
+        known = [c for c in found if c is not None]
+        if not known or len(known) != len(found):
+            return None
+        start = Checkpoint(min(c.stream_seq for c in known), min(c.ts for c in known))
+        log.info("a new foreign-key table group starts from its tables' lowest checkpoint",
+                 extra={"span": rt.span.name, "checkpoint_ts": start.ts, "stream_seq": start.stream_seq})
+        return start
 
     async def _initial_load(self, rt: SpanRuntime, mode: Literal["snapshot", "snapshot-only"],
                             stored: Checkpoint | None) -> None:
