@@ -32,8 +32,9 @@ from contracts.events.changefeeds import (
 from contracts.events.sources import SourceRegisteredV1, SourceRemovedV1
 from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV1
 from libs.eventstore import EventStore
+from libs.foreign_keys import cascade_groups, group_token
 from libs.routing import RoutingConfigError, TableFilter
-from libs.source_tables import source_tables
+from libs.source_tables import source_foreign_keys, source_tables
 from libs.streams import (
     ROWS_STREAM,
     domain_events_subject,
@@ -243,4 +244,19 @@ async def discover_spans(js: JetStreamContext, specs: list[ChangefeedSpecV2],
                 for database, table in await source_tables(source.url):
                     if table_selected(spec.filter, database, table):
                         found.spans[(spec.id, src, token(database), token(table))] = spec
+            await _group_spans(found, spec, src, source.url)
     return found
+
+
+async def _group_spans(found: Discovered, spec: ChangefeedSpecV2, src: str, url: str) -> None:
+    """The tables of the source that cascading foreign keys connect become one span, a table
+    group (``libs.foreign_keys.cascade_groups``), so one worker applies a parent change and
+    its cascades in order with the children's own changes (DESIGN.md, "Foreign-key cascades")."""
+    fks = [fk for fk in await source_foreign_keys(url) if fk.cascading]
+    if not fks:
+        return
+    for members in cascade_groups(fks, functools.partial(table_selected, spec.filter)):
+        keys = {(spec.id, src, token(d), token(t)) for d, t in members}
+        if [found.spans.pop(key) for key in keys if key in found.spans]:
+            database, table = group_token(members)
+            found.spans[(spec.id, src, database, table)] = spec

@@ -6,20 +6,22 @@ child rows the action deletes or changes. A binlog reader therefore sees nothing
 child, and a downstream fed from the binlog keeps orphans and old parent keys.
 
 This module reads the foreign keys from information_schema (``REFERENTIAL_CONSTRAINTS`` for the
-actions, ``KEY_COLUMN_USAGE`` for the columns in order) and names, for the changefeed-creation
-answer, every cascading foreign key a changefeed touches, with what makes it impossible to
-reproduce even in principle (see DESIGN.md, "Foreign-key cascades").
+actions, ``KEY_COLUMN_USAGE`` for the columns in order), finds the tables cascading keys connect
+(``cascade_groups``: one span each, whose batch carries the cascades out downstream) and names,
+for the changefeed-creation answer, every cascading key a changefeed cannot carry out, with why
+(see DESIGN.md, "Foreign-key cascades").
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from libs.routing import Router, TableRef, Target
 from libs.sql_ident import quote_ident
+from libs.streams import token
 from libs.table_rules import TableRulesError, rules_for
 
 # Actions InnoDB carries out itself, out of the binlog's sight (RESTRICT/NO ACTION refuse instead).
@@ -145,16 +147,19 @@ class CascadeWarning:
                 + "; ".join(self.reasons) + ")")
 
 
-NOT_REPRODUCED = ("Sluice does not reproduce foreign-key cascades: compare the tables after a "
-                  "parent delete or key update, or avoid cascading actions on replicated tables")
+STREAM_NOT_REPRODUCED = ("Sluice carries cascades out on SQL downstreams only: a NATS downstream "
+                         "gets no message for the child rows a parent delete or key update changes")
 
 
 def cascade_warnings(router: Router, fks_by_source: Mapping[str, Sequence[ForeignKey]],
-                     tables: Mapping[str, Sequence[tuple[str, str]]] | None = None
-                     ) -> list[CascadeWarning]:
-    """Every cascading foreign key whose parent or child the changefeed selects, with the reasons
-    its cascades cannot show downstream: always that Sluice does not synthesise them (the
-    binlog never shows them), plus what would keep them from being reproduced at all:
+                     tables: Mapping[str, Sequence[tuple[str, str]]] | None = None, *,
+                     stream_sink: bool = False) -> list[CascadeWarning]:
+    """Every cascading foreign key whose parent or child the changefeed selects and whose
+    cascades its downstream cannot show, with the reasons. A key with both ends selected is
+    carried out on a SQL downstream (its tables form one span, ``cascade_groups``), so it is
+    named only when something keeps that from being exact:
+
+    - the downstream is a NATS stream (``stream_sink``): cascades are not synthesised there;
 
     - the filter leaves the child out while the parent is in, or the parent out while the child
       is in (its rows then change upstream with no event the changefeed reads);
@@ -180,7 +185,7 @@ def cascade_warnings(router: Router, fks_by_source: Mapping[str, Sequence[Foreig
             parent_in = router.filter.selected(fk.ref_database, fk.ref_table)
             if not (child_in or parent_in):
                 continue
-            reasons = [NOT_REPRODUCED]
+            reasons = [STREAM_NOT_REPRODUCED] if stream_sink else []
             if parent_in and not child_in:
                 reasons.append(f"the filter leaves out the child {fk.database}.{fk.table} while "
                                f"it selects its parent {fk.ref_database}.{fk.ref_table}")
@@ -204,5 +209,58 @@ def cascade_warnings(router: Router, fks_by_source: Mapping[str, Sequence[Foreig
                     reasons.append(f"the child is merged with {groups[target] - 1} other table(s) into "
                                    f"{target} without an origin_column, so a cascade of one shard "
                                    "would reach the others' rows")
-            out.append(CascadeWarning(source, fk, tuple(reasons)))
+            if reasons:
+                out.append(CascadeWarning(source, fk, tuple(reasons)))
     return out
+
+
+# --- table groups: the tables cascades connect form one span (DESIGN.md, "Foreign-key cascades")
+
+GROUP_PREFIX = "fk~"
+"""Start of a group span's table token. ``libs.streams.token`` keeps only ``[A-Za-z0-9_-]``, so
+no table's own token can start with it or hold the separators below."""
+_MEMBER_SEP, _NAME_SEP = "+", ":"
+
+
+def cascade_groups(fks: Iterable[ForeignKey], selected: Callable[[str, str], bool]
+                   ) -> list[tuple[tuple[str, str], ...]]:
+    """The tables of one source that cascading keys connect, among those ``selected``: the
+    connected components of the key graph (a self-referencing table alone is one too), each
+    sorted, sorted. A key with one end not selected connects nothing (it is named at creation)."""
+    parent: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def find(x: tuple[str, str]) -> tuple[str, str]:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for fk in fks:
+        child, ref = (fk.database, fk.table), (fk.ref_database, fk.ref_table)
+        if not fk.cascading or not (selected(*child) and selected(*ref)):
+            continue
+        parent[find(child)] = find(ref)
+    groups: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for table in list(parent):
+        groups.setdefault(find(table), []).append(table)
+    return sorted(tuple(sorted(members)) for members in groups.values())
+
+
+def group_token(members: Sequence[tuple[str, str]]) -> tuple[str, str]:
+    """``(database token, table token)`` of the group span of ``members`` (real names): the first
+    member's database, and every member's tokens after ``GROUP_PREFIX``. A function of the
+    members only, so every process names a group's span (and its checkpoint) alike."""
+    toks = sorted({(token(d), token(t)) for d, t in members})
+    return toks[0][0], GROUP_PREFIX + _MEMBER_SEP.join(f"{d}{_NAME_SEP}{t}" for d, t in toks)
+
+
+def group_members(table_token: str) -> tuple[tuple[str, str], ...] | None:
+    """The members' ``(database token, table token)`` of a group span's table token; None for
+    the span of one table."""
+    if not table_token.startswith(GROUP_PREFIX):
+        return None
+    out = []
+    for part in table_token[len(GROUP_PREFIX):].split(_MEMBER_SEP):
+        database, _, table = part.partition(_NAME_SEP)
+        out.append((database, table))
+    return tuple(out)

@@ -12,6 +12,7 @@ from typing import Any
 import pymysql
 
 from libs.dburl import parse_database_url
+from libs.foreign_keys import ForeignKey, load_foreign_keys
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +21,8 @@ _CACHE_S = 10.0
 _cache: dict[str, tuple[float, list[tuple[str, str]]]] = {}
 
 
-def list_tables(url: str) -> list[tuple[str, str]]:
-    """``(database, table)`` of every base table of the source (only the URL's database when it
-    names one), system schemas left out."""
+def connect_source(url: str) -> Any:
+    """A pymysql connection to the source server of ``url`` (no database selected)."""
     db = parse_database_url(url)
     params: dict[str, Any] = {"host": db.host, "port": db.port, "user": db.user or "root",
                                  "password": db.password, "charset": "utf8mb4", "connect_timeout": 5,
@@ -30,7 +30,14 @@ def list_tables(url: str) -> list[tuple[str, str]]:
     socket = db.option("unix_socket")
     if socket:
         params["unix_socket"] = socket
-    conn = pymysql.connect(**params)
+    return pymysql.connect(**params)
+
+
+def list_tables(url: str) -> list[tuple[str, str]]:
+    """``(database, table)`` of every base table of the source (only the URL's database when it
+    names one), system schemas left out."""
+    db = parse_database_url(url)
+    conn = connect_source(url)
     try:
         with conn.cursor() as cur:
             marks = ", ".join(["%s"] * len(_SYSTEM))
@@ -62,3 +69,37 @@ async def source_tables(url: str) -> list[tuple[str, str]]:
     # Failures are cached too: an unreachable source is asked again after the same pause.
     _cache[url] = (now, tables)
     return tables
+
+
+_fk_cache: dict[str, tuple[float, list[ForeignKey]]] = {}
+
+
+async def source_foreign_keys(url: str, *, strict: bool = False) -> list[ForeignKey]:
+    """The source's foreign keys (``libs.foreign_keys``; the URL's database only when it names
+    one), cached like ``source_tables``. A failed read keeps the last answer, because the keys
+    decide which tables form one span: a group span falling apart into table spans for one
+    failed read would start those from no checkpoint. A source never read answers none (its
+    tables keep their own spans until a read succeeds; DESIGN.md, "Foreign-key cascades"), or
+    with ``strict`` raises: a group span must not apply a batch without its keys."""
+    now = time.monotonic()
+    hit = _fk_cache.get(url)
+    if hit is not None and now - hit[0] < _CACHE_S:
+        return hit[1]
+
+    def read() -> list[ForeignKey]:
+        conn = connect_source(url)
+        try:
+            return load_foreign_keys(conn, parse_database_url(url).database or None)
+        finally:
+            conn.close()
+
+    try:
+        fks = await asyncio.to_thread(read)
+    except Exception as exc:
+        log.warning("cannot read the source's foreign keys", extra={
+            "source": parse_database_url(url).redacted(), "error": repr(exc)})
+        if hit is None and strict:
+            raise
+        fks = hit[1] if hit is not None else []
+    _fk_cache[url] = (now, fks)
+    return fks

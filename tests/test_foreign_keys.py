@@ -10,7 +10,16 @@ import pytest
 
 from contracts.events.changefeeds import TableFilterV1, TableRuleV1
 from contracts.events.rows import ColumnV1, TableMetaV1
-from libs.foreign_keys import NOT_REPRODUCED, ForeignKey, cascade_warnings, create_table_actions, fold_rows
+from libs.foreign_keys import (
+    STREAM_NOT_REPRODUCED,
+    ForeignKey,
+    cascade_groups,
+    cascade_warnings,
+    create_table_actions,
+    fold_rows,
+    group_members,
+    group_token,
+)
 from libs.routing import OriginColumn, Router, RouteRule, TableFilter
 from services.sink_worker.cascades import CascadeError, CascadeGraph, CascadeTable, apply_cascade
 from services.sink_worker.sinks.base import TargetTable, Upsert
@@ -51,13 +60,17 @@ def test_every_cascading_key_the_changefeed_touches_is_named_with_its_reasons() 
     ]}
     router = Router(table_filter=TableFilter.from_contract(TableFilterV1(
         include=["shop.*"], exclude=["shop.audit", "shop.customers"])))
+    # A SQL downstream carries out the keys with both ends selected (items, tree): not named.
     got = {w.fk.table: w for w in cascade_warnings(router, fks)}
-    assert sorted(got) == ["audit", "items", "orders", "tree"]
-    assert all(w.reasons[0] == NOT_REPRODUCED for w in got.values())
-    assert got["items"].reasons == (NOT_REPRODUCED,) and got["tree"].reasons == (NOT_REPRODUCED,)
-    audit = got["audit"].reasons[1]
+    assert sorted(got) == ["audit", "orders"]
+    audit = got["audit"].reasons[0]
     assert "leaves out the child shop.audit while it selects its parent shop.orders" in audit
-    assert "leaves out the parent shop.customers" in got["orders"].reasons[1]
+    assert "leaves out the parent shop.customers" in got["orders"].reasons[0]
+    # A NATS downstream gets no cascades at all: every key is named.
+    got = {w.fk.table: w for w in cascade_warnings(router, fks, stream_sink=True)}
+    assert sorted(got) == ["audit", "items", "orders", "tree"]
+    assert all(w.reasons[0] == STREAM_NOT_REPRODUCED for w in got.values())
+    assert got["items"].reasons == (STREAM_NOT_REPRODUCED,)
     message = got["items"].message
     assert message.startswith("foreign key src1:shop.items.fk_items (parent_id) -> shop.orders (id) "
                               "ON DELETE CASCADE: MariaDB applies it below the binlog")
@@ -74,10 +87,24 @@ def test_a_dropped_key_column_or_a_merge_without_origin_cannot_follow_a_cascade(
                for w in got)
     # With an origin column each shard's cascade stays within its shard.
     kept_apart = Router(rules, origin=OriginColumn("_origin"))
-    assert [w.reasons for w in cascade_warnings(kept_apart, fks, tables)] == [(NOT_REPRODUCED,)] * 2
+    assert cascade_warnings(kept_apart, fks, tables) == []
     dropping = Router(table_rules=[TableRuleV1(tables=["*.items"], drop_columns=["parent_id"])])
     reasons = cascade_warnings(dropping, {"s1": fks["s1"]})[0].reasons
-    assert reasons[1] == "table rules drop its column(s) parent_id"
+    assert reasons == ("table rules drop its column(s) parent_id",)
+
+
+def test_the_tables_cascading_keys_connect_form_one_group_named_by_its_members() -> None:
+    fks = [_fk("orders", "customers"), _fk("items", "orders"), _fk("notes", "items", on_delete="RESTRICT"),
+           _fk("tree", "tree"), _fk("audit", "orders", on_delete="SET NULL"), _fk("x", "y", db="other")]
+    groups = cascade_groups(fks, lambda d, t: d == "shop" and t != "audit")
+    # RESTRICT connects nothing; a key with an end left out neither; a self reference alone is one.
+    assert groups == [(("shop", "customers"), ("shop", "items"), ("shop", "orders")), (("shop", "tree"),)]
+    database, table = group_token(groups[0])
+    assert (database, table) == ("shop", "fk~shop:customers+shop:items+shop:orders")
+    assert group_members(table) == groups[0]
+    assert group_members("orders") is None
+    # Names a subject token cannot hold are tokenised like the subjects capture publishes on.
+    assert group_token([("a.b", "t 1"), ("a.b", "u")]) == ("a_b", "fk~a_b:t_1+a_b:u")
 
 
 def test_actions_come_from_show_create_table_when_information_schema_hides_them() -> None:

@@ -245,7 +245,8 @@ def run_checks_blocking(spec: ChangefeedSpecV2) -> CheckResult:
         router = router_for(spec)
     except RoutingConfigError:
         return CheckResult(failed, fk_problems)  # the spec validation refuses it with the reason
-    return CheckResult(failed, fk_problems + [w.message for w in cascade_warnings(router, fks, tables)])
+    cascades = cascade_warnings(router, fks, tables, stream_sink=is_stream_sink(spec.sink_url))
+    return CheckResult(failed, fk_problems + [w.message for w in cascades])
 
 
 async def run_checks(spec: ChangefeedSpecV2) -> CheckResult:

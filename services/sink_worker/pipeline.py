@@ -42,13 +42,16 @@ from contracts.events.rows import DdlExecutedV1, RowImageV1, RowsChangedV1, Sour
 from libs.config import Settings
 from libs.dburl import parse_database_url
 from libs.eventstore.deadletter import dead_letter
+from libs.foreign_keys import ForeignKey
 from libs.gc_pause import gc_paused
 from libs.routing import Router, Target, router_for
+from libs.source_tables import source_foreign_keys
 from libs.streams import ROWS_STREAM, token
 from libs.table_rules import NO_RULES, TableRules, TableRulesError, rules_for
 from libs.telemetry.tracing import extract_context, tracer
 from services.sink_worker import metrics as m
 from services.sink_worker.apply_job import ApplyResult, TargetPlan, key_json, run_apply
+from services.sink_worker.cascades import CascadeGraph, CascadeTable
 from services.sink_worker.checkpoints import (
     Checkpoint,
     CheckpointMoved,
@@ -72,6 +75,7 @@ from services.sink_worker.sinks.nats_stream import (
     is_stream_sink,
     row_messages,
 )
+from services.sink_worker.sinks.sql_common import SqlSink
 from services.sink_worker.sinks.unique_guard import UniqueConflictError, UniqueConflictPolicy
 from services.sink_worker.snapshot import InitialLoads, SnapshotRequest, snapshot_mode
 from services.sink_worker.sort_job import (
@@ -85,6 +89,7 @@ from services.sink_worker.sort_job import (
 from services.sink_worker.span import KeylessTableError, Span, route_of, shard_ref, target_for
 from services.sink_worker.start_point import start_at_position, start_at_time
 from services.sink_worker.table_errors import DdlFailure, ddl_failed
+from services.sink_worker.table_group import GroupCut, apply_group_batch, cut_group, source_metas
 from services.sink_worker.validation import Validator
 
 log = logging.getLogger(__name__)
@@ -180,6 +185,8 @@ class SpanRuntime:
     """Key JSON -> ts: that key's changes up to ts are left out (skipped by an operator)."""
     skip_reasons: dict[str, TableIncident] = field(default_factory=dict)
     """Skipped keys whose events are not dead-lettered yet, with the incident they ended."""
+    group_metas: dict[tuple[str, str], TableMetaV1] = field(default_factory=dict)
+    """A table group's members (real names) -> their newest metadata seen (``table_group``)."""
 
     def status(self) -> dict[str, Any]:
         cp = self.checkpoint
@@ -230,6 +237,9 @@ class _Work:
     """The table rules of the span's table (``libs.table_rules``), when it has any."""
     source_meta: TableMetaV1 | None = None
     """The table's metadata as its rows carry it (what the rules' expressions see)."""
+    group: GroupCut | None = None
+    """A table group's cut and batch (``table_group``), applied in the driver, not by Spark."""
+    group_fks: list[ForeignKey] = field(default_factory=list)
 
 
 def _validation_mode(spec: ChangefeedSpecV2) -> str:
@@ -436,6 +446,8 @@ class Pipeline:
             rt = self.prepared[span] = SpanRuntime(span, config, self._reader(span))
         rt.config = config
         start = await self.checkpoints.get(span)
+        if start is None and span.members is not None:
+            start = await self._inherit(rt)
         if start is None and self.initial_loads is not None and snapshot_mode(config.initial_load):
             # Its initial load runs once it is committed here; nothing to read ahead before.
             rt.checkpoint = Checkpoint()
@@ -475,7 +487,8 @@ class Pipeline:
         from the stored one, which is idempotent)."""
         rt = self.spans.pop(span, None)
         if self.initial_loads is not None:
-            await self.initial_loads.stop(span)  # its finished chunks stay for the next owner
+            for copied in _copied_spans(span):
+                await self.initial_loads.stop(copied)  # its finished chunks stay for the next owner
         if rt is None:
             return None
         final = rt.stored
@@ -503,6 +516,11 @@ class Pipeline:
     async def _load(self, rt: SpanRuntime) -> None:
         stored = await self.checkpoints.get(rt.span)
         rt.stored = stored
+        if stored is None and rt.span.members is not None:
+            inherited = await self._inherit(rt)
+            if inherited is not None:
+                rt.checkpoint = inherited  # stored with the first round, like any checkpoint
+                return
         mode = snapshot_mode(rt.config.initial_load) if self.initial_loads is not None else None
         if mode is not None and (stored is None or mode == "snapshot-only"):
             await self._initial_load(rt, mode, stored)
@@ -531,14 +549,37 @@ class Pipeline:
             return
         rt.checkpoint = Checkpoint()
 
+    async def _inherit(self, rt: SpanRuntime) -> Checkpoint | None:
+        """A new table group whose tables all ran as spans of their own (a cascading key added
+        to replicated tables) goes on from the lowest of their checkpoints, not from where a new
+        span starts: replaying from the lowest is what any replay does, and converges."""
+        found = [await self.checkpoints.get(span) for span in _copied_spans(rt.span)]
+        known = [c for c in found if c is not None]
+        if not known or len(known) != len(found):
+            return None
+        start = Checkpoint(min(c.stream_seq for c in known), min(c.ts for c in known))
+        log.info("a new foreign-key table group starts from its tables' lowest checkpoint",
+                 extra={"span": rt.span.name, "checkpoint_ts": start.ts, "stream_seq": start.stream_seq})
+        return start
+
     async def _initial_load(self, rt: SpanRuntime, mode: Literal["snapshot", "snapshot-only"],
                             stored: Checkpoint | None) -> None:
         """The span copies first (``services.sink_worker.snapshot``): no checkpoint while it
         copies, then one at the copy's low watermark, where streaming starts."""
         assert self.initial_loads is not None
-        decision, start = await self.initial_loads.decide(SnapshotRequest(
-            rt.span, rt.config.source_url, rt.config.sink_url, rt.config.key_policy, mode, rt.shards,
-            rt.config.router))
+        decisions = [await self.initial_loads.decide(SnapshotRequest(
+            span, rt.config.source_url, rt.config.sink_url, rt.config.key_policy, mode, rt.shards,
+            rt.config.router)) for span in _copied_spans(rt.span)]
+        decision, start = decisions[0]
+        if len(decisions) > 1 and all(d != "copying" for d, _ in decisions):
+            # A table group: each table is copied on its own (its own watermarks); the group
+            # streams from the lowest low watermark, so the order of the copies does not matter
+            # and a table copied later only replays more (DESIGN.md, "Foreign-key cascades").
+            starts = [c for _, c in decisions if c is not None]
+            start = Checkpoint(min(c.stream_seq for c in starts), min(c.ts for c in starts))
+            decision = "done" if all(d == "done" for d, _ in decisions) else "stream"
+        elif any(d == "copying" for d, _ in decisions):
+            decision = "copying"
         if decision == "copying":
             rt.checkpoint = None
             rt.state = "snapshot"
@@ -567,13 +608,14 @@ class Pipeline:
             report.pull_s = time.monotonic() - started
             outcomes: dict[str, _Outcome] = {}
             cuts: dict[str, SpanCut] = {}
-            if any(w.fresh and not w.refused for w in works):
+            table_works = [w for w in works if w.group is None]
+            if any(w.fresh and not w.refused for w in table_works):
                 try:
-                    with _batch_span(works):
-                        cuts, outcomes = await self._in_thread(works, stopping)
+                    with _batch_span(table_works):
+                        cuts, outcomes = await self._in_thread(table_works, stopping)
                         if self.fence is not None:  # liveness: self-fence
                             self.fence.check()
-                        await self._publish_streams(works, outcomes)
+                        await self._publish_streams(table_works, outcomes)
                 except Fenced:  # liveness: self-fence, the worker starts over
                     raise
                 except RoundAbandoned:
@@ -592,9 +634,15 @@ class Pipeline:
                         logging.shutdown()
                         os._exit(70)
                     report.errors.append(f"sort: {exc!r}")
-                    for w in works:
+                    for w in table_works:
                         if w.fresh and not w.refused:
                             outcomes[w.rt.span.kv_key] = _Outcome(error=f"sort job failed: {exc!r}")
+            for w in works:
+                if w.group is not None and not w.refused:
+                    if self.fence is not None:  # liveness: self-fence, before the group's write
+                        self.fence.check()
+                    key = w.rt.span.kv_key
+                    cuts[key], outcomes[key] = await asyncio.to_thread(self._apply_group, w)
             for w in works:
                 if w.shard_cut is not None:
                     cuts[w.rt.span.kv_key] = w.shard_cut
@@ -656,11 +704,14 @@ class Pipeline:
             rt.resolved_ts = mark.ts if mark else None
             work = _Work(rt, start, pulled, pulled.horizon(start.ts, rt.resolved_ts),
                          [e for e in pulled.events if e.ts > start.ts])
-            await self._plan(work)
-            if self.shard_ddl is not None and rt.shards > 1 and not work.refused:
-                await self._shard_ddl_at_head(work)
-            elif rt.shards <= 1 and not work.refused and not is_stream_sink(rt.config.sink_url):
-                await self._schema_ddl_at_head(work)
+            if rt.span.members is not None:
+                await self._plan_group(work)
+            else:
+                await self._plan(work)
+                if self.shard_ddl is not None and rt.shards > 1 and not work.refused:
+                    await self._shard_ddl_at_head(work)
+                elif rt.shards <= 1 and not work.refused and not is_stream_sink(rt.config.sink_url):
+                    await self._schema_ddl_at_head(work)
             report.events += len(work.fresh)
             works.append(work)
         return works
@@ -713,6 +764,92 @@ class Pipeline:
             w.source_meta = last_meta.meta
         if w.rt.state == "refused":
             w.rt.state, w.rt.error = "replicating", None
+
+    async def _plan_group(self, w: _Work) -> None:
+        """A table group's cut (``table_group.cut_group``), the cascading keys among its tables
+        and every member's metadata (from its events, else the source's information_schema: a
+        cascade reaches children that have no event in the batch)."""
+        rt = w.rt
+        if is_stream_sink(rt.config.sink_url):
+            self._refuse(w, "a foreign-key table group is applied with its cascades on SQL "
+                            "downstreams only (DESIGN.md, \"Foreign-key cascades\")")
+            return
+        try:
+            fks = await source_foreign_keys(rt.config.source_url, strict=True)
+        except Exception as exc:
+            rt.state, rt.error = "error", f"cannot read the source's foreign keys: {exc!r}"
+            w.refused = rt.error
+            return
+        members = set(rt.span.tables())
+        w.group_fks = [fk for fk in fks if fk.cascading
+                       and (token(fk.database), token(fk.table)) in members
+                       and (token(fk.ref_database), token(fk.ref_table)) in members]
+        w.group = cut_group(rt.span.kv_key, w.start.ts, w.horizon, w.fresh)
+        for e in w.group.batch:
+            assert isinstance(e.event, RowsChangedV1)
+            rt.group_metas[(e.event.database, e.event.table)] = e.event.meta
+        names = ({(fk.database, fk.table) for fk in w.group_fks}
+                 | {(fk.ref_database, fk.ref_table) for fk in w.group_fks})
+        missing = sorted(n for n in names if n not in rt.group_metas)
+        if missing:
+            rt.group_metas.update(await asyncio.to_thread(source_metas, rt.config.source_url, missing))
+        router = rt.config.router
+        if router is not None and router.table_rules:
+            ruled = [f"{d}.{t}" for d, t in sorted(rt.group_metas)
+                     if rules_for(router.table_rules, d, t) is not NO_RULES]
+            if ruled:
+                self._refuse(w, f"table rules on tables of a foreign-key group ({', '.join(ruled)}) "
+                                "are not carried out with its cascades")
+                return
+        if rt.state == "refused":
+            rt.state, rt.error = "replicating", None
+
+    def _apply_group(self, w: _Work) -> tuple[SpanCut, _Outcome]:
+        """A table group's batch and cascades in one downstream transaction, then the DDL it
+        stops at (``table_group``)."""
+        assert w.group is not None
+        rt, cut = w.rt, w.group.cut
+        outcome = _Outcome()
+        url = rt.config.sink_url
+        try:
+            sink = open_sink(url)
+            assert isinstance(sink, SqlSink)
+            tables: dict[tuple[str, str], CascadeTable] = {}
+            for (database, table), meta in rt.group_metas.items():
+                target = target_for(rt.span, database, table, meta, rt.config.key_policy, rt.config.router)
+                origin = self._origin_of(w, database, table)
+                self._ensure_schema(sink, url, target, reconcile=origin is None)
+                tables[(database, table)] = CascadeTable(target, origin)
+            graph = CascadeGraph(tables, w.group_fks)
+            if w.group.batch:
+                result = apply_group_batch(sink, graph, w.group.batch,
+                                           lambda ev: tables[(ev.database, ev.table)])
+                outcome.rows = result.rows
+                rt.rows_written += result.rows
+                if result.triggers:
+                    log.info("cascades carried out", extra={
+                        "span": rt.span.name, "parents": result.triggers,
+                        "deleted": sum(result.cascades.deleted.values()),
+                        "updated": sum(result.cascades.updated.values())})
+            outcome.written = True
+            ddl = w.group.ddl
+            if ddl is not None:
+                assert isinstance(ddl.event, DdlExecutedV1)
+                if ddl_action(ddl.event) in ("recopy", "leave"):
+                    outcome.blocked = (f"DDL at ts {ddl.ts} ({ddl.event.statement!r}) would re-copy a table "
+                                       "of a foreign-key group, which is not built yet")
+                else:
+                    self._apply_ddl(sink, url, w, ddl.event)
+                    rt.group_metas.pop((ddl.event.database, ddl.event.table), None)
+                    if ddl.event.meta_after is not None:
+                        rt.group_metas[(ddl.event.database, ddl.event.table)] = ddl.event.meta_after
+                    outcome.ddl_applied = True
+        except Exception as exc:
+            m.ROUND_ERRORS.labels("apply").inc()
+            log.exception("a foreign-key group's apply failed", extra={"span": rt.span.name})
+            outcome = _Outcome(error=f"apply failed: {exc!r}")
+            self._schemas.clear()
+        return cut, outcome
 
     async def _table_rules(self, router: Router | None, ev: RowsChangedV1) -> TableRules | None:
         """The table's rules, their expressions checked against its metadata by Spark's
@@ -1282,7 +1419,7 @@ class Pipeline:
         if proposed != w.start:
             rt.checkpoint = proposed
             report.advanced += 1
-        if self.validation is not None and cut is not None and cut.batch_events:
+        if self.validation is not None and cut is not None and cut.batch_events and w.group is None:
             self.validation.note_batch(w, handled)
         # Written batches are recorded at once; an idle span following the resolved ts only
         # every checkpoint_interval_s (a restart then re-reads a little, which is harmless).
@@ -1394,6 +1531,13 @@ class Pipeline:
             counts[rt.state] += 1
         for state, n in counts.items():
             m.SPANS.labels(state).set(n)
+
+
+def _copied_spans(span: Span) -> list[Span]:
+    """The spans whose tables an initial load copies: a table group's tables one by one."""
+    if span.members is None:
+        return [span]
+    return [Span(span.changefeed, span.source, database, table) for database, table in span.members]
 
 
 def _large_key_incident(w: _Work, exc: LargeKeyError) -> TableIncident:

@@ -177,7 +177,10 @@ def _rows_fast(raw: bytes) -> tuple[str, RowsChangedV1] | None:
 def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
     """Decode one message of ``span``'s subjects, or raise ``Garbage`` saying why it is not one."""
     raw = msg.data or b""
-    fast = _rows_fast(raw) if msg.subject == span.rows_subject else None
+    parts = msg.subject.split(".")
+    own = len(parts) == 5 and parts[2] == span.source and (parts[3], parts[4]) in span.tables()
+    is_rows, is_ddl = own and parts[1] == "rows", own and parts[1] == "ddl"
+    fast = _rows_fast(raw) if is_rows else None
     event: BaseModel
     if fast is not None:
         event_id, event = fast
@@ -187,17 +190,17 @@ def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
         except ContractError as exc:
             raise Garbage(exc.kind, exc.reason) from None
         event, event_id = decoded.event, decoded.envelope.id
-        if msg.subject == span.rows_subject:
+        if is_rows:
             if not isinstance(event, RowsChangedV1):
                 raise Garbage("unexpected_type", f"{decoded.envelope.type} on a rows subject")
-        elif msg.subject == span.ddl_subject:
+        elif is_ddl:
             if not isinstance(event, DdlExecutedV1):
                 raise Garbage("unexpected_type", f"{decoded.envelope.type} on a DDL subject")
         else:
             raise Garbage("unexpected_subject", f"{msg.subject} is not a subject of {span.name}")
     assert isinstance(event, RowsChangedV1 | DdlExecutedV1)
-    if (token(event.source), token(event.database), token(event.table)) != (
-            span.source, span.database, span.table):
+    if (token(event.source) != span.source
+            or (token(event.database), token(event.table)) != (parts[3], parts[4])):
         raise Garbage("invalid_data", f"event of {event.source}/{event.database}.{event.table} "
                                       f"on {msg.subject}")
     pulled = PulledEvent(stream_seq=seq, subject=msg.subject, event_id=event_id, event=event,
@@ -307,7 +310,7 @@ class SpanReader:
         return api.ConsumerConfig(
             name=name, ack_policy=api.AckPolicy.NONE,
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq,
-            filter_subjects=[self.span.rows_subject, self.span.ddl_subject],
+            filter_subjects=self.span.subjects(),
             inactive_threshold=_CONSUMER_INACTIVE_S, mem_storage=True, num_replicas=1,
         )
 

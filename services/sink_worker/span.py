@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from contracts.events.changefeeds import KeyPolicy
 from contracts.events.rows import TableMetaV1
+from libs.foreign_keys import group_members
 from libs.routing import Router, TableRef, Target
 from libs.streams import ddl_subject, rows_subject, token
 from services.sink_worker.sinks.base import TargetTable
@@ -33,6 +34,21 @@ class Span:
     def name(self) -> str:
         """Human and label friendly: ``cf/source/db.table``."""
         return f"{self.changefeed}/{self.source}/{self.database}.{self.table}"
+
+    @property
+    def members(self) -> tuple[tuple[str, str], ...] | None:
+        """A table group's tables (``(database token, table token)``), None for one table's span
+        (``libs.foreign_keys.group_token``: the tables cascading foreign keys connect)."""
+        return group_members(self.table)
+
+    def tables(self) -> tuple[tuple[str, str], ...]:
+        """The tables whose events the span reads: the group's, or its own."""
+        return self.members or ((self.database, self.table),)
+
+    def subjects(self) -> list[str]:
+        """Rows and DDL subjects of every table of the span."""
+        return [subject(self.source, d, t) for d, t in self.tables()
+                for subject in (rows_subject, ddl_subject)]
 
     @property
     def rows_subject(self) -> str:

@@ -65,7 +65,7 @@ async def start_at_time(js: JetStreamContext, span: Span, start_time: datetime,
     name = f"sink_start_{uuid4().hex}"
     await js.add_consumer(rows_stream, api.ConsumerConfig(
         name=name, ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.BY_START_TIME,
-        opt_start_time=_utc(start_time), filter_subjects=[span.rows_subject, span.ddl_subject],
+        opt_start_time=_utc(start_time), filter_subjects=span.subjects(),
         inactive_threshold=30.0, mem_storage=True, num_replicas=1))
     try:
         sub = await js.pull_subscribe_bind(name, stream=rows_stream)
