@@ -22,23 +22,27 @@ Only the leader subscribes, so a command without a leader gets "no responders".
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
 from prometheus_client import Gauge, Histogram
+from pydantic import BaseModel
 
 from contracts import REGISTRY, ContractError
 from contracts.events import shard_ddl as c
-from libs.changefeeds import ChangefeedView, discover_spans
-from libs.control.follow import DomainFollower
+from contracts.events.changefeeds import ChangefeedSpecV2
+from libs.changefeeds import Discovered, discover_spans
+from libs.config import Settings
+from libs.control.changefeeds_state import ChangefeedView, changefeeds_fold
 from libs.election import Leadership
 from libs.eventstore import DomainLog, StoredEvent
+from libs.leader_service import Entry, Followed, LeaderLoop
 from libs.routing import AmbiguousRouteError, RoutingConfigError, TableRef, Target, router_for
 from libs.service import ServiceRuntime
 from libs.shard_ddl.convert import done_of, from_contract, ref_of, target_of, to_contract
@@ -108,11 +112,20 @@ class CommandError(Exception):
         self.code = code
 
 
-@dataclass
-class _Item:
-    kind: str
-    payload: Any
-    answer: asyncio.Future[bytes] | None = None
+@dataclass(frozen=True)
+class Command:
+    """An operator command as it arrived on ``command_subject("ddl")`` (JSON, validated by
+    ``_command``)."""
+
+    raw: bytes
+
+
+Input = Command | BaseModel
+"""A command, or a worker's report (``ShardInfoV1``, ``ShardDoneV1``, ``ShardDroppedV1``)."""
+
+
+def _stepped_down(_item: Input) -> bytes:
+    return _error(503, "the ddl-lock leader stepped down; try again")
 
 
 class DdlLockService:
@@ -121,11 +134,6 @@ class DdlLockService:
         self.settings = runtime.settings
         self.nc = runtime.nc
         self.js = runtime.nc.jetstream()
-        self.groups: dict[LockKey, frozenset[TableRef]] = {}
-        self.running: set[str] = set()
-        self.discovered = False
-        """The last discovery succeeded: groups and running changefeeds may be acted on (a
-        failed one must not look like every shard leaving)."""
 
     def make_log(self) -> DomainLog[DdlState]:
         return DomainLog(self.js, DOMAIN, producer=self.runtime.producer, fold=_fold,
@@ -135,95 +143,108 @@ class DdlLockService:
     # -- the term ---------------------------------------------------------------------------------
 
     async def lead(self, leadership: Leadership, domain_log: DomainLog[Any]) -> None:
+        async with LeaderLoop[Input, bytes](self.runtime, status_key="ddl_locks",
+                                            refuse=_stepped_down) as loop:
+            changefeeds = loop.follow("changefeeds", changefeeds_fold, ChangefeedView,
+                                      name="ddl_changefeeds")
+            await loop.load()
+            handlers = DdlLockHandlers(domain_log, self.settings, changefeeds, send=self._publish,
+                                       discover=lambda specs: discover_spans(self.js, specs),
+                                       publish_status=loop.publish_status, producer=self.runtime.producer)
+
+            async def on_report(msg: Msg) -> None:
+                try:
+                    event = REGISTRY.decode(msg.data).event
+                except ContractError as exc:
+                    log.warning("bad shard DDL report: %s", exc)
+                    if msg.reply:
+                        with contextlib.suppress(Exception):
+                            await msg.respond(f"refused: {exc}".encode())
+                    return
+                if not msg.reply:
+                    loop.inbox.put(event)
+                    return
+                answer = await loop.inbox.ask(event)
+                with contextlib.suppress(Exception):
+                    await msg.respond(answer)
+
+            async def on_command(msg: Msg) -> None:
+                answer = await loop.inbox.ask(Command(msg.data))
+                if msg.reply:
+                    with contextlib.suppress(Exception):
+                        await msg.respond(answer)
+
+            await handlers.discover_groups()
+            await loop.subscribe(SHARD_DDL_REPORT_SUBJECT, on_report)
+            await loop.subscribe(command_subject(DOMAIN), on_command)
+            log.info("ddl-lock leading", extra={"epoch": leadership.epoch,
+                                                "locks": len(handlers.keeper.locks)})
+            # A new leader re-sends what its predecessor may not have: duplicates are harmless.
+            await handlers.send(handlers.keeper.pending_operations())
+            await loop.run(handlers.handle, handlers.tick, lambda: 0.5)
+
+    async def _publish(self, subject: str, body: bytes) -> None:
+        await self.nc.publish(subject, body)
+
+
+Send = Callable[[str, bytes], Awaitable[None]]
+Discover = Callable[[list[ChangefeedSpecV2]], Awaitable[Discovered]]
+
+
+class DdlLockHandlers:
+    """One term's handlers: reports and operator commands go to the ``LockKeeper`` (the core);
+    its events are appended (fenced) to the ddl log, then its operations published."""
+
+    def __init__(self, domain_log: DomainLog[Any], settings: Settings, changefeeds: Followed[ChangefeedView],
+                 *, send: Send, discover: Discover, publish_status: Callable[[dict[str, Any]], None],
+                 producer: str) -> None:
         state = domain_log.state
         assert isinstance(state, DdlState)
         state.live = True
-        keeper = state.keeper
-        items: asyncio.Queue[_Item] = asyncio.Queue()
-        changefeeds = DomainFollower(self.js, "changefeeds", _changefeeds_fold, ChangefeedView,
-                                     name="ddl_changefeeds", settings=self.settings)
-        await changefeeds.load()
-        stop = asyncio.Event()
-        follow = asyncio.create_task(changefeeds.run(stop), name="follow-changefeeds")
+        self.state = state
+        self.keeper = state.keeper
+        self.domain_log = domain_log
+        self.settings = settings
+        self.changefeeds = changefeeds
+        self._publish = send
+        self._discover_spans = discover
+        self.publish_status = publish_status
+        self.producer = producer
+        self.groups: dict[LockKey, frozenset[TableRef]] = {}
+        self.running: set[str] = set()
+        self.discovered = False
+        """The last discovery succeeded: groups and running changefeeds may be acted on (a
+        failed one must not look like every shard leaving)."""
+        self.last_groups = time.monotonic()
 
-        async def on_report(msg: Msg) -> None:
+    async def handle(self, entry: Entry[Input, bytes]) -> None:
+        await self._handle(entry, time.time())
+
+    async def tick(self) -> None:
+        now = time.time()
+        if time.monotonic() - self.last_groups >= self.settings.ddl_lock_discovery_interval_s:
+            self.last_groups = time.monotonic()
+            await self.discover_groups()
+            await self._apply_groups(now)
+        await self.send(self.keeper.due_resends(now))
+        self._publish_status()
+
+    async def _handle(self, entry: Entry[Input, bytes], now: float) -> None:
+        keeper, state = self.keeper, self.state
+        if isinstance(entry.item, Command):
             try:
-                event = REGISTRY.decode(msg.data).event
-            except ContractError as exc:
-                log.warning("bad shard DDL report: %s", exc)
-                if msg.reply:
-                    with contextlib.suppress(Exception):
-                        await msg.respond(f"refused: {exc}".encode())
-                return
-            answer: asyncio.Future[bytes] | None = None
-            if msg.reply:
-                answer = asyncio.get_running_loop().create_future()
-            items.put_nowait(_Item("report", event, answer))
-            if answer is not None and msg.reply:
-                with contextlib.suppress(Exception):
-                    await msg.respond(await answer)
-
-        async def on_command(msg: Msg) -> None:
-            answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-            items.put_nowait(_Item("command", msg.data, answer))
-            if msg.reply:
-                with contextlib.suppress(Exception):
-                    await msg.respond(await answer)
-
-        await self._discover(changefeeds.state)
-        reports = await self.nc.subscribe(SHARD_DDL_REPORT_SUBJECT, cb=on_report)
-        commands = await self.nc.subscribe(command_subject(DOMAIN), cb=on_command)
-        log.info("ddl-lock leading", extra={"epoch": leadership.epoch, "locks": len(keeper.locks)})
-        # A new leader re-sends what its predecessor may not have: duplicates are harmless.
-        await self._send(keeper.pending_operations())
-        last_groups = time.monotonic()
-        try:
-            while True:
-                try:
-                    item: _Item | None = await asyncio.wait_for(items.get(), timeout=0.5)
-                except TimeoutError:
-                    item = None
-                now = time.time()
-                if item is not None:
-                    await self._handle(item, state, domain_log, changefeeds.state, now)
-                if time.monotonic() - last_groups >= self.settings.ddl_lock_discovery_interval_s:
-                    last_groups = time.monotonic()
-                    await self._discover(changefeeds.state)
-                    await self._apply_groups(state, domain_log, now)
-                await self._send(keeper.due_resends(now))
-                self._publish_status(keeper)
-        finally:
-            stop.set()
-            follow.cancel()
-            with contextlib.suppress(BaseException):
-                await follow
-            for sub in (reports, commands):
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-            while not items.empty():
-                left = items.get_nowait()
-                if left.answer is not None and not left.answer.done():
-                    left.answer.set_result(_error(503, "the ddl-lock leader stepped down; try again"))
-            self.runtime.status.pop("ddl_locks", None)
-
-    async def _handle(self, item: _Item, state: DdlState, domain_log: DomainLog[Any], view: ChangefeedView,
-                      now: float) -> None:
-        keeper = state.keeper
-        if item.kind == "command":
-            assert item.answer is not None
-            try:
-                reply = await self._command(item.payload, keeper, domain_log, now)
+                reply = await self._command(entry.item.raw, now)
             except CommandError as exc:
                 reply = _error(exc.code, str(exc))
-            item.answer.set_result(reply)
+            entry.reply(reply)
             return
-        event = item.payload
+        event = entry.item
         if isinstance(event, c.ShardInfoV1):
             info = from_contract(event)
             assert isinstance(info, Info)
             key = info.key
             if info.span not in self.groups.get(key, frozenset()):
-                await self._discover(view)
+                await self.discover_groups()
             if info.span not in self.groups.get(key, frozenset()):
                 # The changefeed or the span is newer than this leader's view: a lock formed now
                 # would not wait for shards it does not know. The worker sends the Info again.
@@ -237,36 +258,34 @@ class DdlLockService:
             except UnknownGroupError:  # pragma: no cover - shards are always passed
                 log.exception("info for an unknown group")
                 return
-            await self._record(outcome, domain_log)
+            await self._record(outcome)
         elif isinstance(event, c.ShardDoneV1):
             done = done_of(event)
             if event.error is not None:
                 outcome = keeper.handle_exec_failed(done, event.error, now)
             else:
                 outcome = keeper.handle_done(done, now)
-            await self._record(outcome, domain_log)
+            await self._record(outcome)
         elif isinstance(event, c.ShardDroppedV1):
             ref = ref_of(event.span)
             if (event.changefeed, ref) not in state.dropped:
-                await domain_log.append(event)  # folds into state.dropped
+                await self.domain_log.append(event)  # folds into state.dropped
             outcome = keeper.handle_shard_left(event.changefeed, target_of(event.target), ref,
                                                f"table dropped upstream: {event.reason}"[:500], now)
-            await self._record(outcome, domain_log)
-            if item.answer is not None:
-                item.answer.set_result(b"ok")
+            await self._record(outcome)
+            entry.reply(b"ok")
             return
         else:
             log.warning("unexpected message on the shard DDL report subject: %s", type(event).__name__)
-        if item.answer is not None and not item.answer.done():
-            item.answer.set_result(b"ok")
+        entry.reply(b"ok")
 
-    async def _record(self, outcome: Outcome, domain_log: DomainLog[Any]) -> None:
+    async def _record(self, outcome: Outcome) -> None:
         """Append the keeper's events (fenced: a deposed leader fails here and steps down
         before it sends anything), then send the operations."""
         for event in outcome.events:
-            await domain_log.append(to_contract(event))
+            await self.domain_log.append(to_contract(event))
             self._observe(event)
-        await self._send(outcome.operations)
+        await self.send(outcome.operations)
 
     def _observe(self, event: LockEvent) -> None:
         if isinstance(event, LockResolved):
@@ -279,18 +298,18 @@ class DdlLockService:
                 "changefeed": event.changefeed, "target": str(event.target), "instance": event.instance,
                 "by": event.by, "reason": event.reason})
 
-    async def _send(self, items: list[Operation] | list[Operation | InfoRequest]) -> None:
+    async def send(self, items: list[Operation] | list[Operation | InfoRequest]) -> None:
         for item in items:
-            body = REGISTRY.encode(to_contract(item), producer=self.runtime.producer)
+            body = REGISTRY.encode(to_contract(item), producer=self.producer)
             with contextlib.suppress(Exception):
-                await self.nc.publish(shard_ddl_ops_subject(item.changefeed), body)
+                await self._publish(shard_ddl_ops_subject(item.changefeed), body)
 
     # -- shard groups -----------------------------------------------------------------------------
 
-    async def _discover(self, view: ChangefeedView) -> None:
-        specs = view.running()
+    async def discover_groups(self) -> None:
+        specs = self.changefeeds.state.running()
         try:
-            found = await discover_spans(self.js, specs)
+            found = await self._discover_spans(specs)
         except Exception:
             log.warning("span discovery failed", exc_info=True)
             self.discovered = False
@@ -319,8 +338,8 @@ class DdlLockService:
         self.running = {spec.id for spec in specs}
         self.discovered = True
 
-    async def _apply_groups(self, state: DdlState, domain_log: DomainLog[Any], now: float) -> None:
-        keeper = state.keeper
+    async def _apply_groups(self, now: float) -> None:
+        keeper, state = self.keeper, self.state
         if not self.discovered:
             return
         known = {*keeper.groups, *keeper.locks}
@@ -333,11 +352,12 @@ class DdlLockService:
                           if (key.changefeed, s) not in state.dropped}
                 outcome = keeper.handle_group(key.changefeed, key.target, shards, now,
                                               "left the shard group (span gone)")
-            await self._record(outcome, domain_log)
+            await self._record(outcome)
 
     # -- operator commands ------------------------------------------------------------------------
 
-    async def _command(self, raw: bytes, keeper: LockKeeper, domain_log: DomainLog[Any], now: float) -> bytes:
+    async def _command(self, raw: bytes, now: float) -> bytes:
+        keeper = self.keeper
         try:
             req = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
@@ -382,23 +402,19 @@ class DdlLockService:
             raise CommandError(409, str(exc)) from None
         log.info("operator %s", action, extra={"changefeed": changefeed, "target": str(target), "by": by,
                                                "reason": reason})
-        await self._record(outcome, domain_log)
+        await self._record(outcome)
         after = keeper.lock(changefeed, target)
         return _ok({"lock": lock_view(after) if after is not None else None})
 
-    def _publish_status(self, keeper: LockKeeper) -> None:
+    def _publish_status(self) -> None:
+        keeper = self.keeper
         LOCKS_PENDING.set(len(keeper.locks))
         SHARDS_BLOCKED.set(keeper.blocked_shards())
-        self.runtime.status["ddl_locks"] = {
+        self.publish_status({
             "pending": len(keeper.locks), "shards_blocked": keeper.blocked_shards(),
             "groups": {str(k): len(v) for k, v in sorted(self.groups.items()) if len(v) > 1},
             "locks": [f"{lk.id}: {lk.phase}" for lk in keeper],
-        }
-
-
-def _changefeeds_fold(view: ChangefeedView, stored: StoredEvent) -> ChangefeedView:
-    view.apply(stored.event)
-    return view
+        })
 
 
 def _text(req: dict[str, Any], name: str) -> str:
@@ -416,4 +432,4 @@ def _error(code: int, message: str) -> bytes:
     return json.dumps({"ok": False, "code": code, "error": message}).encode()
 
 
-__all__ = ["DdlLockService", "DdlState"]
+__all__ = ["DdlLockHandlers", "DdlLockService", "DdlState"]
