@@ -41,7 +41,7 @@ from libs.changefeeds import Discovered, discover_spans
 from libs.config import Settings
 from libs.control.changefeeds_state import ChangefeedView, changefeeds_fold
 from libs.election import Leadership
-from libs.eventstore import DomainLog, StoredEvent
+from libs.eventstore import DomainLog, LeaderLog, StoredEvent
 from libs.leader_service import Entry, Followed, LeaderLoop
 from libs.routing import AmbiguousRouteError, RoutingConfigError, TableRef, Target, router_for
 from libs.service import ServiceRuntime
@@ -195,7 +195,7 @@ class DdlLockHandlers:
     """One term's handlers: reports and operator commands go to the ``LockKeeper`` (the core);
     its events are appended (fenced) to the ddl log, then its operations published."""
 
-    def __init__(self, domain_log: DomainLog[Any], settings: Settings, changefeeds: Followed[ChangefeedView],
+    def __init__(self, domain_log: LeaderLog, settings: Settings, changefeeds: Followed[ChangefeedView],
                  *, send: Send, discover: Discover, publish_status: Callable[[dict[str, Any]], None],
                  producer: str) -> None:
         state = domain_log.state

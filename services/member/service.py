@@ -29,7 +29,7 @@ from libs.config import Settings
 from libs.control.members import MembersState, MemberTracker, members_fold
 from libs.control.snapshots import SnapshotPolicy
 from libs.election import Leadership
-from libs.eventstore import DomainLog, LeaseView, dead_letter
+from libs.eventstore import DomainLog, LeaderLog, LeaseView, dead_letter
 from libs.leader_service import Entry, LeaderLoop
 from libs.service import ServiceRuntime
 from libs.streams import HEARTBEAT_SUBJECTS, member_probe_subject
@@ -100,7 +100,7 @@ class MemberHandlers:
     members and expires the gone ones. Each event is appended (and folded into ``state``, which
     the tracker reads next) before the next heartbeat is looked at."""
 
-    def __init__(self, leadership: LeaseView, domain_log: DomainLog[Any], settings: Settings, *,
+    def __init__(self, leadership: LeaseView, domain_log: LeaderLog, settings: Settings, *,
                  probe: Callable[[str, str], object], reconnects: Callable[[], int],
                  publish_status: Callable[[dict[str, Any]], None]) -> None:
         state = domain_log.state

@@ -55,7 +55,7 @@ from libs.control.replication_state import ReplicationState, replication_fold
 from libs.control.schedule_state import ScheduleState, schedule_fold
 from libs.control.snapshots import SnapshotPolicy
 from libs.election import Leadership
-from libs.eventstore import DomainLog, Fenced, LeaseView, StoredEvent
+from libs.eventstore import DomainLog, Fenced, LeaderLog, LeaseView, StoredEvent
 from libs.leader_service import Entry, LeaderLoop
 from libs.scheduling import Dispatch, SetState
 from libs.service import ServiceRuntime
@@ -147,7 +147,7 @@ class ReplicationHandlers:
     """One term's handlers: each input and tick goes to the ``ReplicationCore``; its events are
     appended (fenced), then its dispatches sent."""
 
-    def __init__(self, leadership: LeaseView, domain_log: DomainLog[Any], settings: Settings,
+    def __init__(self, leadership: LeaseView, domain_log: LeaderLog, settings: Settings,
                  members: MembersState, schedule: ScheduleState, *, started: float,
                  send: Callable[[Dispatch], None],
                  publish_status: Callable[[dict[str, Any]], None]) -> None:

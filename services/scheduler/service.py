@@ -40,7 +40,7 @@ from libs.control.replication_state import ReplicationState, replication_fold
 from libs.control.schedule_state import ScheduleState, schedule_fold
 from libs.control.snapshots import SnapshotPolicy
 from libs.election import Leadership
-from libs.eventstore import DomainLog, LeaseView, StoredEvent
+from libs.eventstore import DomainLog, LeaderLog, LeaseView, StoredEvent
 from libs.leader_service import Entry, Followed, LeaderLoop
 from libs.scheduling import ChangefeedId, Span
 from libs.service import ServiceRuntime
@@ -134,7 +134,7 @@ class SchedulerHandlers:
     """One term's handlers: operator requests, and per turn a ``SchedulerCore`` round over the
     followed members, replication and changefeeds state."""
 
-    def __init__(self, leadership: LeaseView, domain_log: DomainLog[Any], settings: Settings,
+    def __init__(self, leadership: LeaseView, domain_log: LeaderLog, settings: Settings,
                  members: Followed[MembersState], replication: Followed[ReplicationState],
                  changefeeds: Followed[ChangefeedView], *, discover: Discover,
                  wake: Callable[[], None], publish_status: Callable[[dict[str, Any]], None]) -> None:
