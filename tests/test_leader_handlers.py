@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from contracts import REGISTRY
 from contracts.events import shard_ddl as c
 from contracts.events.leadership import LeaderElectedV1
 from contracts.events.members import MemberJoinedV2, MemberLeftV1
@@ -35,7 +36,7 @@ from libs.leader_service import Entry, Inbox
 from libs.routing import TableRef, Target
 from libs.scheduling import ChangefeedId, Span
 from libs.shard_ddl.lock import LockKeeper, LockKey
-from services.ddl_lock.service import Command, DdlLockHandlers, DdlState, _fold
+from services.ddl_lock.service import CommandError, DdlLockHandlers, DdlState, _fold, decode_command
 from services.member.service import MemberHandlers
 from services.replication_manager.service import ReplicationHandlers
 from services.scheduler.service import SchedulerHandlers
@@ -241,11 +242,34 @@ async def _ask(h: DdlLockHandlers, item: Any) -> bytes:
 
 async def test_ddl_lock_handlers_commands() -> None:
     h, _log, _sent = await _ddl()
-    assert json.loads(await _ask(h, Command(b'{"action": "list"}'))) == {"ok": True, "locks": []}
-    assert json.loads(await _ask(h, Command(b"not json")))["code"] == 422
-    assert json.loads(await _ask(h, Command(b'{"action": "explode"}')))["code"] == 422
-    shown = json.loads(await _ask(h, Command(b'{"action": "show", "changefeed": "cf", "target": "db.t"}')))
+    assert json.loads(await _ask(h, c.DdlCommandV1(action="list"))) == {"ok": True, "locks": []}
+    shown = json.loads(await _ask(h, c.DdlCommandV1(action="show", changefeed="cf", target="db.t")))
     assert shown["code"] == 404
+    bare = json.loads(await _ask(h, c.DdlCommandV1(action="show", changefeed="cf")))
+    assert bare["code"] == 422 and "target is required" in bare["error"]
+
+
+@pytest.mark.parametrize(("raw", "why"), [
+    (b"not json", "not JSON"),
+    (b"[1]", "JSON object"),
+    (b'{"action": "explode"}', "action"),
+    (b'{"action": "list", "extra": 1}', "extra"),
+    (REGISTRY.encode(LeaderElectedV1(service="x", candidate="y", epoch=1), producer="t"),
+     "not a ddl-lock command"),
+    (REGISTRY.encode(c.DdlCommandV1(action="list"), producer="t").replace(b'"version":1', b'"version":9'),
+     "version"),
+])
+def test_ddl_commands_decode_only_the_registered_contract(raw: bytes, why: str) -> None:
+    with pytest.raises(CommandError) as caught:
+        decode_command(raw)
+    assert caught.value.code == 422 and why in str(caught.value)
+
+
+def test_ddl_commands_in_an_envelope_or_bare() -> None:
+    cmd = c.DdlCommandV1(action="unlock", changefeed="cf", target="db.t", mode="skip", requested_by="ops",
+                         reason="r")
+    assert decode_command(REGISTRY.encode(cmd, producer="t")) == cmd
+    assert decode_command(cmd.model_dump_json(exclude_none=True).encode()) == cmd
 
 
 async def test_ddl_lock_handlers_lock_a_known_group_and_record_it() -> None:

@@ -11,9 +11,9 @@ While leader it:
   (``discover_spans``), without the shards reported dropped; shards that leave a group (table
   dropped, span gone, changefeed paused or deleted) leave the pending lock;
 - handles the workers' reports on ``SHARD_DDL_REPORT_SUBJECT`` (Info, done, dropped shard) and
-  the operator commands on ``command_subject("ddl")``, one at a time in one loop: the keeper
-  computes the events, they are appended (fenced) to the domain stream, then the operations
-  go out on ``shard_ddl_ops_subject(changefeed)``;
+  the operator commands (``shard_ddl.command``) on ``command_subject("ddl")``, one at a time in
+  one loop: the keeper computes the events, they are appended (fenced) to the domain stream,
+  then the operations go out on ``shard_ddl_ops_subject(changefeed)``;
 - re-sends what has been awaited longer than ``ddl_lock_resend_s`` (an operation without done,
   an Info request to a shard whose Info never came).
 
@@ -32,7 +32,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 from prometheus_client import Gauge, Histogram
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from contracts import REGISTRY, ContractError
 from contracts.events import shard_ddl as c
@@ -112,16 +112,37 @@ class CommandError(Exception):
         self.code = code
 
 
-@dataclass(frozen=True)
-class Command:
-    """An operator command as it arrived on ``command_subject("ddl")`` (JSON, validated by
-    ``_command``)."""
-
-    raw: bytes
+Input = c.DdlCommandV1 | BaseModel
+"""An operator command, or a worker's report (``ShardInfoV1``, ``ShardDoneV1``, ``ShardDroppedV1``)."""
 
 
-Input = Command | BaseModel
-"""A command, or a worker's report (``ShardInfoV1``, ``ShardDoneV1``, ``ShardDroppedV1``)."""
+def decode_command(raw: bytes) -> c.DdlCommandV1:
+    """A ``shard_ddl.command`` in its envelope, or the bare command object (what clients sent
+    before the command was a registered contract). ``CommandError`` 422 with the reason for
+    anything else: not JSON, an unknown type or version, a malformed command."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise CommandError(422, "the request is not JSON") from None
+    if not isinstance(obj, dict):
+        raise CommandError(422, "the request must be a JSON object")
+    try:
+        if "type" in obj and "data" in obj:
+            event = REGISTRY.decode(raw).event
+            if not isinstance(event, c.DdlCommandV1):
+                raise CommandError(422, f"{obj.get('type')} is not a ddl-lock command (shard_ddl.command)")
+            return event
+        return c.DdlCommandV1.model_validate(obj)
+    except ContractError as exc:
+        raise CommandError(422, str(exc)) from None
+    except ValidationError as exc:
+        raise CommandError(422, f"invalid shard_ddl.command: {_first_error(exc)}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(part) for part in err.get("loc", ())) or "command"
+    return f"{where}: {err.get('msg', 'invalid')}"
 
 
 def _stepped_down(_item: Input) -> bytes:
@@ -169,7 +190,12 @@ class DdlLockService:
                     await msg.respond(answer)
 
             async def on_command(msg: Msg) -> None:
-                answer = await loop.inbox.ask(Command(msg.data))
+                try:
+                    command = decode_command(msg.data)
+                except CommandError as exc:
+                    answer = _error(exc.code, str(exc))
+                else:
+                    answer = await loop.inbox.ask(command)
                 if msg.reply:
                     with contextlib.suppress(Exception):
                         await msg.respond(answer)
@@ -231,9 +257,9 @@ class DdlLockHandlers:
 
     async def _handle(self, entry: Entry[Input, bytes], now: float) -> None:
         keeper, state = self.keeper, self.state
-        if isinstance(entry.item, Command):
+        if isinstance(entry.item, c.DdlCommandV1):
             try:
-                reply = await self._command(entry.item.raw, now)
+                reply = await self._command(entry.item, now)
             except CommandError as exc:
                 reply = _error(exc.code, str(exc))
             entry.reply(reply)
@@ -356,23 +382,15 @@ class DdlLockHandlers:
 
     # -- operator commands ------------------------------------------------------------------------
 
-    async def _command(self, raw: bytes, now: float) -> bytes:
+    async def _command(self, cmd: c.DdlCommandV1, now: float) -> bytes:
         keeper = self.keeper
-        try:
-            req = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise CommandError(422, "the request is not JSON") from None
-        if not isinstance(req, dict):
-            raise CommandError(422, "the request must be a JSON object")
-        action = req.get("action")
+        action = cmd.action
         if action == "list":
             locks = [lock_view(lock) for lock in sorted(keeper, key=lambda lk: lk.key)]
             return _ok({"locks": locks})
-        if action not in ("show", "unlock", "force_remove"):
-            raise CommandError(422, f"unknown action {action!r}: use list, show, unlock or force_remove")
-        changefeed = _text(req, "changefeed")
+        changefeed = _text(cmd.changefeed, "changefeed")
         try:
-            target = parse_target(_text(req, "target"))
+            target = parse_target(_text(cmd.target, "target"))
         except ValueError as exc:
             raise CommandError(422, str(exc)) from None
         lock = keeper.lock(changefeed, target)
@@ -380,22 +398,19 @@ class DdlLockHandlers:
             if lock is None:
                 raise CommandError(404, f"no shard DDL lock for {changefeed}/{target}")
             return _ok({"lock": lock_view(lock)})
-        by, reason = _text(req, "requested_by"), _text(req, "reason")
+        by, reason = _text(cmd.requested_by, "requested_by"), _text(cmd.reason, "reason")
         if lock is None:
             raise CommandError(404, f"no shard DDL lock for {changefeed}/{target}")
         try:
             if action == "unlock":
-                mode = req.get("mode")
-                if mode not in ("exec", "skip"):
+                if cmd.mode is None:
                     raise CommandError(422, "mode must be 'exec' or 'skip'")
-                owner_text = req.get("owner")
-                if owner_text is not None and not isinstance(owner_text, str):
-                    raise CommandError(422, "owner must be a span name or null")
                 try:
-                    owner = parse_span(changefeed, owner_text) if owner_text else None
+                    owner = parse_span(changefeed, cmd.owner) if cmd.owner else None
                 except ValueError as exc:
                     raise CommandError(422, str(exc)) from None
-                outcome = keeper.unlock(changefeed, target, mode, by=by, reason=reason, now=now, owner=owner)
+                outcome = keeper.unlock(changefeed, target, cmd.mode, by=by, reason=reason, now=now,
+                                        owner=owner)
             else:
                 outcome = keeper.force_remove(changefeed, target, by=by, reason=reason, now=now)
         except LockActionError as exc:
@@ -417,9 +432,8 @@ class DdlLockHandlers:
         })
 
 
-def _text(req: dict[str, Any], name: str) -> str:
-    value = req.get(name)
-    if not isinstance(value, str) or not value.strip():
+def _text(value: str | None, name: str) -> str:
+    if value is None or not value.strip():
         raise CommandError(422, f"{name} is required (a non-empty string)")
     return value
 
