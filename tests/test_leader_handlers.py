@@ -28,6 +28,7 @@ from contracts.events.snapshots import SnapshotTakenV1
 from libs.config import Settings
 from libs.control.changefeeds_state import ChangefeedView
 from libs.control.convert import span_ref
+from libs.control.ddl_state import DdlState, ddl_fold
 from libs.control.members import MembersState, members_fold
 from libs.control.replication_state import ReplicationState, replication_fold
 from libs.control.schedule_state import ScheduleState, schedule_fold
@@ -36,7 +37,7 @@ from libs.leader_service import Entry, Inbox
 from libs.routing import TableRef, Target
 from libs.scheduling import ChangefeedId, Span
 from libs.shard_ddl.lock import LockKeeper, LockKey
-from services.ddl_lock.service import CommandError, DdlLockHandlers, DdlState, _fold, decode_command
+from services.ddl_lock.service import CommandError, DdlLockHandlers, decode_command
 from services.member.service import MemberHandlers
 from services.replication_manager.service import ReplicationHandlers
 from services.scheduler.service import SchedulerHandlers
@@ -220,7 +221,7 @@ async def test_member_handlers_join_and_expire() -> None:
 
 
 async def _ddl() -> tuple[DdlLockHandlers, MemoryDomainLog[Any], list[tuple[str, bytes]]]:
-    log = await _opened("ddl", _fold, DdlState(LockKeeper(resend_after=30.0)))
+    log = await _opened("ddl", ddl_fold, DdlState(LockKeeper(resend_after=30.0)))
     sent: list[tuple[str, bytes]] = []
 
     async def send(subject: str, body: bytes) -> None:

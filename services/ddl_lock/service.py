@@ -27,7 +27,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -40,8 +39,9 @@ from contracts.events.changefeeds import ChangefeedSpecV2
 from libs.changefeeds import Discovered, discover_spans
 from libs.config import Settings
 from libs.control.changefeeds_state import ChangefeedView, changefeeds_fold
+from libs.control.ddl_state import DdlState, ddl_fold
 from libs.election import Leadership
-from libs.eventstore import DomainLog, LeaderLog, StoredEvent
+from libs.eventstore import DomainLog, LeaderLog
 from libs.leader_service import Entry, Followed, LeaderLoop
 from libs.routing import AmbiguousRouteError, RoutingConfigError, TableRef, Target, router_for
 from libs.service import ServiceRuntime
@@ -71,40 +71,6 @@ SHARDS_BLOCKED = Gauge("sluice_ddl_shards_blocked", "Shards stopped at a DDL, wa
 RESOLVE_SECONDS = Histogram("sluice_ddl_lock_resolve_seconds",
                             "Seconds from a lock's first Info to its resolution.",
                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800))
-
-_LOCK_EVENT_MODELS = (c.GroupChangedV1, c.LockCreatedV1, c.InfoReceivedV1, c.InfoQueuedV1, c.CaughtUpV1,
-                      c.OperationIssuedV1, c.DoneReceivedV1, c.ExecFailedV1, c.ShardLeftV1, c.UnlockedV1,
-                      c.LockResolvedV1, c.LockRemovedV1)
-_RETURNING = (c.InfoReceivedV1, c.InfoQueuedV1, c.CaughtUpV1)
-
-
-@dataclass
-class DdlState:
-    """The folded ddl domain: the keeper and the shards reported dropped (left out of groups
-    until they send an Info again, i.e. the table was created again)."""
-
-    keeper: LockKeeper = field(default_factory=LockKeeper)
-    dropped: dict[tuple[str, TableRef], int] = field(default_factory=dict)
-    live: bool = False
-    """Replay done: the leader applies lock events to the keeper itself (``handle_*``), so the
-    log's fold must not apply them again."""
-
-    def fold(self, stored: StoredEvent) -> DdlState:
-        ev = stored.event
-        if isinstance(ev, c.ShardDroppedV1):
-            self.dropped[(ev.changefeed, ref_of(ev.span))] = ev.position
-            return self
-        if isinstance(ev, _RETURNING):
-            self.dropped.pop((ev.changefeed, ref_of(ev.span)), None)
-        if isinstance(ev, _LOCK_EVENT_MODELS) and not self.live:
-            event = from_contract(ev)
-            self.keeper.apply(event)  # type: ignore[arg-type]
-        return self
-
-
-def _fold(state: DdlState, stored: StoredEvent) -> DdlState:
-    return state.fold(stored)
-
 
 class CommandError(Exception):
     def __init__(self, code: int, message: str) -> None:
@@ -157,7 +123,7 @@ class DdlLockService:
         self.js = runtime.nc.jetstream()
 
     def make_log(self) -> DomainLog[DdlState]:
-        return DomainLog(self.js, DOMAIN, producer=self.runtime.producer, fold=_fold,
+        return DomainLog(self.js, DOMAIN, producer=self.runtime.producer, fold=ddl_fold,
                          initial=DdlState(LockKeeper(resend_after=self.settings.ddl_lock_resend_s)),
                          settings=self.settings)
 
@@ -446,4 +412,4 @@ def _error(code: int, message: str) -> bytes:
     return json.dumps({"ok": False, "code": code, "error": message}).encode()
 
 
-__all__ = ["DdlLockHandlers", "DdlLockService", "DdlState"]
+__all__ = ["DdlLockHandlers", "DdlLockService", "decode_command"]
