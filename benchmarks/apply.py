@@ -50,7 +50,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +60,7 @@ from typing import Any
 import nats
 from nats.js import api
 
+from benchmarks.memory import MemorySampler, cpu_seconds
 from benchmarks.output import Figures, add_json_option
 from contracts import REGISTRY
 from contracts.events.rows import (
@@ -528,127 +528,29 @@ class SparkConfig:
     java_options: str = ""
 
 
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
+def _part(pid: int, root: int, argv: list[bytes]) -> str:
+    if pid == root:
+        return "driver"
+    line = b" ".join(argv)
+    return "jvm" if argv[0].endswith(b"java") else (
+        "python workers" if b"pyspark.daemon" in line else
+        "driver" if b"benchmarks.apply" in line else "other")
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process so far."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(b")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of a process' threads, by thread name with digits dropped ("GC Thread#")."""
-    out: dict[str, float] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.index(b"(") + 1:stat.rindex(b")")].decode(errors="replace")
-        name = "".join("#" if ch.isdigit() else ch for ch in name)
-        fields = stat[stat.rindex(b")") + 2:].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICK
-    return out
-
-
-def _rss(pid: int) -> tuple[str, int]:
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            pages = int(f.read().split()[1])
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().split(b"\0")
-    except OSError:
-        return "", 0
-    if not cmd or not cmd[0]:
-        return "", 0
-    name = "jvm" if cmd[0].endswith(b"java") else (
-        "python workers" if b"pyspark.daemon" in b" ".join(cmd) else
-        "driver" if b"benchmarks.apply" in b" ".join(cmd) else "other")
-    return name, pages * os.sysconf("SC_PAGE_SIZE")
-
-
-class RssSampler(threading.Thread):
-    """Peak of the summed RSS of a process tree (the driver, the Spark JVM, its Python workers)."""
+class RssSampler(MemorySampler):
+    """Peak of the summed RSS of one process tree (the driver, the Spark JVM, its Python
+    workers), and their CPU."""
 
     def __init__(self, pid: int, interval: float = 0.2, only: frozenset[str] | None = None) -> None:
-        super().__init__(daemon=True)
-        self.pid = pid
-        self.interval = interval
-        self.only = only
-        """Parts to count (None: all); the root process is always "driver"."""
-        self.peak = 0
-        self.peak_parts: dict[str, int] = {}
-        self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (part, CPU seconds at the last sample)
-        self.cpu_base: dict[int, float] = {}
-        self.jvm_threads: dict[str, float] = {}
-        self.jvm_threads_base: dict[str, float] = {}
-        self.done = threading.Event()
+        super().__init__(lambda: {"driver": pid}, _part, interval=interval, only=only, jvm_part="jvm")
 
-    def start_clock(self) -> None:
-        """CPU from here on counts (the worker's start-up does not)."""
-        for pid in _descendants(self.pid):
-            self.cpu_base[pid] = cpu_seconds(pid)
-            if _rss(pid)[0] == "jvm":
-                self.jvm_threads_base = thread_cpu(pid)
+    @property
+    def peak(self) -> int:
+        return self.peaks.get("driver", 0)
 
-    def jvm_thread_cpu(self) -> dict[str, float]:
-        return {k: v - self.jvm_threads_base.get(k, 0.0) for k, v in self.jvm_threads.items()}
-
-    def cpu_by_part(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for pid, (name, seconds) in self.cpu.items():
-            out[name] = out.get(name, 0.0) + seconds - self.cpu_base.get(pid, 0.0)
-        return out
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            self.sample()
-            self.done.wait(self.interval)
-
-    def sample(self) -> None:
-        parts: dict[str, int] = {}
-        for pid in _descendants(self.pid):
-            name, rss = _rss(pid)
-            name = "driver" if pid == self.pid else name
-            if rss and (self.only is None or name in self.only):
-                parts[name] = parts.get(name, 0) + rss
-                self.cpu[pid] = (name, cpu_seconds(pid))
-                if name == "jvm":
-                    self.jvm_threads = thread_cpu(pid)
-        total = sum(parts.values())
-        if total > self.peak:
-            self.peak, self.peak_parts = total, parts
+    @property
+    def peak_parts_of_tree(self) -> dict[str, int]:
+        return self.peak_parts.get("driver", {})
 
 
 @dataclass
@@ -747,7 +649,7 @@ def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConf
         (profile / f"{config.label}.jvm-threads.txt").write_text(
             "".join(f"{v:8.2f} s  {k}\n" for k, v in threads if v >= 0.01))
     return SparkRun(config, result["seconds"], result["rounds"], result["rows_written"], result["phases"],
-                    sampler.peak, sampler.peak_parts, cpu, locks)
+                    sampler.peak, sampler.peak_parts_of_tree, cpu, locks)
 
 
 async def _worker(spec: dict[str, Any]) -> dict[str, Any]:

@@ -50,13 +50,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 import nats  # noqa: E402
 from nats.aio.msg import Msg  # noqa: E402
 
+from benchmarks.memory import MemorySampler  # noqa: E402
 from benchmarks.output import Figures, add_json_option  # noqa: E402
 from contracts import REGISTRY, ContractError  # noqa: E402
 from contracts.events.rows import RowsChangedV1  # noqa: E402
@@ -84,7 +83,6 @@ SOURCE = "src1"
 STEADY_BATCH = 250
 BURST_BATCH = 500
 STEADY_BASE = 1_000_000_000  # steady-load ids start here; bursts use ids below
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _say(text: str) -> None:
@@ -109,67 +107,9 @@ def _values(ids: range, at_ms: int) -> str:
 # ----------------------------------------------------------------------------- memory
 
 
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            out.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(entry))
-    return out
-
-
-def _part_rss(pid: int) -> tuple[str, int]:
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            rss = int(f.read().split()[1]) * _PAGE
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ")
-    except OSError:
-        return "", 0
-    part = "Spark JVM" if b"java" in cmd.split(b" ", 1)[0] else (
-        "Python workers" if b"pyspark" in cmd else "service process")
-    return part, rss
-
-
-class MemorySampler(threading.Thread):
-    """Peak RSS per service: the summed RSS of each process' tree, the highest replica's."""
-
-    def __init__(self, targets: Callable[[], dict[str, int]], interval: float = 0.5) -> None:
-        super().__init__(daemon=True, name="rss-sampler")
-        self.targets = targets
-        self.interval = interval
-        self.peak: dict[str, int] = {}
-        self.peak_parts: dict[str, dict[str, int]] = {}
-        self.samples = 0
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            try:
-                self.sample()
-            except Exception as exc:  # a process that exits mid-sample; the next one counts
-                _say(f"rss sample skipped: {exc!r}")
-            self.done.wait(self.interval)
-
-    def sample(self) -> None:
-        children = _children()
-        for service, root in self.targets().items():
-            parts: dict[str, int] = {}
-            todo = [root]
-            while todo:
-                pid = todo.pop()
-                part, rss = _part_rss(pid)
-                if rss:
-                    parts[part] = parts.get(part, 0) + rss
-                todo.extend(children.get(pid, []))
-            total = sum(parts.values())
-            if total > self.peak.get(service, 0):
-                self.peak[service], self.peak_parts[service] = total, parts
-        self.samples += 1
+def _part(_pid: int, _root: int, argv: list[bytes]) -> str:
+    return "Spark JVM" if b"java" in argv[0] else (
+        "Python workers" if b"pyspark" in b" ".join(argv) else "service process")
 
 
 # ----------------------------------------------------------------------------- steady load
@@ -792,7 +732,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 pids[label] = db.proc.pid
         return pids
 
-    memory = MemorySampler(targets)
+    memory = MemorySampler(targets, _part, on_error=lambda exc: _say(f"rss sample skipped: {exc!r}"))
     try:
         _say("starting nats-server, MariaDB source and downstream, every service")
         system.start_infra()
@@ -832,7 +772,7 @@ async def main_async(args: argparse.Namespace) -> int:
         _say("downstream equals upstream (count and CRC32 sum per table)" if not mismatches
              else f"MISMATCH: {mismatches}")
         services: dict[str, tuple[int, dict[str, int], str]] = {}
-        for name, peak in memory.peak.items():
+        for name, peak in memory.peaks.items():
             service = name if name.startswith(("nats", "MariaDB")) else name.rsplit("-", 1)[0]
             if peak > services.get(service, (0, {}, ""))[0]:
                 services[service] = (peak, memory.peak_parts[name], name)

@@ -127,7 +127,7 @@ def _snapshot(source: MariaDB, sink_url: str, schema: str, args: argparse.Namesp
     conn.close()
     print(f"  copy into {sink_url.split(':')[0]}: {len(chunks)} chunks planned in {planned:.2f}s,"
           f" {copied} rows copied in {elapsed:.2f}s, peak RSS {sampler.peak / 2**20:,.0f} MiB"
-          f" ({', '.join(f'{k} {v / 2**20:,.0f}' for k, v in sorted(sampler.peak_parts.items()))})")
+          f" ({', '.join(f'{k} {v / 2**20:,.0f}' for k, v in sorted(sampler.peak_parts_of_tree.items()))})")
     return elapsed, copied, len(chunks), sampler.peak
 
 

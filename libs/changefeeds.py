@@ -1,36 +1,30 @@
 """Changefeeds: recording their definitions in the changefeeds domain stream (the api's
-command path uses this), folding that stream (``ChangefeedView``) and finding each running
-changefeed's spans in the ROWS stream (``discover_spans``). The scheduler decides where spans
+command path uses this) and finding each running changefeed's spans in the ROWS stream
+(``discover_spans``). The folded stream lives in ``libs.control.changefeeds_state`` (imported
+here too, for the callers that record and read in one place). The scheduler decides where spans
 run from the same view and discovery as a standalone sink-worker runs them."""
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
-from pydantic import BaseModel
 
 from contracts.events.changefeeds import (
     ChangefeedCheckV1,
-    ChangefeedCreatedV2,
-    ChangefeedCreatedV3,
-    ChangefeedCreatedV4,
     ChangefeedCreatedV5,
     ChangefeedSpecV2,
     ChangefeedStateChangedV1,
-    ChangefeedUpdatedV2,
-    ChangefeedUpdatedV3,
-    ChangefeedUpdatedV4,
     ChangefeedUpdatedV5,
     TableFilterV1,
     spec_v5,
 )
-from contracts.events.sources import SourceRegisteredV1, SourceRemovedV1
 from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV1
+from libs.control.changefeeds_state import ChangefeedView, TableKey, changefeeds_fold
 from libs.eventstore import EventStore
 from libs.foreign_keys import cascade_groups, group_token
 from libs.routing import RoutingConfigError, TableFilter
@@ -45,6 +39,9 @@ from libs.streams import (
 )
 
 DOMAIN = "changefeeds"
+__all__ = ["DOMAIN", "ChangefeedView", "Discovered", "SpanKey", "TableKey", "changefeeds_fold",
+           "discover_spans", "record_changefeed", "record_state", "record_table_event", "record_update",
+           "table_selected"]
 log = logging.getLogger(__name__)
 
 
@@ -86,10 +83,6 @@ async def record_state(js: JetStreamContext, changefeed_id: str,
                               expected_last_subject_seq=expected_last_subject_seq)
 
 
-TableKey = tuple[str, str, str, str]
-"""``(changefeed, source, database, table)`` of a stopped table."""
-
-
 async def record_table_event(js: JetStreamContext, event: TableStoppedV1 | TableActionRequestedV1,
                              producer: str, *, expected_last_subject_seq: int | None = None) -> int:
     """Append a stopped table's incident (on the incidents subject, where sink-workers record
@@ -99,89 +92,6 @@ async def record_table_event(js: JetStreamContext, event: TableStoppedV1 | Table
                else domain_events_subject(DOMAIN))
     return await store.append(subject, event,
                               expected_last_subject_seq=expected_last_subject_seq)
-
-
-@dataclass
-class ChangefeedView:
-    """The changefeeds as their event log says they are now."""
-
-    specs: dict[str, ChangefeedSpecV2] = field(default_factory=dict)
-    states: dict[str, str] = field(default_factory=dict)
-    failed_checks: dict[str, list[ChangefeedCheckV1]] = field(default_factory=dict)
-    """Checks that failed at the last create/update, accepted with skip_checks."""
-
-    # --- poison: tables stopped by their downstream (contracts/events/table_incidents.py) ---
-    stopped: dict[TableKey, TableStoppedV1] = field(default_factory=dict)
-    """Each table's open incident (none once an operator acted on it)."""
-    skipped: dict[TableKey, dict[str, int]] = field(default_factory=dict)
-    """Each table's skipped keys (key JSON -> the ts the skip covers up to)."""
-    sources: dict[str, str] = field(default_factory=dict)
-    """The sources registry (libs/sources.py): source id -> URL (passwords as references)."""
-
-    def _fold_incident(self, event: TableStoppedV1 | TableActionRequestedV1) -> None:
-        ref = event.table
-        key = (ref.changefeed, ref.source, ref.database, ref.table)
-        if isinstance(event, TableStoppedV1):
-            self.stopped[key] = event
-            return
-        open_ = self.stopped.get(key)
-        if open_ is None or open_.incident != event.incident:
-            return  # late, repeated or for an older incident: nothing to do
-        del self.stopped[key]
-        if event.action == "skip" and open_.key is not None:
-            keys = self.skipped.setdefault(key, {})
-            keys[open_.key] = max(open_.upto_ts, keys.get(open_.key, 0))
-    # --- end poison ---
-
-    def apply(self, event: BaseModel) -> bool:
-        """Fold one event; True when it changed anything the worker acts on."""
-        if isinstance(event, TableStoppedV1 | TableActionRequestedV1):
-            self._fold_incident(event)
-            return False
-        # Changefeeds hold the URL they were recorded with, so the registry alone changes
-        # nothing a worker runs.
-        if isinstance(event, SourceRegisteredV1):
-            self.sources[event.id] = event.url
-            return False
-        if isinstance(event, SourceRemovedV1):
-            self.sources.pop(event.id, None)
-            return False
-        if isinstance(event, ChangefeedCreatedV2 | ChangefeedCreatedV3 | ChangefeedCreatedV4
-                      | ChangefeedCreatedV5):
-            cf = event.spec.id
-            spec = spec_v5(event.spec)
-            changed = self.specs.get(cf) != spec or self.states.get(cf) != "running"
-            self.specs[cf] = spec
-            self.states[cf] = "running"
-            self._checks(cf, event)
-            return changed
-        if isinstance(event, ChangefeedUpdatedV2 | ChangefeedUpdatedV3 | ChangefeedUpdatedV4
-                      | ChangefeedUpdatedV5):
-            cf = event.spec.id
-            spec = spec_v5(event.spec)
-            changed = self.specs.get(cf) != spec
-            self.specs[cf] = spec
-            self.states.setdefault(cf, "running")  # an update does not resume a paused feed
-            self._checks(cf, event)
-            return changed
-        if isinstance(event, ChangefeedStateChangedV1):
-            changed = self.states.get(event.id) != event.state
-            self.states[event.id] = event.state
-            if event.state == "deleted":
-                self.specs.pop(event.id, None)
-                self.failed_checks.pop(event.id, None)
-            return changed
-        return False  # leader.elected, snapshots and other housekeeping
-
-    def _checks(self, cf: str, event: BaseModel) -> None:
-        failed = getattr(event, "failed_checks", None) or []
-        if failed:
-            self.failed_checks[cf] = list(failed)
-        else:
-            self.failed_checks.pop(cf, None)
-
-    def running(self) -> list[ChangefeedSpecV2]:
-        return [spec for cf, spec in sorted(self.specs.items()) if self.states.get(cf) == "running"]
 
 
 def table_selected(flt: TableFilterV1, database: str, table: str) -> bool:

@@ -362,11 +362,6 @@ Work = Callable[[Leadership, DomainLog[Any]], Awaitable[None]]
 LogFactory = Callable[[], DomainLog[Any]]
 
 
-async def hold_leadership(leadership: Leadership, domain_log: DomainLog[Any]) -> None:
-    """The work of a leader with nothing to do yet: hold the lease until told otherwise."""
-    await leadership.lost.wait()
-
-
 async def run_leader_loop(js: JetStreamContext, *, service: str, candidate: str, domain: str,
                           producer: str, ttl: float, work: Work, stopping: asyncio.Event,
                           status: dict[str, Any] | None = None, bucket: str = LEADER_BUCKET,

@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
+from contracts import REGISTRY
 from contracts.events.leadership import LeaderElectedV1
 from contracts.events.members import MemberJoinedV2
 from contracts.events.rows import ResolvedAdvancedV1, SourcePositionV1
@@ -91,7 +92,7 @@ class DdlResponder:
             self.sub = None
 
     async def _on(self, msg: Msg) -> None:
-        req = json.loads(msg.data)
+        req = REGISTRY.decode(msg.data).event.model_dump()  # a shard_ddl.command
         self.requests.append(req)
         key = (req.get("changefeed"), req.get("target"))
         action = req.get("action")

@@ -13,6 +13,7 @@ from contracts import REGISTRY
 from contracts.events import shard_ddl as c
 from contracts.events.changefeeds import ChangefeedSpecV2, RouteRuleV1, SourceRefV1, TableFilterV1
 from contracts.events.rows import ColumnV1, TableMetaV1
+from libs.control.ddl_state import DdlState
 from libs.eventstore import StoredEvent
 from libs.routing import OriginColumn, Router, RouteRule, TableRef, Target, router_for, validate_spec
 from libs.shard_ddl.convert import done_contract, done_of, from_contract, to_contract
@@ -35,7 +36,6 @@ from libs.shard_ddl.lock import (
     Unlocked,
 )
 from libs.shard_ddl.view import lock_view, parse_span, parse_target, span_name
-from services.ddl_lock.service import DdlState
 from services.sink_worker.apply_job import explode_event
 from services.sink_worker.span import Span, target_for
 

@@ -90,6 +90,24 @@ class ShardDroppedV1(_Base):
     reason: str = ""
 
 
+@register("shard_ddl.command", 1)
+class DdlCommandV1(BaseModel):
+    """An operator command to the ddl-lock leader on ``command_subject("ddl")`` (request/reply,
+    not stored). The answer is JSON: ``{"ok": true, "locks"|"lock": ...}``, or ``{"ok": false,
+    "code", "error"}`` with 404 (no such lock), 409 (refused), 422 (invalid) or 503 (the leader
+    stepped down)."""
+
+    model_config = ConfigDict(extra="forbid")
+    action: Literal["list", "show", "unlock", "force_remove"]
+    changefeed: str | None = Field(None, description="Every action but list: the lock's changefeed.")
+    target: str | None = Field(None, description="Every action but list: the downstream table, "
+                                                 "``schema.table``.")
+    mode: Literal["exec", "skip"] | None = Field(None, description="unlock: execute the DDL or skip it.")
+    owner: str | None = Field(None, description="unlock with exec: the shard (span) that executes it.")
+    requested_by: str | None = Field(None, description="unlock, force_remove: who asked.")
+    reason: str | None = Field(None, description="unlock, force_remove: why.")
+
+
 # -- lock events ----------------------------------------------------------------------------------
 
 @register("shard_ddl.group_changed", 1)

@@ -3,9 +3,7 @@ so a leader that took over a long tail snapshots right away and the next one rep
 
 from __future__ import annotations
 
-from typing import Any
-
-from libs.eventstore import DomainLog
+from libs.eventstore import LeaderLog
 
 
 class SnapshotPolicy:
@@ -13,7 +11,7 @@ class SnapshotPolicy:
         self.every = every
         self.since = 0
 
-    def opened(self, domain_log: DomainLog[Any]) -> None:
+    def opened(self, domain_log: LeaderLog) -> None:
         loaded = domain_log.loaded
         self.since = loaded.events_replayed if loaded is not None else 0
 
@@ -23,7 +21,7 @@ class SnapshotPolicy:
     def due(self) -> bool:
         return self.since >= self.every
 
-    async def maybe_snapshot(self, domain_log: DomainLog[Any]) -> bool:
+    async def maybe_snapshot(self, domain_log: LeaderLog) -> bool:
         if not self.due():
             return False
         await domain_log.snapshot()

@@ -1,7 +1,8 @@
 """Event sourcing on JetStream: typed appends with fencing, replay, snapshots, dead letters."""
 
 from libs.eventstore.deadletter import dead_letter, ensure_deadletter_stream
-from libs.eventstore.domain_log import DomainLog, Fenced, LeaseLost, LeaseView
+from libs.eventstore.domain_log import DomainLog, Fenced, LeaderLog, LeaseLost, LeaseView
+from libs.eventstore.memory import MemoryDomainLog, MemoryStream
 from libs.eventstore.snapshots import Loaded, Snapshot, Snapshots
 from libs.eventstore.store import (
     AppendConflict,
@@ -18,9 +19,12 @@ __all__ = [
     "DomainLog",
     "EventStore",
     "Fenced",
+    "LeaderLog",
     "LeaseLost",
     "LeaseView",
     "Loaded",
+    "MemoryDomainLog",
+    "MemoryStream",
     "Snapshot",
     "Snapshots",
     "StoredEvent",

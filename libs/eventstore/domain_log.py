@@ -53,6 +53,24 @@ class LeaseView(Protocol):
     def valid(self) -> bool: ...
 
 
+class LeaderLog(Protocol):
+    """What a leader's handlers use of their domain log: ``DomainLog`` on JetStream, or
+    ``MemoryDomainLog`` in unit tests."""
+
+    state: Any
+    loaded: Loaded[Any] | None
+    last_seq: int
+    events_subject: str
+
+    @property
+    def stream(self) -> str: ...
+
+    async def append(self, event: BaseModel, *, msg_id: str | None = None,
+                     headers: Mapping[str, str] | None = None) -> int: ...
+
+    async def snapshot(self, state: dict[str, Any] | None = None) -> int: ...
+
+
 def _keep(state: Any, _event: StoredEvent) -> Any:
     return state
 

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import HTTPException
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from pydantic import BaseModel
 
 from contracts import REGISTRY, ContractError
 from contracts.events.scheduling import ScheduleRequestAnsweredV1, ScheduleRequestV1
@@ -30,9 +31,13 @@ async def request_raw(ctx: ApiContext, subject: str, payload: bytes, who: str) -
     return bytes(msg.data or b"")
 
 
-async def request_json(ctx: ApiContext, subject: str, body: dict[str, Any], who: str) -> dict[str, Any]:
-    """Send ``body``; return the answer when ``ok``, raise its ``code`` and ``error`` otherwise."""
-    raw = await request_raw(ctx, subject, json.dumps(body).encode(), who)
+async def request_json(ctx: ApiContext, subject: str, body: dict[str, Any] | BaseModel,
+                       who: str) -> dict[str, Any]:
+    """Send ``body`` (a registered contract goes in its envelope); return the answer when
+    ``ok``, raise its ``code`` and ``error`` otherwise."""
+    payload = (REGISTRY.encode(body, producer=ctx.producer) if isinstance(body, BaseModel)
+               else json.dumps(body).encode())
+    raw = await request_raw(ctx, subject, payload, who)
     try:
         answer = json.loads(raw)
     except ValueError:

@@ -21,8 +21,8 @@ from nats.js import JetStreamContext
 from sqlalchemy import Engine, delete
 from sqlmodel import Session, SQLModel, create_engine, select
 
-from libs.changefeeds import ChangefeedView
 from libs.config import Settings
+from libs.control.changefeeds_state import ChangefeedView, changefeeds_fold
 from libs.control.follow import DomainFollower
 from libs.control.members import MembersState, members_fold
 from libs.control.replication_state import ReplicationState, replication_fold
@@ -36,11 +36,6 @@ log = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_S = 0.05
 PROJECTED_DOMAINS = ("changefeeds", "members", "replication", "schedule")
-
-
-def _changefeeds_fold(view: ChangefeedView, stored: StoredEvent) -> ChangefeedView:
-    view.apply(stored.event)
-    return view
 
 
 def make_engine(url: str) -> Engine:
@@ -67,7 +62,7 @@ class Projections:
         self.js = js
         self.engine = engine
         self.changefeeds: DomainFollower[ChangefeedView] = DomainFollower(
-            js, "changefeeds", _changefeeds_fold, ChangefeedView, name=f"{name}_changefeeds",
+            js, "changefeeds", changefeeds_fold, ChangefeedView, name=f"{name}_changefeeds",
             settings=settings, on_event=self._on_event("changefeeds"))
         self.members: DomainFollower[MembersState] = DomainFollower(
             js, "members", members_fold, MembersState, restore=MembersState.restore,

@@ -11,9 +11,9 @@ While leader it:
   (``discover_spans``), without the shards reported dropped; shards that leave a group (table
   dropped, span gone, changefeed paused or deleted) leave the pending lock;
 - handles the workers' reports on ``SHARD_DDL_REPORT_SUBJECT`` (Info, done, dropped shard) and
-  the operator commands on ``command_subject("ddl")``, one at a time in one loop: the keeper
-  computes the events, they are appended (fenced) to the domain stream, then the operations
-  go out on ``shard_ddl_ops_subject(changefeed)``;
+  the operator commands (``shard_ddl.command``) on ``command_subject("ddl")``, one at a time in
+  one loop: the keeper computes the events, they are appended (fenced) to the domain stream,
+  then the operations go out on ``shard_ddl_ops_subject(changefeed)``;
 - re-sends what has been awaited longer than ``ddl_lock_resend_s`` (an operation without done,
   an Info request to a shard whose Info never came).
 
@@ -22,23 +22,27 @@ Only the leader subscribes, so a command without a leader gets "no responders".
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.msg import Msg
 from prometheus_client import Gauge, Histogram
+from pydantic import BaseModel, ValidationError
 
 from contracts import REGISTRY, ContractError
 from contracts.events import shard_ddl as c
-from libs.changefeeds import ChangefeedView, discover_spans
-from libs.control.follow import DomainFollower
+from contracts.events.changefeeds import ChangefeedSpecV2
+from libs.changefeeds import Discovered, discover_spans
+from libs.config import Settings
+from libs.control.changefeeds_state import ChangefeedView, changefeeds_fold
+from libs.control.ddl_state import DdlState, ddl_fold
 from libs.election import Leadership
-from libs.eventstore import DomainLog, StoredEvent
+from libs.eventstore import DomainLog, LeaderLog
+from libs.leader_service import Entry, Followed, LeaderLoop
 from libs.routing import AmbiguousRouteError, RoutingConfigError, TableRef, Target, router_for
 from libs.service import ServiceRuntime
 from libs.shard_ddl.convert import done_of, from_contract, ref_of, target_of, to_contract
@@ -68,51 +72,47 @@ RESOLVE_SECONDS = Histogram("sluice_ddl_lock_resolve_seconds",
                             "Seconds from a lock's first Info to its resolution.",
                             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800))
 
-_LOCK_EVENT_MODELS = (c.GroupChangedV1, c.LockCreatedV1, c.InfoReceivedV1, c.InfoQueuedV1, c.CaughtUpV1,
-                      c.OperationIssuedV1, c.DoneReceivedV1, c.ExecFailedV1, c.ShardLeftV1, c.UnlockedV1,
-                      c.LockResolvedV1, c.LockRemovedV1)
-_RETURNING = (c.InfoReceivedV1, c.InfoQueuedV1, c.CaughtUpV1)
-
-
-@dataclass
-class DdlState:
-    """The folded ddl domain: the keeper and the shards reported dropped (left out of groups
-    until they send an Info again, i.e. the table was created again)."""
-
-    keeper: LockKeeper = field(default_factory=LockKeeper)
-    dropped: dict[tuple[str, TableRef], int] = field(default_factory=dict)
-    live: bool = False
-    """Replay done: the leader applies lock events to the keeper itself (``handle_*``), so the
-    log's fold must not apply them again."""
-
-    def fold(self, stored: StoredEvent) -> DdlState:
-        ev = stored.event
-        if isinstance(ev, c.ShardDroppedV1):
-            self.dropped[(ev.changefeed, ref_of(ev.span))] = ev.position
-            return self
-        if isinstance(ev, _RETURNING):
-            self.dropped.pop((ev.changefeed, ref_of(ev.span)), None)
-        if isinstance(ev, _LOCK_EVENT_MODELS) and not self.live:
-            event = from_contract(ev)
-            self.keeper.apply(event)  # type: ignore[arg-type]
-        return self
-
-
-def _fold(state: DdlState, stored: StoredEvent) -> DdlState:
-    return state.fold(stored)
-
-
 class CommandError(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
 
 
-@dataclass
-class _Item:
-    kind: str
-    payload: Any
-    answer: asyncio.Future[bytes] | None = None
+Input = c.DdlCommandV1 | BaseModel
+"""An operator command, or a worker's report (``ShardInfoV1``, ``ShardDoneV1``, ``ShardDroppedV1``)."""
+
+
+def decode_command(raw: bytes) -> c.DdlCommandV1:
+    """A ``shard_ddl.command`` in its envelope, or the bare command object (what clients sent
+    before the command was a registered contract). ``CommandError`` 422 with the reason for
+    anything else: not JSON, an unknown type or version, a malformed command."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise CommandError(422, "the request is not JSON") from None
+    if not isinstance(obj, dict):
+        raise CommandError(422, "the request must be a JSON object")
+    try:
+        if "type" in obj and "data" in obj:
+            event = REGISTRY.decode(raw).event
+            if not isinstance(event, c.DdlCommandV1):
+                raise CommandError(422, f"{obj.get('type')} is not a ddl-lock command (shard_ddl.command)")
+            return event
+        return c.DdlCommandV1.model_validate(obj)
+    except ContractError as exc:
+        raise CommandError(422, str(exc)) from None
+    except ValidationError as exc:
+        raise CommandError(422, f"invalid shard_ddl.command: {_first_error(exc)}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(part) for part in err.get("loc", ())) or "command"
+    return f"{where}: {err.get('msg', 'invalid')}"
+
+
+def _stepped_down(_item: Input) -> bytes:
+    return _error(503, "the ddl-lock leader stepped down; try again")
 
 
 class DdlLockService:
@@ -121,109 +121,122 @@ class DdlLockService:
         self.settings = runtime.settings
         self.nc = runtime.nc
         self.js = runtime.nc.jetstream()
-        self.groups: dict[LockKey, frozenset[TableRef]] = {}
-        self.running: set[str] = set()
-        self.discovered = False
-        """The last discovery succeeded: groups and running changefeeds may be acted on (a
-        failed one must not look like every shard leaving)."""
 
     def make_log(self) -> DomainLog[DdlState]:
-        return DomainLog(self.js, DOMAIN, producer=self.runtime.producer, fold=_fold,
+        return DomainLog(self.js, DOMAIN, producer=self.runtime.producer, fold=ddl_fold,
                          initial=DdlState(LockKeeper(resend_after=self.settings.ddl_lock_resend_s)),
                          settings=self.settings)
 
     # -- the term ---------------------------------------------------------------------------------
 
     async def lead(self, leadership: Leadership, domain_log: DomainLog[Any]) -> None:
+        async with LeaderLoop[Input, bytes](self.runtime, status_key="ddl_locks",
+                                            refuse=_stepped_down) as loop:
+            changefeeds = loop.follow("changefeeds", changefeeds_fold, ChangefeedView,
+                                      name="ddl_changefeeds")
+            await loop.load()
+            handlers = DdlLockHandlers(domain_log, self.settings, changefeeds, send=self._publish,
+                                       discover=lambda specs: discover_spans(self.js, specs),
+                                       publish_status=loop.publish_status, producer=self.runtime.producer)
+
+            async def on_report(msg: Msg) -> None:
+                try:
+                    event = REGISTRY.decode(msg.data).event
+                except ContractError as exc:
+                    log.warning("bad shard DDL report: %s", exc)
+                    if msg.reply:
+                        with contextlib.suppress(Exception):
+                            await msg.respond(f"refused: {exc}".encode())
+                    return
+                if not msg.reply:
+                    loop.inbox.put(event)
+                    return
+                answer = await loop.inbox.ask(event)
+                with contextlib.suppress(Exception):
+                    await msg.respond(answer)
+
+            async def on_command(msg: Msg) -> None:
+                try:
+                    command = decode_command(msg.data)
+                except CommandError as exc:
+                    answer = _error(exc.code, str(exc))
+                else:
+                    answer = await loop.inbox.ask(command)
+                if msg.reply:
+                    with contextlib.suppress(Exception):
+                        await msg.respond(answer)
+
+            await handlers.discover_groups()
+            await loop.subscribe(SHARD_DDL_REPORT_SUBJECT, on_report)
+            await loop.subscribe(command_subject(DOMAIN), on_command)
+            log.info("ddl-lock leading", extra={"epoch": leadership.epoch,
+                                                "locks": len(handlers.keeper.locks)})
+            # A new leader re-sends what its predecessor may not have: duplicates are harmless.
+            await handlers.send(handlers.keeper.pending_operations())
+            await loop.run(handlers.handle, handlers.tick, lambda: 0.5)
+
+    async def _publish(self, subject: str, body: bytes) -> None:
+        await self.nc.publish(subject, body)
+
+
+Send = Callable[[str, bytes], Awaitable[None]]
+Discover = Callable[[list[ChangefeedSpecV2]], Awaitable[Discovered]]
+
+
+class DdlLockHandlers:
+    """One term's handlers: reports and operator commands go to the ``LockKeeper`` (the core);
+    its events are appended (fenced) to the ddl log, then its operations published."""
+
+    def __init__(self, domain_log: LeaderLog, settings: Settings, changefeeds: Followed[ChangefeedView],
+                 *, send: Send, discover: Discover, publish_status: Callable[[dict[str, Any]], None],
+                 producer: str) -> None:
         state = domain_log.state
         assert isinstance(state, DdlState)
         state.live = True
-        keeper = state.keeper
-        items: asyncio.Queue[_Item] = asyncio.Queue()
-        changefeeds = DomainFollower(self.js, "changefeeds", _changefeeds_fold, ChangefeedView,
-                                     name="ddl_changefeeds", settings=self.settings)
-        await changefeeds.load()
-        stop = asyncio.Event()
-        follow = asyncio.create_task(changefeeds.run(stop), name="follow-changefeeds")
+        self.state = state
+        self.keeper = state.keeper
+        self.domain_log = domain_log
+        self.settings = settings
+        self.changefeeds = changefeeds
+        self._publish = send
+        self._discover_spans = discover
+        self.publish_status = publish_status
+        self.producer = producer
+        self.groups: dict[LockKey, frozenset[TableRef]] = {}
+        self.running: set[str] = set()
+        self.discovered = False
+        """The last discovery succeeded: groups and running changefeeds may be acted on (a
+        failed one must not look like every shard leaving)."""
+        self.last_groups = time.monotonic()
 
-        async def on_report(msg: Msg) -> None:
+    async def handle(self, entry: Entry[Input, bytes]) -> None:
+        await self._handle(entry, time.time())
+
+    async def tick(self) -> None:
+        now = time.time()
+        if time.monotonic() - self.last_groups >= self.settings.ddl_lock_discovery_interval_s:
+            self.last_groups = time.monotonic()
+            await self.discover_groups()
+            await self._apply_groups(now)
+        await self.send(self.keeper.due_resends(now))
+        self._publish_status()
+
+    async def _handle(self, entry: Entry[Input, bytes], now: float) -> None:
+        keeper, state = self.keeper, self.state
+        if isinstance(entry.item, c.DdlCommandV1):
             try:
-                event = REGISTRY.decode(msg.data).event
-            except ContractError as exc:
-                log.warning("bad shard DDL report: %s", exc)
-                if msg.reply:
-                    with contextlib.suppress(Exception):
-                        await msg.respond(f"refused: {exc}".encode())
-                return
-            answer: asyncio.Future[bytes] | None = None
-            if msg.reply:
-                answer = asyncio.get_running_loop().create_future()
-            items.put_nowait(_Item("report", event, answer))
-            if answer is not None and msg.reply:
-                with contextlib.suppress(Exception):
-                    await msg.respond(await answer)
-
-        async def on_command(msg: Msg) -> None:
-            answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-            items.put_nowait(_Item("command", msg.data, answer))
-            if msg.reply:
-                with contextlib.suppress(Exception):
-                    await msg.respond(await answer)
-
-        await self._discover(changefeeds.state)
-        reports = await self.nc.subscribe(SHARD_DDL_REPORT_SUBJECT, cb=on_report)
-        commands = await self.nc.subscribe(command_subject(DOMAIN), cb=on_command)
-        log.info("ddl-lock leading", extra={"epoch": leadership.epoch, "locks": len(keeper.locks)})
-        # A new leader re-sends what its predecessor may not have: duplicates are harmless.
-        await self._send(keeper.pending_operations())
-        last_groups = time.monotonic()
-        try:
-            while True:
-                try:
-                    item: _Item | None = await asyncio.wait_for(items.get(), timeout=0.5)
-                except TimeoutError:
-                    item = None
-                now = time.time()
-                if item is not None:
-                    await self._handle(item, state, domain_log, changefeeds.state, now)
-                if time.monotonic() - last_groups >= self.settings.ddl_lock_discovery_interval_s:
-                    last_groups = time.monotonic()
-                    await self._discover(changefeeds.state)
-                    await self._apply_groups(state, domain_log, now)
-                await self._send(keeper.due_resends(now))
-                self._publish_status(keeper)
-        finally:
-            stop.set()
-            follow.cancel()
-            with contextlib.suppress(BaseException):
-                await follow
-            for sub in (reports, commands):
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-            while not items.empty():
-                left = items.get_nowait()
-                if left.answer is not None and not left.answer.done():
-                    left.answer.set_result(_error(503, "the ddl-lock leader stepped down; try again"))
-            self.runtime.status.pop("ddl_locks", None)
-
-    async def _handle(self, item: _Item, state: DdlState, domain_log: DomainLog[Any], view: ChangefeedView,
-                      now: float) -> None:
-        keeper = state.keeper
-        if item.kind == "command":
-            assert item.answer is not None
-            try:
-                reply = await self._command(item.payload, keeper, domain_log, now)
+                reply = await self._command(entry.item, now)
             except CommandError as exc:
                 reply = _error(exc.code, str(exc))
-            item.answer.set_result(reply)
+            entry.reply(reply)
             return
-        event = item.payload
+        event = entry.item
         if isinstance(event, c.ShardInfoV1):
             info = from_contract(event)
             assert isinstance(info, Info)
             key = info.key
             if info.span not in self.groups.get(key, frozenset()):
-                await self._discover(view)
+                await self.discover_groups()
             if info.span not in self.groups.get(key, frozenset()):
                 # The changefeed or the span is newer than this leader's view: a lock formed now
                 # would not wait for shards it does not know. The worker sends the Info again.
@@ -237,36 +250,34 @@ class DdlLockService:
             except UnknownGroupError:  # pragma: no cover - shards are always passed
                 log.exception("info for an unknown group")
                 return
-            await self._record(outcome, domain_log)
+            await self._record(outcome)
         elif isinstance(event, c.ShardDoneV1):
             done = done_of(event)
             if event.error is not None:
                 outcome = keeper.handle_exec_failed(done, event.error, now)
             else:
                 outcome = keeper.handle_done(done, now)
-            await self._record(outcome, domain_log)
+            await self._record(outcome)
         elif isinstance(event, c.ShardDroppedV1):
             ref = ref_of(event.span)
             if (event.changefeed, ref) not in state.dropped:
-                await domain_log.append(event)  # folds into state.dropped
+                await self.domain_log.append(event)  # folds into state.dropped
             outcome = keeper.handle_shard_left(event.changefeed, target_of(event.target), ref,
                                                f"table dropped upstream: {event.reason}"[:500], now)
-            await self._record(outcome, domain_log)
-            if item.answer is not None:
-                item.answer.set_result(b"ok")
+            await self._record(outcome)
+            entry.reply(b"ok")
             return
         else:
             log.warning("unexpected message on the shard DDL report subject: %s", type(event).__name__)
-        if item.answer is not None and not item.answer.done():
-            item.answer.set_result(b"ok")
+        entry.reply(b"ok")
 
-    async def _record(self, outcome: Outcome, domain_log: DomainLog[Any]) -> None:
+    async def _record(self, outcome: Outcome) -> None:
         """Append the keeper's events (fenced: a deposed leader fails here and steps down
         before it sends anything), then send the operations."""
         for event in outcome.events:
-            await domain_log.append(to_contract(event))
+            await self.domain_log.append(to_contract(event))
             self._observe(event)
-        await self._send(outcome.operations)
+        await self.send(outcome.operations)
 
     def _observe(self, event: LockEvent) -> None:
         if isinstance(event, LockResolved):
@@ -279,18 +290,18 @@ class DdlLockService:
                 "changefeed": event.changefeed, "target": str(event.target), "instance": event.instance,
                 "by": event.by, "reason": event.reason})
 
-    async def _send(self, items: list[Operation] | list[Operation | InfoRequest]) -> None:
+    async def send(self, items: list[Operation] | list[Operation | InfoRequest]) -> None:
         for item in items:
-            body = REGISTRY.encode(to_contract(item), producer=self.runtime.producer)
+            body = REGISTRY.encode(to_contract(item), producer=self.producer)
             with contextlib.suppress(Exception):
-                await self.nc.publish(shard_ddl_ops_subject(item.changefeed), body)
+                await self._publish(shard_ddl_ops_subject(item.changefeed), body)
 
     # -- shard groups -----------------------------------------------------------------------------
 
-    async def _discover(self, view: ChangefeedView) -> None:
-        specs = view.running()
+    async def discover_groups(self) -> None:
+        specs = self.changefeeds.state.running()
         try:
-            found = await discover_spans(self.js, specs)
+            found = await self._discover_spans(specs)
         except Exception:
             log.warning("span discovery failed", exc_info=True)
             self.discovered = False
@@ -319,8 +330,8 @@ class DdlLockService:
         self.running = {spec.id for spec in specs}
         self.discovered = True
 
-    async def _apply_groups(self, state: DdlState, domain_log: DomainLog[Any], now: float) -> None:
-        keeper = state.keeper
+    async def _apply_groups(self, now: float) -> None:
+        keeper, state = self.keeper, self.state
         if not self.discovered:
             return
         known = {*keeper.groups, *keeper.locks}
@@ -333,26 +344,19 @@ class DdlLockService:
                           if (key.changefeed, s) not in state.dropped}
                 outcome = keeper.handle_group(key.changefeed, key.target, shards, now,
                                               "left the shard group (span gone)")
-            await self._record(outcome, domain_log)
+            await self._record(outcome)
 
     # -- operator commands ------------------------------------------------------------------------
 
-    async def _command(self, raw: bytes, keeper: LockKeeper, domain_log: DomainLog[Any], now: float) -> bytes:
-        try:
-            req = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise CommandError(422, "the request is not JSON") from None
-        if not isinstance(req, dict):
-            raise CommandError(422, "the request must be a JSON object")
-        action = req.get("action")
+    async def _command(self, cmd: c.DdlCommandV1, now: float) -> bytes:
+        keeper = self.keeper
+        action = cmd.action
         if action == "list":
             locks = [lock_view(lock) for lock in sorted(keeper, key=lambda lk: lk.key)]
             return _ok({"locks": locks})
-        if action not in ("show", "unlock", "force_remove"):
-            raise CommandError(422, f"unknown action {action!r}: use list, show, unlock or force_remove")
-        changefeed = _text(req, "changefeed")
+        changefeed = _text(cmd.changefeed, "changefeed")
         try:
-            target = parse_target(_text(req, "target"))
+            target = parse_target(_text(cmd.target, "target"))
         except ValueError as exc:
             raise CommandError(422, str(exc)) from None
         lock = keeper.lock(changefeed, target)
@@ -360,50 +364,42 @@ class DdlLockService:
             if lock is None:
                 raise CommandError(404, f"no shard DDL lock for {changefeed}/{target}")
             return _ok({"lock": lock_view(lock)})
-        by, reason = _text(req, "requested_by"), _text(req, "reason")
+        by, reason = _text(cmd.requested_by, "requested_by"), _text(cmd.reason, "reason")
         if lock is None:
             raise CommandError(404, f"no shard DDL lock for {changefeed}/{target}")
         try:
             if action == "unlock":
-                mode = req.get("mode")
-                if mode not in ("exec", "skip"):
+                if cmd.mode is None:
                     raise CommandError(422, "mode must be 'exec' or 'skip'")
-                owner_text = req.get("owner")
-                if owner_text is not None and not isinstance(owner_text, str):
-                    raise CommandError(422, "owner must be a span name or null")
                 try:
-                    owner = parse_span(changefeed, owner_text) if owner_text else None
+                    owner = parse_span(changefeed, cmd.owner) if cmd.owner else None
                 except ValueError as exc:
                     raise CommandError(422, str(exc)) from None
-                outcome = keeper.unlock(changefeed, target, mode, by=by, reason=reason, now=now, owner=owner)
+                outcome = keeper.unlock(changefeed, target, cmd.mode, by=by, reason=reason, now=now,
+                                        owner=owner)
             else:
                 outcome = keeper.force_remove(changefeed, target, by=by, reason=reason, now=now)
         except LockActionError as exc:
             raise CommandError(409, str(exc)) from None
         log.info("operator %s", action, extra={"changefeed": changefeed, "target": str(target), "by": by,
                                                "reason": reason})
-        await self._record(outcome, domain_log)
+        await self._record(outcome)
         after = keeper.lock(changefeed, target)
         return _ok({"lock": lock_view(after) if after is not None else None})
 
-    def _publish_status(self, keeper: LockKeeper) -> None:
+    def _publish_status(self) -> None:
+        keeper = self.keeper
         LOCKS_PENDING.set(len(keeper.locks))
         SHARDS_BLOCKED.set(keeper.blocked_shards())
-        self.runtime.status["ddl_locks"] = {
+        self.publish_status({
             "pending": len(keeper.locks), "shards_blocked": keeper.blocked_shards(),
             "groups": {str(k): len(v) for k, v in sorted(self.groups.items()) if len(v) > 1},
             "locks": [f"{lk.id}: {lk.phase}" for lk in keeper],
-        }
+        })
 
 
-def _changefeeds_fold(view: ChangefeedView, stored: StoredEvent) -> ChangefeedView:
-    view.apply(stored.event)
-    return view
-
-
-def _text(req: dict[str, Any], name: str) -> str:
-    value = req.get(name)
-    if not isinstance(value, str) or not value.strip():
+def _text(value: str | None, name: str) -> str:
+    if value is None or not value.strip():
         raise CommandError(422, f"{name} is required (a non-empty string)")
     return value
 
@@ -416,4 +412,4 @@ def _error(code: int, message: str) -> bytes:
     return json.dumps({"ok": False, "code": code, "error": message}).encode()
 
 
-__all__ = ["DdlLockService", "DdlState"]
+__all__ = ["DdlLockHandlers", "DdlLockService", "decode_command"]

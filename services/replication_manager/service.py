@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -47,14 +48,15 @@ from contracts.events.scheduling import (
     ReplicationAnnounceV1,
     SpansChangedV1,
 )
+from libs.config import Settings
 from libs.control.convert import dispatch_request, span_of
-from libs.control.follow import DomainFollower
 from libs.control.members import MembersState, members_fold
 from libs.control.replication_state import ReplicationState, replication_fold
 from libs.control.schedule_state import ScheduleState, schedule_fold
 from libs.control.snapshots import SnapshotPolicy
 from libs.election import Leadership
-from libs.eventstore import DomainLog, Fenced, StoredEvent
+from libs.eventstore import DomainLog, Fenced, LeaderLog, LeaseView, StoredEvent
+from libs.leader_service import Entry, LeaderLoop
 from libs.scheduling import Dispatch, SetState
 from libs.service import ServiceRuntime
 from libs.streams import HEARTBEAT_SUBJECTS, announce_subject, dispatch_subject
@@ -96,136 +98,34 @@ class ReplicationService:
 
     async def lead(self, leadership: Leadership, domain_log: DomainLog[Any]) -> None:
         started = time.monotonic()
-        settings = self.settings
-        recorded = domain_log.state
-        assert isinstance(recorded, ReplicationState)
-        inputs: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        async with LeaderLoop[Input, None](self.runtime, status_key=DOMAIN) as loop:
+            members = loop.follow("members", members_fold, MembersState, restore=MembersState.restore,
+                                  name="rm_members")
+            schedule = loop.follow("schedule", schedule_fold, ScheduleState,
+                                   restore=ScheduleState.restore, name="rm_schedule")
+            await loop.load()
+            sender = _Sender(self, leadership, loop)
+            handlers = ReplicationHandlers(leadership, domain_log, self.settings, members.state,
+                                           schedule.state, started=started, send=sender.send,
+                                           publish_status=loop.publish_status)
+            sender.core = handlers.core
+            members.on_event = handlers.on_member
+            schedule.on_event = handlers.on_schedule
+            handlers.put = loop.inbox.put
+            handlers.trace_of = sender.trace_of
 
-        def on_member(stored: StoredEvent) -> None:
-            if isinstance(stored.event, MemberJoinedV2 | MemberLeftV1):
-                inputs.put_nowait(("member", stored.event))
-
-        def on_schedule(stored: StoredEvent) -> None:
-            if isinstance(stored.event, AddTableV1 | MoveTableV1 | RemoveTableV1):
-                # Every dispatch for this span joins the trace of the task that asked for it.
-                sender.trace_of[span_of(stored.event.span)] = extract_context(stored.headers)
-            if isinstance(stored.event, SpansChangedV1 | AddTableV1 | MoveTableV1 | RemoveTableV1):
-                inputs.put_nowait(("schedule", stored.event))
-
-        sender = _Sender(self, leadership)
-        members = DomainFollower(self.js, "members", members_fold, MembersState, restore=MembersState.restore,
-                                 on_event=on_member, name="rm_members", settings=settings)
-        schedule = DomainFollower(self.js, "schedule", schedule_fold, ScheduleState,
-                                  restore=ScheduleState.restore, on_event=on_schedule, name="rm_schedule",
-                                  settings=settings)
-        await members.load()
-        await schedule.load()
-        alive = {m: rec.incarnation for m, rec in members.state.members.items()}
-        core = ReplicationCore(leadership.epoch, alive=alive, known_spans=recorded.known_spans(),
-                               recorded=recorded.sets, checkpoints=recorded.checkpoints,
-                               wanted=schedule.state.wanted,
-                               max_task_concurrency=settings.scheduler_max_task_concurrency,
-                               started_at=started,
-                               prepare_timeout_s=settings.replication_prepare_timeout_s)
-        sender.core = core
-        log.info("replication-manager leading; waiting for the live members' reports", extra={
-            "epoch": leadership.epoch, "awaiting": sorted(core.manager.awaiting),
-            "known_spans": len(recorded.sets), "replay_s": round(time.monotonic() - started, 3)})
-        policy = SnapshotPolicy(settings.control_snapshot_every)
-        policy.opened(domain_log)
-
-        async def on_heartbeat(msg: Msg) -> None:
-            try:
-                decoded = REGISTRY.decode(msg.data)
-            except ContractError:
-                return  # the member service dead-letters bad heartbeats; one place is enough
-            if isinstance(decoded.event, MemberHeartbeatV1):
-                inputs.put_nowait(("heartbeat", decoded.event))
-
-        stop = asyncio.Event()
-        background = [
-            asyncio.create_task(members.run(stop), name="rm-follow-members"),
-            asyncio.create_task(schedule.run(stop), name="rm-follow-schedule"),
-            asyncio.create_task(self._announce(leadership), name="rm-announce"),
-        ]
-        sub = await self.nc.subscribe(HEARTBEAT_SUBJECTS, cb=on_heartbeat)
-        sender.inputs = inputs
-        last_tick = last_checkpoint = time.monotonic()
-        advanced = False
-
-        async def record(out: Output) -> None:
-            for event in out.events:
-                await domain_log.append(event)
-                policy.appended()
-            for d in out.dispatches:
-                sender.send(d)
-
-        try:
-            await record(core.start(time.monotonic()))
-            while True:
-                timeout = max(0.01, min(last_tick + settings.replication_tick_s,
-                                        last_checkpoint + settings.replication_checkpoint_interval_s)
-                              - time.monotonic())
+            async def on_heartbeat(msg: Msg) -> None:
                 try:
-                    kind, item = await asyncio.wait_for(inputs.get(), timeout=timeout)
-                except TimeoutError:
-                    kind, item = "idle", None
-                now = time.monotonic()
-                was_ready = core.ready
-                out = self._handle(core, kind, item, now)
-                if core.manager.deposed:
-                    raise Fenced(domain_log.stream, domain_log.events_subject, domain_log.last_seq,
-                                 "a member has seen a newer replication-manager epoch")
-                await record(out)
-                if core.ready and not was_ready:
-                    REBUILD_SECONDS.observe(now - started)
-                    log.info("rebuilt from the members' reports", extra={
-                        "epoch": leadership.epoch, "sets": len(core.manager.sets),
-                        "waited_s": round(now - started, 3)})
-                if now - last_tick >= settings.replication_tick_s:
-                    last_tick = now
-                    await record(core.tick(now))
-                # Until this term has published a checkpoint, look after every input (the first
-                # report that moves the slowest span); from then on at most every interval.
-                due = now - last_checkpoint >= settings.replication_checkpoint_interval_s
-                if due or (core.ready and not advanced):
-                    events = core.checkpoint_events()
-                    for event in events:
-                        await domain_log.append(event)
-                        policy.appended()
-                        CHECKPOINT_TIME.labels(event.changefeed).set(ts_seconds(event.checkpoint_ts))
-                    if events:
-                        advanced = True
-                        last_checkpoint = now
-                    if due:
-                        last_checkpoint = now
-                        await policy.maybe_snapshot(domain_log)
-                        self._publish_status(core, leadership)
-        finally:
-            stop.set()
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-            for t in background:
-                t.cancel()
-            await sender.close()
-            await asyncio.gather(*background, return_exceptions=True)
-            self.runtime.status.pop("replication", None)
+                    decoded = REGISTRY.decode(msg.data)
+                except ContractError:
+                    return  # the member service dead-letters bad heartbeats; one place is enough
+                if isinstance(decoded.event, MemberHeartbeatV1):
+                    loop.inbox.put(decoded.event)
 
-    def _handle(self, core: ReplicationCore, kind: str, item: Any, now: float) -> Output:
-        if kind == "heartbeat":
-            return core.on_heartbeat(item, now)
-        if kind == "answer":
-            return core.on_answer(item, now)
-        if kind == "member":
-            if isinstance(item, MemberJoinedV2):
-                return core.on_member_joined(item.member_id, item.incarnation, now)
-            return core.on_member_left(item.member_id, item.incarnation, now)
-        if kind == "schedule":
-            if isinstance(item, SpansChangedV1):
-                core.on_spans_changed(item.changefeed, [span_of(s) for s in item.spans])
-                return Output()
-            return core.on_task(item, now)
-        return Output()
+            loop.spawn(self._announce(leadership), name="rm-announce")
+            await loop.subscribe(HEARTBEAT_SUBJECTS, on_heartbeat)
+            await handlers.start()
+            await loop.run(handlers.handle, handlers.tick, handlers.wait_s)
 
     async def _announce(self, leadership: Leadership) -> None:
         payload = REGISTRY.encode(ReplicationAnnounceV1(epoch=leadership.epoch,
@@ -236,7 +136,128 @@ class ReplicationService:
                 await self.nc.publish(announce_subject(DOMAIN), payload)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
-    def _publish_status(self, core: ReplicationCore, leadership: Leadership) -> None:
+
+Input = (MemberHeartbeatV1 | DispatchResponseV1 | MemberJoinedV2 | MemberLeftV1 | SpansChangedV1
+         | AddTableV1 | MoveTableV1 | RemoveTableV1)
+"""What the manager's loop takes, one at a time and in order: heartbeats (core NATS), dispatch
+answers, member joined/left (members stream), wanted spans and tasks (schedule stream)."""
+
+
+class ReplicationHandlers:
+    """One term's handlers: each input and tick goes to the ``ReplicationCore``; its events are
+    appended (fenced), then its dispatches sent."""
+
+    def __init__(self, leadership: LeaseView, domain_log: LeaderLog, settings: Settings,
+                 members: MembersState, schedule: ScheduleState, *, started: float,
+                 send: Callable[[Dispatch], None],
+                 publish_status: Callable[[dict[str, Any]], None]) -> None:
+        recorded = domain_log.state
+        assert isinstance(recorded, ReplicationState)
+        self.epoch = leadership.epoch
+        self.domain_log = domain_log
+        self.settings = settings
+        self.started = started
+        self.send = send
+        self.publish_status = publish_status
+        self.put: Callable[[Input], None] = lambda _item: None
+        self.trace_of: dict[Any, Any] = {}
+        alive = {m: rec.incarnation for m, rec in members.members.items()}
+        self.core = ReplicationCore(leadership.epoch, alive=alive, known_spans=recorded.known_spans(),
+                                    recorded=recorded.sets, checkpoints=recorded.checkpoints,
+                                    wanted=schedule.wanted,
+                                    max_task_concurrency=settings.scheduler_max_task_concurrency,
+                                    started_at=started,
+                                    prepare_timeout_s=settings.replication_prepare_timeout_s)
+        log.info("replication-manager leading; waiting for the live members' reports", extra={
+            "epoch": leadership.epoch, "awaiting": sorted(self.core.manager.awaiting),
+            "known_spans": len(recorded.sets), "replay_s": round(time.monotonic() - started, 3)})
+        self.policy = SnapshotPolicy(settings.control_snapshot_every)
+        self.policy.opened(domain_log)
+        self.last_tick = self.last_checkpoint = time.monotonic()
+        self.advanced = False
+
+    def on_member(self, stored: StoredEvent) -> None:
+        if isinstance(stored.event, MemberJoinedV2 | MemberLeftV1):
+            self.put(stored.event)
+
+    def on_schedule(self, stored: StoredEvent) -> None:
+        if isinstance(stored.event, AddTableV1 | MoveTableV1 | RemoveTableV1):
+            # Every dispatch for this span joins the trace of the task that asked for it.
+            self.trace_of[span_of(stored.event.span)] = extract_context(stored.headers)
+        if isinstance(stored.event, SpansChangedV1 | AddTableV1 | MoveTableV1 | RemoveTableV1):
+            self.put(stored.event)
+
+    async def record(self, out: Output) -> None:
+        for event in out.events:
+            await self.domain_log.append(event)
+            self.policy.appended()
+        for d in out.dispatches:
+            self.send(d)
+
+    async def start(self) -> None:
+        await self.record(self.core.start(time.monotonic()))
+
+    def wait_s(self) -> float:
+        settings = self.settings
+        return max(0.01, min(self.last_tick + settings.replication_tick_s,
+                             self.last_checkpoint + settings.replication_checkpoint_interval_s)
+                   - time.monotonic())
+
+    async def handle(self, entry: Entry[Input, None]) -> None:
+        core, domain_log = self.core, self.domain_log
+        now = time.monotonic()
+        was_ready = core.ready
+        out = self._handle(entry.item, now)
+        if core.manager.deposed:
+            raise Fenced(domain_log.stream, domain_log.events_subject, domain_log.last_seq,
+                         "a member has seen a newer replication-manager epoch")
+        await self.record(out)
+        if core.ready and not was_ready:
+            REBUILD_SECONDS.observe(now - self.started)
+            log.info("rebuilt from the members' reports", extra={
+                "epoch": self.epoch, "sets": len(core.manager.sets),
+                "waited_s": round(now - self.started, 3)})
+
+    def _handle(self, item: Input, now: float) -> Output:
+        core = self.core
+        if isinstance(item, MemberHeartbeatV1):
+            return core.on_heartbeat(item, now)
+        if isinstance(item, DispatchResponseV1):
+            return core.on_answer(item, now)
+        if isinstance(item, MemberJoinedV2):
+            return core.on_member_joined(item.member_id, item.incarnation, now)
+        if isinstance(item, MemberLeftV1):
+            return core.on_member_left(item.member_id, item.incarnation, now)
+        if isinstance(item, SpansChangedV1):
+            core.on_spans_changed(item.changefeed, [span_of(s) for s in item.spans])
+            return Output()
+        return core.on_task(item, now)
+
+    async def tick(self) -> None:
+        core, settings = self.core, self.settings
+        now = time.monotonic()
+        if now - self.last_tick >= settings.replication_tick_s:
+            self.last_tick = now
+            await self.record(core.tick(now))
+        # Until this term has published a checkpoint, look after every input (the first
+        # report that moves the slowest span); from then on at most every interval.
+        due = now - self.last_checkpoint >= settings.replication_checkpoint_interval_s
+        if due or (core.ready and not self.advanced):
+            events = core.checkpoint_events()
+            for event in events:
+                await self.domain_log.append(event)
+                self.policy.appended()
+                CHECKPOINT_TIME.labels(event.changefeed).set(ts_seconds(event.checkpoint_ts))
+            if events:
+                self.advanced = True
+                self.last_checkpoint = now
+            if due:
+                self.last_checkpoint = now
+                await self.policy.maybe_snapshot(self.domain_log)
+                self._publish_status()
+
+    def _publish_status(self) -> None:
+        core = self.core
         by_state: dict[str, int] = {s.value: 0 for s in SetState}
         placement: dict[str, str | None] = {}
         for span, rs in core.manager.sets.items():
@@ -255,8 +276,8 @@ class ReplicationService:
             CHECKPOINT_LAG.labels(cf).set(lag_seconds(cp.checkpoint_ts))
         errors = core.manager.errors
         CONFLICTS.set(len(errors))
-        self.runtime.status["replication"] = {
-            "epoch": leadership.epoch, "ready": core.ready,
+        self.publish_status({
+            "epoch": self.epoch, "ready": core.ready,
             "awaiting_reports_from": sorted(core.manager.awaiting),
             "members": dict(sorted(core.incarnations.items())),
             "sets": by_state, "placement": placement,
@@ -269,7 +290,7 @@ class ReplicationService:
             "prepare_timeouts": core.manager.prepare_timeouts,
             "preparing": {span.key: {"member": member, "seconds_left": left} for span, (member, left)
                           in sorted(core.manager.prepare_deadlines(time.monotonic()).items())},
-        }
+        })
 
 
 class _Sender:
@@ -278,15 +299,15 @@ class _Sender:
     An identical dispatch already on its way is not sent twice (ticks resend what is still
     missing; the member treats duplicates as no-ops anyway, this only saves traffic)."""
 
-    def __init__(self, service: ReplicationService, leadership: Leadership) -> None:
+    def __init__(self, service: ReplicationService, leadership: Leadership,
+                 loop: LeaderLoop[Input, None]) -> None:
         self.service = service
         self.leadership = leadership
+        self.loop = loop
         self.core: ReplicationCore | None = None
         self.trace_of: dict[Any, Any] = {}
         """span -> trace context of the newest schedule task for it (one entry per span)."""
-        self.inputs: asyncio.Queue[tuple[str, Any]] | None = None
         self._inflight: set[tuple[str, object, str]] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def send(self, d: Dispatch) -> None:
         key = (d.member, d.span, d.action.value)
@@ -296,9 +317,7 @@ class _Sender:
         if incarnation is None:
             return  # left meanwhile; the set already knows
         self._inflight.add(key)
-        task = asyncio.create_task(self._request(d, incarnation, key))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.loop.spawn(self._request(d, incarnation, key))
 
     async def _request(self, d: Dispatch, incarnation: str, key: tuple[str, object, str]) -> None:
         service = self.service
@@ -337,14 +356,8 @@ class _Sender:
             log.info("dispatch answered", extra={
                 "member": d.member, "span": d.span.key, "action": d.action.value, "epoch": d.epoch,
                 "verdict": answer.verdict, "state": answer.status.state})
-            if self.inputs is not None:
-                self.inputs.put_nowait(("answer", answer))
+            self.loop.inbox.put(answer)
         except Exception:
             log.warning("dispatch failed", exc_info=True, extra={"member": d.member, "span": d.span.key})
         finally:
             self._inflight.discard(key)
-
-    async def close(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

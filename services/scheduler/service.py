@@ -15,11 +15,10 @@ is recorded in the schedule stream before the answer is sent, so it survives a l
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -34,14 +33,15 @@ from contracts.events.scheduling import (
     SetChangedV1,
     TaskResultV1,
 )
-from libs.changefeeds import ChangefeedView, discover_spans
-from libs.control.follow import DomainFollower
+from libs.changefeeds import ChangefeedView, changefeeds_fold, discover_spans
+from libs.config import Settings
 from libs.control.members import MembersState, members_fold
 from libs.control.replication_state import ReplicationState, replication_fold
 from libs.control.schedule_state import ScheduleState, schedule_fold
 from libs.control.snapshots import SnapshotPolicy
 from libs.election import Leadership
-from libs.eventstore import DomainLog, StoredEvent
+from libs.eventstore import DomainLog, LeaderLog, LeaseView, StoredEvent
+from libs.leader_service import Entry, Followed, LeaderLoop
 from libs.scheduling import ChangefeedId, Span
 from libs.service import ServiceRuntime
 from libs.streams import command_subject
@@ -57,17 +57,6 @@ REQUESTS = Counter("sluice_scheduler_requests", "Operator requests answered.", [
 PENDING = Gauge("sluice_scheduler_tasks_in_flight", "Tasks recorded and not settled yet.")
 
 
-def _changefeeds_fold(view: ChangefeedView, stored: StoredEvent) -> ChangefeedView:
-    view.apply(stored.event)
-    return view
-
-
-@dataclass
-class _Request:
-    req: ScheduleRequestV1
-    answer: asyncio.Future[ScheduleRequestAnsweredV1]
-
-
 class SchedulerService:
     def __init__(self, runtime: ServiceRuntime) -> None:
         self.runtime = runtime
@@ -80,125 +69,37 @@ class SchedulerService:
                          settings=self.settings)
 
     async def lead(self, leadership: Leadership, domain_log: DomainLog[Any]) -> None:
-        settings = self.settings
-        state = domain_log.state
-        assert isinstance(state, ScheduleState)
-        core = SchedulerCore(state, add_batch_size=settings.scheduler_add_batch_size,
-                             max_task_concurrency=settings.scheduler_max_task_concurrency,
-                             balance_interval_s=settings.scheduler_balance_interval_s,
-                             task_timeout_s=settings.scheduler_task_timeout_s)
-        wake = asyncio.Event()
+        async with LeaderLoop[ScheduleRequestV1, ScheduleRequestAnsweredV1](
+                self.runtime, status_key="scheduling", refuse=_stepped_down, batch=True) as loop:
+            members = loop.follow("members", members_fold, MembersState, restore=MembersState.restore,
+                                  name="sched_members")
+            replication = loop.follow("replication", replication_fold, ReplicationState,
+                                      restore=ReplicationState.restore, name="sched_replication")
+            changefeeds = loop.follow("changefeeds", changefeeds_fold, ChangefeedView,
+                                      name="sched_changefeeds")
+            await loop.load()
+            handlers = SchedulerHandlers(leadership, domain_log, self.settings, members, replication,
+                                         changefeeds, discover=self._discover, wake=loop.inbox.wake,
+                                         publish_status=loop.publish_status)
+            members.on_event = handlers.on_other
+            replication.on_event = handlers.on_replication
+            changefeeds.on_event = handlers.on_changefeed
 
-        def on_replication(stored: StoredEvent) -> None:
-            ev = stored.event
-            if isinstance(ev, TaskResultV1):
-                core.on_task_result(ev)
-            elif isinstance(ev, SetChangedV1):
-                core.on_set_changed(ev)
-            elif isinstance(ev, LeaderElectedV1):
-                core.on_replication_epoch(ev.epoch)
-            wake.set()
+            async def on_request(msg: Msg) -> None:
+                try:
+                    decoded = REGISTRY.decode(msg.data)
+                    if not isinstance(decoded.event, ScheduleRequestV1):
+                        raise ContractError("unknown_type",
+                                            f"{decoded.envelope.type} is not a schedule request")
+                except ContractError as exc:
+                    await self._reply(msg, ScheduleRequestAnsweredV1(accepted=False, reason=str(exc)))
+                    return
+                await self._reply(msg, await loop.inbox.ask(decoded.event))
 
-        def on_other(_stored: StoredEvent) -> None:
-            wake.set()
-
-        members = DomainFollower(self.js, "members", members_fold, MembersState,
-                                 restore=MembersState.restore, on_event=on_other, name="sched_members",
-                                 settings=settings)
-        replication = DomainFollower(self.js, "replication", replication_fold, ReplicationState,
-                                     restore=ReplicationState.restore, on_event=on_replication,
-                                     name="sched_replication", settings=settings)
-        changefeeds_changed = asyncio.Event()
-
-        def on_changefeed(_stored: StoredEvent) -> None:
-            changefeeds_changed.set()
-            wake.set()
-
-        changefeeds = DomainFollower(self.js, "changefeeds", _changefeeds_fold, ChangefeedView,
-                                     on_event=on_changefeed, name="sched_changefeeds", settings=settings)
-        for follower in (members, replication, changefeeds):
-            await follower.load()
-        core.replication_epoch = replication.state.epoch
-        policy = SnapshotPolicy(settings.control_snapshot_every)
-        policy.opened(domain_log)
-        requests: asyncio.Queue[_Request] = asyncio.Queue()
-
-        async def on_request(msg: Msg) -> None:
-            try:
-                decoded = REGISTRY.decode(msg.data)
-                if not isinstance(decoded.event, ScheduleRequestV1):
-                    raise ContractError("unknown_type", f"{decoded.envelope.type} is not a schedule request")
-            except ContractError as exc:
-                await self._reply(msg, ScheduleRequestAnsweredV1(accepted=False, reason=str(exc)))
-                return
-            answer: asyncio.Future[ScheduleRequestAnsweredV1] = asyncio.get_running_loop().create_future()
-            requests.put_nowait(_Request(decoded.event, answer))
-            wake.set()
-            await self._reply(msg, await answer)
-
-        stop = asyncio.Event()
-        tasks = [asyncio.create_task(f.run(stop), name=f"follow-{f.domain}")
-                 for f in (members, replication, changefeeds)]
-        sub = await self.runtime.nc.subscribe(command_subject(DOMAIN), cb=on_request)
-        discovered: dict[ChangefeedId, list[Span]] | None = None
-        last_discovery = -1e9
-        changefeeds_changed.set()
-        log.info("scheduler leading", extra={"epoch": leadership.epoch,
-                                             "replication_epoch": replication.state.epoch})
-        try:
-            while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), timeout=settings.scheduler_interval_s)
-                wake.clear()
-                now = time.monotonic()
-                events: list[BaseModel] = []
-                while not requests.empty():
-                    item = requests.get_nowait()
-                    reason, event = core.request(item.req, members.state, replication.state)
-                    if event is not None:
-                        await domain_log.append(event)
-                        policy.appended()
-                    REQUESTS.labels(item.req.kind, str(reason is None).lower()).inc()
-                    item.answer.set_result(ScheduleRequestAnsweredV1(
-                        accepted=reason is None, reason=reason or "",
-                        leader=self.settings.instance_id))
-                due = now - last_discovery >= settings.scheduler_discovery_interval_s
-                if changefeeds_changed.is_set() or due:
-                    changefeeds_changed.clear()
-                    last_discovery = now
-                    found = await self._discover(changefeeds.state)
-                    if found is not None:
-                        discovered = found
-                if discovered is not None:
-                    events.extend(core.spans_changes(discovered))
-                for event in events:  # wanted spans first: the manager needs them before tasks
-                    await domain_log.append(event)
-                    policy.appended()
-                for event in core.round(members.state, replication.state, now):
-                    # The root of the task's trace: the manager's dispatches and the worker's
-                    # handling continue it (context in the NATS headers).
-                    with tracer().start_as_current_span(f"schedule {REGISTRY.key_of(type(event))[0]}"):
-                        await domain_log.append(event)
-                    policy.appended()
-                    TASKS.labels(REGISTRY.key_of(type(event))[0]).inc()
-                    log.info("recorded %s", REGISTRY.key_of(type(event))[0],
-                             extra={"epoch": leadership.epoch, **event.model_dump(mode="json")})
-                await policy.maybe_snapshot(domain_log)
-                PENDING.set(len(core.pending))
-                self._publish_status(core, members.state, replication.state)
-        finally:
-            stop.set()
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            while not requests.empty():
-                item = requests.get_nowait()
-                if not item.answer.done():
-                    item.answer.set_result(ScheduleRequestAnsweredV1(
-                        accepted=False, reason="the scheduler leader stepped down; try again"))
-            self.runtime.status.pop("scheduling", None)
+            await loop.subscribe(command_subject(DOMAIN), on_request)
+            log.info("scheduler leading", extra={"epoch": leadership.epoch,
+                                                 "replication_epoch": replication.state.epoch})
+            await loop.run(handlers.handle, handlers.tick, lambda: self.settings.scheduler_interval_s)
 
     async def _discover(self, view: ChangefeedView) -> dict[ChangefeedId, list[Span]] | None:
         """Every running changefeed's spans; None when the ROWS stream cannot tell (missing or
@@ -221,10 +122,102 @@ class SchedulerService:
             with contextlib.suppress(Exception):
                 await msg.respond(REGISTRY.encode(answer, producer=self.runtime.producer))
 
-    def _publish_status(self, core: SchedulerCore, members: MembersState,
-                        replication: ReplicationState) -> None:
+
+def _stepped_down(_req: ScheduleRequestV1) -> ScheduleRequestAnsweredV1:
+    return ScheduleRequestAnsweredV1(accepted=False, reason="the scheduler leader stepped down; try again")
+
+
+Discover = Callable[[ChangefeedView], Awaitable[dict[ChangefeedId, list[Span]] | None]]
+
+
+class SchedulerHandlers:
+    """One term's handlers: operator requests, and per turn a ``SchedulerCore`` round over the
+    followed members, replication and changefeeds state."""
+
+    def __init__(self, leadership: LeaseView, domain_log: LeaderLog, settings: Settings,
+                 members: Followed[MembersState], replication: Followed[ReplicationState],
+                 changefeeds: Followed[ChangefeedView], *, discover: Discover,
+                 wake: Callable[[], None], publish_status: Callable[[dict[str, Any]], None]) -> None:
+        state = domain_log.state
+        assert isinstance(state, ScheduleState)
+        self.epoch = leadership.epoch
+        self.domain_log = domain_log
+        self.settings = settings
+        self.members, self.replication, self.changefeeds = members, replication, changefeeds
+        self.discover = discover
+        self.wake = wake
+        self.publish_status = publish_status
+        self.core = SchedulerCore(state, add_batch_size=settings.scheduler_add_batch_size,
+                                  max_task_concurrency=settings.scheduler_max_task_concurrency,
+                                  balance_interval_s=settings.scheduler_balance_interval_s,
+                                  task_timeout_s=settings.scheduler_task_timeout_s)
+        self.core.replication_epoch = replication.state.epoch
+        self.policy = SnapshotPolicy(settings.control_snapshot_every)
+        self.policy.opened(domain_log)
+        self.changefeeds_changed = True
+        self.discovered: dict[ChangefeedId, list[Span]] | None = None
+        self.last_discovery = -1e9
+
+    def on_replication(self, stored: StoredEvent) -> None:
+        ev = stored.event
+        if isinstance(ev, TaskResultV1):
+            self.core.on_task_result(ev)
+        elif isinstance(ev, SetChangedV1):
+            self.core.on_set_changed(ev)
+        elif isinstance(ev, LeaderElectedV1):
+            self.core.on_replication_epoch(ev.epoch)
+        self.wake()
+
+    def on_changefeed(self, _stored: StoredEvent) -> None:
+        self.changefeeds_changed = True
+        self.wake()
+
+    def on_other(self, _stored: StoredEvent) -> None:
+        self.wake()
+
+    async def handle(self, entry: Entry[ScheduleRequestV1, ScheduleRequestAnsweredV1]) -> None:
+        req = entry.item
+        reason, event = self.core.request(req, self.members.state, self.replication.state)
+        if event is not None:
+            await self.domain_log.append(event)
+            self.policy.appended()
+        REQUESTS.labels(req.kind, str(reason is None).lower()).inc()
+        entry.reply(ScheduleRequestAnsweredV1(accepted=reason is None, reason=reason or "",
+                                              leader=self.settings.instance_id))
+
+    async def tick(self) -> None:
+        core, domain_log, policy = self.core, self.domain_log, self.policy
+        now = time.monotonic()
+        events: list[BaseModel] = []
+        due = now - self.last_discovery >= self.settings.scheduler_discovery_interval_s
+        if self.changefeeds_changed or due:
+            self.changefeeds_changed = False
+            self.last_discovery = now
+            found = await self.discover(self.changefeeds.state)
+            if found is not None:
+                self.discovered = found
+        if self.discovered is not None:
+            events.extend(core.spans_changes(self.discovered))
+        for event in events:  # wanted spans first: the manager needs them before tasks
+            await domain_log.append(event)
+            policy.appended()
+        for event in core.round(self.members.state, self.replication.state, now):
+            # The root of the task's trace: the manager's dispatches and the worker's
+            # handling continue it (context in the NATS headers).
+            with tracer().start_as_current_span(f"schedule {REGISTRY.key_of(type(event))[0]}"):
+                await domain_log.append(event)
+            policy.appended()
+            TASKS.labels(REGISTRY.key_of(type(event))[0]).inc()
+            log.info("recorded %s", REGISTRY.key_of(type(event))[0],
+                     extra={"epoch": self.epoch, **event.model_dump(mode="json")})
+        await policy.maybe_snapshot(domain_log)
+        PENDING.set(len(core.pending))
+        self._publish_status()
+
+    def _publish_status(self) -> None:
+        core, members, replication = self.core, self.members.state, self.replication.state
         loads: dict[str, int] = {m: replication.index.load(m) for m in members.members}
-        self.runtime.status["scheduling"] = {
+        self.publish_status({
             "replication_ready": replication.ready,
             "replication_epoch": replication.epoch,
             "usable_members": sorted(core.usable_members(members, replication, core.state)),
@@ -235,4 +228,4 @@ class SchedulerService:
             "tasks_emitted": core.tasks_emitted,
             "tasks_timed_out": core.tasks_timed_out,
             "operator_moves": [f"{s.key} -> {d}" for s, d in core.state.moves.items()],
-        }
+        })

@@ -19,6 +19,7 @@ from sqlmodel import Session, select
 
 from contracts.events.changefeeds import ChangefeedSpecV5
 from contracts.events.scheduling import ScheduleRequestV1, SpanRefV1
+from contracts.events.shard_ddl import DdlCommandV1
 from libs.nats_client import read_json
 from libs.streams import (
     CHECKPOINT_BUCKET,
@@ -260,7 +261,7 @@ async def status(ctx: ApiContext = Depends(get_ctx)) -> StatusOut:
     locks: list[dict[str, Any]] = []
     error = None
     try:
-        answer = await request_json(ctx, command_subject("ddl"), {"action": "list"}, "ddl-lock")
+        answer = await request_json(ctx, command_subject("ddl"), DdlCommandV1(action="list"), "ddl-lock")
         raw = answer.get("locks")
         locks = [lk for lk in raw if isinstance(lk, dict)] if isinstance(raw, list) else []
     except HTTPException as exc:

@@ -1,0 +1,216 @@
+"""An in-memory domain log for unit tests of the leaders' handlers: no nats-server.
+
+Modelled on the eventsourcing library's POPO recorder (plain Python objects behind the same
+interface as the real recorder): ``MemoryStream`` stands for one JetStream stream (sequences
+from 1, the expected-last-sequence check, the newest snapshot kept per rollup) and
+``MemoryDomainLog`` has ``DomainLog``'s interface and semantics over it: ``open`` replays the
+newest snapshot plus the events after it and appends ``LeaderElected``, refusing a log that
+holds a newer epoch; every append is fenced on the last sequence this log knows, so a second
+writer on the same stream makes the first one's next append raise ``Fenced``; the lease is
+checked before each append. Messages go through the contracts registry as JSON both ways, so
+what a test reads back is what a follower would decode (upcast to the newest version).
+
+Not modelled: acks lost in flight (the real log's retry with the same message id), dead
+letters (nothing undecodable gets in), stream configuration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Generic, TypeVar, cast
+
+from pydantic import BaseModel
+
+from contracts import REGISTRY, Envelope
+from contracts.envelope import new_event_id
+from contracts.events.leadership import LeaderElectedV1
+from contracts.events.snapshots import SnapshotTakenV1
+from libs.eventstore.domain_log import Fenced, LeaseLost, LeaseView
+from libs.eventstore.snapshots import Fold, Loaded, Restore
+from libs.eventstore.store import AppendConflict, StoredEvent
+from libs.streams import domain_events_subject, domain_fold_subjects, domain_snapshot_subject, domain_stream
+
+S = TypeVar("S")
+
+
+class MemoryStream:
+    """One stream's messages in memory, in sequence order (the POPO recorder)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._messages: list[tuple[str, dict[str, str], bytes]] = []
+        self._rolled_up: set[int] = set()
+        self._appended = asyncio.Event()
+
+    @property
+    def last_seq(self) -> int:
+        return len(self._messages)
+
+    def append(self, subject: str, envelope: Envelope, *, expected_last_seq: int | None = None,
+               headers: Mapping[str, str] | None = None, rollup: bool = False) -> int:
+        """Store one message; with ``expected_last_seq`` only if the stream ends there (else
+        ``AppendConflict``, like JetStream's ``Nats-Expected-Last-Sequence``)."""
+        if expected_last_seq is not None and expected_last_seq != self.last_seq:
+            raise AppendConflict(self.name, subject, expected_last_seq, "wrong last sequence",
+                                 self.last_seq)
+        if rollup:  # Nats-Rollup: sub keeps only the newest message of the subject
+            self._rolled_up.update(seq for seq, (subj, _h, _d) in enumerate(self._messages, 1)
+                                   if subj == subject)
+        self._messages.append((subject, dict(headers or {}), envelope.model_dump_json().encode()))
+        seq = self.last_seq
+        self._appended.set()
+        return seq
+
+    def get(self, seq: int) -> StoredEvent | None:
+        if not 1 <= seq <= self.last_seq or seq in self._rolled_up:
+            return None
+        subject, headers, data = self._messages[seq - 1]
+        decoded = REGISTRY.decode(data)
+        return StoredEvent(seq=seq, subject=subject, headers=dict(headers), envelope=decoded.envelope,
+                           event=decoded.event, original_version=decoded.original_version)
+
+    def last_of(self, subject: str) -> StoredEvent | None:
+        for seq in range(self.last_seq, 0, -1):
+            if self._messages[seq - 1][0] == subject:
+                return self.get(seq)
+        return None
+
+    def read(self, subjects: list[str] | None = None, from_seq: int = 1,
+             until_seq: int | None = None) -> list[StoredEvent]:
+        """The messages of ``subjects`` (all without) from ``from_seq`` to ``until_seq``."""
+        end = self.last_seq if until_seq is None else min(until_seq, self.last_seq)
+        found = []
+        for seq in range(max(1, from_seq), end + 1):
+            if subjects is None or self._messages[seq - 1][0] in subjects:
+                stored = self.get(seq)
+                if stored is not None:
+                    found.append(stored)
+        return found
+
+    async def follow(self, subjects: list[str] | None = None,
+                     from_seq: int = 1) -> AsyncIterator[StoredEvent]:
+        """Every message of ``subjects`` from ``from_seq`` on, waiting for new ones (the
+        follower's view); ends only when the consumer stops iterating."""
+        next_seq = from_seq
+        while True:
+            if self.last_seq < next_seq:
+                # No await between the check and the wait: an append cannot slip in between.
+                self._appended.clear()
+                await self._appended.wait()
+                continue
+            for stored in self.read(subjects, next_seq):
+                yield stored
+            next_seq = self.last_seq + 1
+
+
+class MemoryDomainLog(Generic[S]):
+    """``DomainLog`` over a ``MemoryStream`` (its own, or one shared with another writer or a
+    reader). Same constructor keywords, minus the JetStream context and settings."""
+
+    def __init__(self, domain: str, *, producer: str, stream: MemoryStream | None = None,
+                 fold: Fold[S] | None = None, initial: S | None = None,
+                 restore: Restore[S] | None = None,
+                 dump: Callable[[S], dict[str, Any]] | None = None) -> None:
+        self.domain = domain
+        self.producer = producer
+        self.memory = stream if stream is not None else MemoryStream(domain_stream(domain))
+        self.events_subject = domain_events_subject(domain)
+        self.snapshot_subject = domain_snapshot_subject(domain)
+        self.fold_subjects = domain_fold_subjects(domain)
+        self._fold = fold
+        self._initial = initial
+        self._restore = restore
+        self._dump = dump
+        self.state: S | None = initial
+        self.epoch = 0
+        self.last_seq = 0
+        self.leadership: LeaseView | None = None
+        self.loaded: Loaded[Any] | None = None
+        self.fenced = False
+        self._opened = False
+
+    @property
+    def stream(self) -> str:
+        return self.memory.name
+
+    def replay(self) -> Loaded[Any]:
+        """Newest snapshot's state plus the events after it (``Snapshots.load``)."""
+        end = self.memory.last_seq
+        snap = self.memory.last_of(self.snapshot_subject)
+        state: Any = self._initial
+        state_seq = max_epoch = 0
+        if snap is not None:
+            assert isinstance(snap.event, SnapshotTakenV1)
+            state = self._restore(snap.event.state) if self._restore else snap.event.state
+            state_seq, max_epoch = snap.event.up_to_seq, snap.envelope.epoch
+        replayed = 0
+        for stored in self.memory.read(self.fold_subjects, state_seq + 1, end):
+            if self._fold is not None:
+                state = self._fold(state, stored)
+            state_seq = stored.seq
+            max_epoch = max(max_epoch, stored.envelope.epoch)
+            replayed += 1
+        return Loaded(state=state, last_seq=end, state_seq=state_seq,
+                      snapshot_seq=snap.seq if snap is not None else None, events_replayed=replayed,
+                      max_epoch=max_epoch)
+
+    async def open(self, service: str, candidate: str, epoch: int,
+                   leadership: LeaseView | None = None) -> int:
+        self.epoch = epoch
+        self.leadership = leadership
+        loaded = self.loaded = self.replay()
+        self.state = cast(S, loaded.state)
+        self.last_seq = loaded.last_seq
+        self._opened = True
+        if loaded.max_epoch > epoch:
+            self.fenced = True
+            raise Fenced(self.stream, self.events_subject, self.last_seq,
+                         f"log already holds epoch {loaded.max_epoch} > {epoch}")
+        return await self.append(LeaderElectedV1(service=service, candidate=candidate, epoch=epoch))
+
+    def _check_can_append(self) -> None:
+        if not self._opened:
+            raise RuntimeError("DomainLog.open() first")
+        if self.fenced:
+            raise Fenced(self.stream, self.events_subject, self.last_seq, "fenced earlier")
+        if self.leadership is not None and not self.leadership.valid():
+            self.fenced = True
+            raise LeaseLost(self.stream, self.events_subject, self.last_seq, "lease no longer valid")
+
+    def _publish(self, subject: str, envelope: Envelope, headers: Mapping[str, str] | None,
+                 rollup: bool = False) -> int:
+        try:
+            seq = self.memory.append(subject, envelope, expected_last_seq=self.last_seq, headers=headers,
+                                     rollup=rollup)
+        except AppendConflict as exc:
+            self.fenced = True
+            raise Fenced(exc.stream, exc.subject, self.last_seq, exc.detail, exc.actual_last_seq) from None
+        self.last_seq = seq
+        return seq
+
+    async def append(self, event: BaseModel, *, msg_id: str | None = None,
+                     headers: Mapping[str, str] | None = None) -> int:
+        self._check_can_append()
+        envelope = REGISTRY.envelope(event, producer=self.producer, epoch=self.epoch,
+                                     event_id=msg_id or new_event_id())
+        seq = self._publish(self.events_subject, envelope, headers)
+        if self._fold is not None:
+            stored = self.memory.get(seq)
+            assert stored is not None
+            self.state = self._fold(cast(S, self.state), stored)
+        return seq
+
+    async def snapshot(self, state: dict[str, Any] | None = None) -> int:
+        self._check_can_append()
+        if state is None:
+            if self._fold is None:
+                raise ValueError("this DomainLog keeps no state: pass the state to snapshot")
+            state = self._dump(cast(S, self.state)) if self._dump else cast(dict[str, Any], self.state)
+        body = SnapshotTakenV1(domain=self.domain, up_to_seq=self.last_seq, state=state)
+        envelope = REGISTRY.envelope(body, producer=self.producer, epoch=self.epoch)
+        return self._publish(self.snapshot_subject, envelope, None, rollup=True)
+
+    def events(self) -> list[BaseModel]:
+        """The events subject's events in order (what a test asserts on)."""
+        return [stored.event for stored in self.memory.read([self.events_subject])]

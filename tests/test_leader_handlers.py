@@ -1,0 +1,293 @@
+"""Each leader service's handlers against the in-memory domain log (``MemoryDomainLog``): no
+nats-server, no processes. The process tests (test_control_plane, test_ddl_lock_service,
+test_shard_ddl_process, ...) cover the same services end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from contracts import REGISTRY
+from contracts.events import shard_ddl as c
+from contracts.events.leadership import LeaderElectedV1
+from contracts.events.members import MemberJoinedV2, MemberLeftV1
+from contracts.events.scheduling import (
+    AddTableV1,
+    MemberHeartbeatV1,
+    RebuiltV1,
+    ScheduleRequestAnsweredV1,
+    ScheduleRequestV1,
+    SpansChangedV1,
+    TaskResultV1,
+)
+from contracts.events.snapshots import SnapshotTakenV1
+from libs.config import Settings
+from libs.control.changefeeds_state import ChangefeedView
+from libs.control.convert import span_ref
+from libs.control.ddl_state import DdlState, ddl_fold
+from libs.control.members import MembersState, members_fold
+from libs.control.replication_state import ReplicationState, replication_fold
+from libs.control.schedule_state import ScheduleState, schedule_fold
+from libs.eventstore import Fenced, LeaseLost, MemoryDomainLog, MemoryStream
+from libs.leader_service import Entry, Inbox
+from libs.routing import TableRef, Target
+from libs.scheduling import ChangefeedId, Span
+from libs.shard_ddl.lock import LockKeeper, LockKey
+from services.ddl_lock.service import CommandError, DdlLockHandlers, decode_command
+from services.member.service import MemberHandlers
+from services.replication_manager.service import ReplicationHandlers
+from services.scheduler.service import SchedulerHandlers
+
+EPOCH = 7
+SPANS = [Span("cf", "src", "db", f"t{i}") for i in range(3)]
+
+
+@dataclass
+class Lease:
+    epoch: int = EPOCH
+    ok: bool = True
+
+    def valid(self) -> bool:
+        return self.ok
+
+
+@dataclass
+class Fixed:
+    """A followed domain's state, fixed for the test."""
+
+    state: Any
+
+
+def _members(*names: str) -> MembersState:
+    state = MembersState()
+    for n in names:
+        state.apply(MemberJoinedV2(member_id=n, incarnation=f"inc-{n}"))
+    return state
+
+
+def _ready_replication(members: dict[str, str]) -> ReplicationState:
+    rep = ReplicationState()
+    rep.apply(LeaderElectedV1(service="replication-manager", candidate="r", epoch=3))
+    rep.apply(RebuiltV1(members=members, sets=0, waited_s=0))
+    return rep
+
+
+async def _opened(domain: str, fold: Any, initial: Any, lease: Lease | None = None,
+                  stream: MemoryStream | None = None, **kw: Any) -> MemoryDomainLog[Any]:
+    log: MemoryDomainLog[Any] = MemoryDomainLog(domain, producer=f"{domain}/test", stream=stream, fold=fold,
+                                                initial=initial, **kw)
+    await log.open(domain, "me", (lease or Lease()).epoch, lease or Lease())
+    return log
+
+
+# ---------------------------------------------------------------- the in-memory log itself
+
+
+async def test_memory_log_fences_a_second_writer_and_replays_from_its_snapshot() -> None:
+    stream = MemoryStream("CTL_MEMBERS")
+    first = await _opened("members", members_fold, MembersState(), stream=stream,
+                          restore=MembersState.restore, dump=MembersState.dump)
+    await first.append(MemberJoinedV2(member_id="w1", incarnation="a"))
+    await first.snapshot()
+    await first.append(MemberJoinedV2(member_id="w2", incarnation="b"))
+    second = await _opened("members", members_fold, MembersState(), Lease(epoch=EPOCH + 1), stream=stream,
+                           restore=MembersState.restore, dump=MembersState.dump)
+    assert second.loaded is not None and second.loaded.snapshot_seq == 3
+    assert second.loaded.events_replayed == 1  # only what came after the snapshot
+    assert sorted(second.state.members) == ["w1", "w2"]
+    with pytest.raises(Fenced):  # the successor's LeaderElected moved the end of the log
+        await first.append(MemberLeftV1(member_id="w1", incarnation="a", reason="test"))
+    with pytest.raises(Fenced):  # a stale epoch may not open the log at all
+        await _opened("members", members_fold, MembersState(), Lease(epoch=EPOCH), stream=stream,
+                      restore=MembersState.restore)
+    lease = Lease(epoch=EPOCH + 5)
+    third = await _opened("members", members_fold, MembersState(), lease, stream=stream,
+                          restore=MembersState.restore)
+    lease.ok = False
+    with pytest.raises(LeaseLost):
+        await third.append(MemberLeftV1(member_id="w1", incarnation="a", reason="test"))
+    kinds = [type(e).__name__ for e in second.events()]
+    assert kinds == ["LeaderElectedV1", "MemberJoinedV2", "MemberJoinedV2", "LeaderElectedV1",
+                     "LeaderElectedV1"]
+    assert [type(s.event) for s in stream.read([second.snapshot_subject])] == [SnapshotTakenV1]
+
+
+async def test_memory_stream_follow_sees_later_appends() -> None:
+    log = await _opened("members", members_fold, MembersState())
+    seen: list[str] = []
+
+    async def follow() -> None:
+        async for stored in log.memory.follow([log.events_subject]):
+            seen.append(type(stored.event).__name__)
+            if len(seen) == 2:
+                return
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0)  # let the follower reach the end of the log before the append
+    await log.append(MemberJoinedV2(member_id="w1", incarnation="a"))
+    await asyncio.wait_for(task, 5)
+    assert seen == ["LeaderElectedV1", "MemberJoinedV2"]
+
+
+async def test_inbox_batches_and_answers() -> None:
+    inbox: Inbox[str, str] = Inbox()
+    inbox.put("a")
+    asked = asyncio.create_task(inbox.ask("b"))
+    await asyncio.sleep(0)
+    await inbox.wait(5)
+    entries = inbox.take(None)
+    assert [e.item for e in entries] == ["a", "b"]
+    entries[1].reply("answer")
+    assert await asked == "answer"
+    inbox.wake()
+    await asyncio.wait_for(inbox.wait(60), 5)  # a wake ends the wait without an input
+    assert inbox.take(1) == []
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+async def test_scheduler_handlers_answer_requests_and_record_tasks() -> None:
+    log = await _opened("schedule", schedule_fold, ScheduleState(), restore=ScheduleState.restore,
+                        dump=ScheduleState.dump)
+    status: dict[str, Any] = {}
+
+    async def discover(_view: ChangefeedView) -> dict[ChangefeedId, list[Span]] | None:
+        return {"cf": SPANS}
+
+    h = SchedulerHandlers(Lease(), log, Settings(scheduler_balance_interval_s=0.001), Fixed(_members("w1")),
+                          Fixed(_ready_replication({"w1": "inc-w1"})), Fixed(ChangefeedView()),
+                          discover=discover, wake=lambda: None, publish_status=status.update)
+    answer: asyncio.Future[ScheduleRequestAnsweredV1] = asyncio.get_running_loop().create_future()
+    await h.handle(Entry(ScheduleRequestV1(kind="drain", member_id="w9", requested_by="ops"), answer))
+    assert not answer.result().accepted and "w9" in answer.result().reason
+    await h.tick()
+    events = log.events()
+    assert isinstance(events[1], SpansChangedV1) and len(events[1].spans) == 3
+    assert [type(e) for e in events[2:]] == [AddTableV1] * 3  # wanted spans first, then the tasks
+    assert status["tasks_in_flight"] == 3 and status["wanted_spans"] == 3
+    await h.tick()
+    assert len(log.events()) == 5  # tasks in flight are not planned twice
+
+
+# ---------------------------------------------------------------- replication-manager
+
+
+async def test_replication_handlers_rebuild_and_follow_members() -> None:
+    log = await _opened("replication", replication_fold, ReplicationState(),
+                        restore=ReplicationState.restore, dump=ReplicationState.dump)
+    sent: list[Any] = []
+    schedule = ScheduleState()
+    h = ReplicationHandlers(Lease(), log, Settings(), _members("w1"), schedule, started=0.0,
+                            send=sent.append, publish_status=lambda _s: None)
+    await h.start()
+    assert not h.core.ready and h.core.manager.awaiting == {"w1"}
+    await h.handle(Entry(MemberHeartbeatV1(member_id="w1", incarnation="inc-w1", epoch=EPOCH, seq=1)))
+    assert h.core.ready
+    assert any(isinstance(e, RebuiltV1) for e in log.events())
+    await h.handle(Entry(MemberJoinedV2(member_id="w2", incarnation="inc-w2")))
+    assert h.core.incarnations == {"w1": "inc-w1", "w2": "inc-w2"}
+    await h.handle(Entry(SpansChangedV1(changefeed="cf", spans=[span_ref(s) for s in SPANS])))
+    await h.handle(Entry(AddTableV1(span=span_ref(SPANS[0]), member_id="w1", task_id="t1", checkpoint_ts=1)))
+    assert [(d.member, d.action.value) for d in sent] == [("w1", "add-prepare")]
+    results = [e for e in log.events() if isinstance(e, TaskResultV1)]
+    assert [r.accepted for r in results] == [True]
+
+
+# ---------------------------------------------------------------- member
+
+
+async def test_member_handlers_join_and_expire() -> None:
+    log = await _opened("members", members_fold, MembersState(), restore=MembersState.restore,
+                        dump=MembersState.dump)
+    status: dict[str, Any] = {}
+    probed: list[tuple[str, str]] = []
+    h = MemberHandlers(Lease(), log, Settings(member_ttl_s=5.0), probe=lambda m, i: probed.append((m, i)),
+                       reconnects=lambda: 0, publish_status=status.update)
+    await h.handle(Entry(MemberHeartbeatV1(member_id="w1", incarnation="a", seq=1)))
+    await h.tick()
+    assert sorted(log.state.members) == ["w1"] and status["w1"]["incarnation"] == "a"
+    h.tracker.last_seen["w1"] -= 60  # silent for longer than the TTL
+    await h.tick()
+    assert [type(e) for e in log.events()] == [LeaderElectedV1, MemberJoinedV2, MemberLeftV1]
+    assert log.state.members == {}
+
+
+# ---------------------------------------------------------------- ddl-lock
+
+
+async def _ddl() -> tuple[DdlLockHandlers, MemoryDomainLog[Any], list[tuple[str, bytes]]]:
+    log = await _opened("ddl", ddl_fold, DdlState(LockKeeper(resend_after=30.0)))
+    sent: list[tuple[str, bytes]] = []
+
+    async def send(subject: str, body: bytes) -> None:
+        sent.append((subject, body))
+
+    async def discover(_specs: Any) -> Any:
+        raise AssertionError("not expected in this test")
+
+    h = DdlLockHandlers(log, Settings(), Fixed(ChangefeedView()), send=send, discover=discover,
+                        publish_status=lambda _s: None, producer="ddl-lock/test")
+    return h, log, sent
+
+
+async def _ask(h: DdlLockHandlers, item: Any) -> bytes:
+    answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    await h.handle(Entry(item, answer))
+    return answer.result()
+
+
+async def test_ddl_lock_handlers_commands() -> None:
+    h, _log, _sent = await _ddl()
+    assert json.loads(await _ask(h, c.DdlCommandV1(action="list"))) == {"ok": True, "locks": []}
+    shown = json.loads(await _ask(h, c.DdlCommandV1(action="show", changefeed="cf", target="db.t")))
+    assert shown["code"] == 404
+    bare = json.loads(await _ask(h, c.DdlCommandV1(action="show", changefeed="cf")))
+    assert bare["code"] == 422 and "target is required" in bare["error"]
+
+
+@pytest.mark.parametrize(("raw", "why"), [
+    (b"not json", "not JSON"),
+    (b"[1]", "JSON object"),
+    (b'{"action": "explode"}', "action"),
+    (b'{"action": "list", "extra": 1}', "extra"),
+    (REGISTRY.encode(LeaderElectedV1(service="x", candidate="y", epoch=1), producer="t"),
+     "not a ddl-lock command"),
+    (REGISTRY.encode(c.DdlCommandV1(action="list"), producer="t").replace(b'"version":1', b'"version":9'),
+     "version"),
+])
+def test_ddl_commands_decode_only_the_registered_contract(raw: bytes, why: str) -> None:
+    with pytest.raises(CommandError) as caught:
+        decode_command(raw)
+    assert caught.value.code == 422 and why in str(caught.value)
+
+
+def test_ddl_commands_in_an_envelope_or_bare() -> None:
+    cmd = c.DdlCommandV1(action="unlock", changefeed="cf", target="db.t", mode="skip", requested_by="ops",
+                         reason="r")
+    assert decode_command(REGISTRY.encode(cmd, producer="t")) == cmd
+    assert decode_command(cmd.model_dump_json(exclude_none=True).encode()) == cmd
+
+
+async def test_ddl_lock_handlers_lock_a_known_group_and_record_it() -> None:
+    h, log, sent = await _ddl()
+    key = LockKey("cf", Target("db", "t"))
+    h.groups = {key: frozenset({TableRef("s1", "db", "t"), TableRef("s2", "db", "t")})}
+    info = c.ShardInfoV1(changefeed="cf", target=c.TargetRefV1(database="db", table="t"),
+                         span=c.ShardRefV1(source="s1", database="db", table="t"),
+                         ddls=["ALTER TABLE t ADD c INT"], position=5)
+    assert await _ask(h, info) == b"ok"
+    assert key in h.keeper.locks
+    recorded = [type(e).__name__ for e in log.events()]
+    assert "LockCreatedV1" in recorded and "InfoReceivedV1" in recorded
+    dropped = c.ShardDroppedV1(changefeed="cf", target=c.TargetRefV1(database="db", table="t"),
+                               span=c.ShardRefV1(source="s2", database="db", table="t"), position=9,
+                               reason="DROP TABLE")
+    assert await _ask(h, dropped) == b"ok"
+    assert ("cf", TableRef("s2", "db", "t")) in log.state.dropped
+    # The only other shard left: the lock resolves and s1 is told to execute.
+    assert any(b'"exec"' in body for _subject, body in sent)
