@@ -360,7 +360,7 @@ def chunks_per_job(pending: int, parallelism: int, chunk_rows: int, job_rows: in
 class CopyPool:
     """Copies chunks as a pool of at most ``parallelism`` Spark jobs in flight, each one task
     that copies a few chunks in turn: a free slot starts the next job as soon as one ends, so
-    neither server waits for the slowest task of a wave, and each job's chunks are recorded
+    no slot waits for the slowest task of a wave, and each job's chunks are recorded
     as it ends.
 
     Every job carries the pool's tag (``addTag``, per thread), so ``cancel`` interrupts exactly
