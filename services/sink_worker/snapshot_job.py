@@ -303,13 +303,15 @@ def copy_arrow(job: CopyJob, tasks: tuple[tuple[Chunk, ...], ...],
     written)`` for each."""
     from libs.gc_pause import gc_paused
 
-    with gc_paused():
-        for batch in batches:
-            for index in batch.column(0).to_pylist():
-                for chunk in tasks[index]:
+    for batch in batches:
+        for index in batch.column(0).to_pylist():
+            for chunk in tasks[index]:
+                # Paused a chunk at a time: what a chunk leaves in cycles is collected before
+                # the next one, so a task's memory does not grow with its chunks.
+                with gc_paused():
                     rows = copy_chunk(job, chunk)
-                    yield pa.RecordBatch.from_arrays([pa.array([chunk.id], pa.int64()),
-                                                      pa.array([rows], pa.int64())], names=["chunk", "rows"])
+                yield pa.RecordBatch.from_arrays([pa.array([chunk.id], pa.int64()),
+                                                  pa.array([rows], pa.int64())], names=["chunk", "rows"])
 
 
 def copy_partition(job: CopyJob, tasks: Iterator[Sequence[Chunk]]) -> Iterator[tuple[int, int]]:
@@ -317,10 +319,11 @@ def copy_partition(job: CopyJob, tasks: Iterator[Sequence[Chunk]]) -> Iterator[t
     of the partition's tasks."""
     from libs.gc_pause import gc_paused
 
-    with gc_paused():
-        for chunks in tasks:
-            for chunk in chunks:
-                yield chunk.id, copy_chunk(job, chunk)
+    for chunks in tasks:
+        for chunk in chunks:
+            with gc_paused():  # a chunk at a time, as in copy_arrow
+                rows = copy_chunk(job, chunk)
+            yield chunk.id, rows
 
 
 def _is_connect(spark: SparkSession) -> bool:
