@@ -5,7 +5,8 @@ The consistent start point is a pair of watermarks over the ROWS stream (see DES
 1. low watermark: the source's newest resolved mark (ts and stream sequence) read *before* the
    first chunk. Every transaction in the stream before it committed before the copy began.
 2. copy: the table in primary-key chunks (``snapshot_job``, Spark), each chunk one short read
-   with no lock held across chunks; each finished chunk is recorded in the progress record.
+   with no lock held across chunks; finished chunks are recorded in the progress record as
+   each copy job (a few chunks) ends.
 3. high watermark: the newest resolved mark once the last chunk is read (waiting, bounded,
    for a mark newer than the end of the copy).
 4. the span's checkpoint is created at the low watermark and the span streams from there:
