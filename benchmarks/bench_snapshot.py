@@ -8,8 +8,8 @@ Starts private servers (MariaDB source, MariaDB downstream with the test servers
 PostgreSQL downstream) and fills a source table with ``--rows`` rows (BIGINT key, VARCHAR,
 DECIMAL, DATETIME(6), TINYINT, a nullable TEXT). Then:
 
-- the initial load's copy into MariaDB: ``snapshot_job.plan_chunks`` and ``run_copy`` (the
-  Spark job the worker runs), in waves of ``--parallelism`` chunks as ``snapshot.InitialLoads``
+- the initial load's copy into MariaDB: ``snapshot_job.plan_chunks`` and a ``CopyPool`` (the
+  Spark jobs of a few chunks each the worker runs), ``--parallelism`` in flight as ``snapshot.InitialLoads``
   runs them, from the source through pymysql unbuffered reads and the sink's bulk path
   (``LOAD DATA LOCAL ... REPLACE`` streamed from memory). The clock starts after the target
   table is created and Spark is warm (a first tiny job ran), and includes the chunk planning;
@@ -44,6 +44,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -56,7 +58,16 @@ from libs.localservers.postgres import PostgreSQL
 from libs.spark import get_spark, stop_spark
 from services.capture.table_meta import load_table_info
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.snapshot_job import CopyJob, connect_source, copy_chunk, plan_chunks, run_copy
+from services.sink_worker.snapshot import SnapshotOptions
+from services.sink_worker.snapshot_job import (
+    CopyJob,
+    CopyPool,
+    chunks_per_job,
+    connect_source,
+    copy_chunk,
+    plan_chunks,
+    run_copy,
+)
 from services.sink_worker.snapshot_plan import Chunk
 from services.sink_worker.span import Span, target_for
 
@@ -82,11 +93,11 @@ def _fill(source: MariaDB, rows: int) -> None:
             f" FROM {_SCHEMA}.seq_{start}_to_{end}")
 
 
-def _import_copy(x: int) -> int:
+def _import_copy(batches: Iterator[Any]) -> Iterator[Any]:
     import services.sink_worker.sinks.factory
     import services.sink_worker.snapshot_job  # noqa: F401
 
-    return x
+    yield from batches
 
 
 def _checksum(db: MariaDB, schema: str) -> tuple[int, int]:
@@ -118,17 +129,38 @@ def _snapshot(source: MariaDB, sink_url: str, schema: str, args: argparse.Namesp
     started = time.monotonic()
     chunks = plan_chunks(conn, _SCHEMA, _TABLE, job.chunk_key, meta, args.chunk_rows, args.rows)
     planned = time.monotonic() - started
+    planned_chunks = len(chunks)
     copied = 0
-    for first in range(0, len(chunks), args.parallelism):
-        copied += sum(run_copy(spark, job, chunks[first:first + args.parallelism]).values())
+    pool = CopyPool(lambda: spark, job, args.parallelism)
+    try:
+        if args.waves:
+            # The former scheduling, for comparison: one job per wave of ``parallelism``
+            # one-chunk tasks, each wave waiting for its slowest chunk.
+            for first in range(0, len(chunks), args.parallelism):
+                wave = [[c] for c in chunks[first:first + args.parallelism]]
+                copied += sum(run_copy(spark, job, wave).values())
+            chunks = []
+        # As ``InitialLoads`` runs them: ``parallelism`` jobs of a few chunks in flight, the next
+        # one started as soon as one ends.
+        pending, running = list(chunks), set()
+        while pending or running:
+            while pending and len(running) < args.parallelism:
+                take = chunks_per_job(len(pending), args.parallelism, args.chunk_rows,
+                                      SnapshotOptions.job_rows)
+                running.add(pool.submit(pending[:take]))
+                del pending[:take]
+            finished, running = wait(running, return_when=FIRST_COMPLETED)
+            copied += sum(sum(f.result().values()) for f in finished)
+    finally:
+        pool.close()
     elapsed = time.monotonic() - started
     sampler.done.set()
     sampler.join()
     conn.close()
-    print(f"  copy into {sink_url.split(':')[0]}: {len(chunks)} chunks planned in {planned:.2f}s,"
+    print(f"  copy into {sink_url.split(':')[0]}: {planned_chunks} chunks planned in {planned:.2f}s,"
           f" {copied} rows copied in {elapsed:.2f}s, peak RSS {sampler.peak / 2**20:,.0f} MiB"
           f" ({', '.join(f'{k} {v / 2**20:,.0f}' for k, v in sorted(sampler.peak_parts_of_tree.items()))})")
-    return elapsed, copied, len(chunks), sampler.peak
+    return elapsed, copied, planned_chunks, sampler.peak
 
 
 def _profile(source: MariaDB, sink_url: str, schema: str, chunk: Chunk, write_rows: int, tmp: Path) -> None:
@@ -225,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallelism", type=int, default=4)
     parser.add_argument("--write-rows", type=int, default=5000)
     parser.add_argument("--spark-master", default="local[*]")
+    parser.add_argument("--waves", action="store_true",
+                        help="copy in waves (one job per --parallelism chunks), the former scheduling")
     parser.add_argument("--profile", action="store_true",
                         help="afterwards, profile one chunk's copy into each downstream (py-spy)")
     add_json_option(parser)
@@ -244,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                                        spark_shuffle_partitions=args.parallelism, spark_driver_memory="1g"))
             # Warm Python workers that imported the copy's modules: a sink-worker pays that once
             # in its life, not per copy.
-            workers = spark.sparkContext.parallelize(range(args.parallelism), args.parallelism)
-            workers.map(_import_copy).collect()
+            warm = spark.sparkContext.parallelize(range(args.parallelism), args.parallelism)
+            warm.mapPartitions(_import_copy).collect()
             my_s, my_rows, chunks, my_rss = _snapshot(source, down.url_for("snap"), "snap", args, spark)
             path = _export(source, tmp)
             load_s = _load_data(down, path)
@@ -271,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'initial load into PostgreSQL':<34}{pg_s:>10.2f}{rate['pg']:>12,.0f}{pg_ratio:>14.2f}")
             print(f"peak RSS of the copying worker (driver, JVM, Python workers): {peak / 2**20:,.0f} MiB")
             print("checksums equal: True")
-            setup = f"({chunks} chunks of {args.chunk_rows:,}, {args.parallelism} per wave)"
+            setup = f"({chunks} chunks of {args.chunk_rows:,}, {args.parallelism} in flight)"
             out.add(f"initial load copy of {args.rows:,} rows into MariaDB {setup}, checksums equal to"
                     " LOAD DATA's", rate["my"], "rows/s",
                     baseline=f"LOAD DATA LOCAL INFILE of the same rows {rate['load']:,.0f} rows/s "

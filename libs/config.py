@@ -139,7 +139,7 @@ class Settings(BaseSettings):
     )
     snapshot_parallelism: int = Field(
         4, ge=1,
-        description="Chunks an initial load copies at once (one Spark job and progress write per wave).",
+        description="Copy jobs an initial load keeps in flight (a task of a few chunks each).",
     )
     snapshot_write_rows: int = Field(
         5000, ge=1, description="Rows per write transaction of an initial load (bounds executor memory)."

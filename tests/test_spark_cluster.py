@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from libs.localservers.mariadb import MariaDB
 from libs.localservers.spark_cluster import SparkConnect, SparkStandalone
 from tests.spark_workload import expected
 
@@ -64,3 +65,44 @@ def test_a_standalone_cluster_writes_the_replayed_downstream(cluster: SparkStand
 
 def test_a_spark_connect_server_writes_the_replayed_downstream(connect: SparkConnect, tmp_path: Path) -> None:
     assert _run(connect.url, tmp_path / "connect.db", connect.logs()) == expected()
+
+
+def test_an_initial_load_copies_over_spark_connect(connect: SparkConnect, mariadb: MariaDB,
+                                                    tmp_path: Path) -> None:
+    """The copy's jobs (``CopyPool``) run over Spark Connect, which has no ``sparkContext``:
+    there they are ``spark.range`` + ``mapInArrow``."""
+    import sqlite3
+
+    from pyspark.sql import SparkSession
+
+    from services.capture.table_meta import load_table_info
+    from services.sink_worker.sinks.base import TargetTable
+    from services.sink_worker.sinks.factory import open_sink
+    from services.sink_worker.snapshot_job import CopyJob, CopyPool, connect_source, plan_chunks
+
+    db = "snap_connect"
+    mariadb.execute(f"DROP DATABASE IF EXISTS {db}", f"CREATE DATABASE {db}",
+                    f"CREATE TABLE {db}.t (id INT PRIMARY KEY, v VARCHAR(16))",
+                    f"INSERT INTO {db}.t SELECT seq, CONCAT('v', seq) FROM {db}.seq_1_to_3000")
+    conn = connect_source(mariadb.url)
+    info = load_table_info(conn, db, "t")
+    assert info is not None
+    meta = info.meta()
+    chunks = plan_chunks(conn, db, "t", ("id",), meta, 1000, 3000)
+    conn.close()
+    sink = f"sqlite:///{tmp_path / 'copy.db'}"
+    target = TargetTable(schema=None, name="t", meta=meta, key=("id",))
+    open_sink(sink).ensure_table(target)
+    job = CopyJob(source_url=mariadb.url, database=db, table="t", chunk_key=("id",), target=target,
+                  sink_url=sink)
+    spark = SparkSession.builder.remote(connect.url).getOrCreate()
+    pool = CopyPool(lambda: spark, job, 2)
+    try:
+        futures = [pool.submit(chunks[:1]), pool.submit(chunks[1:])]
+        counts = {k: v for f in futures for k, v in f.result(timeout=180).items()}
+    finally:
+        pool.close()
+        spark.stop()
+    assert counts == {c.id: n for c, n in zip(chunks, [1000, 1000, 1000], strict=True)}
+    with sqlite3.connect(tmp_path / "copy.db") as down:
+        assert down.execute('SELECT COUNT(*), SUM(id), MAX(v) FROM "t"').fetchone() == (3000, 4501500, "v999")

@@ -5,7 +5,8 @@ The consistent start point is a pair of watermarks over the ROWS stream (see DES
 1. low watermark: the source's newest resolved mark (ts and stream sequence) read *before* the
    first chunk. Every transaction in the stream before it committed before the copy began.
 2. copy: the table in primary-key chunks (``snapshot_job``, Spark), each chunk one short read
-   with no lock held across chunks; each finished chunk is recorded in the progress record.
+   with no lock held across chunks; finished chunks are recorded in the progress record as
+   each copy job (a few chunks) ends.
 3. high watermark: the newest resolved mark once the last chunk is read (waiting, bounded,
    for a mark newer than the end of the copy).
 4. the span's checkpoint is created at the low watermark and the span streams from there:
@@ -30,7 +31,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
-from uuid import uuid4
 
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
@@ -51,12 +51,13 @@ from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.snapshot_job import (
     CopyJob,
+    CopyPool,
+    chunks_per_job,
     connect_source,
     decode_key,
     encode_key,
     estimate_rows,
     plan_chunks,
-    run_copy,
     split_open_chunk,
 )
 from services.sink_worker.snapshot_plan import Chunk, SnapshotProgress
@@ -71,6 +72,8 @@ class SnapshotOptions:
     chunk_rows: int = 50_000
     parallelism: int = 4
     write_rows: int = 5000
+    job_rows: int = 1_000_000
+    """At most this many rows' worth of chunks in one copy job (see ``chunks_per_job``)."""
     watermark_timeout_s: float = 60.0
     retry_s: float = 10.0
 
@@ -214,7 +217,7 @@ class InitialLoads:
         return task is not None and not task.done()
 
     async def stop(self, span: Span) -> None:
-        """Stop the span's copy (between chunks waves or by cancelling the running wave); its
+        """Stop the span's copy (its running chunk jobs are interrupted and awaited); its
         finished chunks stay recorded for whoever runs the span next."""
         self._failed_at.pop(span, None)
         self.progress.pop(span, None)
@@ -272,18 +275,9 @@ class InitialLoads:
             if progress.resumed_chunks:
                 log.info("snapshot resumes", extra={"span": span.name, "chunks_done": progress.chunks_done,
                                                     "chunks_total": progress.chunks_total})
-            pending = chunks if job is not None else []
-            while pending:
-                assert job is not None
-                pending, revision = await self._bound_open_chunk(req, job, progress, pending, revision)
-                wave, pending = pending[:self.options.parallelism], pending[self.options.parallelism:]
-                counts = await self._copy_wave(job, wave)
-                for chunk_id, rows in sorted(counts.items()):
-                    progress.finish_chunk(chunk_id, rows)
-                    m.SNAPSHOT_ROWS.labels(span.changefeed).inc(rows)
-                progress.measure(run_started_at, rows_at_run_start, time.time())
-                revision = await self.store.put(span, progress, revision, req.progress_key)
-                self._observe(span, progress)
+            if job is not None and chunks:
+                revision = await self._copy(req, job, progress, chunks, revision,
+                                            run_started_at, rows_at_run_start)
             mark, revision = await self._wait_mark(req, progress, revision,
                                                    after_ms=int(time.time() * 1000))
             progress.high_watermark_ts, progress.high_watermark_seq = mark.ts, mark.stream_seq
@@ -381,10 +375,10 @@ class InitialLoads:
 
     async def _bound_open_chunk(self, req: SnapshotRequest, job: CopyJob, progress: SnapshotProgress,
                                 pending: list[Chunk], revision: int) -> tuple[list[Chunk], int]:
-        """Cut the plan's open-ended last chunk when the next wave reaches it (as often as the
-        wave has room), so that no chunk holds more than ``chunk_rows`` rows whatever was
-        inserted since the plan was made. The cut plan is recorded before any of it is copied:
-        a resumed run copies the same chunks."""
+        """Cut the plan's open-ended last chunk when the copy nears it (it is among the next
+        ``parallelism`` chunks to start; as often as that leaves room), so that no chunk holds
+        more than ``chunk_rows`` rows whatever was inserted since the plan was made. The cut
+        plan is recorded before any of it is copied: a resumed run copies the same chunks."""
         cut = False
         while (pending and pending[-1].upper is None and len(pending) <= self.options.parallelism):
             tail = pending[-1]
@@ -403,25 +397,43 @@ class InitialLoads:
             self._observe(req.span, progress)
         return pending, revision
 
-    async def _copy_wave(self, job: CopyJob, wave: list[Chunk]) -> dict[int, int]:
-        """One Spark job over ``wave``; cancelled with the task (the job group is cancelled and
-        its end awaited, so nothing of this worker writes once ``stop`` returns)."""
-        group = f"sluice-snapshot-{uuid4().hex[:12]}"
-
-        def work() -> dict[int, int]:
-            spark = self._spark()
-            spark.sparkContext.setJobGroup(group, "sluice initial load", interruptOnCancel=True)
-            return run_copy(spark, job, wave)
-
-        thread = asyncio.ensure_future(asyncio.to_thread(work))
+    async def _copy(self, req: SnapshotRequest, job: CopyJob, progress: SnapshotProgress,
+                    pending: list[Chunk], revision: int, run_started_at: float,
+                    rows_at_run_start: int) -> int:
+        """Copy ``pending`` through a ``CopyPool``: ``parallelism`` Spark jobs in flight, each
+        copying ``chunks_per_job`` chunks, the next started as soon as one ends, each job's
+        chunks recorded as it ends. On any failure or cancellation the pool's jobs are
+        interrupted and their end awaited (bounded), so nothing of this worker writes once
+        ``stop`` returns."""
+        span = req.span
+        pool = CopyPool(self._spark, job, self.options.parallelism)
+        running: dict[asyncio.Future[dict[int, int]], list[Chunk]] = {}
         try:
-            return await asyncio.shield(thread)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                self._spark().sparkContext.cancelJobGroup(group)
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(thread, 60.0)
+            while pending or running:
+                while pending and len(running) < self.options.parallelism:
+                    pending, revision = await self._bound_open_chunk(req, job, progress, pending, revision)
+                    take = chunks_per_job(len(pending), self.options.parallelism, self.options.chunk_rows,
+                                          self.options.job_rows)
+                    group, pending = pending[:take], pending[take:]
+                    running[asyncio.wrap_future(pool.submit(group))] = group
+                finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for future in finished:
+                    del running[future]
+                    for chunk_id, rows in future.result().items():
+                        progress.finish_chunk(chunk_id, rows)
+                        m.SNAPSHOT_ROWS.labels(span.changefeed).inc(rows)
+                progress.measure(run_started_at, rows_at_run_start, time.time())
+                revision = await self.store.put(span, progress, revision, req.progress_key)
+                self._observe(span, progress)
+            return revision
+        except BaseException:
+            pool.cancel()
+            if running:
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.gather(*running, return_exceptions=True), 60.0)
             raise
+        finally:
+            pool.close()
 
     async def _wait_mark(self, req: SnapshotRequest, progress: SnapshotProgress, revision: int, *,
                          after_ms: int) -> tuple[ResolvedMark, int]:
