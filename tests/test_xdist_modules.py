@@ -62,7 +62,7 @@ def _run(collection: list[str], workers: int = 2) -> tuple[list[Worker], list[tu
 
 EXCLUSIVE = sorted(EXCLUSIVE_MODULES)[:2]
 COLLECTION = (_tests("tests/test_a.py", 3) + _tests(EXCLUSIVE[0], 2) + _tests("tests/test_b.py", 1)
-              + _tests(LONGEST_FIRST[-1], 2) + _tests("tests/test_c.py", 4) + _tests(EXCLUSIVE[1], 3)
+              + _tests(LONGEST_FIRST[1], 2) + _tests("tests/test_c.py", 4) + _tests(EXCLUSIVE[1], 3)
               + _tests("tests/test_d.py", 2) + _tests(LONGEST_FIRST[0], 1))
 
 
