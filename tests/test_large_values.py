@@ -54,9 +54,9 @@ def _b64(n: int, fill: bytes = b"\x00\xff") -> str:
 
 def test_values_above_the_threshold_become_references_and_come_back() -> None:
     big, text = _b64(3000), "ü" * 2000
-    e = _event([RowImageV2(op="insert", after={"id": 1, "note": "n", "b": big, "t": "small"}),
+    e = _event([RowImageV2(op="insert", after={"id": 1, "note": "n", "b": big, "t": "small"}, ordinal=4),
                 RowImageV2(op="update", before={"id": 2, "note": "x", "b": big, "t": None},
-                           after={"id": 3, "note": "y", "b": "AA==", "t": text})])
+                           after={"id": 3, "note": "y", "b": "AA==", "t": text}, ordinal=7)])
     large = LargeValues(1024)
     assert large.needs_strip(e)
     [record] = event_records("span", [e], large, ("id",))
@@ -68,6 +68,7 @@ def test_values_above_the_threshold_become_references_and_come_back() -> None:
     assert large.is_ref(rows[0]["after"]["b"]) and holds_ref(rows[0]["after"])
     assert large.is_ref(rows[1]["before"]["b"]) and large.is_ref(rows[1]["after"]["t"])
     assert rows[1]["after"]["b"] == "AA==" and rows[1]["before"]["t"] is None
+    assert [r["ordinal"] for r in rows] == [4, 7]  # a table group merges by it
     # The apply job's explode keys and orders the stripped rows as it would the real ones.
     records = list(explode_event({"span": (0, ("id",), None)}, "span", 7, 1, 0, body))
     assert [(r[1], r[6], r[7]) for r in records] == [("[1]", 0, "upsert"), ("[2]", 0, "delete"),
@@ -77,6 +78,14 @@ def test_values_above_the_threshold_become_references_and_come_back() -> None:
     # The store holds the pulled event's own values, not copies.
     assert isinstance(e.event, RowsChangedV2) and e.event.rows[0].after is not None
     assert large.values[rows[0]["after"]["b"][REF_FIELD]] is e.event.rows[0].after["b"]
+
+
+def test_the_apply_job_reads_rows_changed_v1_bodies_as_they_are() -> None:
+    body = json.dumps({"type": "rows.changed", "version": 1, "id": "old",
+                       "data": {"rows": [{"op": "insert", "before": None, "after": {"id": 1}}]}}).encode()
+    assert event_rows(body) == [{"op": "insert", "before": None, "after": {"id": 1}}]
+    records = list(explode_event({"span": (0, ("id",), None)}, "span", 7, 1, 0, body))
+    assert [(r[1], r[7]) for r in records] == [("[1]", "upsert")]
 
 
 def test_small_bodies_and_other_tokens_are_left_alone() -> None:
