@@ -100,6 +100,7 @@ SHARD_CASES = {"fk_s1": ("DELETE FROM customers WHERE id = 1",),
 def _run(source: MariaDB, *statements: str, db: str = DB) -> None:
     conn = source.connect(db)
     try:
+        conn.begin()  # the helper's connections autocommit: the statements are ONE transaction
         with conn.cursor() as cur:
             for sql in statements:
                 cur.execute(sql)
