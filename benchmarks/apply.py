@@ -8,7 +8,7 @@ Starts a private nats-server and a private MariaDB (durable commits, as a produc
 downstream; ``--fast-db`` for the test servers' non-durable settings), generates ``--rows``
 mixed row changes (inserts, updates of which some change the primary key or a unique key,
 deletes) on four tables with a realistic column mix, and publishes them to JetStream the way
-capture does: one ``RowsChangedV1`` per (transaction, table), split in parts of at most 500
+capture does: one ``RowsChangedV2`` per (transaction, table), split in parts of at most 500
 rows, then a resolved mark. Then, each into its own database of the same MariaDB:
 
 - the Spark apply path, end to end from JetStream to the target tables through the real
@@ -67,9 +67,9 @@ from contracts.events.rows import (
     ColumnKind,
     ColumnV1,
     ResolvedAdvancedV1,
-    RowImageV1,
+    RowImageV2,
     RowOp,
-    RowsChangedV1,
+    RowsChangedV2,
     SourcePositionV1,
     TableMetaV1,
 )
@@ -304,12 +304,12 @@ def generate(total: int, seed: int, source: str = SOURCE, database: str = DATABA
             parts = [rows[i:i + PART_ROWS] for i in range(0, len(rows), PART_ROWS)]
             for part, chunk in enumerate(parts):
                 seq += 1
-                event = RowsChangedV1.model_construct(
+                event = RowsChangedV2.model_construct(
                     source=source, database=database, table=table, ts=ts, seq=seq, part=part,
                     last_part=part == len(parts) - 1,
                     position=SourcePositionV1(binlog_file="binlog.000001", binlog_pos=4 + seq * 100),
                     meta=TABLES[table],
-                    rows=[RowImageV1.model_construct(op=c.op, before=c.before, after=c.after) for c in chunk])
+                    rows=[RowImageV2.model_construct(op=c.op, before=c.before, after=c.after) for c in chunk])
                 msg_id = f"{source}:binlog.000001:{4 + txns * 100}:{database}.{table}:{part}"
                 data = REGISTRY.encode(event, producer="bench-capture", event_id=msg_id)
                 messages.append((rows_subject(source, database, table), data, msg_id))

@@ -68,7 +68,7 @@ from nats.aio.msg import Msg  # noqa: E402
 from benchmarks.memory import MemorySampler  # noqa: E402
 from benchmarks.output import Figures, add_json_option  # noqa: E402
 from contracts import REGISTRY, ContractError  # noqa: E402
-from contracts.events.rows import RowsChangedV1  # noqa: E402
+from contracts.events.rows import RowsChangedV2  # noqa: E402
 from contracts.events.scheduling import ScheduleRequestV1, SpanRefV1  # noqa: E402
 from libs.localservers.mariadb import MariaDB  # noqa: E402
 from libs.localservers.service_process import ServiceProcess  # noqa: E402
@@ -273,7 +273,7 @@ class NatsWatch:
             ev = REGISTRY.decode(msg.data).event
         except ContractError:
             return
-        if not isinstance(ev, RowsChangedV1) or ev.table not in self.rows:
+        if not isinstance(ev, RowsChangedV2) or ev.table not in self.rows:
             return
         self.rows[ev.table] += len(ev.rows)
         with self.steady.lock:

@@ -29,7 +29,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
 
 from contracts import REGISTRY, ContractError
-from contracts.events.rows import DdlExecutedV1, RowsChangedV1
+from contracts.events.rows import DdlExecutedV1, RowsChangedV2
 from contracts.events.sink import SinkRowChangedV1
 
 _DEBEZIUM_OPS = {"c": "insert", "u": "update", "d": "delete", "r": "read"}
@@ -60,7 +60,7 @@ def changes(data: bytes) -> Iterator[dict[str, Any]]:
         yield {"op": event.op, "database": event.target_schema, "table": event.target_table,
                "ts": event.ts, "before": event.before, "after": event.after,
                "id": f"{event.event_id}:{event.row}"}
-    elif isinstance(event, RowsChangedV1):
+    elif isinstance(event, RowsChangedV2):
         for i, row in enumerate(event.rows):
             yield {"op": row.op, "database": event.database, "table": event.table, "ts": event.ts,
                    "before": row.before, "after": row.after, "id": f"{decoded.envelope.id}:{i}"}

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from contracts.events.changefeeds import ChangefeedSpecV2, TableFilterV1, TableRuleV1
-from contracts.events.rows import ColumnV1, RowImageV1, TableMetaV1
+from contracts.events.rows import ColumnV1, RowImageV2, TableMetaV1
 
 __all__ = [
     "AmbiguousRouteError",
@@ -265,10 +265,10 @@ def with_origin(values: Mapping[str, object], origin: OriginColumn, ref: TableRe
     return {origin.name: origin.value(ref), **values}
 
 
-def rewrite_row(row: RowImageV1, origin: OriginColumn, ref: TableRef) -> RowImageV1:
+def rewrite_row(row: RowImageV2, origin: OriginColumn, ref: TableRef) -> RowImageV2:
     """The row image with the origin value in both images (before and after, when present), so
     a delete or key-changing update finds the right shard's row downstream."""
-    return RowImageV1(
+    return RowImageV2(
         op=row.op,
         before=with_origin(row.before, origin, ref) if row.before is not None else None,
         after=with_origin(row.after, origin, ref) if row.after is not None else None,
@@ -483,7 +483,7 @@ class Router:
         """The target's view of a shard's metadata (unchanged without an origin column)."""
         return rewrite_meta(meta, self.origin) if self.origin is not None else meta
 
-    def rewrite_row(self, row: RowImageV1, ref: TableRef) -> RowImageV1:
+    def rewrite_row(self, row: RowImageV2, ref: TableRef) -> RowImageV2:
         return rewrite_row(row, self.origin, ref) if self.origin is not None else row
 
     # -- helpers ----------------------------------------------------------------------------------

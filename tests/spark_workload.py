@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from contracts import REGISTRY
-from contracts.events.rows import ColumnV1, RowImageV1, RowsChangedV1, SourcePositionV1, TableMetaV1
+from contracts.events.rows import ColumnV1, RowImageV2, RowsChangedV2, SourcePositionV1, TableMetaV1
 from services.sink_worker.sort_job import EventRecord
 
 PEOPLE = TableMetaV1(columns=[ColumnV1(name="id", kind="int", sql_type="int", nullable=False),
@@ -35,37 +35,37 @@ SPLIT_EVENTS = 5
 """The pets unit has more events than this: it takes the split path."""
 
 
-def _txns() -> list[tuple[str, str, int, list[list[RowImageV1]]]]:
+def _txns() -> list[tuple[str, str, int, list[list[RowImageV2]]]]:
     """``(span, table, ts, parts)`` in source order; each part is one message."""
     ins, upd, dele = "insert", "update", "delete"
-    txns: list[tuple[str, str, int, list[list[RowImageV1]]]] = [
-        ("shop/people", "people", 10, [[RowImageV1(op=ins, after={"id": i, "name": f"p{i}", "email": f"e{i}"})
+    txns: list[tuple[str, str, int, list[list[RowImageV2]]]] = [
+        ("shop/people", "people", 10, [[RowImageV2(op=ins, after={"id": i, "name": f"p{i}", "email": f"e{i}"})
                                         for i in range(1, 9)]]),
         # Two parts of one transaction: the lucy reorder (e1 moves from 1 to 2, in order), a key
         # change 3 -> 30, a delete, then 4 takes key 5 after 5 is deleted.
         ("shop/people", "people", 20, [
-            [RowImageV1(op=upd, before={"id": 1, "name": "p1", "email": "e1"},
+            [RowImageV2(op=upd, before={"id": 1, "name": "p1", "email": "e1"},
                         after={"id": 1, "name": "p1", "email": "x1"}),
-             RowImageV1(op=upd, before={"id": 2, "name": "p2", "email": "e2"},
+             RowImageV2(op=upd, before={"id": 2, "name": "p2", "email": "e2"},
                         after={"id": 2, "name": "p2", "email": "e1"})],
-            [RowImageV1(op=upd, before={"id": 3, "name": "p3", "email": "e3"},
+            [RowImageV2(op=upd, before={"id": 3, "name": "p3", "email": "e3"},
                         after={"id": 30, "name": "p3", "email": "e3"}),
-             RowImageV1(op=dele, before={"id": 5, "name": "p5", "email": "e5"}),
-             RowImageV1(op=upd, before={"id": 4, "name": "p4", "email": "e4"},
+             RowImageV2(op=dele, before={"id": 5, "name": "p5", "email": "e5"}),
+             RowImageV2(op=upd, before={"id": 4, "name": "p4", "email": "e4"},
                         after={"id": 5, "name": "p4", "email": "e4"})]]),
         # Another shard of the same target (the same table in a second source database).
-        ("shop2/people", "people", 15, [[RowImageV1(op=ins, after={"id": 100 + i, "name": f"q{i}",
+        ("shop2/people", "people", 15, [[RowImageV2(op=ins, after={"id": 100 + i, "name": f"q{i}",
                                                                     "email": f"q{i}"}) for i in range(3)]]),
-        ("shop2/people", "people", 25, [[RowImageV1(op=upd, before={"id": 100, "name": "q0", "email": "q0"},
+        ("shop2/people", "people", 25, [[RowImageV2(op=upd, before={"id": 100, "name": "q0", "email": "q0"},
                                                     after={"id": 100, "name": "Q0", "email": "q0"})]]),
     ]
     # Pets: many small transactions, updates and key changes of earlier rows (the split unit).
     for n in range(12):
-        rows = [RowImageV1(op=ins, after={"id": 3 * n + j, "kind": f"k{n}"}) for j in range(3)]
+        rows = [RowImageV2(op=ins, after={"id": 3 * n + j, "kind": f"k{n}"}) for j in range(3)]
         if n:
-            rows.append(RowImageV1(op=upd, before={"id": 3 * (n - 1), "kind": f"k{n - 1}"},
+            rows.append(RowImageV2(op=upd, before={"id": 3 * (n - 1), "kind": f"k{n - 1}"},
                                    after={"id": 1000 + n, "kind": "moved"}))
-            rows.append(RowImageV1(op=dele, before={"id": 3 * (n - 1) + 1, "kind": f"k{n - 1}"}))
+            rows.append(RowImageV2(op=dele, before={"id": 3 * (n - 1) + 1, "kind": f"k{n - 1}"}))
         txns.append(("shop/pets", "pets", 30 + n, [rows]))
     return txns
 
@@ -81,7 +81,7 @@ def records() -> list[EventRecord]:
     for span, table, ts, parts in _txns():
         for part, rows in enumerate(parts):
             seq += 1
-            event = RowsChangedV1(source="src", database=span.split("/")[0], table=table, ts=ts, seq=seq,
+            event = RowsChangedV2(source="src", database=span.split("/")[0], table=table, ts=ts, seq=seq,
                                   part=part, last_part=part == len(parts) - 1,
                                   position=SourcePositionV1(binlog_file="b", binlog_pos=seq),
                                   meta=_meta(table), rows=rows)
@@ -93,9 +93,9 @@ def records() -> list[EventRecord]:
     # A transaction beyond the horizon, and one whose last part is missing: neither applies.
     for ts, last in ((HORIZON + 1, True), (HORIZON - 1, False)):
         seq += 1
-        late = RowsChangedV1(source="src", database="shop", table="people", ts=ts, seq=seq, last_part=last,
+        late = RowsChangedV2(source="src", database="shop", table="people", ts=ts, seq=seq, last_part=last,
                              position=SourcePositionV1(binlog_file="b", binlog_pos=seq), meta=PEOPLE,
-                             rows=[RowImageV1(op="insert", after={"id": 999, "name": "no", "email": "no"})])
+                             rows=[RowImageV2(op="insert", after={"id": 999, "name": "no", "email": "no"})])
         out.append(("shop/people", "rows", f"late-{ts}", ts, seq, 0, last, seq,
                     REGISTRY.encode(late, producer="tests/spark_workload")))
     return out

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from nats.js import JetStreamContext
 
-from contracts.events.rows import RowsChangedV1
+from contracts.events.rows import RowsChangedV2
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.service_process import ServiceProcess
 from libs.streams import ROWS_STREAM, rows_subject
@@ -91,7 +91,7 @@ def source_table(db: MariaDB, database: str) -> dict[int, dict[str, Any]]:
             for r in db.execute("SELECT id, v, n FROM t", database=database)}
 
 
-def check_exactly_once(messages: list[Any]) -> list[RowsChangedV1]:
+def check_exactly_once(messages: list[Any]) -> list[RowsChangedV2]:
     check_order(messages)
     ids = [m.id for m in messages]
     assert len(set(ids)) == len(ids), "a message is in the stream twice"

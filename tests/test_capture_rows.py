@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from nats.js import JetStreamContext
 
-from contracts.events.rows import DdlExecutedV1, RowsChangedV1
+from contracts.events.rows import DdlExecutedV1, RowsChangedV2
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from services.capture.metrics import CASCADING_FOREIGN_KEYS
@@ -114,6 +114,9 @@ async def test_workload_every_type_in_order(mariadb: MariaDB, nats_server: NatsS
     update = next(e for e in txn if e.table == "types").rows[0]
     assert update.op == "update" and update.before == NULL_IMAGE
     assert update.after == {**NULL_IMAGE, "i": 7, "j": "[]"}
+    # Each row's ordinal: its place in the transaction's binlog, counted across both tables.
+    assert [r.ordinal for r in by_table["two"][0].rows] == [0, 1, 2, 4] and update.ordinal == 3
+    assert all(r.ordinal == i for e in rows if e.position != txn[0].position for i, r in enumerate(e.rows))
     assert by_table["two"][0].meta.unique_keys == [["code"]]
 
     ddl = ddl_of(messages)
@@ -186,7 +189,7 @@ async def test_table_without_key_and_unsupported_type_are_rejected(
     # A unique key over NOT NULL columns identifies rows as well as a primary key.
     uk = next(e for e in rows if e.table == "uk")
     assert uk.meta.primary_key == ["a"] and uk.rows[0].after == {"a": 5, "b": None}
-    assert all(isinstance(m.event, RowsChangedV1 | DdlExecutedV1) or m.subject.endswith(".rejected")
+    assert all(isinstance(m.event, RowsChangedV2 | DdlExecutedV1) or m.subject.endswith(".rejected")
                for m in messages)
 
 

@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
-from contracts.events.rows import CaptureRejectedV1, DdlExecutedV1, ResolvedAdvancedV1, RowsChangedV1
+from contracts.events.rows import CaptureRejectedV1, DdlExecutedV1, ResolvedAdvancedV1, RowsChangedV2
 from contracts.registry import REGISTRY
 from libs.chunks import ChunkJoiner, chunk_info
 from libs.config import Settings
@@ -156,8 +156,8 @@ async def source_messages(js: JetStreamContext, source: str) -> list[Stored]:
     return await read_messages(js, f"sluice.*.{token(source)}.>")
 
 
-def rows_of(messages: list[Stored]) -> list[RowsChangedV1]:
-    return [m.event for m in messages if isinstance(m.event, RowsChangedV1)]
+def rows_of(messages: list[Stored]) -> list[RowsChangedV2]:
+    return [m.event for m in messages if isinstance(m.event, RowsChangedV2)]
 
 
 def ddl_of(messages: list[Stored]) -> list[DdlExecutedV1]:
@@ -170,7 +170,7 @@ async def rejections(js: JetStreamContext, source: str) -> list[CaptureRejectedV
 
 def check_order(messages: list[Stored]) -> None:
     """seq strictly increasing in stream order; ts strictly increasing between transactions."""
-    ordered = [m for m in messages if isinstance(m.event, RowsChangedV1 | DdlExecutedV1)]
+    ordered = [m for m in messages if isinstance(m.event, RowsChangedV2 | DdlExecutedV1)]
     seqs = [m.event.seq for m in ordered]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), seqs
     last_ts, last_txn = -1, None
@@ -184,7 +184,7 @@ def check_order(messages: list[Stored]) -> None:
         last_ts, last_txn = ev.ts, txn
 
 
-def replay(events: list[RowsChangedV1], table: str, key: str) -> dict[Any, dict[str, Any]]:
+def replay(events: list[RowsChangedV2], table: str, key: str) -> dict[Any, dict[str, Any]]:
     """The table's rows as the events build it (ordered by ts, seq), by primary key value."""
     state: dict[Any, dict[str, Any]] = {}
     for ev in sorted((e for e in events if e.table == table), key=lambda e: (e.ts, e.seq)):

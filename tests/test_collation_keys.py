@@ -17,7 +17,7 @@ import pytest
 from nats.js import JetStreamContext
 from pyspark.sql import SparkSession
 
-from contracts.events.rows import ColumnV1, RowImageV1, TableMetaV1
+from contracts.events.rows import ColumnV1, RowImageV2, TableMetaV1
 from libs.eventstore import EventStore
 from libs.streams import ROWS_STREAM, ROWS_SUBJECTS
 from services.sink_worker.apply_job import SpanTargets, final_images, plan_partitions
@@ -73,12 +73,12 @@ def _precreate_case_insensitive(url: str, db: str) -> None:
     sink._run(work, "pre-create a case-insensitive target")
 
 
-def _ins(code: str, v: int) -> RowImageV1:
-    return RowImageV1(op="insert", after={"code": code, "v": v})
+def _ins(code: str, v: int) -> RowImageV2:
+    return RowImageV2(op="insert", after={"code": code, "v": v})
 
 
-def _upd(old: str, new: str, v: int) -> RowImageV1:
-    return RowImageV1(op="update", before={"code": old, "v": v}, after={"code": new, "v": v})
+def _upd(old: str, new: str, v: int) -> RowImageV2:
+    return RowImageV2(op="update", before={"code": old, "v": v}, after={"code": new, "v": v})
 
 
 @pytest.mark.parametrize("target", ["created", "case_insensitive"])
@@ -94,7 +94,7 @@ async def test_key_changes_between_collation_equal_keys_keep_the_row(
     src = h.source
     expected: dict[str, int] = {}
 
-    async def txn(rows: list[RowImageV1]) -> None:
+    async def txn(rows: list[RowImageV2]) -> None:
         await src.txn(h.db, "codes", rows, meta=CODES)
         for r in rows:
             if r.before is not None:

@@ -9,6 +9,7 @@ import pytest
 
 from contracts import REGISTRY, ContractError
 from contracts.events.members import MemberJoinedV1, MemberJoinedV2
+from contracts.events.rows import RowsChangedV2
 from contracts.generate import SCHEMA_DIR, render_schemas
 
 FIXTURES = Path(__file__).parent / "fixtures" / "contracts"
@@ -93,3 +94,10 @@ def test_invalid_old_version_is_reported_against_its_own_version() -> None:
     assert err.value.kind == "invalid_data"
     assert err.value.version == 1
     assert "member_id" in err.value.reason
+
+
+def test_rows_changed_v1_upcasts_with_unknown_ordinals() -> None:
+    decoded = REGISTRY.decode((FIXTURES / "rows.changed.v1.json").read_bytes())
+    assert isinstance(decoded.event, RowsChangedV2) and decoded.original_version == 1
+    assert [r.ordinal for r in decoded.event.rows] == [None]
+    assert decoded.envelope.data["rows"][0]["ordinal"] is None

@@ -12,7 +12,7 @@ from uuid import uuid4
 
 from nats.js import JetStreamContext
 
-from contracts.events.rows import ColumnV1, RowImageV1, RowsChangedV1, SourcePositionV1, TableMetaV1
+from contracts.events.rows import ColumnV1, RowImageV2, RowsChangedV2, SourcePositionV1, TableMetaV1
 from libs.localservers.nats_server import NatsServer
 from services.sink_worker.sinks.nats_stream import ChangeSource, StreamPublisher, row_messages
 
@@ -21,8 +21,8 @@ META = TableMetaV1(columns=[ColumnV1(name="id", kind="int", sql_type="int", null
                             ColumnV1(name="v", kind="string", sql_type="varchar(9)")], primary_key=["id"])
 
 
-def _event(ts: int, rows: list[RowImageV1]) -> ChangeSource:
-    return ChangeSource(f"ev-{ts}", RowsChangedV1(
+def _event(ts: int, rows: list[RowImageV2]) -> ChangeSource:
+    return ChangeSource(f"ev-{ts}", RowsChangedV2(
         source="s1", database="shop", table="t", ts=ts << 18, seq=ts, part=0, last_part=True,
         position=SourcePositionV1(binlog_file="b.000001", binlog_pos=ts), meta=META, rows=rows))
 
@@ -36,9 +36,9 @@ def _run(url: str, stream: str, subject: str, *extra: str) -> tuple[list[dict[st
 
 async def test_example_consumer_reads_both_envelopes_and_resumes(
         js: JetStreamContext, nats_server: NatsServer) -> None:
-    events = [_event(1, [RowImageV1(op="insert", after={"id": 1, "v": "a"})]),
-              _event(2, [RowImageV1(op="update", before={"id": 1, "v": "a"}, after={"id": 1, "v": "b"}),
-                         RowImageV1(op="delete", before={"id": 1, "v": "b"})])]
+    events = [_event(1, [RowImageV2(op="insert", after={"id": 1, "v": "a"})]),
+              _event(2, [RowImageV2(op="update", before={"id": 1, "v": "a"}, after={"id": 1, "v": "b"}),
+                         RowImageV2(op="delete", before={"id": 1, "v": "b"})])]
     for fmt in ("sluice", "debezium"):
         stream = f"EX_{uuid4().hex[:6].upper()}"
         prefix = f"ex.{stream.lower()}"

@@ -78,6 +78,10 @@ CASES = (
     ("UPDATE orders SET id = 51 WHERE id = 50",),  # notes 5 SET NULL on update; items 500 -> 51
     ("DELETE FROM orders WHERE id = 20", "INSERT INTO orders VALUES (20, 4)",
      "INSERT INTO items VALUES (201, 20)"),  # a parent that comes back, with a new child
+    # Capture publishes one message per (transaction, table): customers' (insert and delete)
+    # before orders' and items'. Only the rows' ordinals put the children before the delete.
+    ("INSERT INTO customers VALUES (7, 'gu')", "INSERT INTO orders VALUES (70, 7)",
+     "INSERT INTO items VALUES (700, 70)", "DELETE FROM customers WHERE id = 7"),
 )
 
 
@@ -96,6 +100,7 @@ SHARD_CASES = {"fk_s1": ("DELETE FROM customers WHERE id = 1",),
 def _run(source: MariaDB, *statements: str, db: str = DB) -> None:
     conn = source.connect(db)
     try:
+        conn.begin()  # the helper's connections autocommit: the statements are ONE transaction
         with conn.cursor() as cur:
             for sql in statements:
                 cur.execute(sql)

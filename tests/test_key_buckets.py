@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contracts import REGISTRY
-from contracts.events.rows import RowImageV1, RowsChangedV1, TableMetaV1
+from contracts.events.rows import RowImageV2, RowsChangedV2, TableMetaV1
 from services.sink_worker.apply_job import explode_event
 from services.sink_worker.key_buckets import fold_text, key_bucket
 
@@ -26,12 +26,12 @@ def test_bucket_is_equal_for_collation_equal_keys_and_spreads_others() -> None:
     assert len(buckets) == 8
 
 
-def _event(rows: list[RowImageV1]) -> bytes:
+def _event(rows: list[RowImageV2]) -> bytes:
     meta = TableMetaV1.model_validate({
         "columns": [{"name": "code", "kind": "string", "sql_type": "varchar(20)", "nullable": False},
                     {"name": "v", "kind": "int", "sql_type": "int"}],
         "primary_key": ["code"]})
-    return REGISTRY.encode(RowsChangedV1.model_validate({
+    return REGISTRY.encode(RowsChangedV2.model_validate({
         "source": "s", "database": "d", "table": "t", "ts": 5, "seq": 0,
         "position": {"binlog_file": "b.1", "binlog_pos": 4}, "meta": meta.model_dump(),
         "rows": [r.model_dump() for r in rows]}), producer="test")
@@ -39,8 +39,8 @@ def _event(rows: list[RowImageV1]) -> bytes:
 
 def test_both_halves_of_a_collation_equal_key_change_get_one_bucket() -> None:
     body = _event([
-        RowImageV1(op="update", before={"code": "p2", "v": 1}, after={"code": "p2  ", "v": 1}),
-        RowImageV1(op="update", before={"code": "a", "v": 1}, after={"code": "A", "v": 2})])
+        RowImageV2(op="update", before={"code": "p2", "v": 1}, after={"code": "p2  ", "v": 1}),
+        RowImageV2(op="update", before={"code": "a", "v": 1}, after={"code": "A", "v": 2})])
     recs = list(explode_event({"s": (0, ("code",), None)}, "s", 5, 1, 0, body))
     assert [(r[1], r[7]) for r in recs] == [('["p2"]', "delete"), ('["p2  "]', "upsert"),
                                            ('["a"]', "delete"), ('["A"]', "upsert")]

@@ -16,7 +16,7 @@ from nats.js import JetStreamContext
 from pyspark.sql import SparkSession
 
 from contracts import REGISTRY
-from contracts.events.rows import RowImageV1, RowsChangedV1, TableMetaV1
+from contracts.events.rows import RowImageV2, RowsChangedV2, TableMetaV1
 from libs.localservers.mariadb import MariaDB
 from services.sink_worker.apply_job import event_rows, explode_event
 from services.sink_worker.checkpoints import CheckpointStore
@@ -41,8 +41,8 @@ TAGS = TableMetaV1(columns=[col("tag", "string", "varchar(4000)", nullable=False
                    primary_key=["tag"])
 
 
-def _event(rows: list[RowImageV1], meta: TableMetaV1 = DOCS) -> PulledEvent:
-    event = RowsChangedV1(source="s", database="d", table="t", ts=7, seq=1, position=_POS, meta=meta,
+def _event(rows: list[RowImageV2], meta: TableMetaV1 = DOCS) -> PulledEvent:
+    event = RowsChangedV2(source="s", database="d", table="t", ts=7, seq=1, position=_POS, meta=meta,
                           rows=rows)
     data = REGISTRY.encode(event, producer="test", event_id="e1")
     return PulledEvent(stream_seq=3, subject="x", event_id="e1", event=event, data=data)
@@ -54,9 +54,9 @@ def _b64(n: int, fill: bytes = b"\x00\xff") -> str:
 
 def test_values_above_the_threshold_become_references_and_come_back() -> None:
     big, text = _b64(3000), "ü" * 2000
-    e = _event([RowImageV1(op="insert", after={"id": 1, "note": "n", "b": big, "t": "small"}),
-                RowImageV1(op="update", before={"id": 2, "note": "x", "b": big, "t": None},
-                           after={"id": 3, "note": "y", "b": "AA==", "t": text})])
+    e = _event([RowImageV2(op="insert", after={"id": 1, "note": "n", "b": big, "t": "small"}, ordinal=4),
+                RowImageV2(op="update", before={"id": 2, "note": "x", "b": big, "t": None},
+                           after={"id": 3, "note": "y", "b": "AA==", "t": text}, ordinal=7)])
     large = LargeValues(1024)
     assert large.needs_strip(e)
     [record] = event_records("span", [e], large, ("id",))
@@ -68,6 +68,7 @@ def test_values_above_the_threshold_become_references_and_come_back() -> None:
     assert large.is_ref(rows[0]["after"]["b"]) and holds_ref(rows[0]["after"])
     assert large.is_ref(rows[1]["before"]["b"]) and large.is_ref(rows[1]["after"]["t"])
     assert rows[1]["after"]["b"] == "AA==" and rows[1]["before"]["t"] is None
+    assert [r["ordinal"] for r in rows] == [4, 7]  # a table group merges by it
     # The apply job's explode keys and orders the stripped rows as it would the real ones.
     records = list(explode_event({"span": (0, ("id",), None)}, "span", 7, 1, 0, body))
     assert [(r[1], r[6], r[7]) for r in records] == [("[1]", 0, "upsert"), ("[2]", 0, "delete"),
@@ -75,16 +76,24 @@ def test_values_above_the_threshold_become_references_and_come_back() -> None:
     assert large.resolve(records[0][8]) == {"id": 1, "note": "n", "b": big, "t": "small"}
     assert large.resolve(records[2][8]) == {"id": 3, "note": "y", "b": "AA==", "t": text}
     # The store holds the pulled event's own values, not copies.
-    assert isinstance(e.event, RowsChangedV1) and e.event.rows[0].after is not None
+    assert isinstance(e.event, RowsChangedV2) and e.event.rows[0].after is not None
     assert large.values[rows[0]["after"]["b"][REF_FIELD]] is e.event.rows[0].after["b"]
 
 
+def test_the_apply_job_reads_rows_changed_v1_bodies_as_they_are() -> None:
+    body = json.dumps({"type": "rows.changed", "version": 1, "id": "old",
+                       "data": {"rows": [{"op": "insert", "before": None, "after": {"id": 1}}]}}).encode()
+    assert event_rows(body) == [{"op": "insert", "before": None, "after": {"id": 1}}]
+    records = list(explode_event({"span": (0, ("id",), None)}, "span", 7, 1, 0, body))
+    assert [(r[1], r[7]) for r in records] == [("[1]", "upsert")]
+
+
 def test_small_bodies_and_other_tokens_are_left_alone() -> None:
-    e = _event([RowImageV1(op="insert", after={"id": 1, "note": "n", "b": "AA==", "t": "x"})])
+    e = _event([RowImageV2(op="insert", after={"id": 1, "note": "n", "b": "AA==", "t": "x"})])
     large = LargeValues(len(e.data) + 1)
     assert not large.needs_strip(e)
     assert event_records("span", [e], large, ("id",))[0][-1] is e.data
-    many = _event([RowImageV1(op="insert", after={"id": i, "note": "n" * 20, "b": None, "t": None})
+    many = _event([RowImageV2(op="insert", after={"id": i, "note": "n" * 20, "b": None, "t": None})
                    for i in range(100)])
     large = LargeValues(1024)
     assert large.needs_strip(many) and large.strip(many, ("id",)) is many.data and not large
@@ -94,7 +103,7 @@ def test_small_bodies_and_other_tokens_are_left_alone() -> None:
 
 
 def test_a_large_key_value_is_refused() -> None:
-    e = _event([RowImageV1(op="insert", after={"tag": "k" * 5000, "n": 1})], TAGS)
+    e = _event([RowImageV2(op="insert", after={"tag": "k" * 5000, "n": 1})], TAGS)
     with pytest.raises(LargeKeyError, match="key column 'tag' holds a value of 5000 bytes"):
         LargeValues(1024).strip(e, ("tag",))
 
@@ -111,19 +120,19 @@ async def test_a_round_writes_large_values_it_kept_out_of_spark(
     src = h.source
     big = {i: _b64(2000 * i, bytes([i, 255 - i])) for i in (1, 2, 3)}
     await src.txn(h.db, "docs", [
-        RowImageV1(op="insert", after={"id": i, "note": f"n{i}", "b": big[i], "t": "é" * 3000 * i})
-        for i in (1, 2, 3)] + [RowImageV1(op="insert", after={"id": 9, "note": "small", "b": "AA==",
+        RowImageV2(op="insert", after={"id": i, "note": f"n{i}", "b": big[i], "t": "é" * 3000 * i})
+        for i in (1, 2, 3)] + [RowImageV2(op="insert", after={"id": 9, "note": "small", "b": "AA==",
                                                              "t": "t"})], meta=DOCS)
     # Later images of the same keys: the last one wins, large or not; a key change; a delete.
     await src.txn(h.db, "docs", [
-        RowImageV1(op="update", before={"id": 1, "note": "n1", "b": big[1], "t": None},
+        RowImageV2(op="update", before={"id": 1, "note": "n1", "b": big[1], "t": None},
                    after={"id": 1, "note": "small now", "b": "AQI=", "t": None}),
-        RowImageV1(op="update", before={"id": 2, "note": "n2", "b": big[2], "t": None},
+        RowImageV2(op="update", before={"id": 2, "note": "n2", "b": big[2], "t": None},
                    after={"id": 20, "note": "moved", "b": big[2], "t": "z" * 5000}),
-        RowImageV1(op="delete", before={"id": 3, "note": "n3", "b": big[3], "t": None}),
-        RowImageV1(op="update", before={"id": 9, "note": "small", "b": "AA==", "t": "t"},
+        RowImageV2(op="delete", before={"id": 3, "note": "n3", "b": big[3], "t": None}),
+        RowImageV2(op="update", before={"id": 9, "note": "small", "b": "AA==", "t": "t"},
                    after={"id": 9, "note": "large now", "b": big[3], "t": "t"})], meta=DOCS)
-    await src.txn(h.db, "tags", [RowImageV1(op="insert", after={"tag": "k" * 5000, "n": 1})], meta=TAGS)
+    await src.txn(h.db, "tags", [RowImageV2(op="insert", after={"tag": "k" * 5000, "n": 1})], meta=TAGS)
     await src.resolve()
     report = await h.pipeline.round()
     assert report.errors and "LargeKeyError" in report.errors[0], report.errors

@@ -12,7 +12,7 @@ from nats.js import JetStreamContext
 from pyspark.sql import SparkSession
 
 from contracts import REGISTRY
-from contracts.events.rows import DdlExecutedV1, RowImageV1, RowsChangedV1, SourcePositionV1
+from contracts.events.rows import DdlExecutedV1, RowImageV2, RowsChangedV2, SourcePositionV1
 from contracts.events.sink import SinkRowChangedV1
 from libs.localservers.nats_server import NatsServer
 from services.sink_worker.checkpoints import Checkpoint, CheckpointStore
@@ -57,8 +57,8 @@ def test_sink_url_parsing() -> None:
             parse_stream_url(bad)
 
 
-def _source_event(ts: int, rows: list[RowImageV1], part: int = 0) -> ChangeSource:
-    return ChangeSource(f"ev-{ts}-{part}", RowsChangedV1(
+def _source_event(ts: int, rows: list[RowImageV2], part: int = 0) -> ChangeSource:
+    return ChangeSource(f"ev-{ts}-{part}", RowsChangedV2(
         source="s1", database="shop_1", table="people_1", ts=ts << 18, seq=ts * 10 + part, part=part,
         last_part=True, position=SourcePositionV1(binlog_file="b.000001", binlog_pos=ts), meta=PEOPLE,
         rows=rows))

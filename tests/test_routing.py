@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contracts.events.changefeeds import TableFilterV1
-from contracts.events.rows import ColumnV1, RowImageV1, TableMetaV1
+from contracts.events.rows import ColumnV1, RowImageV2, TableMetaV1
 from libs.routing import (
     AmbiguousRouteError,
     NamePattern,
@@ -278,18 +278,18 @@ def test_rewrite_meta_puts_the_origin_into_every_key() -> None:
 def test_rewrite_row_tags_both_images() -> None:
     o = OriginColumn()
     ref = TableRef("s1", "shop_1", "orders_1")
-    upd = rewrite_row(RowImageV1(op="update", before={"id": 1, "x": 1}, after={"id": 2, "x": 1}), o, ref)
+    upd = rewrite_row(RowImageV2(op="update", before={"id": 1, "x": 1}, after={"id": 2, "x": 1}), o, ref)
     assert upd.op == "update"
     assert upd.before == {"_sluice_origin": "s1/shop_1/orders_1", "id": 1, "x": 1}
     assert upd.after == {"_sluice_origin": "s1/shop_1/orders_1", "id": 2, "x": 1}
-    ins = rewrite_row(RowImageV1(op="insert", after={"id": 1}), o, ref)
+    ins = rewrite_row(RowImageV2(op="insert", after={"id": 1}), o, ref)
     assert ins.before is None and ins.after is not None
     assert with_origin({"id": 1}, o, ref) == {"_sluice_origin": "s1/shop_1/orders_1", "id": 1}
 
 
 def test_router_rewrites_only_with_an_origin_column() -> None:
     ref = TableRef("s1", "shop_1", "orders_1")
-    row = RowImageV1(op="delete", before={"id": 1})
+    row = RowImageV2(op="delete", before={"id": 1})
     plain = Router([ORDERS])
     assert plain.rewrite_meta(ID_INT) is ID_INT and plain.rewrite_row(row, ref) is row
     tagged = Router([ORDERS], origin=OriginColumn("src"))

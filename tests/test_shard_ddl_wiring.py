@@ -203,14 +203,14 @@ def test_explode_event_puts_the_origin_into_both_images_and_the_key() -> None:
 
 
 def _rows_event() -> object:
-    from contracts.events.rows import RowImageV1, RowsChangedV1
+    from contracts.events.rows import RowImageV2, RowsChangedV2
 
-    return RowsChangedV1.model_validate({
+    return RowsChangedV2.model_validate({
         "source": "src1", "database": "shop_a", "table": "orders_1", "ts": 5, "seq": 0,
         "position": {"binlog_file": "b.1", "binlog_pos": 4},
         "meta": META.model_dump(), "rows": [
-            RowImageV1(op="update", before={"id": 1, "v": 1}, after={"id": 1, "v": 2}).model_dump(),
-            RowImageV1(op="delete", before={"id": 2, "v": 1}).model_dump()]})
+            RowImageV2(op="update", before={"id": 1, "v": 1}, after={"id": 1, "v": 2}).model_dump(),
+            RowImageV2(op="delete", before={"id": 2, "v": 1}).model_dump()]})
 
 
 def _stored(model: object, seq: int) -> StoredEvent:

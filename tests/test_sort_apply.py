@@ -25,8 +25,8 @@ from contracts.events.rows import (
     ColumnV1,
     DdlExecutedV1,
     ResolvedAdvancedV1,
-    RowImageV1,
-    RowsChangedV1,
+    RowImageV2,
+    RowsChangedV2,
     SourcePositionV1,
     TableMetaV1,
 )
@@ -87,14 +87,14 @@ class Source:
             ack = await self.js.publish(subject, data, stream=ROWS_STREAM, headers=headers)
         return int(ack.seq)
 
-    async def txn(self, db: str, table: str, rows: list[RowImageV1], meta: TableMetaV1 = PEOPLE,
+    async def txn(self, db: str, table: str, rows: list[RowImageV2], meta: TableMetaV1 = PEOPLE,
                   parts: int = 1) -> int:
         """One transaction on one table, its rows split over ``parts`` messages."""
         ts = self.next_ts()
         size = max(1, -(-len(rows) // parts))
         chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
         for part, chunk in enumerate(chunks):
-            await self.publish(rows_subject(self.name, db, table), RowsChangedV1(
+            await self.publish(rows_subject(self.name, db, table), RowsChangedV2(
                 source=self.name, database=db, table=table, ts=ts, seq=next(_seq), part=part,
                 last_part=part == len(chunks) - 1, position=_POS, meta=meta, rows=chunk))
         return ts
@@ -114,18 +114,18 @@ class Source:
         return ts
 
 
-def ins(id_: int, name: str | None, age: int | None = None) -> RowImageV1:
-    return RowImageV1(op="insert", after={"id": id_, "name": name, "age": age})
+def ins(id_: int, name: str | None, age: int | None = None) -> RowImageV2:
+    return RowImageV2(op="insert", after={"id": id_, "name": name, "age": age})
 
 
-def upd(before: tuple[int, str | None, int | None], after: tuple[int, str | None, int | None]) -> RowImageV1:
+def upd(before: tuple[int, str | None, int | None], after: tuple[int, str | None, int | None]) -> RowImageV2:
     b = dict(zip(("id", "name", "age"), before, strict=True))
     a = dict(zip(("id", "name", "age"), after, strict=True))
-    return RowImageV1(op="update", before=b, after=a)
+    return RowImageV2(op="update", before=b, after=a)
 
 
-def dele(id_: int, name: str | None, age: int | None = None) -> RowImageV1:
-    return RowImageV1(op="delete", before={"id": id_, "name": name, "age": age})
+def dele(id_: int, name: str | None, age: int | None = None) -> RowImageV2:
+    return RowImageV2(op="delete", before={"id": id_, "name": name, "age": age})
 
 
 @pytest.fixture
@@ -238,7 +238,7 @@ async def test_orders_by_ts_and_cuts_at_the_resolved_ts(h: Harness) -> None:
 async def test_duplicates_and_replay_from_an_older_checkpoint_converge(h: Harness) -> None:
     await h.run("people")
     src = h.source
-    first = RowsChangedV1(source=src.name, database=h.db, table="people", ts=src.next_ts(), seq=next(_seq),
+    first = RowsChangedV2(source=src.name, database=h.db, table="people", ts=src.next_ts(), seq=next(_seq),
                           position=_POS, meta=PEOPLE, rows=[ins(1, "ann", 1), ins(2, "bob", 2)])
     # At-least-once: the same event (same id) lands twice, around a later change of its rows.
     await src.publish(rows_subject(src.name, h.db, "people"), first, msg_id="dup-" + src.name)
@@ -329,7 +329,7 @@ async def test_an_older_transaction_landing_late_in_the_stream_is_not_lost(
     await src.txn(h.db, "people", [upd((1, "a", 1), (1, "a", 2))])
     t3, t4 = src.next_ts(), src.next_ts()
     for ts, rows in ((t4, [upd((1, "a", 2), (1, "a", 4))]), (t3, [ins(3, "c", 3)])):
-        await src.publish(rows_subject(src.name, h.db, "people"), RowsChangedV1(
+        await src.publish(rows_subject(src.name, h.db, "people"), RowsChangedV2(
             source=src.name, database=h.db, table="people", ts=ts, seq=next(_seq), position=_POS,
             meta=PEOPLE, rows=rows))
     await src.resolve(t4)
@@ -349,7 +349,7 @@ async def test_ddl_is_a_barrier(h: Harness) -> None:
     wider = TableMetaV1(columns=[*PEOPLE.columns, col("city", "string", "varchar(20)")],
                         primary_key=["id"], unique_keys=[["name"]])
     ddl_ts = await src.ddl(h.db, "people", "ALTER TABLE people ADD COLUMN city varchar(20)", wider)
-    await src.txn(h.db, "people", [RowImageV1(op="insert", after={"id": 2, "name": "bob", "age": 2,
+    await src.txn(h.db, "people", [RowImageV2(op="insert", after={"id": 2, "name": "bob", "age": 2,
                                                                    "city": "Oslo"})], meta=wider)
     await src.resolve()
 
@@ -364,7 +364,7 @@ async def test_ddl_is_a_barrier(h: Harness) -> None:
                                        {"id": 2, "name": "bob", "age": 2, "city": "Oslo"}]
 
     await src.ddl(h.db, "people", "TRUNCATE TABLE people", wider)
-    await src.txn(h.db, "people", [RowImageV1(op="insert", after={"id": 3, "name": "cy", "age": 3,
+    await src.txn(h.db, "people", [RowImageV2(op="insert", after={"id": 3, "name": "cy", "age": 3,
                                                                    "city": None})], meta=wider)
     await src.resolve()
     await h.rounds_until(lambda: _at_ts(h, "people", src.last_ts))
@@ -379,8 +379,8 @@ async def test_keyless_table_is_refused_unless_the_key_policy_allows_it(
     h = Harness(rows_js, checkpoints, spark, sqlite_url)
     await h.run("logs")
     src = h.source
-    await src.txn(h.db, "logs", [RowImageV1(op="insert", after={"code": "a", "n": 1})], meta=logs)
-    await src.txn(h.db, "logs", [RowImageV1(op="update", before={"code": "a", "n": 1},
+    await src.txn(h.db, "logs", [RowImageV2(op="insert", after={"code": "a", "n": 1})], meta=logs)
+    await src.txn(h.db, "logs", [RowImageV2(op="update", before={"code": "a", "n": 1},
                                             after={"code": "a", "n": 2})], meta=logs)
     await src.resolve()
     report = await h.pipeline.round()
@@ -404,15 +404,15 @@ async def test_garbage_on_a_span_subject_goes_to_dead_letter(h: Harness) -> None
     await src.txn(h.db, "people", [ins(1, "ann", 1)])
     bad_json = await h.js.publish(subject, b"{not json", stream=ROWS_STREAM)
     wrong_type = await src.publish(subject, ResolvedAdvancedV1(source=src.name, ts=1, position=_POS))
-    no_key = await src.publish(subject, RowsChangedV1(
+    no_key = await src.publish(subject, RowsChangedV2(
         source=src.name, database=h.db, table="people", ts=src.next_ts(), seq=next(_seq), position=_POS,
-        meta=PEOPLE, rows=[RowImageV1(op="insert", after={"name": "ghost"})]))
+        meta=PEOPLE, rows=[RowImageV2(op="insert", after={"name": "ghost"})]))
     # A bad part in the middle of a transaction: the rest of it still applies, the span goes on.
     ts = src.next_ts()
     bad_part = 0
-    for part, image in enumerate([ins(5, "eve", 5), RowImageV1(op="insert", after={"id": 6, "bogus": 1}),
+    for part, image in enumerate([ins(5, "eve", 5), RowImageV2(op="insert", after={"id": 6, "bogus": 1}),
                                   ins(7, "fay", 7)]):
-        seq = await src.publish(subject, RowsChangedV1(
+        seq = await src.publish(subject, RowsChangedV2(
             source=src.name, database=h.db, table="people", ts=ts, seq=next(_seq), part=part,
             last_part=part == 2, position=_POS, meta=PEOPLE, rows=[image]))
         bad_part = seq if part == 1 else bad_part

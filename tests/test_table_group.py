@@ -9,8 +9,8 @@ from typing import Any
 from contracts.events.rows import (
     ColumnV1,
     DdlExecutedV1,
-    RowImageV1,
-    RowsChangedV1,
+    RowImageV2,
+    RowsChangedV2,
     SourcePositionV1,
     TableMetaV1,
 )
@@ -37,10 +37,12 @@ FKS = [ForeignKey("shop", "orders", "fk_c", ("customer",), "shop", "customers", 
 
 
 def _rows(table: str, ts: int, seq: int, *images: tuple[str, dict[str, Any] | None, dict[str, Any] | None],
-          part: int = 0, last: bool = True) -> PulledEvent:
-    event = RowsChangedV1(source="s", database="shop", table=table, ts=ts, seq=seq, part=part, last_part=last,
+          part: int = 0, last: bool = True, ordinals: tuple[int, ...] | None = None) -> PulledEvent:
+    ords = ordinals if ordinals is not None else (None,) * len(images)
+    event = RowsChangedV2(source="s", database="shop", table=table, ts=ts, seq=seq, part=part, last_part=last,
                           position=_POS, meta=META[table],
-                          rows=[RowImageV1(op=op, before=b, after=a) for op, b, a in images])
+                          rows=[RowImageV2(op=op, before=b, after=a, ordinal=o)
+                                for (op, b, a), o in zip(images, ords, strict=True)])
     return PulledEvent(stream_seq=seq + 1, subject=f"sluice.rows.s.shop.{table}",
                        event_id=f"{ts}:{table}:{part}", event=event, data=b"")
 
@@ -91,3 +93,32 @@ def test_the_batch_applies_cascades_in_binlog_order_and_replays_alike(tmp_path: 
         rows = {t: sorted(tuple(r.values()) for r in sink.fetch_rows(table.target))
                 for (_, t), table in tables.items()}
         assert rows == {"customers": [(1,), (2,)], "orders": [(11, 1), (21, 2)], "items": [(200, 21)]}
+
+
+def test_one_transactions_tables_are_merged_by_ordinal(tmp_path: Path) -> None:
+    """``insert customer 5; insert its order; delete customer 5`` in one transaction: capture
+    publishes the customers' message first (the table written first), holding both customer
+    rows. Publish order would delete the customer before its order exists (the cascade finds
+    nothing) and then insert the order: an orphan downstream. By ordinal the cascade takes it."""
+    sink = open_sink(f"sqlite:///{tmp_path / 'down.db'}")
+    assert isinstance(sink, SqlSink)
+    tables = {("shop", t): CascadeTable(TargetTable(None, t, meta, ("id",))) for t, meta in META.items()}
+    for table in tables.values():
+        sink.ensure_table(table.target)
+    graph = CascadeGraph(tables, FKS)
+
+    def txn(ts: int, ordinals: bool) -> list[PulledEvent]:
+        return [_rows("customers", ts, 2 * ts, ("insert", None, {"id": 5}), ("delete", {"id": 5}, None),
+                      ordinals=(0, 2) if ordinals else None),
+                _rows("orders", ts, 2 * ts + 1, ("insert", None, {"id": 50, "customer": 5}),
+                      ordinals=(1,) if ordinals else None)]
+
+    def orders() -> list[tuple[Any, ...]]:
+        return sorted(tuple(r.values()) for r in sink.fetch_rows(tables[("shop", "orders")].target))
+
+    result = apply_group_batch(sink, graph, txn(10, ordinals=True), lambda ev: tables[("shop", ev.table)])
+    assert result.triggers == 1
+    assert orders() == []
+    # Without ordinals (rows.changed v1, upcast) the transaction keeps publish order, as before.
+    apply_group_batch(sink, graph, txn(11, ordinals=False), lambda ev: tables[("shop", ev.table)])
+    assert orders() == [(50, 5)]

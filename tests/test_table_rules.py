@@ -23,7 +23,7 @@ from contracts.events.changefeeds import (
     SourceRefV1,
     TableRuleV1,
 )
-from contracts.events.rows import ColumnV1, RowImageV1, TableMetaV1
+from contracts.events.rows import ColumnV1, RowImageV2, TableMetaV1
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.routing import Router, TableRef, validate_spec
@@ -177,20 +177,20 @@ async def test_rules_in_the_round_on_sqlite_and_the_nats_sink(
         await harness.pipeline.set_spans({harness.span("users"): cfg, harness.span("typed"): cfg})
     src = h.source
     await src.txn("shop", "users", [
-        RowImageV1(op="insert", after=_user(1, "ann@x.org", "live")),
-        RowImageV1(op="insert", after=_user(2, "bob@y.org", "test")),  # ignored insert
-        RowImageV1(op="insert", after=_user(3, "cy@z.org", "live")),
-        RowImageV1(op="insert", after=_user(4, "di@z.org", "archived")),
+        RowImageV2(op="insert", after=_user(1, "ann@x.org", "live")),
+        RowImageV2(op="insert", after=_user(2, "bob@y.org", "test")),  # ignored insert
+        RowImageV2(op="insert", after=_user(3, "cy@z.org", "live")),
+        RowImageV2(op="insert", after=_user(4, "di@z.org", "archived")),
     ], meta=USERS)
     await src.txn("shop", "users", [
-        RowImageV1(op="update", before=_user(3, "cy@z.org", "live"),
+        RowImageV2(op="update", before=_user(3, "cy@z.org", "live"),
                    after=_user(3, "cy@z.org", "live", "5000.00")),  # ignored: new amount > 1000
-        RowImageV1(op="update", before=_user(1, "ann@x.org", "live"),
+        RowImageV2(op="update", before=_user(1, "ann@x.org", "live"),
                    after=_user(1, "ann@x.org", "gold", "7.50")),
-        RowImageV1(op="delete", before=_user(4, "di@z.org", "archived")),  # ignored: stays
-        RowImageV1(op="insert", after=_user(5, "ed@q.org", "live")),
+        RowImageV2(op="delete", before=_user(4, "di@z.org", "archived")),  # ignored: stays
+        RowImageV2(op="insert", after=_user(5, "ed@q.org", "live")),
     ], meta=USERS)
-    await src.txn("shop", "users", [RowImageV1(op="delete", before=_user(5, "ed@q.org", "live"))], meta=USERS)
+    await src.txn("shop", "users", [RowImageV2(op="delete", before=_user(5, "ed@q.org", "live"))], meta=USERS)
     await src.txn("shop", "typed", [data_path.ins(1, "x", 1), data_path.ins(2, "y", 2)])
     await src.txn("shop", "typed", [data_path.dele(1, "x", 1)])  # deletes ignored by type
     await src.ddl("shop", "typed", "TRUNCATE TABLE typed", data_path.PEOPLE)  # ignored too
@@ -234,7 +234,7 @@ async def test_rules_naming_an_unknown_column_stop_the_table_with_the_reason(
     rule = TableRuleV1(tables=["shop.users"], ignore_delete_value_expr="stauts = 'archived'")
     cfg = SpanConfig(sink_url=h.sink_url, router=Router(table_rules=[rule]))
     await h.pipeline.set_spans({h.span("users"): cfg})
-    await h.source.txn("shop", "users", [RowImageV1(op="insert", after=_user(1, "a@b.c", "live"))],
+    await h.source.txn("shop", "users", [RowImageV2(op="insert", after=_user(1, "a@b.c", "live"))],
                        meta=USERS)
     await h.source.resolve()
     await h.round()

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.registry import register
+from contracts.registry import register, upcaster
 
 ColumnKind = Literal["int", "float", "decimal", "string", "set", "bytes", "date", "datetime",
                      "timestamp", "time", "json", "bit"]
@@ -74,6 +74,48 @@ class RowsChangedV1(BaseModel):
     position: SourcePositionV1
     meta: TableMetaV1
     rows: list[RowImageV1] = Field(min_length=1)
+
+
+class RowImageV2(BaseModel):
+    """A row image with its place in the transaction.
+
+    ``ordinal`` counts the transaction's rows in binlog order across all its tables, from 0:
+    capture publishes one message per (transaction, table), and a consumer that must replay
+    several tables of one transaction in source order (a foreign-key table group) merges them by
+    it. ``None`` for rows upcast from v1, whose order across tables is unknown.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    op: RowOp
+    before: dict[str, Any] | None = Field(None, description="Full image before (update, delete).")
+    after: dict[str, Any] | None = Field(None, description="Full image after (insert, update).")
+    ordinal: int | None = Field(None, ge=0, description="Binlog order of the row within its "
+                                "transaction, across all tables; null when unknown (upcast from v1).")
+
+
+@register("rows.changed", 2)
+class RowsChangedV2(BaseModel):
+    """Rows of one table changed by one transaction (or part of it, ``part`` counts from 0);
+    as v1, and each row carries its ordinal within the transaction."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(min_length=1)
+    database: str = Field(min_length=1)
+    table: str = Field(min_length=1)
+    ts: int = Field(ge=0, description="Commit ts of the transaction: physical_ms << 18 | logical.")
+    seq: int = Field(ge=0, description="Order of this message within the source's stream.")
+    part: int = Field(0, ge=0)
+    last_part: bool = Field(True, description="False while more messages of this txn/table follow.")
+    position: SourcePositionV1
+    meta: TableMetaV1
+    rows: list[RowImageV2] = Field(min_length=1)
+
+
+# A v1 message does not say where its rows sat among the other tables' rows of the transaction:
+# the ordinal stays unknown and consumers keep v1's order (publish order, then row order).
+@upcaster("rows.changed", 1)
+def _rows_changed_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "rows": [{**row, "ordinal": None} for row in data["rows"]]}
 
 
 @register("ddl.executed", 1)

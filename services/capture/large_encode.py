@@ -22,7 +22,7 @@ from typing import Any
 
 import pydantic_core
 
-from contracts.events.rows import RowImageV1, RowsChangedV1
+from contracts.events.rows import RowImageV2, RowsChangedV2
 from contracts.registry import REGISTRY
 from libs.ts import ts_seconds
 
@@ -31,7 +31,7 @@ LARGE_VALUE = 256 * 1024
 _SLICE = 1024 * 1024
 
 
-def approx_size(event: RowsChangedV1) -> int:
+def approx_size(event: RowsChangedV2) -> int:
     """Bytes of the string values of the event's images: cheap (``len`` only)."""
     size = 0
     for row in event.rows:
@@ -58,7 +58,7 @@ def _json_string(value: str) -> bytes:
     return b"".join(parts)
 
 
-def encode_rows_deterministic(event: RowsChangedV1, *, event_id: str) -> bytes:
+def encode_rows_deterministic(event: RowsChangedV2, *, event_id: str) -> bytes:
     """The envelope of ``event`` as JSON bytes, a pure function of the event and its id."""
     large: list[str] = []
 
@@ -74,7 +74,8 @@ def encode_rows_deterministic(event: RowsChangedV1, *, event_id: str) -> bytes:
                 out[name] = value
         return out
 
-    rows = [RowImageV1.model_construct(op=r.op, before=swap(r.before), after=swap(r.after))
+    rows = [RowImageV2.model_construct(op=r.op, before=swap(r.before), after=swap(r.after),
+                                       ordinal=r.ordinal)
             for r in event.rows]
     small = event.model_copy(update={"rows": rows})
     env = REGISTRY.envelope(small, producer=chunk_producer(event.source), epoch=0, event_id=event_id)

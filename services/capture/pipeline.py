@@ -7,7 +7,7 @@ ids, ts and seq. The two things that read the outside world are kept out of that
 information_schema (only for the metadata that travels with rows) and the wall clock (only for
 the resolved marks of an idle source, which are published before anything after them).
 
-Transactions are published per table: one ``RowsChangedV1`` per (transaction, table), split
+Transactions are published per table: one ``RowsChangedV2`` per (transaction, table), split
 into parts of at most ``part_rows`` rows / ``part_bytes`` bytes; a part is sent as soon as it
 is full, the last one at the commit, so a huge transaction never sits in memory whole.
 """
@@ -27,9 +27,9 @@ from contracts.events.rows import (
     CaptureRejectedV1,
     DdlExecutedV1,
     ResolvedAdvancedV1,
-    RowImageV1,
+    RowImageV2,
     RowOp,
-    RowsChangedV1,
+    RowsChangedV2,
     SourcePositionV1,
 )
 from libs.foreign_keys import ForeignKey, load_foreign_keys
@@ -149,7 +149,7 @@ class _RowTooLarge(Exception):
 class _TableBuffer:
     info: TableInfo
     position: Position  # of the latest rows event buffered
-    rows: list[RowImageV1] = field(default_factory=list)
+    rows: list[RowImageV2] = field(default_factory=list)
     size: int = 0
     part: int = 0
 
@@ -162,6 +162,9 @@ class _Txn:
     ts: int | None = None
     tables: dict[TableKey, _TableBuffer] = field(default_factory=dict)
     had_rows: bool = False
+    # Row images of the transaction read so far, of every table (wanted or not): the next
+    # row's ordinal, so the ordinal depends on the binlog alone, not on filters or stops.
+    rows_seen: int = 0
 
 
 class SourcePipeline:
@@ -237,11 +240,15 @@ class SourcePipeline:
 
     async def _rows(self, item: Rows) -> None:
         key = (item.database, item.table)
+        first = 0
+        if self._txn is not None:
+            first = self._txn.rows_seen
+            self._txn.rows_seen += len(item.images)
         if not self._wanted(item.database) or self._is_stopped(key, item.position):
             return
         txn = self._txn
         if txn is None:  # no GTID/BEGIN seen (resumed inside a group): the rows event opens it
-            txn = self._txn = _Txn(item.position, item.timestamp, None)
+            txn = self._txn = _Txn(item.position, item.timestamp, None, rows_seen=len(item.images))
         txn.had_rows = True
         buffer = txn.tables.get(key)
         if buffer is None:
@@ -254,9 +261,9 @@ class SourcePipeline:
             if _raw_size(item.images) > _LARGE_RAW:
                 # base64 of tens of MB takes seconds on a busy machine: not on the event loop,
                 # where it would hold up the lease renewals.
-                images = await asyncio.to_thread(self._images, item, buffer.info)
+                images = await asyncio.to_thread(self._images, item, buffer.info, first)
             else:
-                images = self._images(item, buffer.info)
+                images = self._images(item, buffer.info, first)
         except UnsupportedValue as exc:
             del txn.tables[key]
             await self.reject("unsupported_type", key, f"{exc}; capture stopped for this table",
@@ -274,14 +281,16 @@ class SourcePipeline:
                     await self._too_large(txn, key, buffer, exc)
                     return
 
-    def _images(self, item: Rows, info: TableInfo) -> list[RowImageV1]:
-        return [self._image(item.op, info, item.columns, image) for image in item.images]
+    def _images(self, item: Rows, info: TableInfo, first: int) -> list[RowImageV2]:
+        return [self._image(item.op, info, item.columns, image, first + i)
+                for i, image in enumerate(item.images)]
 
-    def _image(self, op: RowOp, info: TableInfo, columns: tuple[BinlogColumn, ...], image: Any) -> RowImageV1:
+    def _image(self, op: RowOp, info: TableInfo, columns: tuple[BinlogColumn, ...], image: Any,
+               ordinal: int) -> RowImageV2:
         before = None if image.before is None else _encode_row(info, columns, image.before,
                                                                 image.before_none)
         after = None if image.after is None else _encode_row(info, columns, image.after, image.after_none)
-        return RowImageV1.model_construct(op=op, before=before, after=after)
+        return RowImageV2.model_construct(op=op, before=before, after=after, ordinal=ordinal)
 
     async def _table_info(self, key: TableKey, columns: tuple[BinlogColumn, ...],
                           position: Position) -> TableInfo | None:
@@ -326,9 +335,9 @@ class SourcePipeline:
         buffer.size = sum(_approx_size(r) for r in buffer.rows)
 
     async def _publish_rows(self, txn: _Txn, key: TableKey, buffer: _TableBuffer,
-                            rows: list[RowImageV1], last: bool) -> None:
+                            rows: list[RowImageV2], last: bool) -> None:
         assert txn.ts is not None
-        event = RowsChangedV1.model_construct(
+        event = RowsChangedV2.model_construct(
             source=self.source, database=key[0], table=key[1], ts=txn.ts, seq=self.next_seq,
             part=buffer.part, last_part=last,
             position=SourcePositionV1(binlog_file=txn.begin.file, binlog_pos=txn.begin.pos,
@@ -541,7 +550,7 @@ def _raw_size(images: Any) -> int:
     return size
 
 
-def _approx_size(image: RowImageV1) -> int:
+def _approx_size(image: RowImageV2) -> int:
     size = 32
     for row in (image.before, image.after):
         if row:

@@ -29,7 +29,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError
 from pydantic import BaseModel
 
-from contracts.events.rows import ResolvedAdvancedV1, RowsChangedV1
+from contracts.events.rows import ResolvedAdvancedV1, RowsChangedV2
 from contracts.registry import REGISTRY
 from libs.chunks import chunk_size_for, digest_of, needs_chunks, split
 from libs.streams import ROWS_STREAM, resolved_subject
@@ -108,10 +108,10 @@ class Publisher:
         window is full)."""
         self._check_lease()
         max_payload = self._max_payload()
-        if isinstance(event, RowsChangedV1) and approx_size(event) > chunk_size_for(max_payload) // 2:
+        if isinstance(event, RowsChangedV2) and approx_size(event) > chunk_size_for(max_payload) // 2:
             # Likely to need chunks: the deterministic encoding, in a thread (large_encode.py).
             payload = await asyncio.to_thread(encode_rows_deterministic, event, event_id=msg_id)
-            type_ = REGISTRY.key_of(RowsChangedV1)[0]
+            type_ = REGISTRY.key_of(RowsChangedV2)[0]
         else:
             payload, type_ = self._encode(event, msg_id)
         if needs_chunks(len(payload), max_payload):

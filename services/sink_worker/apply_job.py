@@ -54,7 +54,7 @@ from pyspark.sql.types import (
 )
 
 from contracts import REGISTRY
-from contracts.events.rows import RowsChangedV1
+from contracts.events.rows import RowsChangedV2
 from libs.table_rules import TableRules
 from services.sink_worker.key_buckets import key_bucket
 from services.sink_worker.large_values import LargeValues, holds_ref
@@ -156,10 +156,14 @@ Skips = dict[str, dict[str, int]]
 
 
 _LATEST: dict[str, int] = {}
+# Older versions whose rows this job reads as they are: rows.changed v2 only added the row's
+# ordinal, which the Spark path does not use (its order is (ts, seq, part, row)), so a v1 body
+# still in the stream after an upgrade keeps the fast path.
+_PARSE_ONLY = frozenset({("rows.changed", 1)})
 
 
 def event_rows(body: bytes | str) -> list[dict[str, Any]]:
-    """The row images of one rows event, as plain dicts (``RowImageV1`` fields).
+    """The row images of one rows event, as plain dicts (``RowImageV2`` fields).
 
     The driver validated every event of the batch when it pulled it (``pull.decode_for_span``),
     so a body in the newest contract version is only parsed here, not validated again (that
@@ -168,10 +172,10 @@ def event_rows(body: bytes | str) -> list[dict[str, Any]]:
     """
     obj = json.loads(body)
     type_, version = obj["type"], obj["version"]
-    if version == _latest(type_):
+    if version == _latest(type_) or (type_, version) in _PARSE_ONLY:
         return list(obj["data"]["rows"])
     event = REGISTRY.decode(body).event
-    assert isinstance(event, RowsChangedV1)
+    assert isinstance(event, RowsChangedV2)
     return [image.model_dump(mode="json") for image in event.rows]
 
 

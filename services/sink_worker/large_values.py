@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
 from contracts import REGISTRY
-from contracts.events.rows import RowsChangedV1
+from contracts.events.rows import RowsChangedV2
 
 if TYPE_CHECKING:
     from services.sink_worker.pull import PulledEvent
@@ -91,7 +91,7 @@ class LargeValues:
 
     def needs_strip(self, event: PulledEvent) -> bool:
         """Whether ``event``'s body may hold a large value (only then is it looked into)."""
-        return (not event.dead and isinstance(event.event, RowsChangedV1)
+        return (not event.dead and isinstance(event.event, RowsChangedV2)
                 and len(event.data) > self.threshold)
 
     def strip(self, event: PulledEvent, key: Iterable[str]) -> bytes:
@@ -101,12 +101,13 @@ class LargeValues:
         decoded to it), holding what ``apply_job.event_rows`` reads: type, version, id and the
         rows; the body itself when no value is large. Raises ``LargeKeyError`` for a large
         value in a ``key`` column."""
-        assert isinstance(event.event, RowsChangedV1)
+        assert isinstance(event.event, RowsChangedV2)
         key = tuple(key)
         type_, version = REGISTRY.key_of(type(event.event))
         held = len(self.values)
         rows = [{"op": row.op, "before": self._strip_image(row.before, key),
-                 "after": self._strip_image(row.after, key)} for row in event.event.rows]
+                 "after": self._strip_image(row.after, key), "ordinal": row.ordinal}
+                for row in event.event.rows]
         if len(self.values) == held:
             return event.data  # many small values: the body as it is
         return json.dumps({"type": type_, "version": version, "id": event.event_id,

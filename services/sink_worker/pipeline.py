@@ -38,7 +38,7 @@ from opentelemetry import trace
 from pyspark.sql import SparkSession
 
 from contracts.events.changefeeds import ChangefeedSpecV2, InitialLoad, KeyPolicy
-from contracts.events.rows import DdlExecutedV1, RowImageV1, RowsChangedV1, SourcePositionV1, TableMetaV1
+from contracts.events.rows import DdlExecutedV1, RowImageV2, RowsChangedV2, SourcePositionV1, TableMetaV1
 from libs.config import Settings
 from libs.dburl import parse_database_url
 from libs.eventstore.deadletter import dead_letter
@@ -248,7 +248,7 @@ def _validation_mode(spec: ChangefeedSpecV2) -> str:
 
 
 def _row_changes(work: _Work) -> int:
-    return sum(len(e.event.rows) for e in work.fresh if isinstance(e.event, RowsChangedV1))
+    return sum(len(e.event.rows) for e in work.fresh if isinstance(e.event, RowsChangedV2))
 
 
 def split_rows(total: int, weights: list[int]) -> list[int]:
@@ -305,7 +305,7 @@ class RoundAbandoned(Exception):
     """The worker is stopping and the round did not finish within the grace period."""
 
 
-def _missing_key_columns(event: RowsChangedV1, key: tuple[str, ...]) -> str | None:
+def _missing_key_columns(event: RowsChangedV2, key: tuple[str, ...]) -> str | None:
     for i, row in enumerate(event.rows):
         for image in (row.before, row.after):
             if image is not None:
@@ -719,14 +719,14 @@ class Pipeline:
     async def _plan(self, w: _Work) -> None:
         """The span's target and key; refuse a keyless table, park rows without key values."""
         span, policy = w.rt.span, w.rt.config.key_policy
-        last_meta: RowsChangedV1 | None = None
+        last_meta: RowsChangedV2 | None = None
         kept: list[PulledEvent] = []
         barrier = False
         for e in w.fresh:
             if e.dead:
                 kept.append(e)  # holds its place in its transaction; never applied
                 continue
-            if barrier or not isinstance(e.event, RowsChangedV1):
+            if barrier or not isinstance(e.event, RowsChangedV2):
                 barrier = True
                 kept.append(e)
                 continue
@@ -786,7 +786,7 @@ class Pipeline:
                        and (token(fk.ref_database), token(fk.ref_table)) in members]
         w.group = cut_group(rt.span.kv_key, w.start.ts, w.horizon, w.fresh)
         for e in w.group.batch:
-            assert isinstance(e.event, RowsChangedV1)
+            assert isinstance(e.event, RowsChangedV2)
             rt.group_metas[(e.event.database, e.event.table)] = e.event.meta
         names = ({(fk.database, fk.table) for fk in w.group_fks}
                  | {(fk.ref_database, fk.ref_table) for fk in w.group_fks})
@@ -851,7 +851,7 @@ class Pipeline:
             self._schemas.clear()
         return cut, outcome
 
-    async def _table_rules(self, router: Router | None, ev: RowsChangedV1) -> TableRules | None:
+    async def _table_rules(self, router: Router | None, ev: RowsChangedV2) -> TableRules | None:
         """The table's rules, their expressions checked against its metadata by Spark's
         analyser (once per table shape); ``TableRulesError`` says why they do not fit."""
         if router is None or not router.table_rules:
@@ -1517,7 +1517,7 @@ class Pipeline:
                 continue  # parked already
             reason = (f"skipped by an operator (incident {stopped.id}): {stopped.failure.describe()}")
             for e in w.fresh:
-                if e.dead or e.ts > upto or not isinstance(e.event, RowsChangedV1):
+                if e.dead or e.ts > upto or not isinstance(e.event, RowsChangedV2):
                     continue
                 if any(skipped in _image_keys(image, key, w.origin) for image in e.event.rows):
                     await dead_letter(self.js, e, reason, "skipped", self.rows_stream, seq=e.stream_seq,
@@ -1579,7 +1579,7 @@ def _needs_guard(w: _Work) -> bool:
     return any(unique and set(unique) != key for unique in w.plan.table.unique_keys)
 
 
-def _image_keys(image: RowImageV1, key: tuple[str, ...], origin: tuple[str, str] | None) -> list[str]:
+def _image_keys(image: RowImageV2, key: tuple[str, ...], origin: tuple[str, str] | None) -> list[str]:
     """The key JSON (as the apply job spells it, origin column included) of a row change's images."""
     out = []
     for values in (image.before, image.after):

@@ -41,7 +41,7 @@ from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ValidationError
 
 from contracts import REGISTRY, ContractError, Envelope
-from contracts.events.rows import DdlExecutedV1, ResolvedAdvancedV1, RowsChangedV1
+from contracts.events.rows import DdlExecutedV1, ResolvedAdvancedV1, RowsChangedV2
 from libs.chunks import ChunkError, ChunkInfo, ChunkJoiner, Joined, chunk_info
 from libs.eventstore.deadletter import dead_letter
 from libs.gc_pause import gc_paused
@@ -85,7 +85,7 @@ class PulledEvent:
     stream_seq: int
     subject: str
     event_id: str
-    event: RowsChangedV1 | DdlExecutedV1
+    event: RowsChangedV2 | DdlExecutedV1
     data: bytes = field(repr=False)
     headers: dict[str, str] = field(default_factory=dict, repr=False)
     dead: bool = False
@@ -106,11 +106,11 @@ class PulledEvent:
 
     @property
     def part(self) -> int:
-        return self.event.part if isinstance(self.event, RowsChangedV1) else 0
+        return self.event.part if isinstance(self.event, RowsChangedV2) else 0
 
     @property
     def last_part(self) -> bool:
-        return self.event.last_part if isinstance(self.event, RowsChangedV1) else True
+        return self.event.last_part if isinstance(self.event, RowsChangedV2) else True
 
 
 class _Message(Protocol):
@@ -124,7 +124,7 @@ class _Message(Protocol):
     def headers(self) -> dict[str, str] | None: ...
 
 
-def validate_rows(event: RowsChangedV1) -> None:
+def validate_rows(event: RowsChangedV2) -> None:
     """Structural checks the contract cannot express: the images an op needs, known columns."""
     columns = {c.name for c in event.meta.columns}
     if not columns:
@@ -149,13 +149,13 @@ def validate_rows(event: RowsChangedV1) -> None:
 class _RowsEnvelope(Envelope):
     """The envelope of a ``rows.changed`` event in its newest version, validated in one pass."""
 
-    data: RowsChangedV1  # type: ignore[assignment]
+    data: RowsChangedV2  # type: ignore[assignment]
 
 
-_ROWS_TYPE, _ROWS_VERSION = REGISTRY.key_of(RowsChangedV1)
+_ROWS_TYPE, _ROWS_VERSION = REGISTRY.key_of(RowsChangedV2)
 
 
-def _rows_fast(raw: bytes) -> tuple[str, RowsChangedV1] | None:
+def _rows_fast(raw: bytes) -> tuple[str, RowsChangedV2] | None:
     """``(event id, event)`` when ``raw`` is a valid newest-version rows event, else None.
 
     Nearly every message a span reads is one. Parsing and validating it in a single pass from
@@ -191,21 +191,21 @@ def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
             raise Garbage(exc.kind, exc.reason) from None
         event, event_id = decoded.event, decoded.envelope.id
         if is_rows:
-            if not isinstance(event, RowsChangedV1):
+            if not isinstance(event, RowsChangedV2):
                 raise Garbage("unexpected_type", f"{decoded.envelope.type} on a rows subject")
         elif is_ddl:
             if not isinstance(event, DdlExecutedV1):
                 raise Garbage("unexpected_type", f"{decoded.envelope.type} on a DDL subject")
         else:
             raise Garbage("unexpected_subject", f"{msg.subject} is not a subject of {span.name}")
-    assert isinstance(event, RowsChangedV1 | DdlExecutedV1)
+    assert isinstance(event, RowsChangedV2 | DdlExecutedV1)
     if (token(event.source) != span.source
             or (token(event.database), token(event.table)) != (parts[3], parts[4])):
         raise Garbage("invalid_data", f"event of {event.source}/{event.database}.{event.table} "
                                       f"on {msg.subject}")
     pulled = PulledEvent(stream_seq=seq, subject=msg.subject, event_id=event_id, event=event,
                          data=raw, headers=dict(msg.headers or {}))
-    if isinstance(event, RowsChangedV1):
+    if isinstance(event, RowsChangedV2):
         try:
             validate_rows(event)
         except Garbage as exc:

@@ -36,7 +36,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from contracts.events.rows import ColumnV1, RowImageV1, RowsChangedV1, TableMetaV1
+from contracts.events.rows import ColumnV1, RowImageV2, RowsChangedV2, TableMetaV1
 from libs.table_rules import ComputedColumn, TableRules
 from services.sink_worker.sinks.nats_stream import ChangeSource
 
@@ -186,7 +186,7 @@ def stream_rows(spark: SparkSession, meta: TableMetaV1, rules: TableRules,
     if rules.needs_spark:
         rows = [(0, i, j, image.op, None if image.before is None else json.dumps(image.before),
                  None if image.after is None else json.dumps(image.after))
-                for i, e in enumerate(events) if isinstance(e.event, RowsChangedV1)
+                for i, e in enumerate(events) if isinstance(e.event, RowsChangedV2)
                 for j, image in enumerate(e.event.rows) if not rules.ignores(image.op)]
         schema = StructType([StructField(name, IntegerType(), False) for name in ("shard", "eidx", "idx")]
                             + RULE_FIELDS)
@@ -197,17 +197,17 @@ def stream_rows(spark: SparkSession, meta: TableMetaV1, rules: TableRules,
                 computed[(eidx, idx)] = value
     out: list[ChangeSource] = []
     for i, e in enumerate(events):
-        if not isinstance(e.event, RowsChangedV1):
+        if not isinstance(e.event, RowsChangedV2):
             out.append(e)
             continue
         ids: list[int] = []
-        images: list[RowImageV1] = []
+        images: list[RowImageV2] = []
         for j, image in enumerate(e.event.rows):
             if rules.ignores(image.op) or (computed is not None and (i, j) not in computed):
                 continue
             extra = json.loads(value) if computed is not None and (value := computed[(i, j)]) else {}
             ids.append(j)
-            images.append(RowImageV1(op=image.op, before=_kept(image.before, rules, {}),
+            images.append(RowImageV2(op=image.op, before=_kept(image.before, rules, {}),
                                      after=_kept(image.after, rules, extra)))
         if images:
             out.append(ChangeSource(e.event_id, e.event.model_copy(update={"rows": images}), tuple(ids)))

@@ -5,8 +5,11 @@ MariaDB never binlogs the child rows its ``CASCADE``/``SET NULL`` actions change
 only when the group's downstream tables hold the source's state just before the parent change,
 which per-table spans (each applying final images per key, at its own pace) cannot give. A group
 span reads every member's subjects with one consumer (one stream: capture's publish order) and
-its batch is applied here, in the driver, in ``(ts, seq, part)`` order and row order inside a
-message, in ONE downstream transaction:
+its batch is applied here, in the driver, in ONE downstream transaction, each source transaction
+in binlog order: capture publishes one message per (transaction, table), and the rows of one
+transaction are merged by their ordinal (``RowImageV2.ordinal``) across its messages. A
+transaction with a row of unknown ordinal (upcast from ``rows.changed`` v1) keeps publish order,
+``(seq, part)`` then row order, as before ordinals existed. Along that order:
 
 - runs of changes that trigger nothing are collapsed to the last image per key and written
   together (as the Spark apply does), per table;
@@ -23,11 +26,12 @@ parts are (parts are numbered per transaction and table).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any, Literal
 
-from contracts.events.rows import DdlExecutedV1, RowsChangedV1, TableMetaV1
+from contracts.events.rows import DdlExecutedV1, RowImageV2, RowsChangedV2, TableMetaV1
 from libs.source_tables import connect_source
 from services.capture.table_meta import load_table_info
 from services.sink_worker.cascades import CascadeGraph, CascadeResult, CascadeTable, run_cascade
@@ -96,8 +100,22 @@ class GroupResult:
 Op = Literal["insert", "update", "delete"]
 
 
+def source_order(batch: Sequence[PulledEvent]) -> Iterator[tuple[RowsChangedV2, RowImageV2]]:
+    """The rows of ``batch`` (in ``(ts, seq, part)`` order) one by one, each transaction's rows
+    merged across its tables by ordinal: the order the source wrote them to the binlog."""
+    for _, group in groupby(batch, key=lambda e: e.ts):
+        rows: list[tuple[RowsChangedV2, RowImageV2]] = []
+        for e in group:
+            ev = e.event
+            assert isinstance(ev, RowsChangedV2)
+            rows.extend((ev, image) for image in ev.rows)
+        if all(image.ordinal is not None for _, image in rows):
+            rows.sort(key=lambda r: r[1].ordinal or 0)
+        yield from rows
+
+
 def apply_group_batch(sink: SqlSink, graph: CascadeGraph, batch: Sequence[PulledEvent],
-                      table_of: Callable[[RowsChangedV1], CascadeTable]) -> GroupResult:
+                      table_of: Callable[[RowsChangedV2], CascadeTable]) -> GroupResult:
     """Apply ``batch`` (``cut_group``'s) on ``sink`` in one transaction, cascades at their place.
 
     ``table_of``: the member's downstream table (and origin) for an event; ``graph.tables`` must
@@ -116,40 +134,37 @@ def apply_group_batch(sink: SqlSink, graph: CascadeGraph, batch: Sequence[Pulled
                 sink._apply(cur, table, colmap, deletes, upserts)
             pending.clear()
 
-        for e in batch:
-            ev = e.event
-            assert isinstance(ev, RowsChangedV1)
+        for ev, image in source_order(batch):
             member = table_of(ev)
             target = member.target
-            for image in ev.rows:
-                before = _row(ev, image.before, member)
-                after = _row(ev, image.after, member)
-                changes: list[Change] = []
-                if before is not None and (after is None or _key(target, before) != _key(target, after)):
-                    changes.append(Delete(_key(target, before)))
-                if after is not None:
-                    changes.append(Upsert(_key(target, after), after))
-                result.rows += 1
-                op: Op = "insert" if before is None else "delete" if after is None else "update"
-                if graph.triggers(ev.database, ev.table, op, before, after):
-                    assert before is not None
-                    flush()
-                    pending[(target.schema, target.name)] = (target, {c.key: c for c in changes})
-                    flush()
-                    run_cascade(sink, cur, graph, ev.database, ev.table, before, after, result.cascades)
-                    result.triggers += 1
-                    continue
-                _, queued = pending.setdefault((target.schema, target.name), (target, {}))
-                for change in changes:
-                    queued.pop(change.key, None)
-                    queued[change.key] = change
+            before = _row(ev, image.before, member)
+            after = _row(ev, image.after, member)
+            changes: list[Change] = []
+            if before is not None and (after is None or _key(target, before) != _key(target, after)):
+                changes.append(Delete(_key(target, before)))
+            if after is not None:
+                changes.append(Upsert(_key(target, after), after))
+            result.rows += 1
+            op: Op = "insert" if before is None else "delete" if after is None else "update"
+            if graph.triggers(ev.database, ev.table, op, before, after):
+                assert before is not None
+                flush()
+                pending[(target.schema, target.name)] = (target, {c.key: c for c in changes})
+                flush()
+                run_cascade(sink, cur, graph, ev.database, ev.table, before, after, result.cascades)
+                result.triggers += 1
+                continue
+            _, queued = pending.setdefault((target.schema, target.name), (target, {}))
+            for change in changes:
+                queued.pop(change.key, None)
+                queued[change.key] = change
         flush()
         return result
 
     return sink._run(work, "apply a foreign-key group's batch")
 
 
-def _row(ev: RowsChangedV1, image: Mapping[str, Any] | None, member: CascadeTable) -> dict[str, Any] | None:
+def _row(ev: RowsChangedV2, image: Mapping[str, Any] | None, member: CascadeTable) -> dict[str, Any] | None:
     if image is None:
         return None
     row = decode_row(ev.meta, image)

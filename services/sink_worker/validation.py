@@ -36,7 +36,7 @@ import pymysql.cursors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from contracts.events.rows import ColumnV1, RowsChangedV1, TableMetaV1
+from contracts.events.rows import ColumnV1, RowsChangedV2, TableMetaV1
 from libs.config import Settings
 from libs.nats_client import read_json
 from libs.routing import Router
@@ -170,7 +170,7 @@ class Validator:
 
     def _note(self, check: _SpanCheck, w: _Work, upto_ts: int) -> None:
         for e in w.fresh:
-            if e.dead or e.ts > upto_ts or not isinstance(e.event, RowsChangedV1):
+            if e.dead or e.ts > upto_ts or not isinstance(e.event, RowsChangedV2):
                 continue
             ev = e.event
             table = self._table_from_batch(check, w, ev)
@@ -192,7 +192,7 @@ class Validator:
                         continue
                     check.pending[text] = values
 
-    def _table_from_batch(self, check: _SpanCheck, w: _Work, ev: RowsChangedV1) -> _Table | None:
+    def _table_from_batch(self, check: _SpanCheck, w: _Work, ev: RowsChangedV2) -> _Table | None:
         if w.plan is None:
             return check.table
         current = check.table

@@ -14,7 +14,7 @@ import time
 from pyspark.sql import SparkSession
 
 from contracts import REGISTRY
-from contracts.events.rows import ColumnV1, RowImageV1, RowsChangedV1, SourcePositionV1, TableMetaV1
+from contracts.events.rows import ColumnV1, RowImageV2, RowsChangedV2, SourcePositionV1, TableMetaV1
 from services.sink_worker.apply_job import SpanTargets, final_images
 from services.sink_worker.sort_job import EventRecord, SpanInput, run_sort
 
@@ -22,13 +22,13 @@ _SPAN = "sluice-warm-up"
 
 
 def _body() -> bytes:
-    event = RowsChangedV1(
+    event = RowsChangedV2(
         source="warm-up", database="warm_up", table="t", ts=2, seq=1,
         position=SourcePositionV1(binlog_file="warm-up", binlog_pos=0),
         meta=TableMetaV1(columns=[ColumnV1(name="id", kind="int", sql_type="int", nullable=False)],
                          primary_key=["id"]),
-        rows=[RowImageV1(op="insert", after={"id": 1}),
-              RowImageV1(op="update", before={"id": 1}, after={"id": 2})])
+        rows=[RowImageV2(op="insert", after={"id": 1}),
+              RowImageV2(op="update", before={"id": 1}, after={"id": 2})])
     return REGISTRY.encode(event, producer="sink-worker/warm-up")
 
 

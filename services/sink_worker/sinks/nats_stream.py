@@ -40,7 +40,7 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from contracts import REGISTRY
-from contracts.events.rows import DdlExecutedV1, RowsChangedV1
+from contracts.events.rows import DdlExecutedV1, RowsChangedV2
 from contracts.events.sink import SinkRowChangedV1
 from libs.secret_refs import SecretError, is_reference, resolve_password
 from libs.streams import token
@@ -133,7 +133,7 @@ class ChangeSource:
     """One captured event of a span's batch, as the driver holds it."""
 
     event_id: str
-    event: RowsChangedV1 | DdlExecutedV1
+    event: RowsChangedV2 | DdlExecutedV1
     row_ids: tuple[int, ...] | None = None
     """Each row's index in the captured event, when table rules left rows out (message ids
     stay those of the captured rows)."""
@@ -149,11 +149,11 @@ def row_messages(target: StreamSinkUrl, changefeed: str, target_schema: str | No
     order, as messages for ``target``."""
     subject = target_subject(target.subject_prefix, target_schema, target_table)
     out: list[StreamMessage] = []
-    ordered = sorted((e for e in events if isinstance(e.event, RowsChangedV1)),
+    ordered = sorted((e for e in events if isinstance(e.event, RowsChangedV2)),
                      key=lambda e: (e.event.ts, e.event.seq, _part(e.event)))
     for e in ordered:
         ev = e.event
-        assert isinstance(ev, RowsChangedV1)
+        assert isinstance(ev, RowsChangedV2)
         ids = e.row_ids if e.row_ids is not None else range(len(ev.rows))
         for i, row in zip(ids, ev.rows, strict=True):
             msg_id = f"{changefeed}:{e.event_id}:{i}"
@@ -190,11 +190,11 @@ def ddl_message(target: StreamSinkUrl, changefeed: str, target_schema: str | Non
     return StreamMessage(subject, msg_id, payload)
 
 
-def _part(ev: RowsChangedV1 | DdlExecutedV1) -> int:
-    return ev.part if isinstance(ev, RowsChangedV1) else 0
+def _part(ev: RowsChangedV2 | DdlExecutedV1) -> int:
+    return ev.part if isinstance(ev, RowsChangedV2) else 0
 
 
-def _debezium_source(changefeed: str, ev: RowsChangedV1 | DdlExecutedV1, event_id: str,
+def _debezium_source(changefeed: str, ev: RowsChangedV2 | DdlExecutedV1, event_id: str,
                      row: int) -> dict[str, Any]:
     return {
         "version": "sluice", "connector": "sluice", "name": changefeed, "server": ev.source,
