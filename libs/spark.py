@@ -44,6 +44,11 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def _prepare_environment() -> None:
     """Environment the JVM and the Python workers inherit; set before the JVM starts."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # PySpark marks a process that built a Spark Connect session with these, and every process
+    # it starts inherits them; a classic session asked for by SLUICE_SPARK_MASTER would then be
+    # refused as a Connect session without a URL (CONNECT_URL_NOT_SET).
+    for inherited in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_LOCAL_REMOTE", "SPARK_REMOTE"):
+        os.environ.pop(inherited, None)
     # Python workers must run the interpreter of this venv, not whatever `python3` is on PATH.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)

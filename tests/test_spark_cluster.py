@@ -10,6 +10,7 @@ session is one per process. One module-scoped cluster, a few dozen rows.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -103,6 +104,9 @@ def test_an_initial_load_copies_over_spark_connect(connect: SparkConnect, mariad
     finally:
         pool.close()
         spark.stop()
+        # PySpark leaves the process marked as a Connect client; the worker's next modules
+        # start classic sessions and sink-workers that would inherit the mark.
+        os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
     assert counts == {c.id: n for c, n in zip(chunks, [1000, 1000, 1000], strict=True)}
     with sqlite3.connect(tmp_path / "copy.db") as down:
         assert down.execute('SELECT COUNT(*), SUM(id), MAX(v) FROM "t"').fetchone() == (3000, 4501500, "v999")
