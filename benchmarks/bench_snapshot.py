@@ -50,11 +50,11 @@ from typing import Any
 
 from benchmarks.apply import RssSampler
 from benchmarks.output import Figures, add_json_option
+from libs.codec.table_meta import load_table_info
 from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.spark import get_spark, stop_spark
-from services.capture.table_meta import load_table_info
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.snapshot_job import CopyJob, connect_source, copy_chunk, plan_chunks, run_copy
 from services.sink_worker.snapshot_plan import Chunk

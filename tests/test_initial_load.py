@@ -25,11 +25,11 @@ from pyspark.sql import SparkSession
 from contracts.events.changefeeds import ChangefeedSpecV2, InitialLoad, SourceRefV1, TableFilterV1
 from contracts.events.rows import SourcePositionV1
 from libs.changefeeds import record_changefeed, record_state
+from libs.codec.table_meta import load_table_info
 from libs.localservers.common import wait_until
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.service_process import ServiceProcess
 from libs.streams import SNAPSHOT_BUCKET
-from services.capture.table_meta import load_table_info
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.pipeline import Pipeline, SpanConfig
 from services.sink_worker.sinks.base import TargetTable

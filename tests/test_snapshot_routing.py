@@ -10,9 +10,9 @@ import sqlite3
 from pathlib import Path
 
 from contracts.events.changefeeds import ChangefeedSpecV2, RouteRuleV1, SourceRefV1
+from libs.codec.table_meta import load_table_info
 from libs.localservers.mariadb import MariaDB
 from libs.routing import router_for
-from services.capture.table_meta import load_table_info
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.snapshot_job import CopyJob, copy_chunk
 from services.sink_worker.snapshot_plan import Chunk

@@ -24,11 +24,11 @@ from contracts.events.changefeeds import (
     TableRuleV1,
 )
 from contracts.events.rows import ColumnV1, RowImageV1, TableMetaV1
+from libs.codec.table_meta import load_table_info
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.routing import Router, TableRef, validate_spec
 from libs.table_rules import TableRulesError, expression_problem, rules_for
-from services.capture.table_meta import load_table_info
 from services.sink_worker.pipeline import SpanConfig
 from services.sink_worker.row_rules import analyse
 from services.sink_worker.sinks.factory import open_sink

@@ -38,12 +38,12 @@ from nats.js.kv import KeyValue
 from pyspark.sql import SparkSession
 
 from contracts.events.rows import TableMetaV1
+from libs.codec.table_meta import load_table_info
 from libs.config import Settings
 from libs.routing import Router
 from libs.streams import ROWS_STREAM, SNAPSHOT_BUCKET, token
 from libs.table_rules import rules_for
 from libs.ts import LOGICAL_BITS
-from services.capture.table_meta import load_table_info
 from services.sink_worker import metrics as m
 from services.sink_worker.checkpoints import Checkpoint
 from services.sink_worker.pull import ResolvedMark, latest_resolved

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from libs.checksum import TableDiff, compare_tables, table_checksum
+from libs.codec.table_meta import load_table_info
 from libs.dburl import parse_database_url
 from libs.sql_ident import quote_ident
-from services.capture.table_meta import load_table_info
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.span import choose_key
