@@ -54,11 +54,12 @@ from libs.codec.table_meta import load_table_info
 from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
+from libs.scheduling.model import Span
 from libs.spark import get_spark, stop_spark
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.snapshot_job import CopyJob, connect_source, copy_chunk, plan_chunks, run_copy
 from services.sink_worker.snapshot_plan import Chunk
-from services.sink_worker.span import Span, target_for
+from services.sink_worker.span import target_for
 
 _SCHEMA = "bench"
 _TABLE = "orders"

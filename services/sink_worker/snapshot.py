@@ -41,6 +41,7 @@ from contracts.events.rows import TableMetaV1
 from libs.codec.table_meta import load_table_info
 from libs.config import Settings
 from libs.routing import Router
+from libs.scheduling.model import Span
 from libs.streams import ROWS_STREAM, SNAPSHOT_BUCKET, token
 from libs.table_rules import rules_for
 from libs.ts import LOGICAL_BITS
@@ -60,7 +61,7 @@ from services.sink_worker.snapshot_job import (
     split_open_chunk,
 )
 from services.sink_worker.snapshot_plan import Chunk, SnapshotProgress
-from services.sink_worker.span import Span, route_of, shard_ref, target_for
+from services.sink_worker.span import route_of, shard_ref, target_for
 
 log = logging.getLogger(__name__)
 

@@ -42,6 +42,7 @@ from libs.codec.table_meta import load_table_info
 from libs.config import Settings
 from libs.nats_client import read_json
 from libs.routing import Router
+from libs.scheduling.model import Span
 from libs.sql_ident import mysql_ident as quote
 from libs.streams import ROWS_STREAM
 from libs.table_rules import NO_RULES, TableRules, rules_for
@@ -65,7 +66,7 @@ from services.sink_worker.sinks.sql_common import SqlSink
 from services.sink_worker.snapshot import _real_names
 from services.sink_worker.snapshot_job import connect_source, decode_key, encode_key, estimate_rows
 from services.sink_worker.snapshot_plan import key_after
-from services.sink_worker.span import Span, shard_ref, target_for
+from services.sink_worker.span import shard_ref, target_for
 
 if TYPE_CHECKING:
     from services.sink_worker.pipeline import Pipeline, SpanRuntime, _Work

@@ -39,6 +39,7 @@ from libs.changefeeds import ChangefeedView, discover_spans
 from libs.config import Settings
 from libs.control.follow import DomainFollower
 from libs.eventstore import StoredEvent, ensure_deadletter_stream
+from libs.scheduling.model import Span
 from libs.streams import (
     CHECKPOINT_BUCKET,
     ROWS_STREAM,
@@ -53,7 +54,6 @@ from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport
 from services.sink_worker.prepare_progress import Phase, PrepareProgress
 from services.sink_worker.shard_ddl import ShardDdl
 from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
-from services.sink_worker.span import Span
 from services.sink_worker.validation import ValidationOptions, Validator
 from services.sink_worker.warm_up import warm_up
 
