@@ -1,8 +1,11 @@
 """Compare a downstream table with the merge of its upstream shards, row for row.
 
-The demo, the end-to-end tests and (later) the operator CLI use this to prove that the target
-equals what the sources hold now. Upstream rows are read with the source's own metadata; the
-downstream through the sink, so each side is decoded by the code that owns it.
+A user feature, not only test code: the demo (``infra/dev.sh demo``, ``infra/demo.py``) ends by
+verifying each target with it and shows the result; it is not a ``sluice`` command (an operator
+checks a running changefeed with continuous validation, ``libs/validation``). The end-to-end and
+process tests use it too. Upstream rows are read with the source's own metadata; the downstream
+through the sink (``Sink.fetch_rows``), so each side is decoded by the code that owns it. It
+reads whole tables into memory: for the demo's and the tests' sizes, not a production table.
 """
 
 from __future__ import annotations

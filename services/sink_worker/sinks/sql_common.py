@@ -511,7 +511,7 @@ class SqlSink(Sink):
         return f"SELECT {cols} FROM {self._table_ref(table)}"
 
     def fetch_rows(self, table: TargetTable) -> list[dict[str, Any]]:
-        """Every row, decoded by ``values.normalize_fetched`` and sorted by key."""
+        """Every row, decoded by ``libs.codec.decode.normalize_fetched`` and sorted by key."""
         columns = table.meta.columns
         sql = self._select_sql(table)
 
