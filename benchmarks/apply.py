@@ -74,6 +74,7 @@ from contracts.events.rows import (
     TableMetaV1,
 )
 from libs.checksum import table_checksum
+from libs.codec.decode import decode_row, format_time
 from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
@@ -82,7 +83,6 @@ from libs.streams_setup import ensure_rows_stream
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.mysql import MySQLSink
 from services.sink_worker.span import choose_key
-from services.sink_worker.values import decode_row, format_time
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "bench1"
@@ -656,10 +656,10 @@ async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     """In the subprocess: the real Pipeline over every table until its checkpoints pass final_ts."""
     from prometheus_client import REGISTRY as METRICS
 
+    from libs.scheduling.model import Span
     from libs.spark import get_spark
     from services.sink_worker.checkpoints import CheckpointStore
     from services.sink_worker.pipeline import Pipeline, PipelineOptions, SpanConfig
-    from services.sink_worker.span import Span
 
     settings = Settings(nats_url=spec["nats_url"], spark_shuffle_partitions=spec["shuffle_partitions"],
                         spark_driver_java_options=spec["java_options"])
@@ -667,10 +667,7 @@ async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     # A running worker has its Python workers up (and their imports done) long before: do that
     # outside the clock.
     def warm(rows: Iterable[int]) -> Iterator[int]:
-        import services.sink_worker.apply_job
-        import services.sink_worker.sinks.factory
-        import services.sink_worker.sinks.mysql
-        import services.sink_worker.values  # noqa: F401
+        import libs.codec.decode  # noqa: F401
 
         yield sum(rows)
 

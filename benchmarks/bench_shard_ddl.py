@@ -45,13 +45,13 @@ from libs.config import Settings  # noqa: E402
 from libs.localservers.nats_server import NatsServer  # noqa: E402
 from libs.localservers.service_process import ServiceProcess  # noqa: E402
 from libs.routing import Target  # noqa: E402
+from libs.scheduling.model import Span  # noqa: E402
 from libs.shard_ddl.lock import Operation  # noqa: E402
 from libs.streams import domain_events_subject, domain_stream, rows_subject  # noqa: E402
 from libs.streams_setup import ensure_rows_stream  # noqa: E402
 from services.sink_worker.shard_ddl import ShardDdl  # noqa: E402
 from services.sink_worker.sinks.base import TargetTable, Upsert  # noqa: E402
 from services.sink_worker.sinks.factory import open_sink  # noqa: E402
-from services.sink_worker.span import Span  # noqa: E402
 
 TARGET = Target("merged", "t")
 

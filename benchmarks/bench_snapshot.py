@@ -52,11 +52,12 @@ from typing import Any
 
 from benchmarks.apply import RssSampler
 from benchmarks.output import Figures, add_json_option
+from libs.codec.table_meta import load_table_info
 from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
+from libs.scheduling.model import Span
 from libs.spark import get_spark, stop_spark
-from services.capture.table_meta import load_table_info
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.snapshot import SnapshotOptions
 from services.sink_worker.snapshot_job import (
@@ -69,7 +70,7 @@ from services.sink_worker.snapshot_job import (
     run_copy,
 )
 from services.sink_worker.snapshot_plan import Chunk
-from services.sink_worker.span import Span, target_for
+from services.sink_worker.span import target_for
 
 _SCHEMA = "bench"
 _TABLE = "orders"

@@ -36,6 +36,7 @@ from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
 from libs.nats_auth import SINK_WORKER
+from libs.scheduling.model import Span as WorkerSpan
 from libs.streams import (
     CHECKPOINT_BUCKET,
     ROWS_STREAM,
@@ -46,7 +47,6 @@ from libs.streams import (
     resolved_subject,
     rows_subject,
 )
-from services.sink_worker.span import Span as WorkerSpan
 
 T = TypeVar("T")
 TOKEN = "test-token-7f3a9c"

@@ -20,11 +20,11 @@ from contracts.events.changefeeds import ChangefeedCreatedV2, ChangefeedSpecV2, 
 from libs.eventstore import EventStore
 from libs.eventstore.deadletter import dead_letter
 from libs.localservers.common import wait_until
+from libs.scheduling.model import Span as WorkerSpan
 from libs.streams import PREPARE_BUCKET, domain_events_subject
 from libs.ts import utc_text
 from services.api.projections import Projections
 from services.sink_worker.prepare_progress import entry as prepare_entry
-from services.sink_worker.span import Span as WorkerSpan
 from tests.api_stack import ALICE_TOKEN, CANARY, CF, TOKEN, TS, VIEWER_TOKEN, ApiStack, lock_view, wait_ready
 
 pytestmark = pytest.mark.integration

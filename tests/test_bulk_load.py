@@ -20,10 +20,10 @@ import pytest
 
 from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.checksum import compare_tables
+from libs.codec.table_meta import load_table_info
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.nats_tls import issue_tls
-from services.capture.table_meta import load_table_info
 from services.sink_worker import source_read
 from services.sink_worker.sinks.base import TargetTable, Upsert
 from services.sink_worker.sinks.factory import open_sink

@@ -8,10 +8,10 @@ from decimal import Decimal
 import pytest
 from pymysqlreplication.constants import NONE_SOURCE
 
+from libs.codec.encode import UnsupportedValue, encode_value, format_time, kind_for_data_type
 from services.capture.binlog_reader import _fix_negative_time2
 from services.capture.statements import classify
 from services.capture.ts_clock import LOGICAL_MASK, TsClock, compose, logical, physical_ms
-from services.capture.values import UnsupportedValue, encode_value, format_time, kind_for_data_type
 
 # ------------------------------------------------------------------ ts clock
 

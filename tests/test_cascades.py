@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from libs.codec.table_meta import load_table_info
 from libs.foreign_keys import ForeignKey, load_foreign_keys
 from libs.localservers.mariadb import MariaDB
 from libs.routing import OriginColumn, TableRef, rewrite_meta
-from services.capture.table_meta import load_table_info
 from services.sink_worker.cascades import CascadeGraph, CascadeTable, apply_cascade
 from services.sink_worker.sinks.base import Delete, TargetTable, Upsert
 from services.sink_worker.sinks.sql_common import SqlSink

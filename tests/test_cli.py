@@ -16,10 +16,10 @@ import pytest
 from typer.testing import CliRunner
 
 from contracts.events.scheduling import SetChangedV1
+from libs.scheduling.model import Span as WorkerSpan
 from libs.streams import SNAPSHOT_BUCKET
 from libs.ts import utc_text
 from services.cli.app import app
-from services.sink_worker.span import Span as WorkerSpan
 from tests.api_stack import CF, TOKEN, TS, ApiStack, lock_view, span_ref
 
 pytestmark = pytest.mark.integration

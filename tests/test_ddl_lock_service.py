@@ -24,6 +24,7 @@ from libs.changefeeds import record_changefeed, record_state
 from libs.config import Settings
 from libs.localservers.service_process import ServiceProcess
 from libs.routing import Target
+from libs.scheduling.model import Span
 from libs.shard_ddl.lock import Operation
 from libs.streams import (
     SHARD_DDL_REPORT_SUBJECT,
@@ -34,7 +35,6 @@ from libs.streams import (
 )
 from libs.streams_setup import ensure_rows_stream
 from services.sink_worker.shard_ddl import ShardDdl
-from services.sink_worker.span import Span
 from tests.helpers.control_plane import eventually
 
 pytestmark = pytest.mark.integration

@@ -19,12 +19,12 @@ from nats.js import JetStreamContext
 from contracts.events.changefeeds import ChangefeedSpecV2, RouteRuleV1, SourceRefV1, TableFilterV1
 from libs.changefeeds import record_changefeed
 from libs.checksum import compare_tables
+from libs.codec.table_meta import load_table_info
 from libs.foreign_keys import group_token
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
 from libs.routing import OriginColumn, TableRef, rewrite_meta
-from services.capture.table_meta import load_table_info
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.verify import ShardRef, Verification, verify_target

@@ -25,18 +25,18 @@ from pyspark.sql import SparkSession
 from contracts.events.changefeeds import ChangefeedSpecV2, InitialLoad, SourceRefV1, TableFilterV1
 from contracts.events.rows import SourcePositionV1
 from libs.changefeeds import record_changefeed, record_state
+from libs.codec.table_meta import load_table_info
 from libs.localservers.common import wait_until
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.service_process import ServiceProcess
+from libs.scheduling.model import Span
 from libs.streams import SNAPSHOT_BUCKET
-from services.capture.table_meta import load_table_info
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.pipeline import Pipeline, SpanConfig
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.snapshot import InitialLoads, SnapshotOptions, SnapshotRequest
 from services.sink_worker.snapshot_job import CopyJob, connect_source, decode_key, encode_key, plan_chunks
 from services.sink_worker.snapshot_plan import SnapshotProgress
-from services.sink_worker.span import Span
 from services.sink_worker.verify import ShardRef, verify_target
 from tests.helpers.workload import RandomWorkload, run_in_thread
 

@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.service_process import ServiceProcess
-from services.sink_worker.span import Span
+from libs.scheduling.model import Span
 from tests.helpers.workload import RandomWorkload, run_in_thread
 from tests.test_initial_load import (
     _capture,

@@ -16,6 +16,7 @@ from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.control.ddl_state import DdlState
 from libs.eventstore import StoredEvent
 from libs.routing import OriginColumn, Router, RouteRule, TableRef, Target, router_for, validate_spec
+from libs.scheduling.model import Span
 from libs.shard_ddl.convert import done_contract, done_of, from_contract, to_contract
 from libs.shard_ddl.lock import (
     CaughtUp,
@@ -37,7 +38,7 @@ from libs.shard_ddl.lock import (
 )
 from libs.shard_ddl.view import lock_view, parse_span, parse_target, span_name
 from services.sink_worker.apply_job import explode_event
-from services.sink_worker.span import Span, target_for
+from services.sink_worker.span import target_for
 
 T = Target("merged", "orders")
 A = TableRef("src1", "shop_a", "orders_1")

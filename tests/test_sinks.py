@@ -26,10 +26,7 @@ import pytest
 
 from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.checksum import compare_tables, table_checksum
-from libs.sql_ident import IdentifierError, quote_ident
-from services.sink_worker.sinks.base import Delete, PartitionResult, Sink, TargetTable, Upsert
-from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.values import (
+from libs.codec.decode import (
     SqlTypeError,
     canonical_json,
     decode_row,
@@ -39,6 +36,9 @@ from services.sink_worker.values import (
     parse_time,
     sql_type_for,
 )
+from libs.sql_ident import IdentifierError, quote_ident
+from services.sink_worker.sinks.base import Delete, PartitionResult, Sink, TargetTable, Upsert
+from services.sink_worker.sinks.factory import open_sink
 
 pytestmark = pytest.mark.integration
 

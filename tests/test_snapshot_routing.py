@@ -10,13 +10,14 @@ import sqlite3
 from pathlib import Path
 
 from contracts.events.changefeeds import ChangefeedSpecV2, RouteRuleV1, SourceRefV1
+from libs.codec.table_meta import load_table_info
 from libs.localservers.mariadb import MariaDB
 from libs.routing import router_for
-from services.capture.table_meta import load_table_info
+from libs.scheduling.model import Span
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.snapshot_job import CopyJob, copy_chunk
 from services.sink_worker.snapshot_plan import Chunk
-from services.sink_worker.span import Span, shard_ref, target_for
+from services.sink_worker.span import shard_ref, target_for
 
 
 def test_copies_of_two_shards_merge_into_the_routed_target_with_their_origin(

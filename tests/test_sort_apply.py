@@ -33,6 +33,7 @@ from contracts.events.rows import (
 from libs.eventstore import EventStore
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
+from libs.scheduling.model import Span
 from libs.streams import (
     DEADLETTER_STREAM,
     ROWS_STREAM,
@@ -46,7 +47,7 @@ from services.sink_worker.checkpoints import Checkpoint, CheckpointRegression, C
 from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.span import Span, choose_key
+from services.sink_worker.span import choose_key
 
 pytestmark = pytest.mark.integration
 

@@ -76,7 +76,7 @@ def test_an_initial_load_copies_over_spark_connect(connect: SparkConnect, mariad
 
     from pyspark.sql import SparkSession
 
-    from services.capture.table_meta import load_table_info
+    from libs.codec.table_meta import load_table_info
     from services.sink_worker.sinks.base import TargetTable
     from services.sink_worker.sinks.factory import open_sink
     from services.sink_worker.snapshot_job import CopyJob, CopyPool, connect_source, plan_chunks

@@ -30,12 +30,12 @@ from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFil
 from contracts.events.rows import CaptureRejectedV1, ColumnV1, TableMetaV1
 from libs.changefeeds import record_changefeed, record_state
 from libs.checksum import TableDiff, compare_tables
+from libs.codec.table_meta import load_table_info
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
 from libs.streams import ROWS_STREAM, rejected_subject
-from services.capture.table_meta import load_table_info
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 

@@ -10,10 +10,10 @@ import pytest
 from nats.js import JetStreamContext
 from pymysqlreplication.constants import FIELD_TYPE
 
+from libs.codec.encode import encode_value
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from services.capture.binlog_reader import _fix_row, _repairs
-from services.capture.values import encode_value
 from tests.test_capture_support import (
     binlog_position,
     capture_settings,
@@ -84,14 +84,14 @@ async def test_capture_publishes_year_0000_and_padded_binary(
 
 
 def _info(*columns: tuple[str, str]) -> Any:
-    from services.capture.table_meta import ColumnSpec, TableInfo
+    from libs.codec.table_meta import ColumnSpec, TableInfo
 
     return TableInfo("d", "t", tuple(ColumnSpec(n, "set" if t.startswith("set") else "string", t)
                                      for n, t in columns), ("e",))
 
 
 def test_enum_and_set_members_come_from_the_binlog_when_information_schema_loses_them() -> None:
-    from services.capture.table_meta import BinlogColumn, reconcile_members
+    from libs.codec.table_meta import BinlogColumn, reconcile_members
 
     info = _info(("e", "enum('ä','?','x y')"), ("s", "set('?','b')"), ("ok", "enum('a','')"))
     cols = (BinlogColumn("e", FIELD_TYPE.ENUM, enum_values=("", "ä", "😀", "x y")),
@@ -104,7 +104,7 @@ def test_enum_and_set_members_come_from_the_binlog_when_information_schema_loses
 
 
 def test_enum_members_the_reader_cannot_decode_make_the_column_unsupported() -> None:
-    from services.capture.table_meta import BinlogColumn, reconcile_members
+    from libs.codec.table_meta import BinlogColumn, reconcile_members
 
     info = _info(("e", "enum('é','a')"))
     fixed = reconcile_members(info, (BinlogColumn("e", FIELD_TYPE.ENUM, enum_values=("", "", "a")),))

@@ -142,12 +142,12 @@ async def test_a_row_is_reported_only_when_it_still_differs_past_the_checkpoint_
     """In flight first (not reported), then past a resolved mark after the read and a checkpoint
     past that mark: re-read and reported; a reported row repaired leaves the report; a suspect
     that is equal at its re-check was in flight and is never reported."""
+    from libs.scheduling.model import Span
     from services.sink_worker import validation as v
     from services.sink_worker.checkpoints import Checkpoint
     from services.sink_worker.pipeline import SpanConfig, SpanRuntime
     from services.sink_worker.pull import ResolvedMark
     from services.sink_worker.sinks.base import TargetTable
-    from services.sink_worker.span import Span
 
     meta = TableMetaV1(columns=[_col("id", "int", "int"), _col("name", "string", "varchar(8)")],
                        primary_key=["id"])
@@ -217,12 +217,12 @@ async def test_a_compare_walks_the_table_by_key_range_and_resumes_on_a_new_owner
 ) -> None:
     """Chunks of two keys a cycle; the worker running the span goes away after the first chunk
     and a new one (fresh validator, the same bucket) goes on after the last key compared."""
+    from libs.scheduling.model import Span
     from libs.validation import CompareRequest, request_key
     from services.sink_worker import validation as v
     from services.sink_worker.checkpoints import Checkpoint
     from services.sink_worker.pipeline import SpanConfig, SpanRuntime
     from services.sink_worker.sinks.base import TargetTable
-    from services.sink_worker.span import Span
 
     meta = TableMetaV1(columns=[_col("id", "int", "int"), _col("name", "string", "varchar(8)")],
                        primary_key=["id"])

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from libs.scheduling.model import Span as WorkerSpan
 from libs.streams import VALIDATION_BUCKET
 from libs.validation import CompareProgress, ReportedRow, SpanValidation
-from services.sink_worker.span import Span as WorkerSpan
 from tests.api_stack import CF, VIEWER_TOKEN, ApiStack
 from tests.test_cli import sluice, sluice_json
 

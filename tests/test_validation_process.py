@@ -27,8 +27,8 @@ from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
 from libs.nats_client import read_json
+from libs.scheduling.model import Span
 from libs.validation import SpanValidation, bucket, request_compare
-from services.sink_worker.span import Span
 from tests.test_e2e_replication import (  # noqa: F401 - fixtures
     _capture,
     _created,

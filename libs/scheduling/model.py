@@ -11,6 +11,9 @@ from enum import StrEnum
 from typing import NamedTuple
 from urllib.parse import quote, unquote
 
+from libs.foreign_keys import group_members
+from libs.streams import ddl_subject, rows_subject, token
+
 MemberId = str
 """A sink-worker member id as the member service knows it (TiCDC's capture id)."""
 
@@ -18,17 +21,36 @@ ChangefeedId = str
 
 
 class Span(NamedTuple):
-    """The unit of scheduling: one upstream table of one source inside one changefeed.
+    """The unit of scheduling and of apply: one upstream table (or one foreign-key table group)
+    of one source inside one changefeed.
+
+    ``source``/``database``/``table`` are the tokens of the span's ROWS-stream subjects
+    (``libs.streams.token``), because that is how spans are discovered; the real database and
+    table names, which can hold characters a subject token cannot, come from the events. A table
+    group's ``table`` is its group token (``libs.foreign_keys.group_token``).
 
     A NamedTuple rather than a dataclass on purpose: spans are dict keys on every hot path of
-    the replication manager, and tuple hashing/equality/ordering run in C. With 10,000 spans a
-    Python-level ``__hash__`` per lookup is a measurable share of scheduling time.
+    the replication manager and the sink pipeline, and tuple hashing/equality/ordering run in
+    C. With 10,000 spans a Python-level ``__hash__`` per lookup is a measurable share of
+    scheduling time.
+
+    Two string keys, on purpose, each stored in existing streams and buckets so neither can
+    change without a migration: ``key`` (percent-encoded, ``/``-separated, reversible with
+    ``parse``) is what the scheduling domain's events and the control plane's messages carry;
+    ``kv_key`` (``=XX``-escaped, ``.``-separated) is what the sink's KV buckets (checkpoints,
+    validation status, prepare progress) are keyed by, because a KV key cannot hold ``%``.
+    Both are injective.
     """
 
     changefeed: ChangefeedId
     source: str
     database: str
     table: str
+
+    @classmethod
+    def of(cls, changefeed: str, source: str, database: str, table: str) -> Span:
+        """A span from real names (tokenised the way capture names the subjects)."""
+        return cls(changefeed, token(source), token(database), token(table))
 
     @property
     def key(self) -> str:
@@ -47,8 +69,55 @@ class Span(NamedTuple):
         changefeed, source, database, table = (unquote(p) for p in parts)
         return cls(changefeed, source, database, table)
 
+    @property
+    def kv_key(self) -> str:
+        """The span's key in the sink's KV buckets: injective, KV-safe (``[-/_=.A-Za-z0-9]``).
+
+        ``token`` alone is not injective (``a.b`` and ``a_b`` both give ``a_b``) and a checkpoint
+        must never be shared by two spans, so every other character is escaped as ``=XX``.
+        """
+        return ".".join(_kv_escape(part) for part in self)
+
+    @property
+    def name(self) -> str:
+        """Human and label friendly: ``cf/source/db.table``."""
+        return f"{self.changefeed}/{self.source}/{self.database}.{self.table}"
+
+    @property
+    def members(self) -> tuple[tuple[str, str], ...] | None:
+        """A table group's tables (``(database token, table token)``), None for one table's span
+        (``libs.foreign_keys.group_token``: the tables cascading foreign keys connect)."""
+        return group_members(self.table)
+
+    def tables(self) -> tuple[tuple[str, str], ...]:
+        """The tables whose events the span reads: the group's, or its own."""
+        return self.members or ((self.database, self.table),)
+
+    def subjects(self) -> list[str]:
+        """Rows and DDL subjects of every table of the span."""
+        return [subject(self.source, d, t) for d, t in self.tables()
+                for subject in (rows_subject, ddl_subject)]
+
+    @property
+    def rows_subject(self) -> str:
+        return rows_subject(self.source, self.database, self.table)
+
+    @property
+    def ddl_subject(self) -> str:
+        return ddl_subject(self.source, self.database, self.table)
+
     def __str__(self) -> str:
         return self.key
+
+
+def _kv_escape(value: str) -> str:
+    out = []
+    for ch in value:
+        if ch.isascii() and (ch.isalnum() or ch in "-_"):
+            out.append(ch)
+        else:
+            out.extend(f"={b:02X}" for b in ch.encode())
+    return "".join(out) or "=00"
 
 
 class TableState(StrEnum):

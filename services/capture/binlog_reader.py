@@ -31,7 +31,7 @@ from pymysqlreplication.event import (
 from pymysqlreplication.row_event import DeleteRowsEvent, UpdateRowsEvent, WriteRowsEvent
 
 from contracts.events.rows import RowOp
-from services.capture.table_meta import BinlogColumn
+from libs.codec.table_meta import BinlogColumn
 
 log = logging.getLogger(__name__)
 

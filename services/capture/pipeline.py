@@ -32,21 +32,21 @@ from contracts.events.rows import (
     RowsChangedV2,
     SourcePositionV1,
 )
-from libs.foreign_keys import ForeignKey, load_foreign_keys
-from libs.streams import ddl_subject, rejected_subject, rows_subject
-from services.capture import metrics
-from services.capture.binlog_reader import Begin, Commit, Heartbeat, Item, Position, Query, ReaderFailed, Rows
-from services.capture.publisher import MessageTooLarge, Publisher
-from services.capture.statements import classify
-from services.capture.table_meta import (
+from libs.codec.encode import UnsupportedValue, encode_value
+from libs.codec.table_meta import (
     BinlogColumn,
     TableInfo,
     binlog_table_info,
     load_table_info,
     reconcile_members,
 )
+from libs.foreign_keys import ForeignKey, load_foreign_keys
+from libs.streams import ddl_subject, rejected_subject, rows_subject
+from services.capture import metrics
+from services.capture.binlog_reader import Begin, Commit, Heartbeat, Item, Position, Query, ReaderFailed, Rows
+from services.capture.publisher import MessageTooLarge, Publisher
+from services.capture.statements import classify
 from services.capture.ts_clock import TsClock, wall_ms
-from services.capture.values import UnsupportedValue, encode_value
 
 log = logging.getLogger(__name__)
 

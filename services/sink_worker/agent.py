@@ -61,7 +61,7 @@ from contracts.events.scheduling import (
 from libs.changefeeds import ChangefeedView
 from libs.control.convert import dispatch_of, status_ref
 from libs.scheduling import AgentOutcome, AgentVerdict, MemberAgentState, TableState, TableStatus
-from libs.scheduling import Span as SchedSpan
+from libs.scheduling.model import Span
 from libs.streams import (
     LEADER_BUCKET,
     announce_subject,
@@ -73,7 +73,6 @@ from libs.telemetry.tracing import inject_headers, process_span
 from services.sink_worker.fence import SelfFence
 from services.sink_worker.pipeline import Pipeline, SpanConfig
 from services.sink_worker.prepare_progress import Phase
-from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
 
@@ -89,15 +88,6 @@ AGENT_TABLES = Gauge("sluice_sink_agent_tables", "Spans this member holds, by ag
 SEEN_EPOCH = Gauge("sluice_sink_seen_epoch", "Newest replication-manager epoch this member has seen.")
 FENCED = Counter("sluice_sink_fenced", "Times this worker fenced itself (heartbeats not confirmed in time) "
                  "and started over as a new incarnation.")
-
-
-def sched_span(span: Span) -> SchedSpan:
-    return SchedSpan(span.changefeed, span.source, span.database, span.table)
-
-
-def sink_span(span: SchedSpan) -> Span:
-    # Both are (changefeed, source token, database token, table token).
-    return Span(span.changefeed, span.source, span.database, span.table)
 
 
 def config_of(view: ChangefeedView, changefeed: str, source: str = "") -> SpanConfig | None:
@@ -136,15 +126,15 @@ class WriterLog:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
 
-    def wrote(self, span: SchedSpan, from_ts: int, to_ts: int, rows: int, t0: float, t1: float) -> None:
+    def wrote(self, span: Span, from_ts: int, to_ts: int, rows: int, t0: float, t1: float) -> None:
         """A round that started at ``t0`` and ended at ``t1`` wrote ``span`` from ``from_ts``."""
         self._line(event="wrote", span=span.key, from_ts=from_ts, to_ts=to_ts, rows=rows, t0=t0, t1=t1)
 
-    def started(self, span: SchedSpan, checkpoint_ts: int) -> None:
+    def started(self, span: Span, checkpoint_ts: int) -> None:
         """This member runs ``span`` from ``checkpoint_ts`` (before its first round)."""
         self._line(event="started", span=span.key, checkpoint_ts=checkpoint_ts, t=time.time())
 
-    def stopped(self, span: SchedSpan, checkpoint_ts: int | None) -> None:
+    def stopped(self, span: Span, checkpoint_ts: int | None) -> None:
         """This member stopped ``span`` and will write nothing more: the hand-over point."""
         self._line(event="stopped", span=span.key, checkpoint_ts=checkpoint_ts, t=time.time())
 
@@ -170,7 +160,7 @@ class SinkAgent:
         self._beat_now = asyncio.Event()
         self._subs: list[Subscription] = []
         self._heartbeat: asyncio.Task[None] | None = None
-        self._preparing: dict[SchedSpan, asyncio.Task[None]] = {}
+        self._preparing: dict[Span, asyncio.Task[None]] = {}
         self.warm: Callable[[], Awaitable[None]] | None = None
         """Awaited before a span is declared Prepared: whatever the first write needs that is
         slow to start (the worker starts Spark there), so a committed span writes at once."""
@@ -304,7 +294,7 @@ class SinkAgent:
                 await task
         self._preparing.clear()
         for span in list(self.state.tables):
-            await pipeline.drop_prepared(sink_span(span))
+            await pipeline.drop_prepared(span)
             self.writer_log.stopped(span, None)
         old = self.incarnation
         self.incarnation = uuid4().hex
@@ -405,12 +395,11 @@ class SinkAgent:
         for span, table in self.state.tables.items():
             if table.state is not TableState.REPLICATING:
                 continue
-            s = sink_span(span)
-            running = pipeline.spans.get(s)
+            running = pipeline.spans.get(span)
             config = (config_of(view, span.changefeed, span.source)
                       or (running.config if running is not None else None))
             if config is not None:
-                wanted[s] = config
+                wanted[span] = config
         return wanted
 
     def attach(self, pipeline: Pipeline, view: ChangefeedView) -> None:
@@ -431,14 +420,14 @@ class SinkAgent:
                 self._preparing[span] = asyncio.create_task(self._prepare(self._pipeline, span, config),
                                                             name=f"prepare {span.key}")
 
-    async def _report(self, span: SchedSpan, phase: Phase) -> None:
+    async def _report(self, span: Span, phase: Phase) -> None:
         if self.report_prepare is not None:
-            await self.report_prepare(sink_span(span), phase)
+            await self.report_prepare(span, phase)
 
-    async def _prepare(self, pipeline: Pipeline, span: SchedSpan, config: SpanConfig) -> None:
+    async def _prepare(self, pipeline: Pipeline, span: Span, config: SpanConfig) -> None:
         try:
             await self._report(span, "start")
-            start = await pipeline.prepare(sink_span(span), config)
+            start = await pipeline.prepare(span, config)
             if self.warm is not None:
                 await self._report(span, "spark")
                 await self.warm()
@@ -459,15 +448,14 @@ class SinkAgent:
         self.wake.set()
         self._beat_now.set()
 
-    async def _stop(self, pipeline: Pipeline, span: SchedSpan) -> None:
+    async def _stop(self, pipeline: Pipeline, span: Span) -> None:
         task = self._preparing.pop(span, None)
         if task is not None:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-        s = sink_span(span)
-        await pipeline.drop_prepared(s)
-        final = await pipeline.stop_span(s)
+        await pipeline.drop_prepared(span)
+        final = await pipeline.stop_span(span)
         self.state.stopped(span, final.ts if final is not None else None)
         self.writer_log.stopped(span, final.ts if final is not None else None)
         self.publish_status()
@@ -486,19 +474,18 @@ class SinkAgent:
     def started(self, loaded: Mapping[Span, Any]) -> None:
         """Spans that start running here now, with the checkpoint they start from."""
         for s, checkpoint in loaded.items():
-            self.writer_log.started(sched_span(s), int(checkpoint.ts))
+            self.writer_log.started(s, int(checkpoint.ts))
 
     def after_round(self, pipeline: Pipeline, before: Mapping[Span, tuple[int, int]], t0: float,
                     t1: float) -> None:
         """Progress of the spans that ran: reported in the next heartbeat, and written rounds
         go to the writer log. ``before``: each span's (checkpoint ts, rows written) before."""
         moved = False
-        for s, rt in pipeline.spans.items():
-            span = sched_span(s)
+        for span, rt in pipeline.spans.items():
             if rt.checkpoint is not None:
-                moved = moved or rt.checkpoint.ts != before.get(s, (0, 0))[0]
+                moved = moved or rt.checkpoint.ts != before.get(span, (0, 0))[0]
                 self.state.update_progress(span, rt.checkpoint.ts, rt.resolved_ts)
-            prev_ts, prev_rows = before.get(s, (0, rt.rows_written))
+            prev_ts, prev_rows = before.get(span, (0, rt.rows_written))
             if rt.rows_written > prev_rows and rt.checkpoint is not None:
                 self.writer_log.wrote(span, prev_ts, rt.checkpoint.ts, rt.rows_written - prev_rows, t0, t1)
         if moved:

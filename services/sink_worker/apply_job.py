@@ -280,7 +280,7 @@ reports, deferred upserts)``"""
 
 
 def _decode_key(table: TargetTable, text: str) -> tuple[Any, ...]:
-    from services.sink_worker.values import decode_value
+    from libs.codec.decode import decode_value
 
     columns = {c.name: c for c in table.meta.columns}
     return tuple(decode_value(columns[c].kind, columns[c].sql_type, v)
@@ -313,8 +313,8 @@ def write_deferred(plans: list[TargetPlan], guards: dict[int, GuardPlan], large:
     images hold large-value references, one row per statement, each with its values put back
     just before it is decoded and written (so one decoded large row is held at a time). Keys
     the downstream compares as equal are in one partition, whose deletes are written by now."""
+    from libs.codec.decode import RowDecoder
     from services.sink_worker.sinks.factory import open_sink
-    from services.sink_worker.values import RowDecoder
 
     index = {plan.target_id: i for i, plan in enumerate(plans)}
     for target_id, rows in deferred.items():
@@ -515,8 +515,8 @@ def write_finals(plan: ApplyPlan, finals: Iterable[Sequence[Any]]) -> Iterator[P
     it is handed back to the driver in the last field. With ``local_owners``, a guarded
     target's owners are the partition's own final images (the target is whole here)."""
     # Imported here: executors need them, the driver's import of this module does not.
+    from libs.codec.decode import RowDecoder
     from services.sink_worker.sinks.factory import open_sink
-    from services.sink_worker.values import RowDecoder
 
     plans = plan.plans
     decoders = [RowDecoder(p.table.meta) for p in plans]

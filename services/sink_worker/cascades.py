@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from contracts.events.rows import ColumnV1
+from libs.codec.decode import normalize_fetched
 from libs.foreign_keys import ForeignKey
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.sql_common import SqlSink
-from services.sink_worker.values import normalize_fetched
 
 # InnoDB's cascade depth: 14 levels of child rows commit, a 15th fails the parent's statement
 # (error 193; measured on MariaDB 10.11). A deeper cascade here therefore means the downstream

@@ -29,8 +29,8 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from libs.scheduling.model import Span
 from libs.streams import CHECKPOINT_BUCKET
-from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from contracts.events.table_incidents import (
 )
 from libs.changefeeds import ChangefeedView
 from libs.eventstore import EventStore
+from libs.scheduling.model import Span
 from services.sink_worker.pipeline import Pipeline
 from services.sink_worker.poison import TableIncident
-from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
 

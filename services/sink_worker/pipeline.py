@@ -45,6 +45,7 @@ from libs.eventstore.deadletter import dead_letter
 from libs.foreign_keys import ForeignKey
 from libs.gc_pause import gc_paused
 from libs.routing import Router, Target, router_for
+from libs.scheduling.model import Span
 from libs.source_tables import source_foreign_keys
 from libs.streams import ROWS_STREAM, token
 from libs.table_rules import NO_RULES, TableRules, TableRulesError, rules_for
@@ -86,7 +87,7 @@ from services.sink_worker.sort_job import (
     event_records,
     run_sort,
 )
-from services.sink_worker.span import KeylessTableError, Span, route_of, shard_ref, target_for
+from services.sink_worker.span import KeylessTableError, route_of, shard_ref, target_for
 from services.sink_worker.start_point import start_at_position, start_at_time
 from services.sink_worker.table_errors import DdlFailure, ddl_failed
 from services.sink_worker.table_group import GroupCut, apply_group_batch, cut_group, source_metas

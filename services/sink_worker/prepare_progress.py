@@ -16,8 +16,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
+from libs.scheduling.model import Span
 from libs.streams import PREPARE_BUCKET
-from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
 

@@ -45,10 +45,10 @@ from contracts.events.rows import DdlExecutedV1, ResolvedAdvancedV1, RowsChanged
 from libs.chunks import ChunkError, ChunkInfo, ChunkJoiner, Joined, chunk_info
 from libs.eventstore.deadletter import dead_letter
 from libs.gc_pause import gc_paused
+from libs.scheduling.model import Span
 from libs.streams import ROWS_STREAM, resolved_subject, token
 from libs.telemetry.tracing import process_span
 from services.sink_worker import metrics as m
-from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ from contracts.events.changefeeds import ChangefeedSpecV2
 from contracts.events.shard_ddl import ShardDroppedV1, ShardInfoRequestV1, ShardOperationV1
 from libs.changefeeds import discover_spans
 from libs.routing import AmbiguousRouteError, RoutingConfigError, TableRef, Target, router_for
+from libs.scheduling.model import Span
 from libs.shard_ddl.convert import (
     done_contract,
     from_contract,
@@ -56,7 +57,6 @@ from libs.shard_ddl.rerun import (
 from libs.streams import ROWS_STREAM, SHARD_DDL_OPS_SUBJECTS, SHARD_DDL_REPORT_SUBJECT
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.mysql import MySQLSink
-from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
 

@@ -38,12 +38,13 @@ from nats.js.kv import KeyValue
 from pyspark.sql import SparkSession
 
 from contracts.events.rows import TableMetaV1
+from libs.codec.table_meta import load_table_info
 from libs.config import Settings
 from libs.routing import Router
+from libs.scheduling.model import Span
 from libs.streams import ROWS_STREAM, SNAPSHOT_BUCKET, token
 from libs.table_rules import rules_for
 from libs.ts import LOGICAL_BITS
-from services.capture.table_meta import load_table_info
 from services.sink_worker import metrics as m
 from services.sink_worker.checkpoints import Checkpoint
 from services.sink_worker.pull import ResolvedMark, latest_resolved
@@ -61,7 +62,7 @@ from services.sink_worker.snapshot_job import (
     split_open_chunk,
 )
 from services.sink_worker.snapshot_plan import Chunk, SnapshotProgress
-from services.sink_worker.span import Span, route_of, shard_ref, target_for
+from services.sink_worker.span import route_of, shard_ref, target_for
 
 log = logging.getLogger(__name__)
 

@@ -41,9 +41,10 @@ import pymysql
 from pyspark.sql import SparkSession
 
 from contracts.events.rows import ColumnV1, TableMetaV1
+from libs.codec.decode import decode_value
+from libs.codec.encode import encode_value
 from libs.dburl import parse_database_url
 from libs.sql_ident import mysql_ident as quote
-from services.capture.values import encode_value
 from services.sink_worker import source_read
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.snapshot_plan import (
@@ -55,7 +56,6 @@ from services.sink_worker.snapshot_plan import (
     key_after,
     range_condition,
 )
-from services.sink_worker.values import decode_value
 
 
 def connect_source(url: str) -> Any:

@@ -1,82 +1,17 @@
 """Spans, their target tables and the key the apply path writes by.
 
-A span is one upstream table of one changefeed: ``(changefeed, source, database, table)``. Its
-``source``/``database``/``table`` are the tokens of its ROWS-stream subjects (``libs.streams.token``),
-because that is how spans are discovered; the real database and table names, which can hold
-characters a subject token cannot, come from the events themselves.
+A span is one upstream table (or foreign-key table group) of one changefeed; the one ``Span``
+class, with its subjects and keys, is ``libs.scheduling.model.Span``. This module holds what
+the apply path derives from a span: its key columns, route and target table.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from contracts.events.changefeeds import KeyPolicy
 from contracts.events.rows import TableMetaV1
-from libs.foreign_keys import group_members
 from libs.routing import Router, TableRef, Target
-from libs.streams import ddl_subject, rows_subject, token
+from libs.scheduling.model import Span
 from services.sink_worker.sinks.base import TargetTable
-
-
-@dataclass(frozen=True, order=True)
-class Span:
-    changefeed: str
-    source: str
-    database: str
-    table: str
-
-    @classmethod
-    def of(cls, changefeed: str, source: str, database: str, table: str) -> Span:
-        """A span from real names (tokenised the way capture names the subjects)."""
-        return cls(changefeed, token(source), token(database), token(table))
-
-    @property
-    def name(self) -> str:
-        """Human and label friendly: ``cf/source/db.table``."""
-        return f"{self.changefeed}/{self.source}/{self.database}.{self.table}"
-
-    @property
-    def members(self) -> tuple[tuple[str, str], ...] | None:
-        """A table group's tables (``(database token, table token)``), None for one table's span
-        (``libs.foreign_keys.group_token``: the tables cascading foreign keys connect)."""
-        return group_members(self.table)
-
-    def tables(self) -> tuple[tuple[str, str], ...]:
-        """The tables whose events the span reads: the group's, or its own."""
-        return self.members or ((self.database, self.table),)
-
-    def subjects(self) -> list[str]:
-        """Rows and DDL subjects of every table of the span."""
-        return [subject(self.source, d, t) for d, t in self.tables()
-                for subject in (rows_subject, ddl_subject)]
-
-    @property
-    def rows_subject(self) -> str:
-        return rows_subject(self.source, self.database, self.table)
-
-    @property
-    def ddl_subject(self) -> str:
-        return ddl_subject(self.source, self.database, self.table)
-
-    @property
-    def kv_key(self) -> str:
-        """The span's key in the checkpoint bucket: injective, KV-safe (``[-/_=.A-Za-z0-9]``).
-
-        ``token`` alone is not injective (``a.b`` and ``a_b`` both give ``a_b``) and a checkpoint
-        must never be shared by two spans, so every other character is escaped as ``=XX``.
-        """
-        return ".".join(_kv_escape(part) for part in (self.changefeed, self.source, self.database,
-                                                       self.table))
-
-
-def _kv_escape(value: str) -> str:
-    out = []
-    for ch in value:
-        if ch.isascii() and (ch.isalnum() or ch in "-_"):
-            out.append(ch)
-        else:
-            out.extend(f"={b:02X}" for b in ch.encode())
-    return "".join(out) or "=00"
 
 
 class KeylessTableError(ValueError):

@@ -29,10 +29,10 @@ from nats.js import JetStreamContext, api
 
 from contracts.events.rows import SourcePositionV1
 from libs.chunks import ChunkError, ChunkJoiner, chunk_info
+from libs.scheduling.model import Span
 from libs.streams import ROWS_STREAM, token
 from libs.ts import LOGICAL_BITS
 from services.sink_worker.checkpoints import Checkpoint
-from services.sink_worker.span import Span
 
 _FETCH = 256
 _FETCH_TIMEOUT_S = 1.0

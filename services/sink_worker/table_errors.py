@@ -15,8 +15,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from libs.scheduling.model import Span
 from services.sink_worker import metrics as m
-from services.sink_worker.span import Span
 
 log = logging.getLogger(__name__)
 

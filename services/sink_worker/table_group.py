@@ -32,14 +32,14 @@ from itertools import groupby
 from typing import Any, Literal
 
 from contracts.events.rows import DdlExecutedV1, RowImageV2, RowsChangedV2, TableMetaV1
+from libs.codec.decode import decode_row
+from libs.codec.table_meta import load_table_info
 from libs.source_tables import connect_source
-from services.capture.table_meta import load_table_info
 from services.sink_worker.cascades import CascadeGraph, CascadeResult, CascadeTable, run_cascade
 from services.sink_worker.pull import PulledEvent
 from services.sink_worker.sinks.base import Change, Delete, TargetTable, Upsert
 from services.sink_worker.sinks.sql_common import SqlSink, sort_key
 from services.sink_worker.sort_job import SpanCut
-from services.sink_worker.values import decode_row
 
 
 @dataclass

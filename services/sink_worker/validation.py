@@ -37,9 +37,12 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from contracts.events.rows import ColumnV1, RowsChangedV2, TableMetaV1
+from libs.codec.decode import decode_value, normalize_fetched
+from libs.codec.table_meta import load_table_info
 from libs.config import Settings
 from libs.nats_client import read_json
 from libs.routing import Router
+from libs.scheduling.model import Span
 from libs.sql_ident import mysql_ident as quote
 from libs.streams import ROWS_STREAM
 from libs.table_rules import NO_RULES, TableRules, rules_for
@@ -54,7 +57,6 @@ from libs.validation import (
     key_text,
     read_request,
 )
-from services.capture.table_meta import load_table_info
 from services.sink_worker import metrics as m
 from services.sink_worker.pull import latest_resolved
 from services.sink_worker.sinks.base import TargetTable
@@ -64,8 +66,7 @@ from services.sink_worker.sinks.sql_common import SqlSink
 from services.sink_worker.snapshot import _real_names
 from services.sink_worker.snapshot_job import connect_source, decode_key, encode_key, estimate_rows
 from services.sink_worker.snapshot_plan import key_after
-from services.sink_worker.span import Span, shard_ref, target_for
-from services.sink_worker.values import decode_value, normalize_fetched
+from services.sink_worker.span import shard_ref, target_for
 
 if TYPE_CHECKING:
     from services.sink_worker.pipeline import Pipeline, SpanRuntime, _Work

@@ -1,8 +1,11 @@
 """Compare a downstream table with the merge of its upstream shards, row for row.
 
-The demo, the end-to-end tests and (later) the operator CLI use this to prove that the target
-equals what the sources hold now. Upstream rows are read with the source's own metadata; the
-downstream through the sink, so each side is decoded by the code that owns it.
+A user feature, not only test code: the demo (``infra/dev.sh demo``, ``infra/demo.py``) ends by
+verifying each target with it and shows the result; it is not a ``sluice`` command (an operator
+checks a running changefeed with continuous validation, ``libs/validation``). The end-to-end and
+process tests use it too. Upstream rows are read with the source's own metadata; the downstream
+through the sink (``Sink.fetch_rows``), so each side is decoded by the code that owns it. It
+reads whole tables into memory: for the demo's and the tests' sizes, not a production table.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from libs.checksum import TableDiff, compare_tables, table_checksum
+from libs.codec.table_meta import load_table_info
 from libs.dburl import parse_database_url
 from libs.sql_ident import quote_ident
-from services.capture.table_meta import load_table_info
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.span import choose_key

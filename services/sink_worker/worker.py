@@ -30,23 +30,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from uuid import uuid4
 
-from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js import JetStreamContext, api
-from nats.js.errors import NotFoundError
+from nats.js import JetStreamContext
 from pyspark.sql import SparkSession
 
-from contracts import ContractError
 from contracts.events.table_incidents import TableActionRequestedV1
 from libs.changefeeds import ChangefeedView, discover_spans
 from libs.config import Settings
-from libs.eventstore import dead_letter, decode_message, ensure_deadletter_stream, filter_fields
+from libs.control.follow import DomainFollower
+from libs.eventstore import StoredEvent, ensure_deadletter_stream
+from libs.scheduling.model import Span
 from libs.streams import (
     CHECKPOINT_BUCKET,
     ROWS_STREAM,
-    domain_fold_subjects,
     domain_stream,
     table_incidents_subject,
 )
@@ -58,7 +54,6 @@ from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport
 from services.sink_worker.prepare_progress import Phase, PrepareProgress
 from services.sink_worker.shard_ddl import ShardDdl
 from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
-from services.sink_worker.span import Span
 from services.sink_worker.validation import ValidationOptions, Validator
 from services.sink_worker.warm_up import warm_up
 
@@ -96,14 +91,15 @@ class SinkWorker:
         self.status = status if status is not None else {}
         self.rows_stream = rows_stream
         self.changefeeds_stream = domain_stream(changefeeds_domain)
-        # Folded from the changefeeds' events and their table incidents; this worker writes
-        # only the latter (its NATS role may not publish changefeed events).
-        self.changefeeds_subjects = domain_fold_subjects(changefeeds_domain)
         self.incidents_subject = table_incidents_subject(changefeeds_domain)
         self.options = options or WorkerOptions.from_settings(settings)
         self.view = ChangefeedView()
         self.changefeeds_replayed = False
-        self._folded_seq = 0
+        # Folded from the changefeeds' events and their table incidents; this worker writes
+        # only the latter (its NATS role may not publish changefeed events).
+        self.changefeeds: DomainFollower[ChangefeedView] = DomainFollower(
+            js, changefeeds_domain, self._fold_changefeeds, lambda: self.view, name="sink_cf",
+            settings=settings)
         self._view_changed = asyncio.Event()
         self.prepare_progress = PrepareProgress(js, agent.member_id if agent is not None else "",
                                                 replicas=settings.stream_replicas)
@@ -355,77 +351,35 @@ class SinkWorker:
     # ------------------------------------------------------------------ changefeeds
 
     async def _follow_changefeeds(self) -> None:
+        """Replay the changefeed events, say so (readiness), then fold each new one.
+
+        ``changefeeds_replayed`` turns true once the replay reached the stream's end as it was
+        when the replay started, exactly when the worker knows every changefeed created before."""
         while not self._halt.is_set():
             try:
-                await self._follow_once()
+                await self.changefeeds.load()
+                break
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.warning("following the changefeeds failed; retrying", exc_info=True)
+                log.warning("replaying the changefeeds failed; retrying", exc_info=True)
             await self._pause(1.0)
-
-    async def _follow_once(self) -> None:
-        """Read the changefeed events after the last one folded, until stopped or an error.
-
-        A pull consumer without acks, re-created after the last folded sequence on any error:
-        every event is folded once and in order, whatever happens to the consumer meanwhile."""
-        try:
-            await self.js.stream_info(self.changefeeds_stream)
-        except NotFoundError:
-            # No stream yet: nothing to replay; created changefeeds will arrive.
-            self.changefeeds_replayed = True
+        if self._halt.is_set():
             return
-        replay_end = 0
-        for subject in self.changefeeds_subjects:
-            try:
-                last = await self.js.get_last_msg(self.changefeeds_stream, subject)
-            except NotFoundError:
-                continue
-            replay_end = max(replay_end, int(last.seq or 0))
-        if replay_end <= self._folded_seq:
-            self.changefeeds_replayed = True
-        name = f"sink_cf_{uuid4().hex}"
-        await self.js.add_consumer(self.changefeeds_stream, api.ConsumerConfig(
-            name=name, ack_policy=api.AckPolicy.NONE, **filter_fields(self.changefeeds_subjects),
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._folded_seq + 1,
-            inactive_threshold=60.0, mem_storage=True, num_replicas=1))
-        log.info("following the changefeeds", extra={"stream": self.changefeeds_stream,
-                                                     "from_seq": self._folded_seq + 1,
-                                                     "replay_end": replay_end})
-        sub = await self.js.pull_subscribe_bind(name, stream=self.changefeeds_stream)
-        try:
-            while not self._halt.is_set():
-                try:
-                    msgs = await sub.fetch(64, timeout=1.0)
-                except (TimeoutError, NatsTimeoutError):
-                    continue
-                for msg in msgs:
-                    await self._fold(msg, replay_end)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-            with contextlib.suppress(Exception):
-                await self.js.delete_consumer(self.changefeeds_stream, name)
+        self.changefeeds_replayed = True
+        self._view_changed.set()
+        log.info("changefeeds replayed", extra={"running": len(self.view.running())})
+        await self.changefeeds.run(self._halt)
 
-    async def _fold(self, msg: Msg, replay_end: int) -> None:
-        seq = int(msg.metadata.sequence.stream)
-        if seq <= self._folded_seq:
-            return
-        try:
-            decoded = decode_message(msg)
-        except ContractError as exc:
-            await dead_letter(self.js, msg, exc.reason, exc.kind, self.changefeeds_stream, seq=seq,
-                              ack=False)
-        else:
-            if self.view.apply(decoded.event):
-                self._view_changed.set()
-            if isinstance(decoded.event, TableActionRequestedV1):
-                carry_out(self.view, self.pipeline, decoded.event)
-        self._folded_seq = seq
-        if seq >= replay_end and not self.changefeeds_replayed:
-            self.changefeeds_replayed = True
+    def _fold_changefeeds(self, view: ChangefeedView, stored: StoredEvent) -> ChangefeedView:
+        # Folds into the one view the agent and the shard-DDL coordinator hold. A replay retried
+        # after a partial one folds its prefix again: the view's fold is last-writer-wins per
+        # changefeed and per table, so it ends as one replay would.
+        if view.apply(stored.event):
             self._view_changed.set()
-            log.info("changefeeds replayed", extra={"running": len(self.view.running())})
+        if isinstance(stored.event, TableActionRequestedV1):
+            carry_out(view, self.pipeline, stored.event)
+        return view
 
     # ------------------------------------------------------------------ spans
 

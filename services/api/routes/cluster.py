@@ -21,6 +21,7 @@ from contracts.events.changefeeds import ChangefeedSpecV5
 from contracts.events.scheduling import ScheduleRequestV1, SpanRefV1
 from contracts.events.shard_ddl import DdlCommandV1
 from libs.nats_client import read_json
+from libs.scheduling.model import Span as WorkerSpan
 from libs.streams import (
     CHECKPOINT_BUCKET,
     LEADER_BUCKET,
@@ -48,7 +49,6 @@ from services.api.schemas import (
     redact_url,
     waiting_for,
 )
-from services.sink_worker.span import Span as WorkerSpan
 
 router = APIRouter(tags=["cluster"])
 

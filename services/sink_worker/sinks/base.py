@@ -123,4 +123,7 @@ class Sink(ABC):
 
     @abstractmethod
     def fetch_rows(self, table: TargetTable) -> list[dict[str, Any]]:
-        """Every row of the table (for checksums and tests)."""
+        """Every row of the table, normalised like decoded source rows and sorted by key.
+
+        Not on the apply path: ``verify`` (the demo's final check), the benchmarks' checksums and
+        the tests read targets through it, so a target is read by the same code that writes it."""

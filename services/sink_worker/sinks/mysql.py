@@ -31,9 +31,7 @@ import pymysql
 import pymysql.connections
 
 from contracts.events.rows import ColumnV1
-from services.sink_worker.sinks.base import TargetTable
-from services.sink_worker.sinks.sql_common import ByteEncoder, SqlSink, source_text_files
-from services.sink_worker.values import (
+from libs.codec.decode import (
     MYSQL_MAX_KEY_BYTES,
     SqlTypeError,
     format_time,
@@ -43,6 +41,8 @@ from services.sink_worker.values import (
     mysql_key_type,
     parse_sql_type,
 )
+from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.sql_common import ByteEncoder, SqlSink, source_text_files
 
 _SESSION_INIT = (
     "SET SESSION sql_mode = 'STRICT_TRANS_TABLES,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION',"

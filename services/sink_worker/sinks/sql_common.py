@@ -40,11 +40,11 @@ from typing import Any, TypeVar
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
 from contracts.events.rows import ColumnV1
+from libs.codec.decode import normalize_fetched, sql_type_for
 from libs.dburl import DatabaseUrl, parse_database_url
 from libs.sql_ident import quote_ident
 from services.sink_worker.sinks.base import Change, Delete, PartitionResult, Sink, TargetTable, Upsert
 from services.sink_worker.sinks.unique_guard import ConflictGuard, UniqueConflict, UniqueConflictError
-from services.sink_worker.values import normalize_fetched, sql_type_for
 
 log = logging.getLogger("sluice.sink")
 
@@ -511,7 +511,7 @@ class SqlSink(Sink):
         return f"SELECT {cols} FROM {self._table_ref(table)}"
 
     def fetch_rows(self, table: TargetTable) -> list[dict[str, Any]]:
-        """Every row, decoded by ``values.normalize_fetched`` and sorted by key."""
+        """Every row, decoded by ``libs.codec.decode.normalize_fetched`` and sorted by key."""
         columns = table.meta.columns
         sql = self._select_sql(table)
 

@@ -28,9 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.events.rows import ColumnV1
-from services.sink_worker.sinks.base import TargetTable
-from services.sink_worker.sinks.sql_common import SqlSink
-from services.sink_worker.values import (
+from libs.codec.decode import (
     SqlTypeError,
     format_datetime,
     format_time,
@@ -38,6 +36,8 @@ from services.sink_worker.values import (
     parse_time,
     sql_type_for,
 )
+from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.sql_common import SqlSink
 
 _BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from contracts.events.rows import ColumnKind, ColumnV1, TableMetaV1
-from services.capture.values import kind_for_binlog_type, kind_for_data_type
+from libs.codec.encode import kind_for_binlog_type, kind_for_data_type
 
 _JSON_CHECK = re.compile(r"json_valid\(\s*`?([^`)]+)`?\s*\)", re.IGNORECASE)
 
@@ -197,7 +197,7 @@ def reconcile_members(info: TableInfo, columns: Sequence[BinlogColumn]) -> Table
     becomes ''): its values would be wrong, so such a column is marked unsupported (refused
     visibly) instead.
     """
-    from services.sink_worker.values import SqlTypeError, parse_sql_type
+    from libs.codec.decode import SqlTypeError, parse_sql_type
 
     by_name = {c.name: c for c in columns}
     specs: list[ColumnSpec] = []
