@@ -360,6 +360,18 @@ def chunks_per_job(pending: int, parallelism: int, chunk_rows: int, job_rows: in
     return max(1, min(spread, job_rows // max(1, chunk_rows)))
 
 
+def _interrupt_on_cancel(spark: SparkSession) -> None:
+    """On a classic session a cancelled job's running tasks are otherwise left to finish their
+    current chunk read, which a source table locked by someone else can hold indefinitely; the
+    stop of a span (and of the worker) must not wait for that. The property is per thread, so
+    it is set by each pool thread for the jobs it submits."""
+    try:
+        context = spark.sparkContext
+    except Exception:  # Spark Connect: no SparkContext on the client, the server interrupts
+        return
+    context.setInterruptOnCancel(True)
+
+
 class CopyPool:
     """Copies chunks as a pool of at most ``parallelism`` Spark jobs in flight, each one task
     that copies a few chunks in turn: a free slot starts the next job as soon as one ends, so
@@ -384,6 +396,7 @@ class CopyPool:
     def _copy(self, chunks: list[Chunk]) -> dict[int, int]:
         spark = self._spark()
         spark.addTag(self.tag)
+        _interrupt_on_cancel(spark)
         try:
             if self._abort.is_set():
                 raise RuntimeError("the copy was cancelled")
