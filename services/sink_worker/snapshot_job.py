@@ -360,16 +360,12 @@ def chunks_per_job(pending: int, parallelism: int, chunk_rows: int, job_rows: in
     return max(1, min(spread, job_rows // max(1, chunk_rows)))
 
 
-def _interrupt_on_cancel(spark: SparkSession) -> None:
-    """On a classic session a cancelled job's running tasks are otherwise left to finish their
-    current chunk read, which a source table locked by someone else can hold indefinitely; the
-    stop of a span (and of the worker) must not wait for that. The property is per thread, so
-    it is set by each pool thread for the jobs it submits."""
+def _classic_context(spark: SparkSession) -> Any:
+    """The SparkContext of a classic session; None over Spark Connect, which has none."""
     try:
-        context = spark.sparkContext
-    except Exception:  # Spark Connect: no SparkContext on the client, the server interrupts
-        return
-    context.setInterruptOnCancel(True)
+        return spark.sparkContext
+    except Exception:
+        return None
 
 
 class CopyPool:
@@ -378,8 +374,8 @@ class CopyPool:
     no slot waits for the slowest task of a wave, and each job's chunks are recorded
     as it ends.
 
-    Every job carries the pool's tag (``addTag``, per thread), so ``cancel`` interrupts exactly
-    this copy's jobs, on a classic session and over Spark Connect alike."""
+    Every job carries the pool's id (a job group on a classic session, a tag over Spark
+    Connect), so ``cancel`` interrupts exactly this copy's jobs."""
 
     def __init__(self, spark: Callable[[], SparkSession], job: CopyJob, parallelism: int) -> None:
         self._spark = spark
@@ -395,20 +391,34 @@ class CopyPool:
 
     def _copy(self, chunks: list[Chunk]) -> dict[int, int]:
         spark = self._spark()
-        spark.addTag(self.tag)
-        _interrupt_on_cancel(spark)
+        context = _classic_context(spark)
+        # A classic session keeps job tags per thread (the JVM's interruptTag finds only the
+        # calling thread's), and ``cancel`` runs on another thread: there the pool is a job
+        # group, which any thread cancels, with its running tasks interrupted rather than left
+        # to finish a chunk read that a locked source table can hold indefinitely. Spark
+        # Connect's tags are matched by the server, whichever client thread interrupts.
+        if context is not None:
+            context.setJobGroup(self.tag, "sluice initial load", interruptOnCancel=True)
+        else:
+            spark.addTag(self.tag)
         try:
             if self._abort.is_set():
                 raise RuntimeError("the copy was cancelled")
             return run_copy(spark, self.job, [chunks])
         finally:
-            spark.removeTag(self.tag)
+            if context is None:
+                spark.removeTag(self.tag)
 
     def cancel(self) -> None:
         """No further job starts; the running ones are interrupted (their futures fail)."""
         self._abort.set()
         with contextlib.suppress(Exception):
-            self._spark().interruptTag(self.tag)
+            spark = self._spark()
+            context = _classic_context(spark)
+            if context is not None:
+                context.cancelJobGroup(self.tag)
+            else:
+                spark.interruptTag(self.tag)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
