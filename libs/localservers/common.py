@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import sys
@@ -9,8 +10,33 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+# Its own generator: a test that seeds ``random`` must not make every xdist worker try the
+# same ports in the same order.
+_PORTS = random.Random()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
+    """A port free now, below the kernel's ephemeral range. A port that ``bind(0)`` hands out
+    comes from that range, so an outgoing connection of any process (the suite opens thousands)
+    may take it again before the server binds it, seen as a service's "address already in use"
+    and a test waiting for a process that never started."""
+    low = _ephemeral_low()
+    if low > 2048:
+        for _ in range(100):
+            port = _PORTS.randrange(max(1024, low - 12000), low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

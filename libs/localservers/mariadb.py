@@ -90,6 +90,9 @@ class MariaDB:
             "--skip-name-resolve",
             "--innodb-buffer-pool-size=16M",
             "--innodb-log-file-size=8M",
+            # Its bootstrap's temporary tables in this instance's own directory, not the shared
+            # /tmp where instances installed at the same moment by other test workers meet.
+            f"--tmpdir={self.data_dir}",
         ]
         if os.geteuid() == 0:
             cmd.append("--user=root")
