@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-# Its own generator: a test that seeds ``random`` must not make every xdist worker try the
-# same ports in the same order.
-_PORTS = random.Random()
 
 
 def _ephemeral_low() -> int:
@@ -22,15 +20,41 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_port() -> int:
-    """A port free now, below the kernel's ephemeral range. A port that ``bind(0)`` hands out
-    comes from that range, so an outgoing connection of any process (the suite opens thousands)
-    may take it again before the server binds it, seen as a service's "address already in use"
-    and a test waiting for a process that never started."""
+def _port_block() -> range:
+    """This process' ports: below the kernel's ephemeral range, and a block of their own for
+    each pytest-xdist worker, so two workers starting stacks at the same moment never pick
+    the same port."""
     low = _ephemeral_low()
-    if low > 2048:
-        for _ in range(100):
-            port = _PORTS.randrange(max(1024, low - 12000), low)
+    first = max(1024, low - 12000)
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    size = (low - first) // workers
+    return range(first + index % workers * size, first + (index % workers + 1) * size)
+
+
+_BLOCK: range | None = None
+_NEXT: int | None = None
+_PORT_LOCK = threading.Lock()
+
+
+def free_port() -> int:
+    """A port free now. Not one ``bind(0)`` hands out: that comes from the kernel's ephemeral
+    range, where an outgoing connection of any process (the suite opens thousands) may take it
+    again before the server binds it, and a process that restarts a server on its old port
+    finds it taken. Ports are handed out in turn from this process' block (``_port_block``),
+    from a random start, so a port is not handed out twice before the block wraps; each is
+    checked free by binding it."""
+    global _BLOCK, _NEXT
+    with _PORT_LOCK:
+        if _BLOCK is None:
+            _BLOCK = _port_block()
+            _NEXT = random.SystemRandom().randrange(len(_BLOCK)) if len(_BLOCK) > 0 else 0
+        block = _BLOCK
+        for _ in range(min(len(block), 500)):
+            assert _NEXT is not None
+            port = block[_NEXT % len(block)]
+            _NEXT += 1
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
                     s.bind(("127.0.0.1", port))
