@@ -22,23 +22,14 @@ from libs.routing import OriginColumn, TableRef, rewrite_meta
 from services.sink_worker.cascades import CascadeGraph, CascadeTable, apply_cascade
 from services.sink_worker.sinks.base import Delete, TargetTable, Upsert
 from services.sink_worker.sinks.sql_common import SqlSink
+from tests.helpers.fk_schema import CASCADE_SCHEMA, CASCADE_TABLES
 from tests.test_sinks import SINKS, make_target
 
 pytestmark = pytest.mark.integration
 _names = itertools.count()
 
-SCHEMA = (
-    "CREATE TABLE customers (id INT PRIMARY KEY, name VARCHAR(20))",
-    "CREATE TABLE orders (id INT PRIMARY KEY, customer INT, FOREIGN KEY (customer) REFERENCES"
-    " customers (id) ON DELETE CASCADE ON UPDATE CASCADE)",
-    "CREATE TABLE items (id INT PRIMARY KEY, order_id INT NOT NULL, FOREIGN KEY (order_id)"
-    " REFERENCES orders (id) ON DELETE CASCADE ON UPDATE CASCADE)",
-    "CREATE TABLE notes (id INT PRIMARY KEY, order_id INT, FOREIGN KEY (order_id) REFERENCES"
-    " orders (id) ON DELETE SET NULL ON UPDATE SET NULL)",
-    "CREATE TABLE tree (id INT PRIMARY KEY, up INT, FOREIGN KEY (up) REFERENCES tree (id)"
-    " ON DELETE CASCADE ON UPDATE CASCADE)",
-)
-TABLES = ("customers", "orders", "items", "notes", "tree")
+SCHEMA = CASCADE_SCHEMA
+TABLES = CASCADE_TABLES
 SEED = (
     "INSERT INTO customers VALUES (1, 'ann'), (2, 'bob'), (3, 'cy')",
     "INSERT INTO orders VALUES (10, 1), (11, 1), (20, 2), (30, 3)",

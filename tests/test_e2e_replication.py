@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
 from services.sink_worker.verify import ShardRef, Verification, verify_target
+from tests.helpers.converge import wait_converged
 from tests.helpers.workload import TABLES, RandomWorkload, run_in_thread
 
 _server_ids = itertools.count(4700)
@@ -53,22 +53,7 @@ def _verify_all(source: MariaDB, db: str, sink_urls: list[str]) -> list[Verifica
 
 def _wait_equal(source: MariaDB, db: str, sink_urls: list[str], timeout: float,
                 procs: list[ServiceProcess]) -> None:
-    deadline = time.monotonic() + timeout
-    last: str = "nothing compared yet"
-    while time.monotonic() < deadline:
-        for p in procs:
-            assert p.alive(), f"{p.instance_id} died:\n{p.tail_log()}"
-        try:
-            results = _verify_all(source, db, sink_urls)
-        except Exception as exc:  # a target table appears with the first batch
-            last = repr(exc)
-        else:
-            if all(r.ok for r in results):
-                return
-            last = "\n".join(f"{r.target}: {r.diff}" for r in results if not r.ok)
-        time.sleep(0.5)
-    logs = "\n".join(f"--- {p.instance_id}\n{p.tail_log(15)}\nhealth: {p.health()}" for p in procs)
-    pytest.fail(f"downstream did not converge within {timeout}s:\n{last}\n{logs}")
+    wait_converged(lambda: _verify_all(source, db, sink_urls), procs, timeout, interval=0.5)
 
 
 _created: list[str] = []

@@ -28,6 +28,8 @@ from libs.routing import OriginColumn, TableRef, rewrite_meta
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.verify import ShardRef, Verification, verify_target
+from tests.helpers.converge import wait_converged
+from tests.helpers.fk_schema import CASCADE_SCHEMA, CASCADE_TABLES
 from tests.test_e2e_replication import (  # noqa: F401 - fixtures
     _capture,
     _created,
@@ -39,21 +41,13 @@ from tests.test_e2e_replication import (  # noqa: F401 - fixtures
 pytestmark = pytest.mark.integration
 DB = "fk_e2e"
 SCHEMA = (
-    "CREATE TABLE customers (id INT PRIMARY KEY, name VARCHAR(20))",
-    "CREATE TABLE orders (id INT PRIMARY KEY, customer INT, FOREIGN KEY (customer) REFERENCES"
-    " customers (id) ON DELETE CASCADE ON UPDATE CASCADE)",
-    "CREATE TABLE items (id INT PRIMARY KEY, order_id INT NOT NULL, FOREIGN KEY (order_id)"
-    " REFERENCES orders (id) ON DELETE CASCADE ON UPDATE CASCADE)",
-    "CREATE TABLE notes (id INT PRIMARY KEY, order_id INT, FOREIGN KEY (order_id) REFERENCES"
-    " orders (id) ON DELETE SET NULL ON UPDATE SET NULL)",
-    "CREATE TABLE tree (id INT PRIMARY KEY, up INT, FOREIGN KEY (up) REFERENCES tree (id)"
-    " ON DELETE CASCADE ON UPDATE CASCADE)",
+    *CASCADE_SCHEMA,
     "CREATE TABLE plain (id INT PRIMARY KEY, v INT)",
     # Replicated as tables of their own until a cascading key joins them (then one group).
     "CREATE TABLE a (id INT PRIMARY KEY)",
     "CREATE TABLE b (id INT PRIMARY KEY, a_id INT)",
 )
-TABLES = ("customers", "orders", "items", "notes", "tree", "plain", "a", "b")
+TABLES = (*CASCADE_TABLES, "plain", "a", "b")
 SEED = (
     "INSERT INTO customers VALUES (1, 'ann'), (2, 'bob'), (3, 'cy'), (5, 'ed')",
     "INSERT INTO orders VALUES (10, 1), (11, 1), (20, 2), (30, 3), (50, 5)",
@@ -142,24 +136,12 @@ def _merged(source: MariaDB, url: str) -> list[Verification]:
 def _wait_equal(source: MariaDB, targets: list[tuple[str, str]], merged_sinks: list[str],
                 procs: list[ServiceProcess], timeout: float) -> None:
     """``targets``: (sink URL, schema) holding the tables of ``DB``; ``merged_sinks``: the shards'."""
-    deadline = time.monotonic() + timeout
-    last = "nothing compared yet"
-    while time.monotonic() < deadline:
-        for p in procs:
-            assert p.alive(), f"{p.instance_id} died:\n{p.tail_log()}"
-        try:
-            results = [verify_target([ShardRef(source.url, DB, t)], url, schema, t)
-                       for url, schema in targets for t in TABLES]
-            results += [r for url in merged_sinks for r in _merged(source, url)]
-        except Exception as exc:  # a target table appears with the first batch
-            last = repr(exc)
-        else:
-            if all(r.ok for r in results):
-                return
-            last = "\n".join(f"{r.target}: {r.diff}" for r in results if not r.ok)
-        time.sleep(0.3)
-    logs = "\n".join(f"--- {p.instance_id}\n{p.tail_log(5)}" for p in procs)
-    pytest.fail(f"downstream did not converge within {timeout}s:\n{last}\n{logs}")
+    def verify() -> list[Verification]:
+        results = [verify_target([ShardRef(source.url, DB, t)], url, schema, t)
+                   for url, schema in targets for t in TABLES]
+        return results + [r for url in merged_sinks for r in _merged(source, url)]
+
+    wait_converged(verify, procs, timeout, interval=0.3, log_lines=5)
 
 
 async def test_cascades_reach_three_downstreams_row_for_row(
