@@ -25,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.run_all import BENCHES, CHART, _fmt_value  # noqa: E402
+from benchmarks.run_all import BENCHES, CHART, fmt_figure  # noqa: E402
 
 DEFAULT_OUT = ROOT / ".sluice" / "benchmarks.html"
 
@@ -104,13 +104,14 @@ def render(results: dict[str, dict[str, Any] | None], history: dict[str, Any] | 
     targets = [(b.name, f) for b in BENCHES
                for f in ((results.get(b.name) or {}).get("figures") or []) if f.get("target")]
     met = sum(1 for _, f in targets if f.get("met"))
+    not_met = sum(1 for _, f in targets if f.get("met") is False)  # a figure not measured is neither
     out += ["<h2>Targets</h2>",
             f'<p><span class="summary met">{met} met</span>'
-            f'<span class="summary not-met">{len(targets) - met} not met</span></p>',
+            f'<span class="summary not-met">{not_met} not met</span></p>',
             "<table><tr><th>benchmark</th><th>measure</th><th>figure</th><th>target</th><th></th></tr>"]
     for name, f in targets:
         out.append(f"<tr><td>{escape(name)}</td><td>{_text(f['measure'])}</td>"
-                   f"<td class=\"num\">{escape(_fmt_value(f['value'], f['unit']))}</td>"
+                   f"<td class=\"num\">{escape(fmt_figure(f))}</td>"
                    f"<td>{_text(f.get('target'))}</td>{_met_cell(f.get('met'))}</tr>")
     out.append("</table>")
 
@@ -132,7 +133,7 @@ def render(results: dict[str, dict[str, Any] | None], history: dict[str, Any] | 
                    "<th>target</th><th></th></tr>")
         for f in data.get("figures") or []:
             out.append(f"<tr><td>{_text(f['measure'])}</td>"
-                       f"<td class=\"num\">{escape(_fmt_value(f['value'], f['unit']))}</td>"
+                       f"<td class=\"num\">{escape(fmt_figure(f))}</td>"
                        f"<td>{_text(f.get('baseline'))}</td><td>{_text(f.get('target'))}</td>"
                        f"{_met_cell(f.get('met'))}</tr>")
         out.append("</table>")

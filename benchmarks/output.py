@@ -2,10 +2,12 @@
 writes, besides what it prints,
 
     {"benchmark": "<module name>", "started": "<iso time>", "load_avg": [1m, 5m, 15m],
-     "figures": [{"measure", "value", "unit", "baseline", "target", "met"}, ...]}
+     "figures": [{"measure", "value", "unit", "baseline", "target", "met", "reason"}, ...]}
 
 ``baseline`` is a figure measured in the same run to compare with (text, or null), ``target``
 the goal (text, or null) and ``met`` whether the value reaches it (null without a target).
+A figure the run could not compute has ``value`` null and says why in ``reason`` (its
+``met`` is null): the report shows it as not measured instead of the benchmark failing.
 The load average is taken when the benchmark starts and again when it ends ("load_avg_end"):
 the machine is shared, so a figure means little without it.
 """
@@ -25,11 +27,13 @@ from typing import Any
 @dataclass
 class Figure:
     measure: str
-    value: float
+    value: float | None
     unit: str
     baseline: str | None = None
     target: str | None = None
     met: bool | None = None
+    reason: str | None = None
+    """Why ``value`` is None (not measured)."""
 
 
 @dataclass
@@ -44,6 +48,12 @@ class Figures:
     def add(self, measure: str, value: float, unit: str, baseline: str | None = None,
             target: str | None = None, met: bool | None = None) -> Figure:
         fig = Figure(measure, float(value), unit, baseline, target, met)
+        self.figures.append(fig)
+        return fig
+
+    def not_measured(self, measure: str, unit: str, reason: str, baseline: str | None = None,
+                     target: str | None = None) -> Figure:
+        fig = Figure(measure, None, unit, baseline, target, None, reason)
         self.figures.append(fig)
         return fig
 
@@ -82,6 +92,15 @@ def machine() -> str:
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (f"{os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB, {platform.system()} {platform.release()}, "
             f"Python {platform.python_version()}")
+
+
+def figure_text(value: float | None, unit: str, reason: str | None = None) -> str:
+    """A figure as the reports show it: ``0.42 s``, ``1,234 rows/s``, or not measured and why."""
+    if value is None:
+        return f"not measured ({reason})" if reason else "not measured"
+    if unit == "s":
+        return f"{value:.2f} s"
+    return f"{value:,.0f} {unit}"
 
 
 def rate(n: float, seconds: float) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.output import machine  # noqa: E402
+from benchmarks.output import figure_text, machine  # noqa: E402
 from libs.localservers.common import find_binary  # noqa: E402
 
 BEGIN = "<!-- release-report:begin -->"
@@ -126,14 +126,9 @@ def _run(bench: Bench, args: list[str], json_path: Path, log_path: Path, timeout
 # ----------------------------------------------------------------------------- report
 
 
-def _fmt_value(value: float, unit: str) -> str:
-    if unit in ("s",):
-        return f"{value:.2f} s"
-    if unit == "ms":
-        return f"{value:,.0f} ms"
-    if unit == "MiB":
-        return f"{value:,.0f} MiB"
-    return f"{value:,.0f} {unit}"
+def fmt_figure(f: dict[str, Any]) -> str:
+    """A figure of a benchmark's JSON as the report shows it (not measured: why)."""
+    return figure_text(f["value"], f["unit"], f.get("reason"))
 
 
 def _met(met: bool | None) -> str:
@@ -199,7 +194,7 @@ def render(run: dict[str, Any], history: dict[str, Any], results: dict[str, dict
                     with_target.append((bench.name, f))
     lines += ["### Targets", "", "| benchmark | measure | figure | target | |", "|---|---|---:|---|---|"]
     for name, f in with_target:
-        lines.append(f"| {name} | {_cell(f['measure'])} | {_fmt_value(f['value'], f['unit'])} | "
+        lines.append(f"| {name} | {_cell(f['measure'])} | {fmt_figure(f)} | "
                      f"{_cell(f['target'])} | {_met(f['met'])} |")
     if results.get("bench_failover") is None:
         # The issue's failover targets stay in the table while their benchmark gives no figures.
@@ -228,7 +223,7 @@ def render(run: dict[str, Any], history: dict[str, Any], results: dict[str, dict
         lines.append("")
         lines += ["| measure | figure | baseline (same run) | target | |", "|---|---:|---|---|---|"]
         for f in data["figures"]:
-            lines.append(f"| {_cell(f['measure'])} | {_fmt_value(f['value'], f['unit'])} | "
+            lines.append(f"| {_cell(f['measure'])} | {fmt_figure(f)} | "
                          f"{_cell(f.get('baseline'))} | {_cell(f.get('target'))} | {_met(f.get('met'))} |")
         if bench.name == "bench_e2e":
             if "downstream_equals_upstream" in data:
