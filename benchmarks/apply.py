@@ -784,11 +784,24 @@ def print_report(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict
               f"{_mib(run.peak_rss)} ({parts}); CPU s: {cpu}; {locks}")
     for run in spark_runs:
         rate = work.rows / run.seconds
-        if insert_rate and load_rate:
+        rss_met = rss_target(run.peak_rss / 2**20, work.rows)[1]
+        rss = "-" if rss_met is None else ("met" if rss_met else "NOT met")
+        if insert_rate:
             met_insert = "met" if rate >= insert_rate else "NOT met"
-            met_load = "met" if rate >= load_rate / 2 else "NOT met"
-            print(f"target ({run.config.label}): >= multi-row INSERT: {met_insert}; "
-                  f">= half of LOAD DATA: {met_load}")
+            print(f"target ({run.config.label}): >= 1.0x multi-row INSERT: {met_insert}; "
+                  f"peak RSS <= 1.5 GiB at {RSS_TARGET_ROWS:,} changes: {rss}")
+
+
+RSS_TARGET_MIB = 1536.0
+RSS_TARGET_ROWS = 1_000_000
+
+
+def rss_target(peak_mib: float, rows: int) -> tuple[str, bool | None]:
+    """Issue 15: the worker's peak RSS <= 1.5 GiB applying 1M changes; a smaller run is shown
+    against it but not judged (the peak grows with what a round holds)."""
+    if rows >= RSS_TARGET_ROWS:
+        return "<= 1.5 GiB", peak_mib <= RSS_TARGET_MIB
+    return f"<= 1.5 GiB at {RSS_TARGET_ROWS:,} changes (not judged at {rows:,})", None
 
 
 def figures_of(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict[str, float],
@@ -803,17 +816,23 @@ def figures_of(work: Workload, spark_runs: Sequence[SparkRun], baselines: dict[s
     if load_rate:
         parts.append(f"LOAD DATA {load_rate:,.0f} rows/s")
     baseline = "; ".join(parts) + f" (of the {final:,} final rows, same database)" if parts else None
-    target = ">= multi-row INSERT and >= half of LOAD DATA" if insert_rate and load_rate else None
+    # Issue 15: the apply at least as fast as a single-connection multi-row INSERT of the final rows.
+    target = ">= 1.0x single-connection multi-row INSERT of the final rows" if insert_rate else None
     for run in spark_runs:
         c = run.config
         rate = work.rows / run.seconds
-        met = rate >= insert_rate and rate >= load_rate / 2 if insert_rate and load_rate else None
-        ratios = (f"; {rate / insert_rate:.2f}x INSERT, {rate / load_rate:.2f}x LOAD DATA"
-                  if insert_rate and load_rate else "")
-        out.add(f"apply path ({c.label}: {c.max_events_per_round:,} events/round, {c.apply_partitions}/"
+        met = rate >= insert_rate if insert_rate else None
+        ratios = "".join([f"; {rate / insert_rate:.2f}x INSERT" if insert_rate else "",
+                          f", {rate / load_rate:.2f}x LOAD DATA" if load_rate else ""])
+        what = (f"{c.label}: {c.max_events_per_round:,} events/round, {c.apply_partitions}/"
                 f"{c.shuffle_partitions} partitions{', C1 JIT' if c.java_options else ''}"
-                f"{'' if c.warm else ', cold worker'}), {work.rows:,} row changes{ratios}; peak RSS "
-                f"{_mib(run.peak_rss)}", rate, "changes/s", baseline=baseline, target=target, met=met)
+                f"{'' if c.warm else ', cold worker'}")
+        out.add(f"apply path ({what}), {work.rows:,} row changes{ratios}", rate, "changes/s",
+                baseline=baseline, target=target, met=met)
+        parts_text = ", ".join(f"{k} {_mib(v)}" for k, v in sorted(run.peak_parts.items()))
+        rss_text, rss_met = rss_target(run.peak_rss / 2**20, work.rows)
+        out.add(f"worker peak RSS, apply path ({what}), {work.rows:,} row changes (process tree: "
+                f"{parts_text})", run.peak_rss / 2**20, "MiB", target=rss_text, met=rss_met)
     if "naive" in baselines:
         out.add(f"row-at-a-time autocommit apply ({naive_rows:,} changes)", naive_rows / baselines["naive"],
                 "changes/s")

@@ -2,7 +2,7 @@
 of BENCHMARKS.md (between markers, replaced by each run; the hand-written sections below stay)
 and the lag-through-faults chart.
 
-    .venv/bin/python -m benchmarks.run_all                  # everything, ~30 minutes
+    .venv/bin/python -m benchmarks.run_all                  # everything, ~35 minutes
     .venv/bin/python -m benchmarks.run_all --quick          # small sizes, a few minutes; report to .sluice/
     .venv/bin/python -m benchmarks.run_all --only apply,bench_e2e
 
@@ -46,14 +46,29 @@ class Bench:
     title: str
     full: tuple[str, ...]
     quick: tuple[str, ...]
+    module: str = ""
+    """``benchmarks.<module>`` (default: ``name``): one benchmark may run twice with other options."""
+
+    @property
+    def runs(self) -> str:
+        return self.module or self.name
 
 
 BENCHES = (
-    Bench("bench_e2e", "End to end: throughput, latency, move-table spike, memory, lag through faults",
-          ("--chart", "{chart}"),
-          ("--rows", "20000", "--steady-s", "15", "--before-move-s", "15", "--after-move-s", "8",
-           "--fault-gap-s", "10", "--recover-s", "60", "--chart", "{chart}",
+    Bench("bench_e2e", "End to end, Spark local in each worker: throughput and latency with 1 and 3 "
+          "workers, move-table spike, memory, lag through faults",
+          ("--spark", "local", "--chart", "{chart}"),
+          ("--spark", "local", "--rows", "20000", "--steady-s", "15", "--before-move-s", "15",
+           "--after-move-s", "8", "--fault-gap-s", "10", "--recover-s", "60", "--chart", "{chart}",
            "--dir", ".sluice/bench-quick/e2e")),
+    # The same phases with one Spark shared by the workers (a 3-worker figure on 2 cores is not
+    # three JVMs' contention); the faults ran above.
+    Bench("bench_e2e_shared", "End to end, one shared Spark Connect server for every worker: throughput "
+          "and latency with 1 and 3 workers, move-table spike, memory",
+          ("--spark", "shared", "--skip-faults", "--dir", ".sluice/bench-e2e-shared"),
+          ("--spark", "shared", "--skip-faults", "--rows", "20000", "--steady-s", "15", "--before-move-s",
+           "15", "--after-move-s", "8", "--dir", ".sluice/bench-quick/e2e-shared"),
+          module="bench_e2e"),
     Bench("apply", "Apply path against multi-row INSERT and LOAD DATA on the same database",
           # The naive row-at-a-time baseline (time-boxed at 120 s) and the cold-worker variant are
           # left to `python -m benchmarks.apply`: they add ~4 minutes and no target.
@@ -69,7 +84,7 @@ BENCHES = (
 )
 # Heavy multi-process benchmarks last: a failure there should not cost the quick ones.
 RUN_ORDER = ("bench_scheduling", "bench_rebuild", "bench_shard_ddl", "bench_snapshot", "apply",
-             "bench_failover", "bench_e2e")
+             "bench_failover", "bench_e2e", "bench_e2e_shared")
 
 
 def _say(text: str) -> None:
@@ -83,8 +98,8 @@ def _has_json_option(module: str) -> bool:
 
 
 def _run(bench: Bench, args: list[str], json_path: Path, log_path: Path, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", f"benchmarks.{bench.name}", "--json", str(json_path), *args]
-    shown = " ".join(["python", "-m", f"benchmarks.{bench.name}", "--json", "PATH", *args]).replace(
+    cmd = [sys.executable, "-m", f"benchmarks.{bench.runs}", "--json", str(json_path), *args]
+    shown = " ".join(["python", "-m", f"benchmarks.{bench.runs}", "--json", "PATH", *args]).replace(
         f"{ROOT}/", "")
     _say(f"{bench.name}: {' '.join(cmd[1:])}")
     json_path.unlink(missing_ok=True)
@@ -225,11 +240,11 @@ def render(run: dict[str, Any], history: dict[str, Any], results: dict[str, dict
         for f in data["figures"]:
             lines.append(f"| {_cell(f['measure'])} | {fmt_figure(f)} | "
                          f"{_cell(f.get('baseline'))} | {_cell(f.get('target'))} | {_met(f.get('met'))} |")
-        if bench.name == "bench_e2e":
+        if bench.runs == "bench_e2e":
             if "downstream_equals_upstream" in data:
                 lines += ["", "Downstream equal to upstream at the end (row count and CRC32 sum per table): "
                           + ("yes" if data["downstream_equals_upstream"] else "**no**") + "."]
-            if chart is not None and chart.exists():
+            if "{chart}" in bench.full and chart is not None and chart.exists():
                 rel = os.path.relpath(chart, report_dir)
                 lines += ["", f"![Lag through faults]({rel})", "",
                           "Lag over time through the fault schedule (red: the faults; grey: the killed "
@@ -303,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         bench = by_name[name]
         opts = [o.replace("{chart}", str(chart)) for o in (bench.quick if args.quick else bench.full)]
         json_path = results_dir / f"{name}.json"
-        if not _has_json_option(name):
+        if not _has_json_option(bench.runs):
             json_path.unlink(missing_ok=True)
             run["status"][name] = {"status": "no figures: the benchmark has no --json option yet"}
             _say(f"{name}: no --json option, skipped")
