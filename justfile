@@ -21,7 +21,7 @@ schemas:
     .venv/bin/python -m contracts.generate
 
 # Every benchmark, and the release report at the top of BENCHMARKS.md (not part of the test
-# suite; ~30 min; `just bench --quick` for a smoke run). Needs `.venv/bin/pip install -e '.[bench]'`.
+# suite; ~35 min; `just bench --quick` for a smoke run). Needs `.venv/bin/pip install -e '.[bench]'`.
 bench *ARGS:
     .venv/bin/python -m benchmarks.run_all {{ARGS}}
 

@@ -859,7 +859,9 @@ async def main_async(args: argparse.Namespace) -> int:
             split = ", ".join(f"{k} {v / 2**20:,.0f}" for k, v in sorted(parts.items()) if len(parts) > 1)
             _say(f"  {service:<22} {peak / 2**20:8,.0f} MiB  ({name}{'; ' + split if split else ''})")
             what = _rss_what(service, connect is not None)
-            target, met = (figs.worker_rss_target(peak / 2**20) if service == "sink-worker" else (None, None))
+            # Issue 15's worker figure counts the worker's own Spark: not judged when Spark is shared.
+            judged = service == "sink-worker" and connect is None
+            target, met = figs.worker_rss_target(peak / 2**20) if judged else (None, None)
             out.add(f"peak RSS, {service} ({what}{': ' + split + ' MiB' if split else ''})",
                     peak / 2**20, "MiB", target=target, met=met)
         out.extra["memory_samples"] = memory.samples
