@@ -64,7 +64,12 @@ def is_connect(master: str) -> bool:
 
 def _build(settings: Settings) -> SparkSession:
     if is_connect(settings.spark_master):
-        return SparkSession.builder.remote(settings.spark_master).getOrCreate()
+        session = SparkSession.builder.remote(settings.spark_master).getOrCreate()
+        # Runtime settings are per session on a Connect server: without these, its own defaults
+        # (the host's time zone, its shuffle partitions) would decide what a local session does not.
+        session.conf.set("spark.sql.session.timeZone", "UTC")
+        session.conf.set("spark.sql.shuffle.partitions", str(settings.spark_shuffle_partitions))
+        return session
     _prepare_environment()
     builder = (
         SparkSession.builder.master(settings.spark_master)

@@ -110,3 +110,17 @@ def test_an_initial_load_copies_over_spark_connect(connect: SparkConnect, mariad
     assert counts == {c.id: n for c, n in zip(chunks, [1000, 1000, 1000], strict=True)}
     with sqlite3.connect(tmp_path / "copy.db") as down:
         assert down.execute('SELECT COUNT(*), SUM(id), MAX(v) FROM "t"').fetchone() == (3000, 4501500, "v999")
+
+
+def test_a_connect_session_gets_this_process_runtime_settings(connect: SparkConnect) -> None:
+    """A Connect server's own defaults (its host's time zone, its shuffle partitions) must not
+    decide what a local session would: the session sets them itself."""
+    from libs.config import Settings
+    from libs.spark import _build
+
+    session = _build(Settings(spark_master=connect.url, spark_shuffle_partitions=7))
+    try:
+        assert session.conf.get("spark.sql.session.timeZone") == "UTC"
+        assert session.conf.get("spark.sql.shuffle.partitions") == "7"
+    finally:
+        session.stop()
