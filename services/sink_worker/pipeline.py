@@ -34,7 +34,6 @@ from nats.js import JetStreamContext
 from pyspark.sql import SparkSession
 
 from libs.gc_pause import gc_paused
-from libs.routing import Target
 from libs.scheduling.model import Span
 from libs.spark import spark_gone
 from libs.streams import ROWS_STREAM
@@ -44,14 +43,13 @@ from services.sink_worker.checkpoint_advance import CheckpointAdvance
 from services.sink_worker.checkpoints import Checkpoint, CheckpointStore
 from services.sink_worker.ddl_barrier import DdlBarrier
 from services.sink_worker.fence import Fenced, SelfFence  # liveness: self-fence
-from services.sink_worker.large_values import LargeKeyError, LargeValues
-from services.sink_worker.poison import IncidentAction, RowFailure, TableIncident
+from services.sink_worker.poison import IncidentAction, TableIncident
 from services.sink_worker.pull import SpanReader, latest_resolved
-from services.sink_worker.round_plan import RoundPlanner, SpanRoutes, route_tokens
+from services.sink_worker.round_plan import RoundPlanner, SpanRoutes, count_shards
 from services.sink_worker.round_trace import batch_span
 from services.sink_worker.shard_ddl import ShardDdl, lock_ref
 from services.sink_worker.snapshot import InitialLoads, snapshot_mode
-from services.sink_worker.sort_job import EventRecord, SpanCut, SpanInput, event_records, run_sort
+from services.sink_worker.sort_job import SpanCut
 from services.sink_worker.span_runtime import (
     PipelineOptions,
     RoundAbandoned,
@@ -149,25 +147,7 @@ class Pipeline:
         for span in wanted:
             self.spans[span].skips.update(self.known_skips.get(span, {}))
         # Several upstream shards in one target: their DDL needs the ddl-lock, not this path.
-        self._count_shards()
-
-    def _count_shards(self) -> None:
-        """Each span's shard count: the group the coordinator knows across every worker, else
-        the spans of this worker routed to the same target."""
-        targets: dict[tuple[str, Target], int] = {}
-        routed = {}
-        for span, rt in self.spans.items():
-            routed[span] = (span.changefeed, route_tokens(span, rt.config.router))
-            targets[routed[span]] = targets.get(routed[span], 0) + 1
-        for span, rt in self.spans.items():
-            local = targets[routed[span]]
-            if self.shard_ddl is None:
-                rt.shards = local
-                continue
-            known = self.shard_ddl.group_size(span)
-            # Group unknown (discovery failed): count it as sharded, so a DDL waits for the
-            # ddl-lock (which resolves a group of one at once) instead of being applied alone.
-            rt.shards = max(known, local) if known is not None else max(local, 2)
+        count_shards(self.spans, self.shard_ddl)
 
     async def close(self) -> None:
         if self.initial_loads is not None:
@@ -343,7 +323,7 @@ class Pipeline:
                     await self.shard_ddl.refresh_if_due(force=True)  # a span newer than the groups
             except Exception:
                 log.warning("shard group discovery failed", exc_info=True)
-            self._count_shards()
+            count_shards(self.spans, self.shard_ddl)
         marks = {}
         for source in sorted({rt.span.source for rt in runtimes}):
             marks[source] = await latest_resolved(self.js, source, self.rows_stream)
@@ -415,57 +395,9 @@ class Pipeline:
         # stop interrupts exactly them.
         spark.addTag(group)
         try:
-            return self._sort_and_apply(spark, works, abort)
+            return self.writers.sort_and_write(spark, works, abort, self.fence)
         finally:
             spark.removeTag(group)
-
-    def _sort_and_apply(self, spark: SparkSession, works: list[SpanWork],
-                        abort: threading.Event) -> tuple[dict[str, SpanCut], Outcomes]:
-        outcomes: Outcomes = {}
-        # Values above the threshold stay here; the jobs get references (``large_values``).
-        large = LargeValues(self.options.large_value_bytes)
-        active: list[SpanWork] = []
-        records: list[EventRecord] = []
-        for w in works:
-            if not w.fresh or w.refused:
-                continue
-            # Row expressions and computed columns read the images inside the job, so a table
-            # with them keeps its values whole there (a reference would be filtered or computed
-            # on instead of the value); its row size is then bounded by the Spark driver's memory.
-            seen_whole = w.rules is not None and w.rules.needs_spark
-            try:
-                records.extend(event_records(w.rt.span.kv_key, w.fresh, None if seen_whole else large,
-                                             w.plan.table.key if w.plan is not None else ()))
-            except LargeKeyError as exc:
-                outcomes[w.rt.span.kv_key] = SpanOutcome(incident=_large_key_incident(w, exc))
-                continue
-            active.append(w)
-        if large:
-            log.info("large values kept out of the round's jobs",
-                     extra={"values": len(large), "bytes": large.bytes_held})
-        if not active:
-            return {}, outcomes
-        by_key = {w.rt.span.kv_key: w for w in active}
-        inputs = [SpanInput(w.rt.span.kv_key, w.start.ts, w.horizon) for w in active]
-        t0 = time.monotonic()
-        with tracer().start_as_current_span("sort", attributes={"sluice.events": len(records),
-                                                                "sluice.spans": len(active)}):
-            sort = run_sort(records, inputs)
-        m.SORT_SECONDS.observe(time.monotonic() - t0)
-        m.BATCH_EVENTS.observe(len(records))
-
-        by_sink: dict[str, list[str]] = {}
-        for key, cut in sort.cuts.items():
-            if cut.batch_events or cut.ddl_id:
-                by_sink.setdefault(by_key[key].rt.config.sink_url, []).append(key)
-        for sink_url, keys in by_sink.items():
-            if abort.is_set():
-                raise RoundAbandoned()
-            if self.fence is not None:  # liveness: self-fence, before each sink's write
-                self.fence.check()
-            writer = self.writers.for_url(sink_url)
-            writer.write(spark, [by_key[k] for k in keys], sort, outcomes, abort, large)
-        return sort.cuts, outcomes
 
     async def flush_checkpoints(self) -> None:
         """Store every span's latest checkpoint (on a clean stop); each covers written batches only."""
@@ -513,14 +445,3 @@ class Pipeline:
             counts[rt.state] += 1
         for state, n in counts.items():
             m.SPANS.labels(state).set(n)
-
-
-def _large_key_incident(w: SpanWork, exc: LargeKeyError) -> TableIncident:
-    """A key value above the large-value threshold: the table stops, nothing of it is written."""
-    key = w.plan.table.key if w.plan is not None else (exc.column,)
-    target = w.rt.span.table
-    if w.plan is not None:
-        table = w.plan.table
-        target = f"{table.schema}.{table.name}" if table.schema else table.name
-    return TableIncident(id=uuid4().hex, target=target, upto_ts=w.horizon,
-                         failure=RowFailure("upsert", None, key, f"LargeKeyError: {exc}", None))

@@ -30,10 +30,11 @@ from services.sink_worker import metrics as m
 from services.sink_worker.apply_job import TargetPlan, key_json
 from services.sink_worker.pull import PulledEvent
 from services.sink_worker.row_rules import analyse
+from services.sink_worker.shard_ddl import ShardDdl
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.nats_stream import is_stream_sink
 from services.sink_worker.span import KeylessTableError, route_of, shard_ref, target_for
-from services.sink_worker.span_runtime import SpanConfig, SpanWork
+from services.sink_worker.span_runtime import SpanConfig, SpanRuntime, SpanWork
 from services.sink_worker.table_group import cut_group, source_metas
 
 log = logging.getLogger(__name__)
@@ -254,6 +255,25 @@ def route_tokens(span: Span, router: Router | None) -> Target:
         return route_of(span, span.database, span.table, router)
     except ValueError:  # ambiguous routes: refused at creation, counted on its own here
         return Target(span.database, span.table)
+
+
+def count_shards(spans: dict[Span, SpanRuntime], shard_ddl: ShardDdl | None) -> None:
+    """Each span's shard count: the group the coordinator knows across every worker, else
+    the spans of this worker routed to the same target."""
+    targets: dict[tuple[str, Target], int] = {}
+    routed = {}
+    for span, rt in spans.items():
+        routed[span] = (span.changefeed, route_tokens(span, rt.config.router))
+        targets[routed[span]] = targets.get(routed[span], 0) + 1
+    for span, rt in spans.items():
+        local = targets[routed[span]]
+        if shard_ddl is None:
+            rt.shards = local
+            continue
+        known = shard_ddl.group_size(span)
+        # Group unknown (discovery failed): count it as sharded, so a DDL waits for the
+        # ddl-lock (which resolves a group of one at once) instead of being applied alone.
+        rt.shards = max(known, local) if known is not None else max(local, 2)
 
 
 def target_id(sink_url: str, table: TargetTable) -> str:

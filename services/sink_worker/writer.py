@@ -1,6 +1,7 @@
 """The write of a round's batches, one seam for every kind of sink.
 
-A round picks the ``BatchWriter`` of each sink URL once (``Writers.for_url``). Its ``write``
+In the round's worker thread, ``Writers.sort_and_write`` cuts every span's batch (``sort_job``)
+and hands each sink's spans to its writer. A round picks the ``BatchWriter`` of each sink URL once (``Writers.for_url``). Its ``write``
 runs in the round's worker thread, after the cut: the SQL writer runs the apply job (one Spark
 job per sink and round) and then the DDL barriers the batches stopped at; the NATS-stream writer
 prepares each span's messages. Its ``after`` runs on the event loop once the thread is done:
@@ -26,8 +27,9 @@ from services.sink_worker import metrics as m
 from services.sink_worker.apply_job import ApplyResult, run_apply
 from services.sink_worker.cascades import CascadeGraph, CascadeTable
 from services.sink_worker.ddl_barrier import DdlBarrier
-from services.sink_worker.large_values import LargeValues
-from services.sink_worker.poison import TableIncident
+from services.sink_worker.fence import SelfFence
+from services.sink_worker.large_values import LargeKeyError, LargeValues
+from services.sink_worker.poison import RowFailure, TableIncident
 from services.sink_worker.row_rules import SpanRowRules, stream_rows
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.sinks.nats_stream import (
@@ -38,8 +40,8 @@ from services.sink_worker.sinks.nats_stream import (
     row_messages,
 )
 from services.sink_worker.sinks.sql_common import SqlSink
-from services.sink_worker.sort_job import SortResult, SpanCut
-from services.sink_worker.span_runtime import PipelineOptions, SpanOutcome, SpanWork
+from services.sink_worker.sort_job import EventRecord, SortResult, SpanCut, SpanInput, event_records, run_sort
+from services.sink_worker.span_runtime import PipelineOptions, RoundAbandoned, SpanOutcome, SpanWork
 from services.sink_worker.table_group import apply_group_batch
 from services.sink_worker.target_schemas import TargetSchemas
 
@@ -323,6 +325,55 @@ class Writers:
         assert isinstance(writer, SqlWriter)
         return writer
 
+    def sort_and_write(self, spark: SparkSession, works: list[SpanWork], abort: threading.Event,
+                       fence: SelfFence | None) -> tuple[dict[str, SpanCut], Outcomes]:
+        """The round's cut (``sort_job``), then each sink's write; in the round's worker thread."""
+        outcomes: Outcomes = {}
+        # Values above the threshold stay here; the jobs get references (``large_values``).
+        large = LargeValues(self.options.large_value_bytes)
+        active: list[SpanWork] = []
+        records: list[EventRecord] = []
+        for w in works:
+            if not w.fresh or w.refused:
+                continue
+            # Row expressions and computed columns read the images inside the job, so a table
+            # with them keeps its values whole there (a reference would be filtered or computed
+            # on instead of the value); its row size is then bounded by the Spark driver's memory.
+            seen_whole = w.rules is not None and w.rules.needs_spark
+            try:
+                records.extend(event_records(w.rt.span.kv_key, w.fresh, None if seen_whole else large,
+                                             w.plan.table.key if w.plan is not None else ()))
+            except LargeKeyError as exc:
+                outcomes[w.rt.span.kv_key] = SpanOutcome(incident=_large_key_incident(w, exc))
+                continue
+            active.append(w)
+        if large:
+            log.info("large values kept out of the round's jobs",
+                     extra={"values": len(large), "bytes": large.bytes_held})
+        if not active:
+            return {}, outcomes
+        by_key = {w.rt.span.kv_key: w for w in active}
+        inputs = [SpanInput(w.rt.span.kv_key, w.start.ts, w.horizon) for w in active]
+        t0 = time.monotonic()
+        with tracer().start_as_current_span("sort", attributes={"sluice.events": len(records),
+                                                                "sluice.spans": len(active)}):
+            sort = run_sort(records, inputs)
+        m.SORT_SECONDS.observe(time.monotonic() - t0)
+        m.BATCH_EVENTS.observe(len(records))
+
+        by_sink: dict[str, list[str]] = {}
+        for key, cut in sort.cuts.items():
+            if cut.batch_events or cut.ddl_id:
+                by_sink.setdefault(by_key[key].rt.config.sink_url, []).append(key)
+        for sink_url, keys in by_sink.items():
+            if abort.is_set():
+                raise RoundAbandoned()
+            if fence is not None:  # liveness: self-fence, before each sink's write
+                fence.check()
+            writer = self.for_url(sink_url)
+            writer.write(spark, [by_key[k] for k in keys], sort, outcomes, abort, large)
+        return sort.cuts, outcomes
+
     async def after(self, works: list[SpanWork], outcomes: Outcomes) -> None:
         """Each span's ``after`` step, in the round's order of spans."""
         for w in works:
@@ -372,3 +423,14 @@ def redacted(url: str) -> str:
         return parse_database_url(url).redacted()
     except Exception:
         return "<unparsable sink URL>"
+
+
+def _large_key_incident(w: SpanWork, exc: LargeKeyError) -> TableIncident:
+    """A key value above the large-value threshold: the table stops, nothing of it is written."""
+    key = w.plan.table.key if w.plan is not None else (exc.column,)
+    target = w.rt.span.table
+    if w.plan is not None:
+        table = w.plan.table
+        target = f"{table.schema}.{table.name}" if table.schema else table.name
+    return TableIncident(id=uuid4().hex, target=target, upto_ts=w.horizon,
+                         failure=RowFailure("upsert", None, key, f"LargeKeyError: {exc}", None))
