@@ -6,13 +6,14 @@ A round covers every span the worker runs, with one cut (on the driver) for all 
    already in the stream when the pull runs;
 2. pull each span's events after its checkpoint (bounded: ``max_events_per_round`` split over
    the spans, which bounds the driver's memory);
-3. in the driver, choose each span's target and key; a table without a usable key is refused
-   (clear error in the log, the health status and a metric) and the span stops there;
+3. in the driver, plan each span once (``round_plan``): its routes, target and key; a table
+   without a usable key is refused (clear error in the log, the health status and a metric)
+   and the span stops there; a DDL at its head is carried out or waited for (``ddl_barrier``);
 4. in a worker thread (never on the event loop): each span's cut (on the driver,
-   ``sort_job``), then per sink the apply job (one Spark job) and the DDL barriers the
-   batches stopped at;
-5. advance each span's checkpoint, only for batches that were written in full. A span without
-   pending events follows its source's resolved ts.
+   ``sort_job``), then per sink its writer (``writer``: the apply job, one Spark job, and the
+   DDL barriers the batches stopped at; the NATS sink publishes afterwards, on the loop);
+5. advance each span's checkpoint, only for batches that were written in full
+   (``checkpoint_advance``). A span without pending events follows its source's resolved ts.
 
 A failed round advances nothing for the spans it failed; they are read again next round, and
 re-applying is idempotent.

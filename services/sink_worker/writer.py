@@ -1,12 +1,12 @@
 """The write of a round's batches, one seam for every kind of sink.
 
 In the round's worker thread, ``Writers.sort_and_write`` cuts every span's batch (``sort_job``)
-and hands each sink's spans to its writer. A round picks the ``BatchWriter`` of each sink URL once (``Writers.for_url``). Its ``write``
-runs in the round's worker thread, after the cut: the SQL writer runs the apply job (one Spark
-job per sink and round) and then the DDL barriers the batches stopped at; the NATS-stream writer
-prepares each span's messages. Its ``after`` runs on the event loop once the thread is done:
-the NATS-stream writer publishes there (its client is async), and a span's batch counts as
-written only once every message of it is acknowledged.
+and hands each sink's spans to the ``BatchWriter`` of its URL (``Writers.for_url``, one per URL,
+kept across rounds). Its ``write`` runs there, after the cut: the SQL writer runs the apply job
+(one Spark job per sink and round) and then the DDL barriers the batches stopped at; the
+NATS-stream writer prepares each span's messages. Its ``after`` runs on the event loop once
+the thread is done: the NATS-stream writer publishes there (its client is async), and a span's
+batch counts as written only once every message of it is acknowledged.
 """
 
 from __future__ import annotations
