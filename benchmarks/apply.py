@@ -659,7 +659,8 @@ async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     from libs.scheduling.model import Span
     from libs.spark import get_spark
     from services.sink_worker.checkpoints import CheckpointStore
-    from services.sink_worker.pipeline import Pipeline, PipelineOptions, SpanConfig
+    from services.sink_worker.pipeline import Pipeline
+    from services.sink_worker.span_runtime import PipelineOptions, SpanConfig
 
     settings = Settings(nats_url=spec["nats_url"], spark_shuffle_partitions=spec["shuffle_partitions"],
                         spark_driver_java_options=spec["java_options"])

@@ -28,7 +28,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from pyspark.sql import SparkSession
 
@@ -115,3 +117,24 @@ def stop_spark() -> None:
         if _session is not None:
             _session.stop()
             _session = None
+
+
+def spark_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the py4j gateway to the JVM cannot be reached."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if type(cur).__name__ == "Py4JNetworkError":
+            return True
+        if isinstance(cur, ConnectionRefusedError) and cur.__traceback__ is not None and any(
+                "py4j" in frame.f_code.co_filename for frame, _ in _walk_tb(cur.__traceback__)):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def _walk_tb(tb: Any) -> Iterator[tuple[Any, int]]:
+    while tb is not None:
+        yield tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next

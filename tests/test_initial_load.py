@@ -32,11 +32,12 @@ from libs.localservers.service_process import ServiceProcess
 from libs.scheduling.model import Span
 from libs.streams import SNAPSHOT_BUCKET
 from services.sink_worker.checkpoints import CheckpointStore
-from services.sink_worker.pipeline import Pipeline, SpanConfig
+from services.sink_worker.pipeline import Pipeline
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.snapshot import InitialLoads, SnapshotOptions, SnapshotRequest
 from services.sink_worker.snapshot_job import CopyJob, connect_source, decode_key, encode_key, plan_chunks
 from services.sink_worker.snapshot_plan import SnapshotProgress
+from services.sink_worker.span_runtime import SpanConfig
 from services.sink_worker.verify import ShardRef, verify_target
 from tests.helpers.workload import RandomWorkload, run_in_thread
 

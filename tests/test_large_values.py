@@ -21,12 +21,13 @@ from libs.localservers.mariadb import MariaDB
 from services.sink_worker.apply_job import event_rows, explode_event
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.large_values import REF_FIELD, LargeKeyError, LargeValues, holds_ref
-from services.sink_worker.pipeline import Pipeline, PipelineOptions
+from services.sink_worker.pipeline import Pipeline
 from services.sink_worker.pull import PulledEvent
 from services.sink_worker.sinks.base import TargetTable, Upsert
 from services.sink_worker.sinks.error_class import classify
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.sort_job import event_records
+from services.sink_worker.span_runtime import PipelineOptions
 from tests import test_sort_apply as data_path
 from tests.test_sort_apply import _POS, Harness, col, fetch_rows
 

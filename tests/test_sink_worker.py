@@ -25,7 +25,8 @@ from libs.eventstore import EventStore
 from libs.localservers.service_process import ServiceProcess
 from libs.streams import domain_events_subject, domain_stream, domain_subjects
 from services.sink_worker.checkpoints import CheckpointStore
-from services.sink_worker.pipeline import Pipeline, PipelineOptions
+from services.sink_worker.pipeline import Pipeline
+from services.sink_worker.span_runtime import PipelineOptions
 from services.sink_worker.worker import ChangefeedView
 from tests import test_sort_apply as data_path
 from tests.test_sort_apply import Harness, Source, fetch_rows, ins, people

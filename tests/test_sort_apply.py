@@ -44,10 +44,11 @@ from libs.streams import (
 )
 from libs.telemetry.tracing import publish_span, setup_tracing
 from services.sink_worker.checkpoints import Checkpoint, CheckpointRegression, CheckpointStore
-from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
+from services.sink_worker.pipeline import Pipeline
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.span import choose_key
+from services.sink_worker.span_runtime import PipelineOptions, RoundReport, SpanConfig
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from py4j.protocol import Py4JNetworkError
 
-from services.sink_worker.pipeline import spark_gone
+from libs.spark import spark_gone
 
 
 def test_a_lost_gateway_anywhere_in_the_chain_means_spark_is_gone() -> None:

@@ -145,9 +145,9 @@ async def test_a_row_is_reported_only_when_it_still_differs_past_the_checkpoint_
     from libs.scheduling.model import Span
     from services.sink_worker import validation as v
     from services.sink_worker.checkpoints import Checkpoint
-    from services.sink_worker.pipeline import SpanConfig, SpanRuntime
     from services.sink_worker.pull import ResolvedMark
     from services.sink_worker.sinks.base import TargetTable
+    from services.sink_worker.span_runtime import SpanConfig, SpanRuntime
 
     meta = TableMetaV1(columns=[_col("id", "int", "int"), _col("name", "string", "varchar(8)")],
                        primary_key=["id"])
@@ -221,8 +221,8 @@ async def test_a_compare_walks_the_table_by_key_range_and_resumes_on_a_new_owner
     from libs.validation import CompareRequest, request_key
     from services.sink_worker import validation as v
     from services.sink_worker.checkpoints import Checkpoint
-    from services.sink_worker.pipeline import SpanConfig, SpanRuntime
     from services.sink_worker.sinks.base import TargetTable
+    from services.sink_worker.span_runtime import SpanConfig, SpanRuntime
 
     meta = TableMetaV1(columns=[_col("id", "int", "int"), _col("name", "string", "varchar(8)")],
                        primary_key=["id"])

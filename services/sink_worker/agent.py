@@ -71,8 +71,9 @@ from libs.streams import (
 )
 from libs.telemetry.tracing import inject_headers, process_span
 from services.sink_worker.fence import SelfFence
-from services.sink_worker.pipeline import Pipeline, SpanConfig
+from services.sink_worker.pipeline import Pipeline
 from services.sink_worker.prepare_progress import Phase
+from services.sink_worker.span_runtime import SpanConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Stopped tables between the pipeline and the changefeeds log.
 
 The pipeline stops a span whose downstream refused a change for good
-(``pipeline.Pipeline._stop_refused``); the worker records each such incident as
+(``writer.SqlWriter._stop_refused``); the worker records each such incident as
 ``table.stopped`` on the changefeeds' incidents subject (``streams.table_incidents_subject``:
 the one changefeeds subject its NATS role may write), and carries out the ``table.action_requested``
 decisions it folds from that log. A decision names its incident, so only the worker whose span

@@ -69,7 +69,8 @@ from services.sink_worker.snapshot_plan import key_after
 from services.sink_worker.span import shard_ref, target_for
 
 if TYPE_CHECKING:
-    from services.sink_worker.pipeline import Pipeline, SpanRuntime, _Work
+    from services.sink_worker.pipeline import Pipeline
+    from services.sink_worker.span_runtime import SpanRuntime, SpanWork
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class Validator:
 
     # ------------------------------------------------------------------ from the rounds
 
-    def note_batch(self, w: _Work, upto_ts: int) -> None:
+    def note_batch(self, w: SpanWork, upto_ts: int) -> None:
         """The keys a written batch changed (events at or below ``upto_ts``) wait for a check."""
         if w.rt.config.validation == "off" or is_stream_sink(w.rt.config.sink_url):
             return
@@ -169,7 +170,7 @@ class Validator:
                         extra={"span": w.rt.span.name})
             check.status.error = f"{type(exc).__name__}: {exc}"
 
-    def _note(self, check: _SpanCheck, w: _Work, upto_ts: int) -> None:
+    def _note(self, check: _SpanCheck, w: SpanWork, upto_ts: int) -> None:
         for e in w.fresh:
             if e.dead or e.ts > upto_ts or not isinstance(e.event, RowsChangedV2):
                 continue
@@ -193,7 +194,7 @@ class Validator:
                         continue
                     check.pending[text] = values
 
-    def _table_from_batch(self, check: _SpanCheck, w: _Work, ev: RowsChangedV2) -> _Table | None:
+    def _table_from_batch(self, check: _SpanCheck, w: SpanWork, ev: RowsChangedV2) -> _Table | None:
         if w.plan is None:
             return check.table
         current = check.table

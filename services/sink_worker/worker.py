@@ -50,10 +50,11 @@ from services.sink_worker.agent import SinkAgent
 from services.sink_worker.checkpoints import CheckpointStore
 from services.sink_worker.fence import Fenced
 from services.sink_worker.incidents import carry_out, record_incidents
-from services.sink_worker.pipeline import Pipeline, PipelineOptions, RoundReport, SpanConfig
+from services.sink_worker.pipeline import Pipeline
 from services.sink_worker.prepare_progress import Phase, PrepareProgress
 from services.sink_worker.shard_ddl import ShardDdl
 from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
+from services.sink_worker.span_runtime import PipelineOptions, RoundReport, SpanConfig
 from services.sink_worker.validation import ValidationOptions, Validator
 from services.sink_worker.warm_up import warm_up
 

@@ -1,0 +1,45 @@
+"""What this process last brought each target table's schema to, so a round does not alter a
+target again for every batch.
+
+Forgotten whenever the target may have changed behind it (a DDL, a failed apply): the next batch
+checks the target's schema again instead of trusting this memory.
+"""
+
+from __future__ import annotations
+
+from services.sink_worker.sinks.base import Sink, TargetTable
+
+
+class TargetSchemas:
+    def __init__(self) -> None:
+        # (sink url, schema, table) -> meta JSON the target was last brought to by this process.
+        self._known: dict[tuple[str, str | None, str], str] = {}
+
+    def ensure(self, sink: Sink, sink_url: str, table: TargetTable, *, reconcile: bool) -> None:
+        """Create the target from the source schema when missing, and bring its columns to the
+        batch's metadata (idempotent; skipped while this process knows it is done).
+
+        Reconciling to the batch's metadata makes a replay from an older checkpoint converge:
+        the target goes back to the schema those rows were written with, and the DDL after
+        them moves it forward again. Targets fed by several shards only get created here:
+        shards may be at different schema versions, and reconciling to each in turn would
+        flip columns back and forth (their DDL goes through the ddl-lock).
+        """
+        cache_key = (sink_url, table.schema, table.name)
+        meta_json = table.meta.model_dump_json()
+        if cache_key in self._known and (self._known[cache_key] == meta_json or not reconcile):
+            return
+        sink.ensure_table(table)
+        if reconcile:
+            sink.reconcile_schema(table)
+        self._known[cache_key] = meta_json
+
+    def forget(self, sink_url: str, schema: str | None, name: str) -> None:
+        self._known.pop((sink_url, schema, name), None)
+
+    def brought_to(self, sink_url: str, table: TargetTable) -> None:
+        """The target now has ``table``'s schema (a DDL carried out on it)."""
+        self._known[(sink_url, table.schema, table.name)] = table.meta.model_dump_json()
+
+    def clear(self) -> None:
+        self._known.clear()
