@@ -64,6 +64,8 @@ from services.sink_worker.fence import Fenced, SelfFence  # liveness: self-fence
 from services.sink_worker.large_values import LargeKeyError, LargeValues
 from services.sink_worker.poison import IncidentAction, RowFailure, TableIncident
 from services.sink_worker.pull import PulledEvent, PullResult, SpanReader, latest_resolved
+from services.sink_worker.round_overlap import AheadSpan, read_ahead, settle
+from services.sink_worker.round_size import RoundSize
 from services.sink_worker.row_rules import SpanRowRules, analyse, stream_rows
 from services.sink_worker.shard_ddl import ShardDdl, execute_on_target, lock_ref, rewritten
 from services.sink_worker.sinks.base import Sink, TargetTable
@@ -102,6 +104,9 @@ SpanState = Literal["starting", "snapshot", "replicating", "done", "refused", "b
 @dataclass(frozen=True)
 class PipelineOptions:
     max_events_per_round: int = 2000
+    """The most events a round pulls, all spans together (``round_size``)."""
+    min_events_per_round: int = 100
+    round_max_bytes: int = 256 * 1024 * 1024
     apply_partitions: int = 4
     stop_grace_s: float = 4.0
     checkpoint_interval_s: float = 1.0
@@ -117,6 +122,8 @@ class PipelineOptions:
     def from_settings(cls, settings: Settings) -> PipelineOptions:
         return cls(
             max_events_per_round=settings.sink_max_events_per_round,
+            min_events_per_round=settings.sink_min_events_per_round,
+            round_max_bytes=settings.sink_round_max_bytes,
             apply_partitions=settings.sink_apply_partitions,
             stop_grace_s=settings.sink_stop_grace_s,
             # Read once libs/config.py defines SLUICE_SINK_CHECKPOINT_INTERVAL_S; the default until then.
@@ -330,6 +337,11 @@ class Pipeline:
         self._spark = spark
         self.options = options or PipelineOptions()
         self.rows_stream = rows_stream
+        self.round_size = RoundSize(self.options.min_events_per_round, self.options.max_events_per_round,
+                                    self.options.round_max_bytes)
+        """Each span's events per round, adapted to whether it is behind (``round_size``)."""
+        self._ahead: asyncio.Future[None] | None = None
+        """The running round's read-ahead (``round_overlap``); None or done between rounds."""
         self.spans: dict[Span, SpanRuntime] = {}
         self.prepared: dict[Span, SpanRuntime] = {}
         """Spans loaded by ``prepare`` that do not run (write) yet."""
@@ -374,6 +386,7 @@ class Pipeline:
         A wanted span that was prepared (``prepare``) starts with the prepared reader and its
         read-ahead; its checkpoint is read from the bucket again at its first round, because
         the previous owner went on writing while it prepared."""
+        await self._ahead_done()  # after a failed round: its read-ahead may still use the readers
         for span in [s for s in self.spans if s not in wanted]:
             await self.spans.pop(span).reader.close()
             if self.initial_loads is not None:
@@ -420,6 +433,7 @@ class Pipeline:
                 gauge.remove(span.changefeed, span.name)
 
     async def close(self) -> None:
+        await self._ahead_done()
         if self.initial_loads is not None:
             await self.initial_loads.close()
         for rt in [*self.spans.values(), *self.prepared.values()]:
@@ -601,12 +615,14 @@ class Pipeline:
         if not runtimes:
             return report
         self.rounds += 1
+        await self._ahead_done()  # a round that failed may have left its read-ahead running
         # A round holds its whole batch as live objects; collections in the middle of it only
         # walk them again and again (libs.gc_pause). The collector runs between rounds.
         with gc_paused(), tracer().start_as_current_span("sink round",
                                                          attributes={"sluice.spans": len(runtimes)}):
             works = await self._pull_all(runtimes, report)
             report.pull_s = time.monotonic() - started
+            self._ahead = asyncio.ensure_future(self._read_ahead(works))  # while the batch is written
             outcomes: dict[str, _Outcome] = {}
             cuts: dict[str, SpanCut] = {}
             table_works = [w for w in works if w.group is None]
@@ -620,6 +636,7 @@ class Pipeline:
                 except Fenced:  # liveness: self-fence, the worker starts over
                     raise
                 except RoundAbandoned:
+                    await self._ahead_done()
                     report.abandoned = True
                     report.duration_s = time.monotonic() - started
                     self.last_report = report
@@ -648,8 +665,9 @@ class Pipeline:
                 if w.shard_cut is not None:
                     cuts[w.rt.span.kv_key] = w.shard_cut
                     outcomes[w.rt.span.kv_key] = _Outcome(written=True, ddl_applied=True)
-            for w in works:
-                await self._finish(w, cuts.get(w.rt.span.kv_key), outcomes.get(w.rt.span.kv_key), report)
+            await settle([self._finish(w, cuts.get(w.rt.span.kv_key), outcomes.get(w.rt.span.kv_key), report)
+                          for w in works])
+            await self._ahead_done()
         report.duration_s = time.monotonic() - started
         if report.batch_events or report.ddl_applied:
             m.ROUND_SECONDS.observe(report.duration_s)
@@ -659,6 +677,21 @@ class Pipeline:
         self._count_states()
         self.last_report = report
         return report
+
+    async def _ahead_done(self) -> None:
+        """Wait for the read-ahead (it never raises); a reader is read by one thing at a time."""
+        if self._ahead is not None:
+            await asyncio.shield(self._ahead)
+            self._ahead = None
+
+    async def _read_ahead(self, works: list[_Work]) -> None:
+        """The next round's reading, while this one writes (``round_overlap``)."""
+        if not any(w.fresh and not w.refused for w in works):
+            return  # nothing to write: no time to overlap
+        limits = self.round_size.limits(self.spans)
+        await read_ahead(self.js, self.rows_stream, [
+            AheadSpan(w.rt.reader, w.rt.span.source, limits.get(w.rt.span, 0))
+            for w in works if not w.refused and w.rt.incident is None])
 
     async def _pull_all(self, runtimes: list[SpanRuntime], report: RoundReport) -> list[_Work]:
         for rt in runtimes:
@@ -683,7 +716,7 @@ class Pipeline:
         marks = {}
         for source in sorted({rt.span.source for rt in runtimes}):
             marks[source] = await latest_resolved(self.js, source, self.rows_stream)
-        limit = max(1, self.options.max_events_per_round // len(runtimes))
+        limits = self.round_size.limits(rt.span for rt in runtimes)
         works: list[_Work] = []
         for rt in runtimes:
             if rt.checkpoint is None or rt.state == "done":
@@ -693,8 +726,11 @@ class Pipeline:
             start = rt.checkpoint
             mark = marks.get(rt.span.source)
             try:
+                limit = limits[rt.span]
                 pulled = await rt.reader.pull((start.stream_seq, start.ts), limit,
                                               mark.stream_seq if mark else None)
+                self.round_size.observe(rt.span, limit, len(pulled.events), pulled.event_bytes,
+                                        behind=bool(pulled.ghosts) or not pulled.reached)
             except Exception as exc:
                 log.warning("pull failed", exc_info=True, extra={"span": rt.span.name})
                 rt.state, rt.error = "error", f"pull failed: {exc!r}"
