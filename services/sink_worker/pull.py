@@ -366,7 +366,15 @@ class SpanReader:
             self._newest = max((e.ts for e in self.buffer), default=-1)
             while self.ghosts and (self.ghosts.first_seq() <= checkpoint_seq):
                 self.ghosts.popleft()
-            self._spare = {seq: e for seq, e in self._spare.items() if seq > checkpoint_seq}
+            if (self.ghosts.min_ts() or checkpoint_ts + 1) <= checkpoint_ts:
+                # Read ahead before the checkpoint passed their ts: applied (and a reader
+                # that had not read them yet would drop them as it reads them).
+                kept, self.ghosts = self.ghosts, _Ghosts()
+                for seq, ts in kept.items:
+                    if ts > checkpoint_ts:
+                        self.ghosts.append(seq, ts)
+            self._spare = {seq: e for seq, e in self._spare.items()
+                           if seq > checkpoint_seq and e.ts > checkpoint_ts}
             self._fit(limit)
         self._base_ts = checkpoint_ts
         dead, self._ahead_dead = self._ahead_dead, 0
