@@ -500,6 +500,7 @@ class Pipeline:
         written batches only, and let it go. Returns that checkpoint: the next owner starts
         there. A checkpoint that cannot be stored is not returned (the next owner re-applies
         from the stored one, which is idempotent)."""
+        await self._ahead_done()
         rt = self.spans.pop(span, None)
         if self.initial_loads is not None:
             for copied in _copied_spans(span):
