@@ -4,15 +4,16 @@ A round covers every span the worker runs, with one cut (on the driver) for all 
 
 1. read each source's resolved ts *before* pulling, so that every event at or below it is
    already in the stream when the pull runs;
-2. pull each span's events after its checkpoint (bounded: ``max_events_per_round`` split over
-   the spans, which bounds the driver's memory);
+2. pull each span's events after its checkpoint (bounded: each span's allowance from
+   ``round_size``, together within ``max_events_per_round``, which bounds the driver's memory;
+   mostly in memory already, read ahead while the previous round wrote: ``round_overlap``);
 3. in the driver, choose each span's target and key; a table without a usable key is refused
    (clear error in the log, the health status and a metric) and the span stops there;
 4. in a worker thread (never on the event loop): each span's cut (on the driver,
    ``sort_job``), then per sink the apply job (one Spark job) and the DDL barriers the
    batches stopped at;
-5. advance each span's checkpoint, only for batches that were written in full. A span without
-   pending events follows its source's resolved ts.
+5. advance each span's checkpoint, only for batches that were written in full (the spans'
+   stores side by side). A span without pending events follows its source's resolved ts.
 
 A failed round advances nothing for the spans it failed; they are read again next round, and
 re-applying is idempotent.
