@@ -100,7 +100,16 @@ class Settings(BaseSettings):
 
     # Sink-worker data path
     sink_max_events_per_round: int = Field(
-        2000, ge=1, description="Events a sink-worker pulls per round (bounds driver memory)."
+        2000, ge=1, description="Events a sink-worker pulls per round, all its spans together (bounds "
+                                "driver memory); a span's share grows while it is behind."
+    )
+    sink_min_events_per_round: int = Field(
+        100, ge=1, description="The least a caught-up span's per-round event allowance shrinks to."
+    )
+    sink_round_max_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024 * 1024,
+        description="Event bytes a round's allowances may bring into the driver, all spans together "
+                    "(each span's allowance x its mean event size)."
     )
     sink_apply_partitions: int = Field(4, ge=1, description="Parallel apply partitions per round.")
     sink_stop_grace_s: float = Field(
@@ -109,7 +118,9 @@ class Settings(BaseSettings):
     sink_checkpoint_interval_s: float = Field(
         1.0, gt=0, description="The most often an idle span stores its resolved-following checkpoint."
     )
-    sink_round_interval_s: float = Field(0.5, gt=0, description="Pause after a round that found nothing.")
+    sink_round_interval_s: float = Field(
+        0.5, gt=0, description="Longest wait after a round that found nothing (a new resolved mark ends it)."
+    )
     sink_discovery_interval_s: float = Field(
         2.0, gt=0, description="How often a worker looks for new tables of its changefeeds."
     )

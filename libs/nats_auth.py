@@ -220,7 +220,9 @@ def role_permissions(role: str) -> Permissions | None:
                    table_incidents_subject("changefeeds")]),
             (INBOX, "sluice.dispatch.*", "sluice.announce.*", "sluice.shardddl.ops.*",
              # Answers the member leader's probe while its connection is up.
-             "sluice.member.alive.*.*"),
+             "sluice.member.alive.*.*",
+             # New resolved marks wake an idle worker's rounds (services.sink_worker.round_wakeup).
+             "sluice.resolved.*"),
             allow_responses=True)
     if role == API:
         # Commands to leaders, the changefeeds it records, the dead letters it parks (an event its

@@ -114,7 +114,9 @@ async def test_worker_process_follows_changefeeds_and_stops_cleanly(
 
     env = {**service_env, "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
            "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_LOG_JSON": "false",
-           "SLUICE_SINK_STANDALONE": "true"}  # one worker, every span: no control plane here
+           "SLUICE_SINK_STANDALONE": "true",  # one worker, every span: no control plane here
+           # An idle worker must start a round on a new resolved mark, not after this interval.
+           "SLUICE_SINK_ROUND_INTERVAL_S": "30"}
     proc = ServiceProcess("services.sink_worker", env, tmp_path / "logs").start()
     try:
         proc.wait_healthy(timeout=60)
@@ -132,6 +134,14 @@ async def test_worker_process_follows_changefeeds_and_stops_cleanly(
         text = await asyncio.to_thread(_get_text, proc.base_url + "/metrics")
         assert f'sluice_sink_rows_applied_total{{changefeed="{cf}",op="upsert"}} 2.0' in text
         assert "sluice_sink_checkpoint_lag_seconds" in text
+
+        # Idle now; a new transaction and its resolved mark wake the worker at once.
+        await src.txn("shop", "people", [ins(3, "cy", 3)])
+        resolved = await src.resolve()
+        woke = time.monotonic()
+        await _wait(spans, 15, "a round after the new resolved mark, well before round_interval_s")
+        assert time.monotonic() - woke < 15
+        assert fetch_rows(sink_url, "shop", "people") == people((1, "ann", 1), (2, "bob", 2), (3, "cy", 3))
 
         # Paused: the worker lets go of the changefeed's spans (its checkpoints stay).
         await store.append(domain_events_subject("changefeeds"),

@@ -45,6 +45,7 @@ from libs.streams import (
 from libs.telemetry.tracing import publish_span, setup_tracing
 from services.sink_worker.checkpoints import Checkpoint, CheckpointRegression, CheckpointStore
 from services.sink_worker.pipeline import Pipeline
+from services.sink_worker.pull import PullResult, SpanReader, latest_resolved
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.span import choose_key
@@ -463,6 +464,73 @@ async def test_processing_continues_the_publish_trace(h: Harness) -> None:
         [child] = [s for s in finished if s.name == name]
         assert child.parent is not None and child.parent.span_id == batch.context.span_id, name
     assert "sink round" in {s.name for s in finished}
+
+
+def _pulled(result: PullResult, checkpoint_ts: int, resolved: int) -> tuple[Any, ...]:
+    """What a round sees of a pull (bodies by position, ghosts, horizon), comparable."""
+    horizon = result.horizon(checkpoint_ts, resolved)
+    return ([(e.stream_seq, e.ts, e.dead) for e in result.events], result.ghosts, result.reached,
+            result.dead_lettered, result.event_bytes, horizon, result.first_seq_after(horizon))
+
+
+def _next_checkpoint(result: PullResult, start: Checkpoint, resolved: int) -> Checkpoint:
+    """Where a round that applied everything up to the horizon leaves the span (``_finish``)."""
+    ts = max(start.ts, result.horizon(start.ts, resolved))
+    pending = result.first_seq_after(ts)
+    return Checkpoint(max(start.stream_seq, pending - 1 if pending is not None else result.read_upto), ts)
+
+
+@pytest.mark.parametrize(("limit", "max_bytes"), [(100, 512 * 1024 * 1024), (3, 512 * 1024 * 1024),
+                                                  (100, 2500)], ids=["in-memory", "ghosts", "max-bytes"])
+async def test_read_ahead_fills_the_buffer_and_changes_no_later_pull(
+        rows_js: JetStreamContext, limit: int, max_bytes: int) -> None:
+    # Two readers of one span: `ahead` reads ahead while a round "writes", `plain` does not.
+    # Every pull after that returns the same to both, at the same checkpoints.
+    src = Source(rows_js)
+    span = Span.of("cf", src.name, "shop", "people")
+    ahead = SpanReader(rows_js, span, max_bytes=max_bytes)
+    plain = SpanReader(rows_js, span, max_bytes=max_bytes)
+    try:
+        for i in range(4):
+            await src.txn("shop", "people", [ins(i, f"n{i}", i)])
+        mark = await latest_resolved(rows_js, src.name)  # none yet: nothing resolved
+        assert mark is None
+        await src.resolve()
+        mark = await latest_resolved(rows_js, src.name)
+        assert mark is not None
+        first_mark, start = mark, Checkpoint()
+        first = await ahead.pull((start.stream_seq, start.ts), limit, mark.stream_seq)
+        assert _pulled(first, start.ts, mark.ts) == _pulled(
+            await plain.pull((start.stream_seq, start.ts), limit, mark.stream_seq), start.ts, mark.ts)
+
+        # Published while round 1's batch is written: rows, a transaction in parts, garbage.
+        for i in range(4, 8):
+            await src.txn("shop", "people", [ins(i, f"n{i}", i)])
+        await src.txn("shop", "people", [ins(i, f"m{i}", i) for i in range(10, 13)], parts=3)
+        garbage = await rows_js.publish(rows_subject(src.name, "shop", "people"), b"{not json",
+                                        stream=ROWS_STREAM)
+        await src.txn("shop", "people", [ins(20, "z", 20)])
+        await src.resolve()
+        mark = await latest_resolved(rows_js, src.name)
+        assert mark is not None
+        await ahead.read_ahead(mark.stream_seq, budget=limit)
+        assert ahead.read_upto >= mark.stream_seq - 1  # everything before the mark is read
+        if limit == 100 and max_bytes > 2500:
+            read = [e.stream_seq for e in ahead.buffer if e.stream_seq > first.read_upto]
+            assert len(read) == 4 + 3 + 1 and garbage.seq not in read  # dead-lettered already
+
+        cp = _next_checkpoint(first, start, first_mark.ts)  # round 1 applied what it pulled
+        for _ in range(20):
+            got = await ahead.pull((cp.stream_seq, cp.ts), limit, mark.stream_seq)
+            want = await plain.pull((cp.stream_seq, cp.ts), limit, mark.stream_seq)
+            assert _pulled(got, cp.ts, mark.ts) == _pulled(want, cp.ts, mark.ts)
+            cp, before = _next_checkpoint(got, cp, mark.ts), cp
+            if cp == before:
+                break
+        assert cp.ts == mark.ts  # caught up, through the ghosts and the garbage
+    finally:
+        await ahead.close()
+        await plain.close()
 
 
 async def test_checkpoint_never_goes_backwards(checkpoints: CheckpointStore) -> None:

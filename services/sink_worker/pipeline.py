@@ -4,8 +4,9 @@ A round covers every span the worker runs, with one cut (on the driver) for all 
 
 1. read each source's resolved ts *before* pulling, so that every event at or below it is
    already in the stream when the pull runs;
-2. pull each span's events after its checkpoint (bounded: ``max_events_per_round`` split over
-   the spans, which bounds the driver's memory);
+2. pull each span's events after its checkpoint (bounded: each span's allowance from
+   ``round_size``, together within ``max_events_per_round``, which bounds the driver's memory;
+   mostly in memory already, read ahead while the previous round wrote: ``round_overlap``);
 3. in the driver, plan each span once (``round_plan``): its routes, target and key; a table
    without a usable key is refused (clear error in the log, the health status and a metric)
    and the span stops there; a DDL at its head is carried out or waited for (``ddl_barrier``);
@@ -13,7 +14,8 @@ A round covers every span the worker runs, with one cut (on the driver) for all 
    ``sort_job``), then per sink its writer (``writer``: the apply job, one Spark job, and the
    DDL barriers the batches stopped at; the NATS sink publishes afterwards, on the loop);
 5. advance each span's checkpoint, only for batches that were written in full
-   (``checkpoint_advance``). A span without pending events follows its source's resolved ts.
+   (``checkpoint_advance``; the spans' stores side by side). A span without pending events
+   follows its source's resolved ts.
 
 A failed round advances nothing for the spans it failed; they are read again next round, and
 re-applying is idempotent.
@@ -46,7 +48,9 @@ from services.sink_worker.ddl_barrier import DdlBarrier
 from services.sink_worker.fence import Fenced, SelfFence  # liveness: self-fence
 from services.sink_worker.poison import IncidentAction, TableIncident
 from services.sink_worker.pull import SpanReader, latest_resolved
+from services.sink_worker.round_overlap import AheadSpan, read_ahead, settle
 from services.sink_worker.round_plan import RoundPlanner, SpanRoutes, count_shards
+from services.sink_worker.round_size import RoundSize
 from services.sink_worker.round_trace import batch_span
 from services.sink_worker.shard_ddl import ShardDdl, lock_ref
 from services.sink_worker.snapshot import InitialLoads, snapshot_mode
@@ -83,6 +87,11 @@ class Pipeline:
         self._spark = spark
         self.options = options or PipelineOptions()
         self.rows_stream = rows_stream
+        self.round_size = RoundSize(self.options.min_events_per_round, self.options.max_events_per_round,
+                                    self.options.round_max_bytes)
+        """Each span's events per round, adapted to whether it is behind (``round_size``)."""
+        self._ahead: asyncio.Future[None] | None = None
+        """The running round's read-ahead (``round_overlap``); None or done between rounds."""
         self.spans: dict[Span, SpanRuntime] = {}
         self.prepared: dict[Span, SpanRuntime] = {}
         """Spans loaded by ``prepare`` that do not run (write) yet."""
@@ -128,6 +137,7 @@ class Pipeline:
         A wanted span that was prepared (``prepare``) starts with the prepared reader and its
         read-ahead; its checkpoint is read from the bucket again at its first round, because
         the previous owner went on writing while it prepared."""
+        await self._ahead_done()  # after a failed round: its read-ahead may still use the readers
         for span in [s for s in self.spans if s not in wanted]:
             await self.spans.pop(span).reader.close()
             if self.initial_loads is not None:
@@ -151,6 +161,7 @@ class Pipeline:
         count_shards(self.spans, self.shard_ddl)
 
     async def close(self) -> None:
+        await self._ahead_done()
         if self.initial_loads is not None:
             await self.initial_loads.close()
         for rt in [*self.spans.values(), *self.prepared.values()]:
@@ -214,6 +225,7 @@ class Pipeline:
         written batches only, and let it go. Returns that checkpoint: the next owner starts
         there. A checkpoint that cannot be stored is not returned (the next owner re-applies
         from the stored one, which is idempotent)."""
+        await self._ahead_done()
         rt = self.spans.pop(span, None)
         if self.initial_loads is not None:
             for copied in copied_spans(span):
@@ -244,12 +256,14 @@ class Pipeline:
         if not runtimes:
             return report
         self.rounds += 1
+        await self._ahead_done()  # a round that failed may have left its read-ahead running
         # A round holds its whole batch as live objects; collections in the middle of it only
         # walk them again and again (libs.gc_pause). The collector runs between rounds.
         with gc_paused(), tracer().start_as_current_span("sink round",
                                                          attributes={"sluice.spans": len(runtimes)}):
             works = await self._pull_all(runtimes, report)
             report.pull_s = time.monotonic() - started
+            self._ahead = asyncio.ensure_future(self._read_ahead(works))  # while the batch is written
             outcomes: Outcomes = {}
             cuts: dict[str, SpanCut] = {}
             table_works = [w for w in works if w.group is None]
@@ -263,6 +277,7 @@ class Pipeline:
                 except Fenced:  # liveness: self-fence, the worker starts over
                     raise
                 except RoundAbandoned:
+                    await self._ahead_done()
                     report.abandoned = True
                     report.duration_s = time.monotonic() - started
                     self.last_report = report
@@ -292,9 +307,9 @@ class Pipeline:
                 if w.shard_cut is not None:
                     cuts[w.rt.span.kv_key] = w.shard_cut
                     outcomes[w.rt.span.kv_key] = SpanOutcome(written=True, ddl_applied=True)
-            for w in works:
-                key = w.rt.span.kv_key
-                await self.advance.finish(w, cuts.get(key), outcomes.get(key), report, self.validation)
+            await settle([self.advance.finish(w, cuts.get(w.rt.span.kv_key), outcomes.get(w.rt.span.kv_key),
+                                              report, self.validation) for w in works])
+            await self._ahead_done()
         report.duration_s = time.monotonic() - started
         if report.batch_events or report.ddl_applied:
             m.ROUND_SECONDS.observe(report.duration_s)
@@ -304,6 +319,21 @@ class Pipeline:
         self._count_states()
         self.last_report = report
         return report
+
+    async def _ahead_done(self) -> None:
+        """Wait for the read-ahead (it never raises); a reader is read by one thing at a time."""
+        if self._ahead is not None:
+            await asyncio.shield(self._ahead)
+            self._ahead = None
+
+    async def _read_ahead(self, works: list[SpanWork]) -> None:
+        """The next round's reading, while this one writes (``round_overlap``)."""
+        if not any(w.fresh and not w.refused for w in works):
+            return  # nothing to write: no time to overlap
+        limits = self.round_size.limits(self.spans)
+        await read_ahead(self.js, self.rows_stream, [
+            AheadSpan(w.rt.reader, w.rt.span.source, limits.get(w.rt.span, 0))
+            for w in works if not w.refused and w.rt.incident is None])
 
     async def _pull_all(self, runtimes: list[SpanRuntime], report: RoundReport) -> list[SpanWork]:
         for rt in runtimes:
@@ -328,7 +358,7 @@ class Pipeline:
         marks = {}
         for source in sorted({rt.span.source for rt in runtimes}):
             marks[source] = await latest_resolved(self.js, source, self.rows_stream)
-        limit = max(1, self.options.max_events_per_round // len(runtimes))
+        limits = self.round_size.limits(rt.span for rt in runtimes)
         works: list[SpanWork] = []
         for rt in runtimes:
             if rt.checkpoint is None or rt.state == "done":
@@ -338,8 +368,11 @@ class Pipeline:
             start = rt.checkpoint
             mark = marks.get(rt.span.source)
             try:
+                limit = limits[rt.span]
                 pulled = await rt.reader.pull((start.stream_seq, start.ts), limit,
                                               mark.stream_seq if mark else None)
+                self.round_size.observe(rt.span, limit, len(pulled.events), pulled.event_bytes,
+                                        behind=bool(pulled.ghosts) or not pulled.reached)
             except Exception as exc:
                 log.warning("pull failed", exc_info=True, extra={"span": rt.span.name})
                 rt.state, rt.error = "error", f"pull failed: {exc!r}"

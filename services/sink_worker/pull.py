@@ -23,6 +23,13 @@ it becomes a ghost at its first chunk with the ts its chunks carry, so it holds 
 below its ts exactly like an event not read yet, and its chunks are read again, from the first,
 when the buffer wants it. Memory: the buffer keeps at most ``max_bytes`` of event bodies
 (beyond them only ghosts), plus the rest of a transaction in progress and one set being joined.
+
+Read-ahead (``read_ahead``): while a round writes, the reader goes on reading past what it
+returned, keeping up to a budget of further bodies (within the same ``max_bytes``). It changes
+nothing a later ``pull`` returns: ``pull`` first cuts the buffer to what its own ``limit`` and
+``max_bytes`` keep, and the bodies past that become ghosts whose bodies stay in memory
+("spare"), so they are taken from there instead of the stream when the buffer wants them.
+Garbage met while reading ahead is dead-lettered then, once, and counted in the next pull.
 """
 
 from __future__ import annotations
@@ -225,6 +232,8 @@ class PullResult:
     reached: bool
     """Every message of the span up to the resolved mark's position (or all that exist) was read."""
     dead_lettered: int = 0
+    event_bytes: int = 0
+    """Body bytes of ``events`` (what the round holds in memory for the span)."""
 
     def horizon(self, checkpoint_ts: int, resolved: int | None) -> int:
         """The highest ts at or below which every event of the span is in ``events``.
@@ -305,6 +314,10 @@ class SpanReader:
         self._newest = -1  # highest ts in the buffer
         self._consumer: str | None = None
         self._sub: JetStreamContext.PullSubscription | None = None
+        self._spare: dict[int, PulledEvent] = {}  # bodies of ghosts read ahead, by stream seq
+        self._base_ts = -1  # the checkpoint ts of the last pull
+        self._ahead_dead = 0  # dead-lettered while reading ahead, not yet reported by a pull
+        self._stale = False  # a read-ahead stopped midway: the consumer's position is not known
 
     def _config(self, name: str, start_seq: int) -> api.ConsumerConfig:
         return api.ConsumerConfig(
@@ -324,6 +337,8 @@ class SpanReader:
         self._bytes = 0
         self._joiner.clear()
         self.ghosts = _Ghosts()
+        self._spare = {}
+        self._stale = False
         self._newest = -1
         self.base = checkpoint_seq
         self.read_upto = checkpoint_seq
@@ -342,7 +357,7 @@ class SpanReader:
         """The span's events after ``checkpoint`` (``(stream_seq, ts)``), read as far as the
         stream sequence ``until_seq`` (the resolved mark's) or the end."""
         checkpoint_seq, checkpoint_ts = checkpoint
-        if self._sub is None or not (self.base <= checkpoint_seq <= self.read_upto):
+        if self._sub is None or self._stale or not (self.base <= checkpoint_seq <= self.read_upto):
             await self._reset(checkpoint_seq)
         else:
             self.base = checkpoint_seq
@@ -351,19 +366,74 @@ class SpanReader:
             self._newest = max((e.ts for e in self.buffer), default=-1)
             while self.ghosts and (self.ghosts.first_seq() <= checkpoint_seq):
                 self.ghosts.popleft()
+            if (self.ghosts.min_ts() or checkpoint_ts + 1) <= checkpoint_ts:
+                # Read ahead before the checkpoint passed their ts: applied (and a reader
+                # that had not read them yet would drop them as it reads them).
+                kept, self.ghosts = self.ghosts, _Ghosts()
+                for seq, ts in kept.items:
+                    if ts > checkpoint_ts:
+                        self.ghosts.append(seq, ts)
+            self._spare = {seq: e for seq, e in self._spare.items()
+                           if seq > checkpoint_seq and e.ts > checkpoint_ts}
+            self._fit(limit)
+        self._base_ts = checkpoint_ts
+        dead, self._ahead_dead = self._ahead_dead, 0
         # Decoding a round's events allocates millions of live objects: see libs.gc_pause.
         with gc_paused():
             try:
                 await self._refill(limit)
-                reached, dead = await self._scan(limit, checkpoint_ts, until_seq)
+                reached, scanned_dead = await self._scan(limit, checkpoint_ts, until_seq)
                 await self._refill(limit)
             except NotFoundError:
                 # The consumer is gone (server restart, inactivity): read again from the checkpoint.
                 await self._reset(checkpoint_seq)
-                reached, dead = await self._scan(limit, checkpoint_ts, until_seq)
+                reached, scanned_dead = await self._scan(limit, checkpoint_ts, until_seq)
                 await self._refill(limit)
         return PullResult(events=list(self.buffer), ghosts=list(self.ghosts.items), read_upto=self.read_upto,
-                          reached=reached, dead_lettered=dead)
+                          reached=reached, dead_lettered=dead + scanned_dead, event_bytes=self._bytes)
+
+    async def read_ahead(self, until_seq: int | None, budget: int) -> None:
+        """Read on past what the last ``pull`` returned, as far as ``until_seq`` (a resolved
+        mark's stream sequence) or the end, keeping up to ``budget`` more bodies (within
+        ``max_bytes``): the next round finds them in memory. Runs while that round's batch is
+        written; the next ``pull`` returns exactly what it would have without it. A failure
+        drops the consumer, so the next ``pull`` reads again from its checkpoint."""
+        if self._sub is None or budget <= 0:
+            return
+        limit = len(self.buffer) + budget
+        try:
+            with gc_paused():
+                await self._refill(limit)
+                _, dead = await self._scan(limit, self._base_ts, until_seq)
+                await self._refill(limit)
+        except BaseException as exc:
+            self._stale = True  # e.g. messages fetched but not taken in: never pull after them
+            if not isinstance(exc, Exception):
+                raise  # cancelled: the next pull starts over from its checkpoint
+            log.warning("reading ahead failed; the next pull reads again from its checkpoint",
+                        exc_info=True, extra={"span": self.span.name})
+            return
+        self._ahead_dead += dead
+
+    def _drop_ghost(self) -> None:
+        seq, _ = self.ghosts.popleft()
+        self._spare.pop(seq, None)
+
+    def _fit(self, limit: int) -> None:
+        """Cut the buffer to what a pull with ``limit`` keeps; the bodies past it become ghosts
+        whose bodies are kept in ``_spare`` (read ahead, or kept by a larger earlier limit)."""
+        kept, extra = self.buffer, _Ghosts()
+        self.buffer, self._bytes, self._newest = [], 0, -1
+        for e in kept:
+            if not extra and self._wants_body(limit, ghosts=False):
+                self._keep(e)
+            else:
+                extra.append(e.stream_seq, e.ts)
+                self._spare[e.stream_seq] = e
+        if extra:
+            for seq, ts in self.ghosts.items:
+                extra.append(seq, ts)
+            self.ghosts = extra
 
     async def _pending(self) -> int:
         assert self._consumer is not None
@@ -382,12 +452,15 @@ class SpanReader:
             self._fetch_n = min(_FETCH_CHUNK, max(safe, self._fetch_n * 2)) if self._fetch_n else safe
         return self._fetch_n
 
-    def _wants_body(self, limit: int) -> bool:
-        """Whether the next event (in stream order) belongs in the buffer."""
+    def _wants_body(self, limit: int, *, ghosts: bool = True) -> bool:
+        """Whether the next event (in stream order) belongs in the buffer (``ghosts``: also
+        the oldest ghost's ts, which only a refill asks about)."""
         if len(self.buffer) < limit and (not self.buffer or self._bytes < self.max_bytes):
             return True
         if self.buffer and not self.buffer[-1].last_part:
             return True  # the batch can only end at a transaction boundary
+        if not ghosts:
+            return False
         # An event older (in ts) than the buffer's newest must be sorted together with it.
         oldest_ghost = self.ghosts.min_ts()
         return oldest_ghost is not None and oldest_ghost <= self._newest
@@ -522,6 +595,8 @@ class SpanReader:
 
     async def _refill(self, limit: int) -> None:
         """Read the bodies of the first ghosts again while the buffer wants them."""
+        while self.ghosts and self.ghosts.first_seq() in self._spare and self._wants_body(limit):
+            self._keep(self._spare.pop(self.ghosts.popleft()[0]))
         if not self.ghosts or not self._wants_body(limit):
             return
         name = f"sink_refill_{uuid4().hex}"
@@ -557,7 +632,7 @@ class SpanReader:
                                 return  # dead-lettered when first read; the ghost stays
                             if (joined is not None and self.ghosts
                                     and self.ghosts.first_seq() == joined.first_seq):
-                                self.ghosts.popleft()
+                                self._drop_ghost()
                                 event = await self._take_joined(joined, msg.subject)
                                 if event is not None:
                                     self._keep(event)
@@ -567,7 +642,7 @@ class SpanReader:
                             # at once): the set stays a ghost until a later read finds it whole.
                             return
                         while self.ghosts and self.ghosts.first_seq() < seq:
-                            self.ghosts.popleft()  # gone from the stream meanwhile (limits)
+                            self._drop_ghost()  # gone from the stream meanwhile (limits)
                         if not self.ghosts or self.ghosts.first_seq() != seq:
                             continue  # garbage or a late copy, handled when first read
                         if not self._wants_body(limit):
@@ -575,7 +650,7 @@ class SpanReader:
                         if info is not None:  # chunk 0 of a ghost: join the set, then keep it
                             joiner.add(info, seq, msg.data or b"", msg.headers or {})
                             continue
-                        self.ghosts.popleft()
+                        self._drop_ghost()
                         try:
                             self._keep(decode_for_span(self.span, msg, seq))
                         except Garbage as exc:

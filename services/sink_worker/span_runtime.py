@@ -40,6 +40,9 @@ SpanState = Literal["starting", "snapshot", "replicating", "done", "refused", "b
 @dataclass(frozen=True)
 class PipelineOptions:
     max_events_per_round: int = 2000
+    """The most events a round pulls, all spans together (``round_size``)."""
+    min_events_per_round: int = 100
+    round_max_bytes: int = 256 * 1024 * 1024
     apply_partitions: int = 4
     stop_grace_s: float = 4.0
     checkpoint_interval_s: float = 1.0
@@ -55,6 +58,8 @@ class PipelineOptions:
     def from_settings(cls, settings: Settings) -> PipelineOptions:
         return cls(
             max_events_per_round=settings.sink_max_events_per_round,
+            min_events_per_round=settings.sink_min_events_per_round,
+            round_max_bytes=settings.sink_round_max_bytes,
             apply_partitions=settings.sink_apply_partitions,
             stop_grace_s=settings.sink_stop_grace_s,
             # Read once libs/config.py defines SLUICE_SINK_CHECKPOINT_INTERVAL_S; the default until then.

@@ -12,8 +12,10 @@
 - Spans, standalone (``SLUICE_SINK_STANDALONE=true``, one worker, no control plane): every
   span of every running changefeed. They are the tables that have row or DDL subjects in the
   ROWS stream for the changefeed's sources and match its table filter (``discover_spans``).
-- Rounds: ``Pipeline.round`` back to back while there is work, pausing ``round_interval_s``
-  when a round found nothing to apply. Spark starts on the first round with events.
+- Rounds: ``Pipeline.round`` back to back while there is work; after a round that found
+  nothing to apply the loop waits for a new resolved mark of its spans' sources, a view change
+  or the stop (``round_wakeup``), at most ``round_interval_s``. Spark starts on the first
+  round with events.
 - Stop (SIGTERM): with the control plane the worker first drains: it says so in its heartbeat,
   keeps replicating while the scheduler moves its spans elsewhere, and after
   ``sink_drain_timeout_s`` at most stops what is left and leaves with a last heartbeat. Then
@@ -52,6 +54,7 @@ from services.sink_worker.fence import Fenced
 from services.sink_worker.incidents import carry_out, record_incidents
 from services.sink_worker.pipeline import Pipeline
 from services.sink_worker.prepare_progress import Phase, PrepareProgress
+from services.sink_worker.round_wakeup import RoundWakeup, pause_after
 from services.sink_worker.shard_ddl import ShardDdl
 from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
 from services.sink_worker.span_runtime import PipelineOptions, RoundReport, SpanConfig
@@ -102,6 +105,8 @@ class SinkWorker:
             js, changefeeds_domain, self._fold_changefeeds, lambda: self.view, name="sink_cf",
             settings=settings)
         self._view_changed = asyncio.Event()
+        self.wakeup = RoundWakeup(js._nc)
+        """Set by a new resolved mark of the spans' sources: ends the wait after an idle round."""
         self.prepare_progress = PrepareProgress(js, agent.member_id if agent is not None else "",
                                                 replicas=settings.stream_replicas)
         if agent is not None:
@@ -212,6 +217,7 @@ class SinkWorker:
                 await self.agent.close()
             if self.shard_ddl is not None:
                 await self.shard_ddl.close()
+            await self.wakeup.close()
             self._publish_status()
 
     async def _join_when_warm(self) -> None:
@@ -268,16 +274,17 @@ class SinkWorker:
             log.info("drained: every span runs elsewhere")
         self._halt.set()
 
-    async def _pause(self, seconds: float) -> None:
-        """Wait ``seconds``, or less when the worker stops, the changefeeds change or a dispatch
-        asks for something."""
-        stop = asyncio.ensure_future(self._halt.wait())
-        change = asyncio.ensure_future(self._view_changed.wait())
+    async def _pause(self, seconds: float, signal: asyncio.Event | None = None) -> None:
+        """Wait ``seconds``, or less when the worker stops, the changefeeds change, a dispatch
+        asks for something or ``signal`` is set."""
+        waits = [asyncio.ensure_future(self._halt.wait()), asyncio.ensure_future(self._view_changed.wait())]
+        if signal is not None:
+            waits.append(asyncio.ensure_future(signal.wait()))
         try:
-            await asyncio.wait({stop, change}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            stop.cancel()
-            change.cancel()
+            for wait in waits:
+                wait.cancel()
 
     async def _rounds(self) -> None:
         failures = 0
@@ -313,6 +320,8 @@ class SinkWorker:
                     log.warning("loading checkpoints failed", exc_info=True)
             before = {s: (rt.checkpoint.ts if rt.checkpoint else 0, rt.rows_written)
                       for s, rt in self.pipeline.spans.items()}
+            await self.wakeup.follow({s.source for s in self.pipeline.spans})
+            self.wakeup.clear()  # before the round reads the marks: later ones wake the next wait
             t0 = time.time()
             try:
                 report = await self.pipeline.round(self._halt)
@@ -344,10 +353,11 @@ class SinkWorker:
             self._log_progress(report)
             if report.abandoned:
                 break
-            if report.errors:
-                await self._pause(min(30.0, self.options.round_interval_s * 2 ** min(failures + 1, 6)))
-            elif not (report.batch_events or report.ddl_applied):
-                await self._pause(self.options.round_interval_s)
+            pause = pause_after(worked=bool(report.batch_events or report.ddl_applied),
+                                errors=bool(report.errors), failures=failures,
+                                interval_s=self.options.round_interval_s)
+            if pause.seconds > 0:
+                await self._pause(pause.seconds, self.wakeup.flag if pause.on_signal else None)
 
     # ------------------------------------------------------------------ changefeeds
 
