@@ -36,6 +36,7 @@ JVM carries its image as JSON text.
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -303,6 +304,14 @@ reports, deferred upserts)``"""
 
 def _decode_key(table: TargetTable, text: str) -> tuple[Any, ...]:
     return _key_decoder(table)(text)
+
+
+def _key_values(key: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """A decoded row's key values, as a tuple."""
+    if len(key) == 1:
+        name = key[0]
+        return lambda row: (row[name],)
+    return operator.itemgetter(*key)
 
 
 def _key_decoder(table: TargetTable) -> Callable[[str], tuple[Any, ...]]:
@@ -615,12 +624,12 @@ def write_finals(plan: ApplyPlan, finals: Iterable[Sequence[Any]]) -> Iterator[P
     plans = plan.plans
     decoders = [RowDecoder(p.table.meta) for p in plans]
     key_decoders = [_key_decoder(p.table) for p in plans]
+    key_of = [_key_values(p.table.key) for p in plans]
     changes: list[list[Change]] = [[] for _ in plans]
     keys: list[list[str]] = [[] for _ in plans]
     deferred: list[Deferred] = [[] for _ in plans]
     owners: dict[int, dict[str, int]] = {}
     for target, key_json_, op, image, shard, computed in finals:
-        table = plans[target].table
         if plan.local_owners and target in plan.guards:
             owners.setdefault(target, {})[key_json_] = DELETED if op == "delete" else shard
         if op == "upsert":
@@ -631,7 +640,7 @@ def write_finals(plan: ApplyPlan, finals: Iterable[Sequence[Any]]) -> Iterator[P
             if computed is not None:
                 values = {**values, **json.loads(computed)}
             decoded = decoders[target](values)
-            changes[target].append(Upsert(key=tuple(decoded[c] for c in table.key), row=decoded, shard=shard))
+            changes[target].append(Upsert(key=key_of[target](decoded), row=decoded, shard=shard))
         else:
             changes[target].append(Delete(key=key_decoders[target](key_json_)))
         keys[target].append(key_json_)

@@ -352,12 +352,11 @@ class SqlSink(Sink):
         missing = [c for c in table.key if c not in colmap]
         if missing:
             raise ValueError(f"key columns {missing} of {table.name!r} are not in its metadata")
-        last: dict[tuple[Any, ...], Change] = {}
-        for change in changes:
-            if len(change.key) != len(table.key):
-                raise ValueError(f"key {change.key!r} does not match key columns {table.key}")
-            last.pop(change.key, None)  # re-insert so "last" is also the latest position
-            last[change.key] = change
+        # The last change per key (their order is the sort's below).
+        last: dict[tuple[Any, ...], Change] = {change.key: change for change in changes}
+        if set(map(len, last)) - {len(table.key)}:
+            bad = next(k for k in last if len(k) != len(table.key))
+            raise ValueError(f"key {bad!r} does not match key columns {table.key}")
         ordered = sorted(last.values(), key=_key_order(list(last)))
         deletes = [c.key for c in ordered if isinstance(c, Delete)]
         upserts: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
