@@ -224,18 +224,32 @@ class RowDecoder:
 
     def __init__(self, meta: TableMetaV1) -> None:
         self.names = frozenset(c.name for c in meta.columns)
-        self.columns = [(c.name, _converter(c.kind, c.sql_type)) for c in meta.columns]
+        # With each converter the type its values already have when they need no conversion
+        # (the contract's ints and strings): those are taken as they are, without a call.
+        self.columns = [(c.name, _converter(c.kind, c.sql_type), _NATIVE.get(c.kind, _Never))
+                        for c in meta.columns]
 
     def __call__(self, image: Mapping[str, Any]) -> dict[str, Any]:
         if not self.names.issuperset(image):
             unknown = set(image) - self.names
             raise ValueError(f"row has columns not in the table metadata: {sorted(unknown)}")
         out: dict[str, Any] = {}
-        for name, convert in self.columns:
-            if name in image:
-                v = image[name]
-                out[name] = None if v is None else convert(v)
+        get = image.get
+        for name, convert, native in self.columns:
+            v = get(name, _ABSENT)
+            if v is _ABSENT:
+                continue
+            out[name] = v if v is None or type(v) is native else convert(v)
         return out
+
+
+class _Never:
+    """No value is of this type: every value of such a column goes through its converter."""
+
+
+_ABSENT = object()
+_NATIVE: dict[str, type] = {"string": str, "set": str, "int": int, "bit": int, "json": str}
+"""Kinds whose converter returns a value of this exact type unchanged (``_converter``)."""
 
 
 def decode_row(meta: TableMetaV1, image: Mapping[str, Any]) -> dict[str, Any]:

@@ -36,11 +36,13 @@ JVM carries its image as JSON text.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+import operator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
@@ -134,12 +136,15 @@ def key_json(image: dict[str, Any], key: tuple[str, ...]) -> str:
             return f"[{value}]"
         return _KEY_ENCODE([value])
     values = [image[c] for c in key]
-    if all(type(v) is int for v in values):
+    if set(map(type, values)) == _INT_ONLY:
         return "[" + ",".join(map(str, values)) + "]"
     return _KEY_ENCODE(values)
 
 
-def _bucket(image: dict[str, Any], key: tuple[str, ...]) -> int:
+_INT_ONLY = {int}
+
+
+def _key_bucket(image: dict[str, Any], key: tuple[str, ...]) -> int:
     if len(key) == 1:
         value = image[key[0]]
         if type(value) is int:
@@ -170,13 +175,24 @@ def event_rows(body: bytes | str) -> list[dict[str, Any]]:
     was most of this job's Python time); an older version goes through the registry's
     upcasters like everywhere else.
     """
-    obj = json.loads(body)
+    obj = _parse(body)
     type_, version = obj["type"], obj["version"]
     if version == _latest(type_) or (type_, version) in _PARSE_ONLY:
         return list(obj["data"]["rows"])
     event = REGISTRY.decode(body).event
     assert isinstance(event, RowsChangedV2)
     return [image.model_dump(mode="json") for image in event.rows]
+
+
+def _parse(body: bytes | str) -> dict[str, Any]:
+    # orjson parses a body in less than half of json's time, and this runs for every event;
+    # what it refuses and json takes (NaN, a lone surrogate, an integer past 64 bits) still
+    # parses as before.
+    try:
+        parsed: dict[str, Any] = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        parsed = json.loads(body)
+    return parsed
 
 
 SpanRules = dict[str, TableRules]
@@ -197,22 +213,29 @@ def _kept(image: dict[str, Any] | None, rules: TableRules) -> dict[str, Any] | N
     return {k: v for k, v in image.items() if rules.kept(k)}
 
 
+def _no_bucket(image: dict[str, Any], key: tuple[str, ...]) -> int:
+    return 0
+
+
 def explode_event(span_targets: SpanTargets, span: str, ts: int, seq: int, part: int,
                   body: bytes, skips: Skips | None = None, shard: int = 0,
-                  rules: SpanRules | None = None, extended: bool = False) -> Iterator[tuple[Any, ...]]:
+                  rules: SpanRules | None = None, extended: bool = False,
+                  buckets: bool = True) -> Iterator[tuple[Any, ...]]:
     """One rows event to its row records (see ``RECORD_SCHEMA``), without skipped keys and the
     row events its table rules ignore by type, its images without the columns they leave out;
     ``extended`` adds ``row_rules.RULE_FIELDS`` to every record (null for spans without
-    expressions)."""
+    expressions). Without ``buckets`` every record's bucket is 0: records that are never
+    shuffled (a whole unit in its partition) need none."""
     skipped = (skips or {}).get(span)
     if skipped:
         for record in explode_event(span_targets, span, ts, seq, part, body, shard=shard, rules=rules,
-                                    extended=extended):
+                                    extended=extended, buckets=buckets):
             upto = skipped.get(record[1])
             if upto is None or ts > upto:
                 yield record
         return
     target, key, origin = span_targets[span]
+    _bucket = _key_bucket if buckets else _no_bucket
     span_rules = (rules or {}).get(span)
     extra: tuple[Any, ...] = (None, None, None)
     for idx, image in enumerate(event_rows(body)):
@@ -280,11 +303,32 @@ reports, deferred upserts)``"""
 
 
 def _decode_key(table: TargetTable, text: str) -> tuple[Any, ...]:
+    return _key_decoder(table)(text)
+
+
+def _key_values(key: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """A decoded row's key values, as a tuple."""
+    if len(key) == 1:
+        name = key[0]
+        return lambda row: (row[name],)
+    return operator.itemgetter(*key)
+
+
+def _key_decoder(table: TargetTable) -> Callable[[str], tuple[Any, ...]]:
+    """Key JSON (``key_json``) to the key's decoded values, the columns looked up once."""
     from libs.codec.decode import decode_value
 
     columns = {c.name: c for c in table.meta.columns}
-    return tuple(decode_value(columns[c].kind, columns[c].sql_type, v)
-                 for c, v in zip(table.key, json.loads(text), strict=True))
+    kinds = [(columns[c].kind, columns[c].sql_type) for c in table.key]
+
+    def decode(text: str) -> tuple[Any, ...]:
+        values = json.loads(text)
+        if len(values) == 1 and type(values[0]) is int and kinds[0][0] == "int":
+            return (values[0],)
+        return tuple(decode_value(kind, sql_type, v)
+                     for (kind, sql_type), v in zip(kinds, values, strict=True))
+
+    return decode
 
 
 def _guard(plan: TargetPlan, spec: GuardPlan | None) -> ConflictGuard | None:
@@ -483,12 +527,13 @@ def _grouped_rows(batches: Iterable[pa.RecordBatch]) -> Iterator[tuple[Any, ...]
         yield from zip(*group, strict=True)
 
 
-def explode_events(plan: ApplyPlan, events: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
+def explode_events(plan: ApplyPlan, events: Iterable[Sequence[Any]],
+                   buckets: bool = True) -> Iterator[tuple[Any, ...]]:
     """``explode_event`` over batch events ``(span, ts, seq, part, body)``."""
     shard_of = shard_indexes(plan.span_targets)
     for span, ts, seq, part, body in events:
         yield from explode_event(plan.span_targets, span, ts, seq, part, body, plan.skips, shard_of[span],
-                                 plan.rules, plan.extended)
+                                 plan.rules, plan.extended, buckets)
 
 
 def collapse(records: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
@@ -496,13 +541,71 @@ def collapse(records: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
     ``(target, key, op, image, shard, computed)``; ``records`` in ``RECORD_SCHEMA`` order, with
     ``computed`` as a twelfth field when there is one."""
     last: dict[tuple[int, str], Sequence[Any]] = {}
+    get = last.get
     for r in records:
         k = (r[0], r[1])
-        seen = last.get(k)
-        if seen is None or (r[2], r[3], r[4], r[5], r[6]) > (seen[2], seen[3], seen[4], seen[5], seen[6]):
+        seen = get(k)
+        if seen is None or tuple(r[2:7]) > tuple(seen[2:7]):
             last[k] = r
     for r in last.values():
         yield (r[0], r[1], r[7], r[8], r[10], r[11] if len(r) > 11 else None)
+
+
+def explode_collapse(plan: ApplyPlan, events: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
+    """``collapse(explode_events(plan, events))`` in one loop, for records that are never
+    shuffled: no record tuple, generator step or bucket per row change, only the order and
+    the final image of each key. Spans with skips, table rules or an origin column take
+    ``explode_event`` (as do all of a plan with expressions, whose records Spark evaluates)."""
+    if plan.extended:
+        yield from collapse(explode_events(plan, events, buckets=False))
+        return
+    shard_of = shard_indexes(plan.span_targets)
+    skips, rules = plan.skips or {}, plan.rules or {}
+    last: dict[tuple[int, str], tuple[tuple[int, int, int, int, int], str, Any, int]] = {}
+    get = last.get
+    for span, ts, seq, part, body in events:
+        target, key, origin = plan.span_targets[span]
+        shard = shard_of[span]
+        if origin is not None or skips.get(span) or span in rules:
+            for r in explode_event(plan.span_targets, span, ts, seq, part, body, plan.skips, shard,
+                                   plan.rules, buckets=False):
+                k = (r[0], r[1])
+                order = (r[2], r[3], r[4], r[5], r[6])
+                seen = get(k)
+                if seen is None or order > seen[0]:
+                    last[k] = (order, r[7], r[8], r[10])
+            continue
+        for idx, image in enumerate(event_rows(body)):
+            op = image["op"]
+            if op == "insert":
+                after = image["after"]
+                k = (target, key_json(after, key))
+                order = (ts, seq, part, idx, 0)
+                seen = get(k)
+                if seen is None or order > seen[0]:
+                    last[k] = (order, "upsert", after, shard)
+            elif op == "delete":
+                k = (target, key_json(image["before"], key))
+                order = (ts, seq, part, idx, 0)
+                seen = get(k)
+                if seen is None or order > seen[0]:
+                    last[k] = (order, "delete", None, shard)
+            else:
+                after = image["after"]
+                old, new = key_json(image["before"], key), key_json(after, key)
+                if old != new:
+                    k = (target, old)
+                    order = (ts, seq, part, idx, 0)
+                    seen = get(k)
+                    if seen is None or order > seen[0]:
+                        last[k] = (order, "delete", None, shard)
+                k = (target, new)
+                order = (ts, seq, part, idx, 1)
+                seen = get(k)
+                if seen is None or order > seen[0]:
+                    last[k] = (order, "upsert", after, shard)
+    for (target, key_text), (_, op, image, shard) in last.items():
+        yield (target, key_text, op, image, shard, None)
 
 
 def write_finals(plan: ApplyPlan, finals: Iterable[Sequence[Any]]) -> Iterator[PartitionReport]:
@@ -520,12 +623,13 @@ def write_finals(plan: ApplyPlan, finals: Iterable[Sequence[Any]]) -> Iterator[P
 
     plans = plan.plans
     decoders = [RowDecoder(p.table.meta) for p in plans]
+    key_decoders = [_key_decoder(p.table) for p in plans]
+    key_of = [_key_values(p.table.key) for p in plans]
     changes: list[list[Change]] = [[] for _ in plans]
     keys: list[list[str]] = [[] for _ in plans]
     deferred: list[Deferred] = [[] for _ in plans]
     owners: dict[int, dict[str, int]] = {}
     for target, key_json_, op, image, shard, computed in finals:
-        table = plans[target].table
         if plan.local_owners and target in plan.guards:
             owners.setdefault(target, {})[key_json_] = DELETED if op == "delete" else shard
         if op == "upsert":
@@ -536,9 +640,9 @@ def write_finals(plan: ApplyPlan, finals: Iterable[Sequence[Any]]) -> Iterator[P
             if computed is not None:
                 values = {**values, **json.loads(computed)}
             decoded = decoders[target](values)
-            changes[target].append(Upsert(key=tuple(decoded[c] for c in table.key), row=decoded, shard=shard))
+            changes[target].append(Upsert(key=key_of[target](decoded), row=decoded, shard=shard))
         else:
-            changes[target].append(Delete(key=_decode_key(table, key_json_)))
+            changes[target].append(Delete(key=key_decoders[target](key_json_)))
         keys[target].append(key_json_)
     sinks: dict[str, Any] = {}
     for index, (target_plan, target_changes, target_keys) in enumerate(
@@ -589,7 +693,7 @@ def _gc_paused(stage: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
 def events_to_reports(plan: ApplyPlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """Rows of whole units (``GROUP_SCHEMA``): explode, collapse and write in one pass."""
-    finals = collapse(explode_events(plan, _grouped_rows(batches)))
+    finals = explode_collapse(plan, _grouped_rows(batches))
     return _gc_paused(_batches(REPORT_SCHEMA, _report_rows(write_finals(plan, finals))))
 
 

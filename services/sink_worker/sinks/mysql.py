@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 
 import pymysql
 import pymysql.connections
+import pymysql.converters
+from pymysql.constants import SERVER_STATUS
 
 from contracts.events.rows import ColumnV1
 from libs.codec.decode import (
@@ -88,6 +90,45 @@ class _StreamedLoad(pymysql.connections.MySQLResult):
 
 
 E = TypeVar("E")
+
+
+_SEQUENCES = (tuple, list, set, frozenset)
+
+
+class _Literals(dict[type, Callable[[Any], str]]):
+    """Per Python type, how pymysql's ``Connection.escape`` spells a value of it (backslash
+    escapes on, as the session's sql_mode pins): the common types directly, any other through
+    the connection's own encoders, found once per type."""
+
+    def __init__(self, conn: Any) -> None:
+        super().__init__()
+        self._conn = conn
+        table = pymysql.converters._escape_table  # type: ignore[attr-defined]
+        self[str] = lambda v: "'" + v.translate(table) + "'"
+        self[int] = int.__repr__
+        self[type(None)] = lambda v: "NULL"
+        self[bytes] = self[bytearray] = lambda v: "X'" + v.hex() + "'"
+
+    def __missing__(self, kind: type) -> Callable[[Any], str]:
+        encoders = self._conn.encoders
+        encoder = encoders.get(kind)
+        if encoder is None or kind in _SEQUENCES or issubclass(kind, str | bytes | bytearray):
+            found: Callable[[Any], str] = self._conn.escape
+        else:
+            def found(v: Any, encoder: Any = encoder) -> str:
+                return str(encoder(v, encoders))
+        self[kind] = found
+        return found
+
+
+def _row_literal(conn: Any) -> Callable[[Sequence[Any]], str]:
+    """One row's values as pymysql would interpolate them: ``(v1,v2,...)``."""
+    literals = _Literals(conn)
+
+    def render(values: Sequence[Any]) -> str:
+        return "(" + ",".join([literals[type(v)](v) for v in values]) + ")"
+
+    return render
 
 _ER_NET_PACKET_TOO_LARGE = 1153
 # MySQL 5.7's default max_allowed_packet: a one-row statement below it is not measured.
@@ -278,7 +319,7 @@ class MySQLSink(SqlSink):
             return exc.args[0] in _RETRYABLE_CODES
         return isinstance(exc, ConnectionError)
 
-    def _check_row_fits(self, cur: Any, estimate: int, sql: str, params: Sequence[Any]) -> None:
+    def _check_row_fits(self, cur: Any, estimate: int, sql: str, params: Sequence[Any] | None) -> None:
         # A statement above max_allowed_packet makes the server drop the connection, which the
         # client reports as 2006/2013, like a network failure, and retries forever. Said as
         # the server's own "packet too large" (1153, permanent), the table stops with an
@@ -525,14 +566,27 @@ class MySQLSink(SqlSink):
         self._run(work, f"load into {table.name!r}", connect=self._connect_load, keep=True)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
-        cols = ", ".join(self.pident(c) for c in columns)
         row = "(" + ", ".join(["%s"] * len(columns)) + ")"
-        values = ", ".join([row] * nrows)
+        prefix, suffix = self._upsert_parts(table, columns, self.pident, for_params=True)
+        return prefix + ", ".join([row] * nrows) + suffix
+
+    def _upsert_text(self, table: TargetTable, columns: Sequence[str]) -> tuple[str, str]:
+        return self._upsert_parts(table, columns, self.ident, for_params=False)
+
+    def _upsert_parts(self, table: TargetTable, columns: Sequence[str], quote: Callable[[str], str], *,
+                      for_params: bool) -> tuple[str, str]:
+        cols = ", ".join(quote(c) for c in columns)
         key = set(table.key)
         # VALUES(col) rather than the 8.0.19 row alias: MariaDB has no alias syntax.
-        updates = [f"{self.pident(c)} = VALUES({self.pident(c)})" for c in columns if c not in key]
+        updates = [f"{quote(c)} = VALUES({quote(c)})" for c in columns if c not in key]
         if not updates:
-            first = self.pident(table.key[0])
+            first = quote(table.key[0])
             updates = [f"{first} = {first}"]
-        return (f"INSERT INTO {self._table_ref(table, for_params=True)} ({cols}) VALUES {values}"
+        return (f"INSERT INTO {self._table_ref(table, for_params=for_params)} ({cols}) VALUES ",
                 f" ON DUPLICATE KEY UPDATE {', '.join(updates)}")
+
+    def _literal_renderer(self, cur: Any) -> Callable[[Sequence[Any]], str] | None:
+        conn = cur.connection
+        if conn.server_status & SERVER_STATUS.SERVER_STATUS_NO_BACKSLASH_ESCAPES:
+            return None  # pymysql then quotes differently: leave it to pymysql
+        return _row_literal(conn)

@@ -104,6 +104,16 @@ def sort_key(key: tuple[Any, ...]) -> tuple[tuple[int, str, Any], ...]:
     return tuple(_sort_token(v) for v in key)
 
 
+def _key_order(keys: Sequence[tuple[Any, ...]]) -> Callable[[Change], Any]:
+    """The sort key of changes by ``sort_key`` of their keys; the key itself when every column
+    holds values of one type and no NULL (then both order alike, and sorting plain tuples
+    costs no tuple per value)."""
+    if keys and all(len(types) == 1 and type(None) not in types
+                    for types in map(set, map(functools.partial(map, type), zip(*keys, strict=True)))):
+        return operator.attrgetter("key")
+    return lambda c: sort_key(c.key)
+
+
 def _size_of(value: Any) -> int:
     # Upper bounds of the value's size in pymysql's statement text: UTF-8 takes up to 4 bytes a
     # character, escaping doubles at most a byte of binary.
@@ -172,7 +182,7 @@ class SqlSink(Sink):
     def _table_ref(self, table: TargetTable, *, for_params: bool = False) -> str:
         """The quoted, qualified table name."""
 
-    def _check_row_fits(self, cur: Any, estimate: int, sql: str, params: Sequence[Any]) -> None:
+    def _check_row_fits(self, cur: Any, estimate: int, sql: str, params: Sequence[Any] | None) -> None:
         """Raise the dialect's permanent error when a one-row statement (``estimate``: an upper
         bound of its bytes) is larger than the downstream takes (no limit unless a dialect says)."""
 
@@ -186,6 +196,17 @@ class SqlSink(Sink):
         if type(self)._adapt is SqlSink._adapt:
             return None
         return functools.partial(self._adapt, column)
+
+    def _literal_renderer(self, cur: Any) -> Callable[[Sequence[Any]], str] | None:
+        """A function spelling one row's (adapted) values as the dialect's ``(v1,v2,...)``
+        literal text, exactly as the driver would bind them, or None when the dialect binds
+        parameters. A driver that interpolates client side (pymysql) spends most of a
+        multi-row upsert escaping value by value through its generic dispatch."""
+        return None
+
+    def _upsert_text(self, table: TargetTable, columns: Sequence[str]) -> tuple[str, str]:
+        """``_upsert_sql`` without parameters: the text before and after the rows' literals."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ helpers
 
@@ -331,25 +352,28 @@ class SqlSink(Sink):
         missing = [c for c in table.key if c not in colmap]
         if missing:
             raise ValueError(f"key columns {missing} of {table.name!r} are not in its metadata")
-        last: dict[tuple[Any, ...], Change] = {}
-        for change in changes:
-            if len(change.key) != len(table.key):
-                raise ValueError(f"key {change.key!r} does not match key columns {table.key}")
-            last.pop(change.key, None)  # re-insert so "last" is also the latest position
-            last[change.key] = change
-        ordered = sorted(last.values(), key=lambda c: sort_key(c.key))
+        # The last change per key (their order is the sort's below).
+        last: dict[tuple[Any, ...], Change] = {change.key: change for change in changes}
+        if set(map(len, last)) - {len(table.key)}:
+            bad = next(k for k in last if len(k) != len(table.key))
+            raise ValueError(f"key {bad!r} does not match key columns {table.key}")
+        ordered = sorted(last.values(), key=_key_order(list(last)))
         deletes = [c.key for c in ordered if isinstance(c, Delete)]
         upserts: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         shards: dict[tuple[Any, ...], int] = {}
         names = colmap.keys()
+        key_names = set(table.key)
         for c in ordered:
             if isinstance(c, Upsert):
                 if not names >= c.row.keys():
                     unknown = [name for name in c.row if name not in colmap]
                     raise ValueError(f"row of {table.name!r} has columns not in its metadata: {unknown}")
-                row = dict(c.row)
-                for name, value in zip(table.key, c.key, strict=True):
-                    row.setdefault(name, value)
+                if type(c.row) is dict and key_names <= c.row.keys():
+                    row = c.row  # only read from here on: no copy needed
+                else:
+                    row = dict(c.row)
+                    for name, value in zip(table.key, c.key, strict=True):
+                        row.setdefault(name, value)
                 upserts.append((c.key, row))
                 shards[c.key] = c.shard
         if not deletes and not upserts:
@@ -398,8 +422,10 @@ class SqlSink(Sink):
         # Rows normally all carry every column; group anyway so one statement has one shape.
         groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
         order = list(colmap)
+        every = tuple(order)
         for _, row in upserts:
-            cols = tuple(c for c in order if c in row)
+            # A row's columns are among the table's (checked above): as many means all of them.
+            cols = every if len(row) == len(every) else tuple(c for c in order if c in row)
             groups.setdefault(cols, []).append(row)
         for cols, rows in groups.items():
             column_list = [colmap[c] for c in cols]
@@ -410,6 +436,10 @@ class SqlSink(Sink):
             adapters = [self._adapter(col) for col in column_list]
             plain = not any(adapters)
             values = operator.itemgetter(*cols)
+            render = self._literal_renderer(cur) if guarded is None else None
+            if render is not None:
+                result.upserted += self._upsert_rendered(cur, table, cols, rows, values, adapters, render)
+                continue
             for row_chunk in self._size_chunks(rows, len(cols), row_size):
                 row_params: list[Any] = []
                 for row in row_chunk:
@@ -427,6 +457,40 @@ class SqlSink(Sink):
                 cur.execute(sql, row_params)
                 result.upserted += len(row_chunk)
         return result
+
+    def _upsert_rendered(self, cur: Any, table: TargetTable, cols: tuple[str, ...],
+                         rows: Sequence[dict[str, Any]], values: Callable[[dict[str, Any]], Any],
+                         adapters: Sequence[Callable[[Any], Any] | None],
+                         render: Callable[[Sequence[Any]], str]) -> int:
+        """The upsert of ``rows`` as statements of rendered literals (``_literal_renderer``),
+        each at most ``chunk_rows`` rows and ``max_statement_bytes`` (exact, not estimated)."""
+        prefix, suffix = self._upsert_text(table, cols)
+        fixed = len(prefix) + len(suffix)
+        texts: list[str] = []
+        adapt_any = any(adapters)
+        for row in rows:
+            vals = values(row) if len(cols) > 1 else (row[cols[0]],)
+            if adapt_any:
+                vals = [v if adapt is None or v is None else adapt(v)
+                        for v, adapt in zip(vals, adapters, strict=True)]
+            texts.append(render(vals))
+        limit = max(1, self.chunk_rows)
+        start = 0
+        while start < len(texts):
+            end, total = start, fixed
+            while end < len(texts) and end - start < limit:
+                text = texts[end]
+                # Bytes on the wire: the statement goes as UTF-8 (surrogates: raw bytes).
+                total += (len(text) if text.isascii() else len(text.encode("utf8", "surrogateescape"))) + 1
+                if end > start and total > self.max_statement_bytes:
+                    break
+                end += 1
+            sql = prefix + ",".join(texts[start:end]) + suffix
+            if end - start == 1:
+                self._check_row_fits(cur, total, sql, None)
+            cur.execute(sql)
+            start = end
+        return len(texts)
 
     def _insert_after_delete(self, cur: Any, table: TargetTable, colmap: Mapping[str, ColumnV1],
                              cols: tuple[str, ...], rows: Sequence[dict[str, Any]]) -> str:
