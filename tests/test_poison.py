@@ -249,3 +249,35 @@ async def test_a_narrowed_or_checked_downstream_column_stops_only_its_table(
     assert h.rows("people") == people((1, "ann", 30), (2, "longname", 150), (3, "cy", 40))
     cp = await h.checkpoint("people")
     assert cp is not None and cp.ts == second
+
+
+async def test_a_skip_on_a_target_with_an_origin_column_parks_the_skipped_change(
+        rows_js: JetStreamContext, checkpoints: CheckpointStore, spark: SparkSession,
+        sqlite_url: str) -> None:
+    """The origin column is part of a merged target's key: the skipped key is matched with it,
+    so the skipped change reaches the dead letters like on a plain target."""
+    from libs.routing import OriginColumn, Router, RouteRule
+    from services.sink_worker.span_runtime import SpanConfig
+
+    with sqlite3.connect(sqlite_url.removeprefix("sqlite:///")) as conn:
+        conn.execute("DROP TABLE IF EXISTS people")
+        conn.execute('CREATE TABLE people ("_origin" TEXT NOT NULL, "id" INTEGER NOT NULL, "name" TEXT,'
+                     ' "age" INTEGER CHECK (age < 100), PRIMARY KEY ("_origin", "id"))')
+    h = Harness(rows_js, checkpoints, spark, sqlite_url, db=f"o{uuid4().hex[:6]}")
+    rules = [RouteRule(schema=h.db, table="people", target_schema=h.db, target_table="people")]
+    cfg = SpanConfig(sink_url=sqlite_url, router=Router(rules, origin=OriginColumn("_origin")))
+    span = h.span("people")
+    await h.pipeline.set_spans({span: cfg})
+    await h.source.txn(h.db, "people", [ins(1, "ann", 30), ins(2, "old", 150)])
+    await h.source.resolve()
+    report = await h.pipeline.round()
+    status = _status(h, "people")
+    assert "incident" in status, (status, report.errors)
+    incident = status["incident"]
+    assert report.errors and "_origin" in incident["key_columns"], incident
+
+    assert h.pipeline.act(span, incident["incident"], "skip")
+    await h.round()
+    parked = await _parked(h.js, rows_subject(h.source.name, h.db, "people"))
+    assert [kind for kind, _ in parked.values()] == ["skipped"], parked
+    assert _status(h, "people")["state"] == "replicating"

@@ -126,11 +126,12 @@ class RoundPlanner:
         w.fresh = kept
         if last_meta is not None:
             table = w.routes.target(last_meta.database, last_meta.table, last_meta.meta)
+            # Before parking skipped keys: a merged target's key holds the origin column.
+            w.origin = w.routes.origin(last_meta.database, last_meta.table)
             if w.rt.skip_reasons:
                 await self._park_skipped(w, table.key)
             w.plan = TargetPlan(target_id=target_id(w.rt.config.sink_url, table),
                                 sink_url=w.rt.config.sink_url, table=table)
-            w.origin = w.routes.origin(last_meta.database, last_meta.table)
             w.source_meta = last_meta.meta
         if w.rt.state == "refused":
             w.rt.state, w.rt.error = "replicating", None
