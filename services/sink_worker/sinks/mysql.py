@@ -44,7 +44,7 @@ from libs.codec.decode import (
     parse_sql_type,
 )
 from services.sink_worker.sinks.base import TargetTable
-from services.sink_worker.sinks.sql_common import ByteEncoder, SqlSink, source_text_files
+from services.sink_worker.sinks.sql_common import ByteEncoder, LiteralUpsert, SqlSink, source_text_files
 
 _SESSION_INIT = (
     "SET SESSION sql_mode = 'STRICT_TRANS_TABLES,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION',"
@@ -570,9 +570,6 @@ class MySQLSink(SqlSink):
         prefix, suffix = self._upsert_parts(table, columns, self.pident, for_params=True)
         return prefix + ", ".join([row] * nrows) + suffix
 
-    def _upsert_text(self, table: TargetTable, columns: Sequence[str]) -> tuple[str, str]:
-        return self._upsert_parts(table, columns, self.ident, for_params=False)
-
     def _upsert_parts(self, table: TargetTable, columns: Sequence[str], quote: Callable[[str], str], *,
                       for_params: bool) -> tuple[str, str]:
         cols = ", ".join(quote(c) for c in columns)
@@ -585,8 +582,9 @@ class MySQLSink(SqlSink):
         return (f"INSERT INTO {self._table_ref(table, for_params=for_params)} ({cols}) VALUES ",
                 f" ON DUPLICATE KEY UPDATE {', '.join(updates)}")
 
-    def _literal_renderer(self, cur: Any) -> Callable[[Sequence[Any]], str] | None:
+    def _literal_upsert(self, cur: Any, table: TargetTable, columns: Sequence[str]) -> LiteralUpsert | None:
         conn = cur.connection
         if conn.server_status & SERVER_STATUS.SERVER_STATUS_NO_BACKSLASH_ESCAPES:
             return None  # pymysql then quotes differently: leave it to pymysql
-        return _row_literal(conn)
+        prefix, suffix = self._upsert_parts(table, columns, self.ident, for_params=False)
+        return LiteralUpsert(prefix, suffix, _row_literal(conn))

@@ -124,6 +124,16 @@ def _size_of(value: Any) -> int:
     return 24
 
 
+@dataclass(frozen=True)
+class LiteralUpsert:
+    """An upsert spelled with literal values: ``prefix`` + the rows' ``render`` texts joined by
+    ", " + ``suffix``."""
+
+    prefix: str
+    suffix: str
+    render: Callable[[Sequence[Any]], str]
+
+
 class SqlSink(Sink):
     """The apply algorithm for any DB-API driver; subclasses supply the dialect details."""
 
@@ -197,16 +207,13 @@ class SqlSink(Sink):
             return None
         return functools.partial(self._adapt, column)
 
-    def _literal_renderer(self, cur: Any) -> Callable[[Sequence[Any]], str] | None:
-        """A function spelling one row's (adapted) values as the dialect's ``(v1,v2,...)``
-        literal text, exactly as the driver would bind them, or None when the dialect binds
-        parameters. A driver that interpolates client side (pymysql) spends most of a
-        multi-row upsert escaping value by value through its generic dispatch."""
+    def _literal_upsert(self, cur: Any, table: TargetTable,
+                        columns: Sequence[str]) -> LiteralUpsert | None:
+        """How this dialect spells an upsert with its rows' values as literal text, exactly as
+        the driver would bind them, or None when it binds parameters. A driver that
+        interpolates client side (pymysql) spends most of a multi-row upsert escaping value by
+        value through its generic dispatch."""
         return None
-
-    def _upsert_text(self, table: TargetTable, columns: Sequence[str]) -> tuple[str, str]:
-        """``_upsert_sql`` without parameters: the text before and after the rows' literals."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ helpers
 
@@ -436,9 +443,9 @@ class SqlSink(Sink):
             adapters = [self._adapter(col) for col in column_list]
             plain = not any(adapters)
             values = operator.itemgetter(*cols)
-            render = self._literal_renderer(cur) if guarded is None else None
-            if render is not None:
-                result.upserted += self._upsert_rendered(cur, table, cols, rows, values, adapters, render)
+            literal = self._literal_upsert(cur, table, cols) if guarded is None else None
+            if literal is not None:
+                result.upserted += self._upsert_rendered(cur, cols, rows, values, adapters, literal)
                 continue
             for row_chunk in self._size_chunks(rows, len(cols), row_size):
                 row_params: list[Any] = []
@@ -458,13 +465,12 @@ class SqlSink(Sink):
                 result.upserted += len(row_chunk)
         return result
 
-    def _upsert_rendered(self, cur: Any, table: TargetTable, cols: tuple[str, ...],
+    def _upsert_rendered(self, cur: Any, cols: tuple[str, ...],
                          rows: Sequence[dict[str, Any]], values: Callable[[dict[str, Any]], Any],
-                         adapters: Sequence[Callable[[Any], Any] | None],
-                         render: Callable[[Sequence[Any]], str]) -> int:
-        """The upsert of ``rows`` as statements of rendered literals (``_literal_renderer``),
+                         adapters: Sequence[Callable[[Any], Any] | None], literal: LiteralUpsert) -> int:
+        """The upsert of ``rows`` as statements of rendered literals (``_literal_upsert``),
         each at most ``chunk_rows`` rows and ``max_statement_bytes`` (exact, not estimated)."""
-        prefix, suffix = self._upsert_text(table, cols)
+        prefix, suffix, render = literal.prefix, literal.suffix, literal.render
         fixed = len(prefix) + len(suffix)
         texts: list[str] = []
         adapt_any = any(adapters)
