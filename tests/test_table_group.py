@@ -68,13 +68,18 @@ def test_a_transaction_is_complete_only_when_every_table_has_all_its_parts() -> 
     assert [e.ts for e in got.batch] == [20, 20, 20]
 
 
-def test_the_batch_applies_cascades_in_binlog_order_and_replays_alike(tmp_path: Path) -> None:
+def _downstream(tmp_path: Path) -> tuple[SqlSink, dict[tuple[str, str], CascadeTable], CascadeGraph]:
+    """A SQLite downstream with the group's tables created, and their cascade graph."""
     sink = open_sink(f"sqlite:///{tmp_path / 'down.db'}")
     assert isinstance(sink, SqlSink)
     tables = {("shop", t): CascadeTable(TargetTable(None, t, meta, ("id",))) for t, meta in META.items()}
     for table in tables.values():
         sink.ensure_table(table.target)
-    graph = CascadeGraph(tables, FKS)
+    return sink, tables, CascadeGraph(tables, FKS)
+
+
+def test_the_batch_applies_cascades_in_binlog_order_and_replays_alike(tmp_path: Path) -> None:
+    sink, tables, graph = _downstream(tmp_path)
     # One transaction: a customer, its order and item; the customer deleted (the binlog shows
     # no child row going); the customer back with a new order; an order renumbered.
     batch = [
@@ -100,12 +105,7 @@ def test_one_transactions_tables_are_merged_by_ordinal(tmp_path: Path) -> None:
     publishes the customers' message first (the table written first), holding both customer
     rows. Publish order would delete the customer before its order exists (the cascade finds
     nothing) and then insert the order: an orphan downstream. By ordinal the cascade takes it."""
-    sink = open_sink(f"sqlite:///{tmp_path / 'down.db'}")
-    assert isinstance(sink, SqlSink)
-    tables = {("shop", t): CascadeTable(TargetTable(None, t, meta, ("id",))) for t, meta in META.items()}
-    for table in tables.values():
-        sink.ensure_table(table.target)
-    graph = CascadeGraph(tables, FKS)
+    sink, tables, graph = _downstream(tmp_path)
 
     def txn(ts: int, ordinals: bool) -> list[PulledEvent]:
         return [_rows("customers", ts, 2 * ts, ("insert", None, {"id": 5}), ("delete", {"id": 5}, None),
