@@ -89,9 +89,13 @@ class ServiceRuntime:
 
     def _add_routes(self) -> None:
         @self.app.get("/healthz", tags=["ops"])
-        async def healthz() -> dict[str, Any]:
-            return {"status": "ok", "service": self.name, "instance": self.settings.instance_id,
-                    **self.status}
+        async def healthz() -> JSONResponse:
+            # A service sets status["unhealthy"] to the reason when it cannot do its job and only
+            # an operator can mend it (e.g. capture's source purged the binlog it needs).
+            unhealthy = self.status.get("unhealthy")
+            body = {"status": "unhealthy" if unhealthy else "ok", "service": self.name,
+                    "instance": self.settings.instance_id, **self.status}
+            return JSONResponse(body, status_code=503 if unhealthy else 200)
 
         @self.app.get("/readyz", tags=["ops"])
         async def readyz() -> JSONResponse:

@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
-from contracts.events.rows import CaptureRejectedV1, DdlExecutedV1, ResolvedAdvancedV1, RowsChangedV2
+from contracts.events.rows import CaptureRejectedV2, DdlExecutedV1, ResolvedAdvancedV1, RowsChangedV2
 from contracts.registry import REGISTRY
 from libs.chunks import ChunkJoiner, chunk_info
 from libs.config import Settings
@@ -164,7 +164,7 @@ def ddl_of(messages: list[Stored]) -> list[DdlExecutedV1]:
     return [m.event for m in messages if isinstance(m.event, DdlExecutedV1)]
 
 
-async def rejections(js: JetStreamContext, source: str) -> list[CaptureRejectedV1]:
+async def rejections(js: JetStreamContext, source: str) -> list[CaptureRejectedV2]:
     return [m.event for m in await read_messages(js, rejected_subject(source))]
 
 

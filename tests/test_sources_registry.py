@@ -4,7 +4,7 @@ and by a capture started with only its source id (libs/sources.py, api /sources,
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
 from libs.sources import readers, resolve_sources
+from libs.streams import ROWS_STREAM, resolved_subject
 from services.cli.app import app
 from tests.api_stack import wait_ready
 
@@ -175,3 +176,92 @@ def test_a_capture_waiting_for_its_source_stops_at_once(
     status, _ = capture.get_json("/readyz")
     assert status == 503, "not ready while it has no source to read"
     assert capture.terminate(timeout=15) == 0
+
+
+def _purge_resolved_marks(server: NatsServer, source: str) -> None:
+    """The fix a binlog_purged rejection names: capture then starts at the current position."""
+    import asyncio
+
+    import nats
+
+    async def purge() -> None:
+        nc = await nats.connect(**server.client_options())
+        try:
+            await nc.jetstream().purge_stream(ROWS_STREAM, subject=resolved_subject(source))
+        finally:
+            await nc.close()
+
+    asyncio.run(purge())
+
+
+@pytest.mark.integration
+def test_a_purged_binlog_is_a_rejection_an_unhealthy_capture_and_a_source_problem(
+        registry: Registry, mariadb_factory: Callable[..., MariaDB], replica_server_id: int,
+        processes: list[ServiceProcess]) -> None:
+    # A private server: purging binlogs of the shared one would pull them from under other tests.
+    source = mariadb_factory()
+    source.execute("CREATE DATABASE pg_shop", "CREATE TABLE pg_shop.t (id INT PRIMARY KEY)")
+    code, out = registry.sluice("source", "add", "purgesrc", source.url)
+    assert code == 0, out
+    env = {**registry.env, "SLUICE_SOURCE_ID": "purgesrc", "SLUICE_SOURCE_URL": "",
+           "SLUICE_SOURCE_SERVER_ID": str(replica_server_id)}
+
+    def capture_process() -> ServiceProcess:
+        process = ServiceProcess("services.capture", env, registry.tmp / "logs",
+                                 instance_id=f"capture-purgesrc-{len(processes)}").start()
+        processes.append(process)
+        return process
+
+    def resolved_ts() -> int | None:
+        found = registry.sources().get("purgesrc", {}).get("resolved_ts")
+        return int(found) if found is not None else None
+
+    capture = capture_process()
+    wait_until(lambda: resolved_ts() is not None, 60, "a first resolved mark")
+    source.execute("INSERT INTO pg_shop.t VALUES (1)")
+    first = resolved_ts()
+    wait_until(lambda: (resolved_ts() or 0) > (first or 0), 60, "a resolved mark past the insert")
+    capture.kill()
+    # While capture is down, the source moves on and purges the binlog it was reading.
+    source.execute("INSERT INTO pg_shop.t VALUES (2)", "FLUSH BINARY LOGS", "FLUSH BINARY LOGS")
+    newest = source.binlog_files()[-1]
+
+    def purged() -> bool:
+        # MariaDB keeps a file until its binlog checkpoint (InnoDB's flush) and any reader of it
+        # (the killed capture's dump thread) are gone: ask again until it lets go.
+        source.execute(f"PURGE BINARY LOGS TO '{newest}'")
+        return source.binlog_files() == [newest]
+
+    wait_until(purged, 30, "the source to purge its older binlogs")
+
+    capture = capture_process()
+
+    def unhealthy() -> dict[str, Any] | None:
+        try:
+            status, body = capture.get_json("/healthz")
+        except OSError:  # not listening yet
+            return None
+        return body if status == 503 else None
+
+    wait_until(lambda: unhealthy() is not None, 60, "capture's /healthz to answer 503 for the purged binlog")
+    body = unhealthy()
+    assert body is not None and body["status"] == "unhealthy" and body["state"] == "binlog-purged", body
+    assert "initial load" in body["problem"] and "purge" in body["problem"], body
+    wait_until(lambda: registry.sources()["purgesrc"].get("problem_kind") == "binlog_purged", 30,
+               "the api's source status to name the purged binlog")
+    assert "initial_load snapshot" in registry.sources()["purgesrc"]["problem"]
+    code, out = registry.sluice("sources")
+    assert code == 0 and "binlog" in out and "initial" in out, out
+    assert capture.alive(), "capture keeps running (and looking) instead of exiting"
+
+    # The fix it names: without the old marks capture starts at the source's current position,
+    # and the problem is gone from the source status once a newer mark follows the rejection.
+    capture.kill()
+    _purge_resolved_marks(registry.nats, "purgesrc")
+    capture = capture_process()
+    wait_until(lambda: capture.health() is not None and (capture.health() or {}).get("state") == "reading",
+               60, "the capture reading again after the fix")
+    wait_until(lambda: registry.sources()["purgesrc"].get("problem") is None, 60,
+               "the source's problem to clear after a newer resolved mark")
+    code, out = registry.sluice("source", "remove", "purgesrc")
+    assert code == 0, out

@@ -27,7 +27,7 @@ import pytest
 
 from contracts import REGISTRY
 from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1
-from contracts.events.rows import CaptureRejectedV1, ColumnV1, TableMetaV1
+from contracts.events.rows import CaptureRejectedV2, ColumnV1, TableMetaV1
 from libs.changefeeds import record_changefeed, record_state
 from libs.checksum import TableDiff, compare_tables
 from libs.codec.table_meta import load_table_info
@@ -239,7 +239,7 @@ def _change_statements() -> list[str]:
 class Replicated:
     source: MariaDB
     sink_urls: dict[str, str]
-    rejections: list[CaptureRejectedV1] = field(default_factory=list)
+    rejections: list[CaptureRejectedV2] = field(default_factory=list)
     converged: dict[tuple[str, str], TableDiff] = field(default_factory=dict)
     logs: str = ""
 
@@ -301,18 +301,18 @@ async def _delete_feeds(nats_url: str, ids: list[str]) -> None:
         await nc.drain()
 
 
-async def _rejections(nats_url: str) -> list[CaptureRejectedV1]:
+async def _rejections(nats_url: str) -> list[CaptureRejectedV2]:
     nc = await nats.connect(nats_url)
     try:
         js = nc.jetstream()
         sub = await js.pull_subscribe(rejected_subject(SOURCE_ID), stream=ROWS_STREAM)
-        out: list[CaptureRejectedV1] = []
+        out: list[CaptureRejectedV2] = []
         info = await sub.consumer_info()
         pending = info.num_pending or 0
         while pending > 0:
             for msg in await sub.fetch(min(pending, 100), timeout=5):
                 event = REGISTRY.decode(msg.data).event
-                assert isinstance(event, CaptureRejectedV1)
+                assert isinstance(event, CaptureRejectedV2)
                 out.append(event)
                 pending -= 1
         await sub.unsubscribe()

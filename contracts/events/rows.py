@@ -154,3 +154,27 @@ class CaptureRejectedV1(BaseModel):
     table: str = ""
     message: str = Field(min_length=1)
     position: SourcePositionV1 | None = None
+
+
+CaptureRejectKind = Literal["no_primary_key", "unsupported_type", "binlog_not_row", "binlog_not_full_image",
+                            "binlog_purged"]
+
+
+@register("capture.rejected", 2)
+class CaptureRejectedV2(BaseModel):
+    """As v1, with ``binlog_purged``: the source no longer holds the binlog capture must read
+    next (MySQL error 1236), so it cannot go on without losing changes."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(min_length=1)
+    kind: CaptureRejectKind
+    database: str = ""
+    table: str = ""
+    message: str = Field(min_length=1)
+    position: SourcePositionV1 | None = None
+
+
+# v1's kinds are all v2 kinds: the body carries over as it is.
+@upcaster("capture.rejected", 1)
+def _capture_rejected_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    return dict(data)

@@ -179,6 +179,10 @@ class SourceOut(BaseModel):
     resolved_ts: int | None
     resolved_lag_s: float | None
     capture_leader: str | None
+    problem_kind: str | None = Field(None, description="Kind of capture's newest rejection of the source "
+                                     "as a whole while no resolved mark followed it (e.g. binlog_purged).")
+    problem: str | None = Field(None, description="What stops capture of this source and the fix; null "
+                                "while it reads.")
 
     @computed_field(description="The newest resolved mark as a UTC time and how far it is behind the "  # type: ignore[prop-decorator]
                                 "wall clock; null before the capture published one.")

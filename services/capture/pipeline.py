@@ -19,12 +19,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from tenacity import Retrying, stop_after_attempt
 
 from contracts.events.rows import (
-    CaptureRejectedV1,
+    CaptureRejectedV2,
+    CaptureRejectKind,
     DdlExecutedV1,
     ResolvedAdvancedV1,
     RowImageV2,
@@ -56,7 +57,7 @@ STOPPING_KINDS = frozenset({"unsupported_type", "binlog_not_row"})
 
 TableKey = tuple[str, str]
 T = TypeVar("T")
-RejectKind = Literal["no_primary_key", "unsupported_type", "binlog_not_row", "binlog_not_full_image"]
+RejectKind = CaptureRejectKind
 
 
 class CaptureStopped(Exception):
@@ -514,11 +515,12 @@ async def publish_rejection(publisher: Publisher, source: str, kind: RejectKind,
               extra={"source": source, "kind": kind, "database": key[0], "table": key[1],
                      "position": str(position) if position else None})
     metrics.REJECTIONS.labels(source, kind).inc()
-    event = CaptureRejectedV1(
+    event = CaptureRejectedV2(
         source=source, kind=kind,
         database=key[0], table=key[1], message=message,
         position=SourcePositionV1(binlog_file=position.file, binlog_pos=position.pos) if position else None)
-    where = f"{position.file}:{position.pos}" if position is not None and kind in STOPPING_KINDS else ""
+    where = f"{position.file}:{position.pos}" if position is not None and (
+        kind in STOPPING_KINDS or kind == "binlog_purged") else ""
     msg_id = f"{source}:rejected:{kind}:{key[0]}.{key[1]}:{where}"
     await publisher.send(rejected_subject(source), event, msg_id)
 

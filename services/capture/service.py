@@ -27,7 +27,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from contracts.events.rows import CaptureRejectedV1, ResolvedAdvancedV1, SourcePositionV1
+from contracts.events.rows import CaptureRejectedV2, ResolvedAdvancedV1, SourcePositionV1
 from contracts.registry import REGISTRY, ContractError
 from libs.config import Settings
 from libs.election import Election, Leadership
@@ -53,11 +53,34 @@ from services.capture.ts_clock import TsClock, wall_ms
 log = logging.getLogger(__name__)
 
 RETRY_REFUSED_S = 5.0
+RETRY_PURGED_S = 30.0
 MAX_BACKOFF_S = 10.0
+# ER_MASTER_FATAL_ERROR_READING_BINLOG: the server cannot send the binlog from the position asked
+# for (purged, or a position past the file's end).
+BINLOG_UNAVAILABLE = 1236
 
 
 class SourceRefused(Exception):
     """The source is configured so that capture cannot read it correctly."""
+
+
+class BinlogPurged(Exception):
+    """The source no longer holds the binlog capture must read next."""
+
+
+def binlog_unavailable(exc: BaseException) -> bool:
+    return (isinstance(exc, pymysql.err.OperationalError) and bool(exc.args)
+            and exc.args[0] == BINLOG_UNAVAILABLE)
+
+
+def purged_message(source: str, position: Position, server_said: str) -> str:
+    return (f"the source no longer has the binlog capture must read next ({position}): the server "
+            f"says {server_said!r}. The changes after the last published mark are gone from the "
+            f"source, so capture stops instead of skipping them. Fix: a new initial load - purge this "
+            f"source's resolved marks (nats stream purge {ROWS_STREAM} --subject "
+            f"{resolved_subject(source)}) so capture starts at the source's current position, then "
+            f"delete and create again each changefeed that reads it with initial_load snapshot; keep "
+            f"binlogs (binlog_expire_logs_seconds) longer than capture may be stopped")
 
 
 def lease_name(source: str) -> str:
@@ -96,7 +119,7 @@ async def load_stopped(js: JetStreamContext, source: str) -> dict[TableKey, Posi
         except ContractError as exc:
             log.warning("undecodable rejection at seq %s: %s", raw.seq, exc)
             continue
-        if isinstance(event, CaptureRejectedV1) and event.kind in STOPPING_KINDS and event.table:
+        if isinstance(event, CaptureRejectedV2) and event.kind in STOPPING_KINDS and event.table:
             pos = event.position
             since = Position(pos.binlog_file, pos.binlog_pos) if pos is not None else None
             stopped.setdefault((event.database, event.table), since)
@@ -113,6 +136,7 @@ class Capture:
         self.stopping = stopping or asyncio.Event()
         self.options: SourceOptions | None = None
         self._reported: set[tuple[str, str]] = set()
+        self._purged_reported: set[Position] = set()
         self._pipeline: SourcePipeline | None = None
         self._show(state="starting", lease=False)
 
@@ -239,6 +263,13 @@ class Capture:
             outcome = "refused"
             self._show(state="refused", problem=str(exc))
             await self._sleep(RETRY_REFUSED_S)
+        except BinlogPurged as exc:
+            # Nothing this process can do brings the binlog back: say so where an operator looks
+            # (/healthz unhealthy, the rejection event, the api's source status) and look again
+            # now and then, for a source restored from a backup with its binlogs.
+            outcome = "binlog-purged"
+            self._show(state="binlog-purged", problem=str(exc), unhealthy=str(exc))
+            await self._sleep(RETRY_PURGED_S)
         except CaptureStopped as exc:
             outcome = "stopped"
             self._show(state="refused", problem=str(exc))
@@ -302,12 +333,28 @@ class Capture:
                 if not leadership.valid():
                     raise LeaseLost(f"capture lease of {self.source} lost")
                 items = await loop.run_in_executor(None, reader.take)
-                await pipeline.handle_batch(items)
+                try:
+                    await pipeline.handle_batch(items)
+                except pymysql.err.OperationalError as exc:
+                    if not binlog_unavailable(exc):
+                        raise
+                    await self._binlog_purged(publisher, pipeline.committed, exc)
+                if items and self.status.get("unhealthy"):  # the binlog is readable again
+                    self._show(unhealthy=None)
                 self._show_progress(reader, pipeline)
         finally:
             reader.stop()
             publisher.discard()
             await asyncio.to_thread(meta.close)
+
+    async def _binlog_purged(self, publisher: Publisher, position: Position,
+                             exc: pymysql.err.OperationalError) -> None:
+        message = purged_message(self.source, position, str(exc.args[1] if len(exc.args) > 1 else exc))
+        if position not in self._purged_reported:  # once per process and position, not per retry
+            self._purged_reported.add(position)
+            await publish_rejection(publisher, self.source, "binlog_purged", ("", ""), message, position)
+            await publisher.flush()
+        raise BinlogPurged(message) from None
 
     async def _first_start(self, conn: Any, publisher: Publisher) -> StartState:
         """Nothing in the stream for this source: pin the start with a first resolved mark, so

@@ -276,13 +276,14 @@ def rebalance(ctx: typer.Context) -> None:
 
 @app.command()
 def sources(ctx: typer.Context) -> None:
-    """Sources of the changefeeds, with their newest resolved mark and capture leader."""
+    """Sources of the changefeeds, with their newest resolved mark, capture leader and what stops
+    capture (e.g. a purged binlog), with the fix."""
     cli = _cli(ctx)
 
     def human(items: list[dict[str, Any]]) -> None:
-        render.table("sources", ["source", "url", "changefeeds", "resolved", "capture"],
+        render.table("sources", ["source", "url", "changefeeds", "resolved", "capture", "problem"],
                      ([s["id"], s["url"], ",".join(s["changefeeds"]), render.checkpoint(s, "resolved_time"),
-                       s.get("capture_leader")] for s in items))
+                       s.get("capture_leader"), s.get("problem") or ""] for s in items))
 
     cli.show(cli.run("GET", "/sources"), human)
 
@@ -462,9 +463,11 @@ def source_list(ctx: typer.Context) -> None:
     cli = _cli(ctx)
 
     def human(items: list[dict[str, Any]]) -> None:
-        render.table("sources", ["source", "url", "registered", "changefeeds", "resolved", "capture"],
+        render.table("sources", ["source", "url", "registered", "changefeeds", "resolved", "capture",
+                                 "problem"],
                      ([s["id"], s["url"], "yes" if s.get("registered") else "no", ",".join(s["changefeeds"]),
-                       render.checkpoint(s, "resolved_time"), s.get("capture_leader")] for s in items))
+                       render.checkpoint(s, "resolved_time"), s.get("capture_leader"), s.get("problem") or ""]
+                      for s in items))
 
     cli.show(cli.run("GET", "/sources"), human)
 

@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 from nats.js import JetStreamContext
@@ -38,10 +39,12 @@ from nats.js.kv import KeyValue
 from pyspark.sql import SparkSession
 
 from contracts.events.rows import TableMetaV1
+from libs.codec.enum_members import resolve_members, suspect_columns
 from libs.codec.table_meta import load_table_info
 from libs.config import Settings
 from libs.routing import Router
 from libs.scheduling.model import Span
+from libs.sql_ident import quote_ident
 from libs.streams import ROWS_STREAM, SNAPSHOT_BUCKET, token
 from libs.table_rules import rules_for
 from libs.ts import LOGICAL_BITS
@@ -330,6 +333,8 @@ class InitialLoads:
                 return None, []
             if info is None:
                 raise LookupError(f"table {database}.{table} does not exist on source {span.source}")
+            if suspect_columns(info):
+                info = resolve_members(info, partial(_present_values, conn, database, table))
             unsupported = info.unsupported()
             if unsupported:
                 raise ValueError(f"columns of types capture does not carry: {[c.name for c in unsupported]}")
@@ -487,6 +492,15 @@ def _real_names(conn: Any, span: Span) -> tuple[str, str]:
     if len(found) > 1:
         raise LookupError(f"several tables match {span.database}.{span.table}: {found}")
     return found[0]
+
+
+def _present_values(conn: Any, database: str, table: str, column: str) -> list[tuple[int, str]]:
+    """Each distinct value of an ENUM/SET column with its number (``libs.codec.enum_members``)."""
+    col = quote_ident("mysql", column)
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT DISTINCT {col} + 0, {col} FROM {quote_ident('mysql', database)}."
+                    f"{quote_ident('mysql', table)} WHERE {col} IS NOT NULL")
+        return [(int(n), str(v)) for n, v in cur.fetchall()]
 
 
 def _computed_columns(router: Router | None, database: str, table: str) -> list[str]:

@@ -18,8 +18,10 @@ from nats.js.kv import KeyValue
 from sqlmodel import Session, select
 
 from contracts.events.changefeeds import ChangefeedSpecV5
+from contracts.events.rows import CaptureRejectedV2
 from contracts.events.scheduling import ScheduleRequestV1, SpanRefV1
 from contracts.events.shard_ddl import DdlCommandV1
+from contracts.registry import REGISTRY, ContractError
 from libs.nats_client import read_json
 from libs.scheduling.model import Span as WorkerSpan
 from libs.streams import (
@@ -29,6 +31,7 @@ from libs.streams import (
     ROWS_STREAM,
     SNAPSHOT_BUCKET,
     command_subject,
+    rejected_subject,
     resolved_subject,
     token,
 )
@@ -204,16 +207,36 @@ async def drain_member(member_id: str, ctx: ApiContext = Depends(get_ctx)) -> Ac
 
 # -- sources --------------------------------------------------------------------------------------
 
-async def _resolved_ts(ctx: ApiContext, source: str) -> int | None:
+async def _resolved_ts(ctx: ApiContext, source: str) -> tuple[int | None, int]:
+    """The newest resolved mark's ts and its stream sequence (0: none)."""
     try:
         msg = await js_of(ctx).get_last_msg(ROWS_STREAM, resolved_subject(source))
     except (NotFoundError, NatsError):
-        return None
+        return None, 0
     try:
         body = json.loads(msg.data or b"{}")
-        return int(body["data"]["ts"])
+        return int(body["data"]["ts"]), int(msg.seq or 0)
     except (ValueError, KeyError, TypeError):
+        return None, int(msg.seq or 0)
+
+
+async def _source_problem(ctx: ApiContext, source: str, resolved_seq: int) -> tuple[str, str] | None:
+    """(kind, message) of capture's newest rejection of the source as a whole (not of one
+    table), while no resolved mark came after it: capture is stuck on it (a purged binlog, a
+    source not set up for ROW binlogs)."""
+    try:
+        msg = await js_of(ctx).get_last_msg(ROWS_STREAM, rejected_subject(source))
+    except (NotFoundError, NatsError):
         return None
+    if int(msg.seq or 0) < resolved_seq:
+        return None
+    try:
+        event = REGISTRY.decode(msg.data or b"").event
+    except ContractError:
+        return None
+    if not isinstance(event, CaptureRejectedV2) or event.table:
+        return None
+    return event.kind, event.message
 
 
 async def list_sources(ctx: ApiContext) -> list[SourceOut]:
@@ -230,10 +253,12 @@ async def list_sources(ctx: ApiContext) -> list[SourceOut]:
         sources.setdefault(source_id, (redact_url(registered_url), []))
     out = []
     for source_id, (url, feeds) in sorted(sources.items()):
-        resolved = await _resolved_ts(ctx, source_id)
+        resolved, resolved_seq = await _resolved_ts(ctx, source_id)
+        problem = await _source_problem(ctx, source_id, resolved_seq)
         lease = await _kv_json(ctx, LEADER_BUCKET, f"capture.{token(source_id)}")
         out.append(SourceOut(id=source_id, url=url, changefeeds=feeds, registered=source_id in registry,
-                             resolved_ts=resolved,
+                             resolved_ts=resolved, problem_kind=problem[0] if problem else None,
+                             problem=problem[1] if problem else None,
                              resolved_lag_s=lag_seconds(resolved or 0),
                              capture_leader=str(lease.get("candidate")) if lease else None))
     return out
