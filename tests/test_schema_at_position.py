@@ -116,3 +116,13 @@ def test_ddl_index_lists_each_stretch_once() -> None:
     index.forget_before(p(1, 500))
     assert index.found == [AheadDdl(p(2, 10), frozenset({("db", "u")}))]
     assert index.missing(p(1, 100), p(1, 600)) == (p(1, 100), p(1, 600))  # forgotten: listed again
+
+
+def test_a_type_capture_cannot_carry_is_refused_even_from_a_later_catalog() -> None:
+    # INET4 is BINARY(4) in the table map: only information_schema knows capture cannot carry it.
+    cols = (col("id", nullable=False, key_part=0), col("v", FIELD_TYPE.STRING, charset="binary"))
+    inet = catalog(ID, ColumnSpec("v", None, "inet4"), primary=("id",))
+    assert agrees(inet, cols)
+    assert [c.sql_type for c in describe("db", "t", cols, inet).unsupported()] == ["inet4"]
+    assert [c.sql_type for c in describe("db", "t", cols, None, inet).unsupported()] == ["inet4"]
+    assert describe("db", "t", cols, None).unsupported() == []

@@ -156,7 +156,7 @@ def binlog_primary_key(columns: Sequence[BinlogColumn]) -> tuple[str, ...]:
 
 
 def describe(database: str, table: str, columns: Sequence[BinlogColumn],
-             catalog: TableInfo | None) -> TableInfo:
+             catalog: TableInfo | None, later: TableInfo | None = None) -> TableInfo:
     """The metadata of rows with the binlog description ``columns``.
 
     The binlog is the authority: columns, their order, kinds, nullability, ENUM/SET members
@@ -165,9 +165,14 @@ def describe(database: str, table: str, columns: Sequence[BinlogColumn],
     declared SQL types, MariaDB's JSON (LONGTEXT with a json_valid check), unique keys, whether
     the key was declared - and only when it describes the same table as the binlog
     (``agrees``); otherwise the rows are described from the binlog alone.
+
+    One thing is taken from a catalog that does not hold at the position (``later``, or a
+    ``catalog`` that disagrees): a column of the same name whose type capture cannot carry
+    (INET4, UUID, ...) is refused, because the table map shows such types as their storage
+    (fixed binary) and the rows would otherwise go out as bytes in silence.
     """
     if catalog is None or not agrees(catalog, columns):
-        return _binlog_only(database, table, columns)
+        return _binlog_only(database, table, columns, catalog or later)
     primary = binlog_primary_key(columns)
     uniques = [k for k in (catalog.primary_key, *catalog.unique_keys) if k and k != primary]
     declared = catalog.declared_primary_key and catalog.primary_key == primary
@@ -183,7 +188,8 @@ def agrees(catalog: TableInfo, columns: Sequence[BinlogColumn]) -> bool:
         return False
     for spec, col in zip(catalog.columns, columns, strict=True):
         kind = kind_for_binlog_type(col.type_code, col.charset)
-        if spec.kind != kind and not (spec.kind == "json" and kind == "string"):
+        # kind None: a type capture does not carry, shown in the binlog by its storage.
+        if spec.kind is not None and spec.kind != kind and not (spec.kind == "json" and kind == "string"):
             return False
         if spec.nullable != col.nullable or not _members_agree(spec, col):
             return False
@@ -215,9 +221,12 @@ def _members_agree(spec: ColumnSpec, col: BinlogColumn) -> bool:
         d == m or m == "" or _same_but_lossy(d, m) for d, m in zip(declared, members, strict=True))
 
 
-def _binlog_only(database: str, table: str, columns: Sequence[BinlogColumn]) -> TableInfo:
-    specs = tuple(ColumnSpec(c.name, kind_for_binlog_type(c.type_code, c.charset), _binlog_sql_type(c),
-                             c.nullable) for c in columns)
+def _binlog_only(database: str, table: str, columns: Sequence[BinlogColumn],
+                 hint: TableInfo | None) -> TableInfo:
+    refused = {c.name: c for c in hint.columns if c.kind is None} if hint is not None else {}
+    specs = tuple(refused.get(c.name) or ColumnSpec(
+        c.name, kind_for_binlog_type(c.type_code, c.charset), _binlog_sql_type(c), c.nullable)
+        for c in columns)
     return TableInfo(database, table, specs, binlog_primary_key(columns), (), False, from_binlog=True)
 
 

@@ -136,6 +136,11 @@ class MetaStore:
             return None
         return read.info
 
+    def cached(self, key: TableKey) -> TableInfo | None:
+        """The last information_schema read of ``key`` (whatever position it holds at)."""
+        read = self._cache.get(key)
+        return read.info if read is not None else None
+
     def passed(self, position: Position) -> None:
         """Capture has read up to ``position``: the DDL listed before it is not needed again."""
         self._ahead.forget_before(position)
@@ -336,7 +341,7 @@ class SourcePipeline:
         catalog = await self.meta.catalog_at(key, position)
         if key[0] not in self._fk_databases:
             await self.follow_foreign_keys(key[0])
-        info = describe(key[0], key[1], columns, catalog)
+        info = describe(key[0], key[1], columns, catalog, self.meta.cached(key))
         if info.from_binlog:
             # Capture reads behind a DDL of the table (or the table is gone): the rows are
             # what the binlog says they are; information_schema adds nothing to them.
