@@ -1,10 +1,12 @@
-"""Table metadata: columns with their kinds, primary and unique keys, from information_schema.
+"""Table metadata: columns with their kinds, primary and unique keys.
 
-The binlog says which columns a row has (with ``binlog_row_metadata=FULL``), but not the keys
-a sink needs nor MariaDB's JSON columns (LONGTEXT plus a ``json_valid`` check), so capture asks
-information_schema. information_schema shows the table *now*; when capture reads behind a
-later DDL the two disagree, and ``binlog_table_info`` builds the metadata from the binlog's own
-column description instead (keys: the binlog's primary key, no unique keys).
+A row is described by the binlog's table map at its position (``binlog_row_metadata=FULL``:
+names, types, signedness, charsets, ENUM/SET members, nullability, primary key); that is the
+authority (``describe``). information_schema (``load_table_info``) shows the table *now*: it
+only adds what the table map lacks (declared SQL types, MariaDB's JSON columns, which are
+LONGTEXT plus a ``json_valid`` check, unique keys) when capture knows it describes the table at
+the row's position and it agrees with the table map. The initial load and the verifier read it
+directly: they read the table now too.
 
 A table without a primary key but with a unique key over NOT NULL columns gets that key as its
 ``primary_key``: InnoDB itself uses it as the clustered key, and it identifies a row just as
@@ -136,35 +138,96 @@ class BinlogColumn:
     is_primary: bool = False
     set_values: tuple[str, ...] | None = None
     enum_values: tuple[str, ...] | None = None
+    nullable: bool = True
+    key_part: int | None = None
+    """This column's place in the table map's primary key (0 first), None when not in it."""
 
 
-def binlog_table_info(database: str, table: str, columns: Sequence[BinlogColumn],
-                      current: TableInfo | None = None) -> TableInfo:
-    """Metadata for rows whose binlog columns differ from information_schema's ``current``.
+def binlog_primary_key(columns: Sequence[BinlogColumn]) -> tuple[str, ...]:
+    """The table map's primary key in key order (not column order: ``PRIMARY KEY (b, a)``).
 
-    The binlog decides which columns there are; a column that ``current`` still has with a
-    kind the binlog agrees with keeps its declared type, others are described from the binlog.
-    Keys: the binlog's primary key, else ``current``'s if all its columns are present; unique
-    keys from ``current`` whose columns are all present.
+    The server writes the key it clusters by: the declared primary key, else the first unique
+    key over NOT NULL columns, which is what ``_with_keys`` promotes as well.
     """
-    known = {c.name: c for c in current.columns} if current is not None else {}
-    specs = []
-    for col in columns:
+    parts = sorted((c.key_part, c.name) for c in columns if c.key_part is not None)
+    if parts:
+        return tuple(name for _, name in parts)
+    return tuple(c.name for c in columns if c.is_primary)
+
+
+def describe(database: str, table: str, columns: Sequence[BinlogColumn],
+             catalog: TableInfo | None, later: TableInfo | None = None) -> TableInfo:
+    """The metadata of rows with the binlog description ``columns``.
+
+    The binlog is the authority: columns, their order, kinds, nullability, ENUM/SET members
+    and the primary key are the table map's. ``catalog`` (information_schema, already known to
+    describe the table at the rows' position) only adds what the table map does not carry -
+    declared SQL types, MariaDB's JSON (LONGTEXT with a json_valid check), unique keys, whether
+    the key was declared - and only when it describes the same table as the binlog
+    (``agrees``); otherwise the rows are described from the binlog alone.
+
+    One thing is taken from a catalog that does not hold at the position (``later``, or a
+    ``catalog`` that disagrees): a column of the same name whose type capture cannot carry
+    (INET4, UUID, ...) is refused, because the table map shows such types as their storage
+    (fixed binary) and the rows would otherwise go out as bytes in silence.
+    """
+    if catalog is None or not agrees(catalog, columns):
+        return _binlog_only(database, table, columns, catalog or later)
+    primary = binlog_primary_key(columns)
+    uniques = [k for k in (catalog.primary_key, *catalog.unique_keys) if k and k != primary]
+    declared = catalog.declared_primary_key and catalog.primary_key == primary
+    info = TableInfo(database, table, catalog.columns, primary, tuple(uniques), declared)
+    return reconcile_members(info, columns)
+
+
+def agrees(catalog: TableInfo, columns: Sequence[BinlogColumn]) -> bool:
+    """Whether ``catalog`` and the table map describe one and the same table shape: names in
+    order, kinds (a JSON column is LONGTEXT in MariaDB's binlog), nullability, primary key and
+    ENUM/SET members (up to the spellings ``reconcile_members`` repairs)."""
+    if catalog.names != tuple(c.name for c in columns):
+        return False
+    for spec, col in zip(catalog.columns, columns, strict=True):
         kind = kind_for_binlog_type(col.type_code, col.charset)
-        spec = known.get(col.name)
-        if spec is not None and (spec.kind == kind or (spec.kind == "json" and kind == "string")):
-            specs.append(spec)
-        else:
-            specs.append(ColumnSpec(col.name, kind, _binlog_sql_type(col)))
-    names = {c.name for c in columns}
-    primary = tuple(c.name for c in columns if c.is_primary)
-    declared = bool(primary)
-    uniques: tuple[tuple[str, ...], ...] = ()
-    if current is not None:
-        if not primary and current.primary_key and set(current.primary_key) <= names:
-            primary, declared = current.primary_key, current.declared_primary_key
-        uniques = tuple(k for k in current.unique_keys if set(k) <= names and k != primary)
-    return TableInfo(database, table, tuple(specs), primary, uniques, declared, from_binlog=True)
+        # kind None: a type capture does not carry, shown in the binlog by its storage.
+        if spec.kind is not None and spec.kind != kind and not (spec.kind == "json" and kind == "string"):
+            return False
+        if spec.nullable != col.nullable or not _members_agree(spec, col):
+            return False
+    primary = binlog_primary_key(columns)
+    if not primary:
+        return not catalog.primary_key
+    # Several unique NOT NULL keys and no primary: the server's pick may not be the catalog's.
+    return primary == catalog.primary_key or primary in catalog.unique_keys
+
+
+def _members_agree(spec: ColumnSpec, col: BinlogColumn) -> bool:
+    from libs.codec.decode import SqlTypeError, parse_sql_type
+
+    binlog = col.set_values if col.set_values is not None else col.enum_values
+    if binlog is None:
+        return True
+    try:
+        parsed = parse_sql_type(spec.sql_type)
+    except SqlTypeError:
+        return False
+    if parsed.base not in ("enum", "set"):
+        return False
+    declared = [str(a) for a in parsed.args]
+    members = list(binlog)
+    if parsed.base == "enum" and len(members) == len(declared) + 1 and members[0] == "":
+        members = members[1:]
+    # '' in the binlog: a name the reader could not decode (reconcile_members refuses it).
+    return len(members) == len(declared) and all(
+        d == m or m == "" or _same_but_lossy(d, m) for d, m in zip(declared, members, strict=True))
+
+
+def _binlog_only(database: str, table: str, columns: Sequence[BinlogColumn],
+                 hint: TableInfo | None) -> TableInfo:
+    refused = {c.name: c for c in hint.columns if c.kind is None} if hint is not None else {}
+    specs = tuple(refused.get(c.name) or ColumnSpec(
+        c.name, kind_for_binlog_type(c.type_code, c.charset), _binlog_sql_type(c), c.nullable)
+        for c in columns)
+    return TableInfo(database, table, specs, binlog_primary_key(columns), (), False, from_binlog=True)
 
 
 def _binlog_sql_type(col: BinlogColumn) -> str:

@@ -28,7 +28,7 @@ from pymysqlreplication.event import (
     RotateEvent,
     XidEvent,
 )
-from pymysqlreplication.row_event import DeleteRowsEvent, UpdateRowsEvent, WriteRowsEvent
+from pymysqlreplication.row_event import DeleteRowsEvent, TableMapEvent, UpdateRowsEvent, WriteRowsEvent
 
 from contracts.events.rows import RowOp
 from libs.codec.table_meta import BinlogColumn
@@ -122,7 +122,26 @@ class ReaderFailed:
 Item = Begin | Rows | Commit | Query | Heartbeat | ReaderFailed
 
 _EVENTS = [WriteRowsEvent, UpdateRowsEvent, DeleteRowsEvent, QueryEvent, XidEvent, RotateEvent,
-           HeartbeatLogEvent, MariadbGtidEvent, MysqlGtidEvent]
+           HeartbeatLogEvent, MariadbGtidEvent, MysqlGtidEvent, TableMapEvent]
+
+
+@dataclass(frozen=True)
+class TableMapExtras:
+    """What the table map carries that pymysqlreplication leaves off its columns: the primary
+    key in key order, including a key over a column prefix (``PRIMARY_KEY_WITH_PREFIX``, which
+    it never marks ``is_primary``), and each column's nullability (the null bitmap)."""
+
+    key_parts: tuple[int, ...]
+    nullable: tuple[bool, ...]
+
+
+def table_map_extras(event: Any) -> TableMapExtras:
+    meta = event.optional_metadata
+    parts = tuple(int(i) for i in meta.simple_primary_key_list) or tuple(
+        int(i) for i in meta.primary_keys_with_prefix)
+    bits = bytes(event.null_bitmask)
+    nullable = tuple(bool(bits[i // 8] >> (i % 8) & 1) for i in range(int(event.column_count)))
+    return TableMapExtras(parts, nullable)
 
 
 class BinlogReader:
@@ -216,13 +235,19 @@ class BinlogReader:
                 log_pos=self._start.pos, only_events=_EVENTS, slave_heartbeat=self._heartbeat_s,
                 only_schemas=self._only_schemas, enable_logging=False, pymysql_wrapper=self._connect)
             current_file = self._start.file
+            maps: dict[int, TableMapExtras] = {}
             for event in stream:
                 if self._stop.is_set():
                     break
                 if isinstance(event, RotateEvent):
                     current_file = event.next_binlog
                     continue
-                item = _convert(event, current_file)
+                if isinstance(event, TableMapEvent):
+                    # Table ids are reused only after a table leaves the server's cache; the
+                    # newest map of an id is the one its rows events refer to.
+                    maps[event.table_id] = table_map_extras(event)
+                    continue
+                item = _convert(event, current_file, maps)
                 if item is not None:
                     if not isinstance(item, Heartbeat):
                         self.position = _position_of(item)
@@ -305,20 +330,26 @@ def _fix_row(values: dict[str, Any] | None, repairs: Repairs) -> dict[str, Any] 
     return values
 
 
-def _columns(event: Any) -> tuple[BinlogColumn, ...]:
-    return tuple(
-        BinlogColumn(name=str(c.name), type_code=int(c.type), charset=c.character_set_name,
-                     unsigned=bool(c.unsigned), is_primary=bool(c.is_primary),
-                     set_values=tuple(c.set_values) if c.set_values is not None else None,
-                     enum_values=tuple(c.enum_values) if c.enum_values is not None else None)
-        for c in event.columns)
+def _columns(event: Any, extras: TableMapExtras | None) -> tuple[BinlogColumn, ...]:
+    parts = {index: place for place, index in enumerate(extras.key_parts)} if extras else {}
+    out = []
+    for i, c in enumerate(event.columns):
+        key_part = parts.get(i) if extras is not None else (i if c.is_primary else None)
+        out.append(BinlogColumn(
+            name=str(c.name), type_code=int(c.type), charset=c.character_set_name,
+            unsigned=bool(c.unsigned), is_primary=key_part is not None,
+            set_values=tuple(c.set_values) if c.set_values is not None else None,
+            enum_values=tuple(c.enum_values) if c.enum_values is not None else None,
+            nullable=extras.nullable[i] if extras is not None and i < len(extras.nullable) else True,
+            key_part=key_part))
+    return tuple(out)
 
 
-def _convert(event: Any, current_file: str) -> Item | None:
+def _convert(event: Any, current_file: str, maps: dict[int, TableMapExtras]) -> Item | None:
     position = Position(current_file, int(event.packet.log_pos))
     timestamp = int(event.timestamp)
     if isinstance(event, WriteRowsEvent | UpdateRowsEvent | DeleteRowsEvent):
-        columns = _columns(event)
+        columns = _columns(event, maps.get(event.table_id))
         repairs = _repairs(event)
         if isinstance(event, UpdateRowsEvent):
             op: RowOp = "update"

@@ -34,18 +34,14 @@ from contracts.events.rows import (
     SourcePositionV1,
 )
 from libs.codec.encode import UnsupportedValue, encode_value
-from libs.codec.table_meta import (
-    BinlogColumn,
-    TableInfo,
-    binlog_table_info,
-    load_table_info,
-    reconcile_members,
-)
+from libs.codec.table_meta import BinlogColumn, TableInfo, agrees, describe, load_table_info
 from libs.foreign_keys import ForeignKey, load_foreign_keys
 from libs.streams import ddl_subject, rejected_subject, rows_subject
 from services.capture import metrics
 from services.capture.binlog_reader import Begin, Commit, Heartbeat, Item, Position, Query, ReaderFailed, Rows
+from services.capture.ddl_lookahead import DdlIndex, list_ddl
 from services.capture.publisher import MessageTooLarge, Publisher
+from services.capture.source import current_position
 from services.capture.statements import classify
 from services.capture.ts_clock import TsClock, wall_ms
 
@@ -72,9 +68,21 @@ class StartState:
     next_seq: int
 
 
+@dataclass(frozen=True)
+class CatalogRead:
+    """information_schema's description of a table (None: no such table) and the binlog's end
+    right after it was read: the read describes the table at any position from which no DDL
+    naming it lies before ``end``."""
+
+    info: TableInfo | None
+    end: Position
+
+
 class MetaStore:
-    """Table metadata from the source's information_schema, cached until a DDL names the table,
-    and each database's foreign keys, read whole once, then again for each table a DDL names.
+    """information_schema's table descriptions, cached until a DDL names the table, with the
+    binlog's DDL ahead of capture to tell whether one still holds at a row's position
+    (``catalog_at``); and each database's foreign keys, read whole once, then again for each
+    table a DDL names.
 
     ``connect`` returns a new pymysql connection; lookups run on a worker thread.
     """
@@ -82,7 +90,8 @@ class MetaStore:
     def __init__(self, connect: Callable[[], Any]) -> None:
         self._connect = connect
         self._conn: Any = None
-        self._cache: dict[TableKey, TableInfo | None] = {}
+        self._cache: dict[TableKey, CatalogRead] = {}
+        self._ahead = DdlIndex()
         self._fks: dict[str, list[ForeignKey]] = {}
         self._stale_fks: dict[str, set[str]] = {}
 
@@ -99,8 +108,43 @@ class MetaStore:
                     raise
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _load(self, key: TableKey) -> TableInfo | None:
-        return self._query(lambda conn: load_table_info(conn, *key))
+    def _load(self, key: TableKey) -> CatalogRead:
+        def load(conn: Any) -> CatalogRead:
+            info = load_table_info(conn, *key)
+            # After the read: a DDL the read saw is in the binlog before this end.
+            return CatalogRead(info, current_position(conn))
+        return self._query(load)
+
+    async def read(self, key: TableKey) -> CatalogRead:
+        if key not in self._cache:
+            self._cache[key] = await asyncio.to_thread(self._load, key)
+        return self._cache[key]
+
+    async def catalog_at(self, key: TableKey, position: Position) -> TableInfo | None:
+        """information_schema's description of ``key`` if it is the table's shape at binlog
+        ``position`` (no DDL naming it lies between ``position`` and the read); else None."""
+        read = await self.read(key)
+        if _before(read.end, position):
+            # Read before the position: a DDL capture does not recognise may lie in between.
+            read = self._cache[key] = await asyncio.to_thread(self._load, key)
+        if read.info is None:
+            return None
+        gap = self._ahead.missing(position, read.end)
+        if gap is not None:
+            found = await asyncio.to_thread(self._query, lambda conn: list_ddl(conn, *gap))
+            self._ahead.add(*gap, found)
+        if self._ahead.names_between(key, position, read.end):
+            return None
+        return read.info
+
+    def cached(self, key: TableKey) -> TableInfo | None:
+        """The last information_schema read of ``key`` (whatever position it holds at)."""
+        read = self._cache.get(key)
+        return read.info if read is not None else None
+
+    def passed(self, position: Position) -> None:
+        """Capture has read up to ``position``: the DDL listed before it is not needed again."""
+        self._ahead.forget_before(position)
 
     async def foreign_keys(self, database: str) -> list[ForeignKey]:
         """The foreign keys of ``database``'s tables (as children), as information_schema shows
@@ -117,18 +161,13 @@ class MetaStore:
             self._stale_fks[database].discard(table)
         return self._fks[database]
 
-    async def get(self, key: TableKey, *, fresh: bool = False) -> TableInfo | None:
-        if fresh or key not in self._cache:
-            self._cache[key] = await asyncio.to_thread(self._load, key)
-        return self._cache[key]
-
     def forget(self, key: TableKey) -> None:
         self._cache.pop(key, None)
         if key[0] in self._fks:  # the DDL may have added or dropped a foreign key of the table
             self._stale_fks.setdefault(key[0], set()).add(key[1])
 
     def known_tables(self, database: str) -> list[TableKey]:
-        return [k for k, v in self._cache.items() if k[0] == database and v is not None]
+        return [k for k, v in self._cache.items() if k[0] == database and v.info is not None]
 
     def close(self) -> None:
         if self._conn is not None:
@@ -193,7 +232,8 @@ class SourcePipeline:
         self.cascading: set[ForeignKey] = set()
         """Cascading foreign keys of the captured databases seen so far (``follow_foreign_keys``)."""
         self._fk_databases: set[str] = set()
-        self._infos: dict[TableKey, TableInfo] = {}  # what this session last described each table by
+        # Each table's last binlog description and the metadata made of it.
+        self._infos: dict[TableKey, tuple[tuple[BinlogColumn, ...], TableInfo]] = {}
         self._txn: _Txn | None = None
         self._part_rows = part_rows
         self._part_bytes = part_bytes
@@ -295,22 +335,22 @@ class SourcePipeline:
 
     async def _table_info(self, key: TableKey, columns: tuple[BinlogColumn, ...],
                           position: Position) -> TableInfo | None:
-        names = tuple(c.name for c in columns)
         known = self._infos.get(key)
-        if known is not None and known.names == names:
-            return known
-        info = await self.meta.get(key, fresh=known is not None)
+        if known is not None and known[0] == columns:
+            return known[1]
+        self.meta.passed(position)
+        catalog = await self.meta.catalog_at(key, position)
         if key[0] not in self._fk_databases:
             await self.follow_foreign_keys(key[0])
-        if info is None or info.names != names:
-            # information_schema already shows a later shape (or no table): capture reads behind
-            # a DDL. The rows are what the binlog says they are.
-            log.info("table metadata merged from the binlog: information_schema differs", extra={
-                "source": self.source, "table": ".".join(key), "binlog_columns": names})
-            info = binlog_table_info(key[0], key[1], columns, info)
-        else:
-            info = reconcile_members(info, columns)
-        self._infos[key] = info
+        info = describe(key[0], key[1], columns, catalog, self.meta.cached(key))
+        if info.from_binlog:
+            # Capture reads behind a DDL of the table (or the table is gone): the rows are
+            # what the binlog says they are; information_schema adds nothing to them.
+            log.info("table metadata from the binlog alone", extra={
+                "source": self.source, "table": ".".join(key), "position": str(position),
+                "information_schema": "differs" if catalog is not None and not agrees(catalog, columns)
+                else "not the table at this position"})
+        self._infos[key] = (columns, info)
         bad = info.unsupported()
         if bad:
             detail = ", ".join(f"{c.name} {c.sql_type}" for c in bad)
@@ -435,7 +475,10 @@ class SourcePipeline:
             self.meta.forget(key)
             self._infos.pop(key, None)
             self._warned_no_key.discard(key)
-            info = await self.meta.get(key, fresh=True)
+            # The table's shape right after the DDL, if information_schema still shows it
+            # (no later DDL of the table between here and the binlog's end); else None: the
+            # rows that follow carry their own shape from the binlog.
+            info = await self.meta.catalog_at(key, item.position)
             if ts is None:
                 ts = self.clock.commit((txn.timestamp if txn else item.timestamp) * 1000)
             event = DdlExecutedV1(
@@ -523,6 +566,10 @@ async def publish_rejection(publisher: Publisher, source: str, kind: RejectKind,
         kind in STOPPING_KINDS or kind == "binlog_purged") else ""
     msg_id = f"{source}:rejected:{kind}:{key[0]}.{key[1]}:{where}"
     await publisher.send(rejected_subject(source), event, msg_id)
+
+
+def _before(a: Position, b: Position) -> bool:
+    return (a.file, a.pos) < (b.file, b.pos)
 
 
 def _encode_row(info: TableInfo, columns: tuple[BinlogColumn, ...], values: dict[str, Any],
