@@ -264,3 +264,49 @@ def group_members(table_token: str) -> tuple[tuple[str, str], ...] | None:
         database, _, table = part.partition(_NAME_SEP)
         out.append((database, table))
     return tuple(out)
+
+
+# --- DDL that may change the key graph (DESIGN.md, "Foreign-key cascades": "Keys known before
+# the first change that depends on them")
+
+_KEY_DDL = re.compile(r"\bFOREIGN\s+KEY\b|\bREFERENCES\b|\bRENAME\b|^\s*CREATE\s+(?:OR\s+REPLACE\s+)?TABLE\b",
+                      re.IGNORECASE)
+_IDENT = r"(?:`(?:[^`]|``)+`|[A-Za-z0-9_$]+)"
+_REFERENCES = re.compile(rf"\bREFERENCES\s+({_IDENT})(?:\s*\.\s*({_IDENT}))?", re.IGNORECASE)
+
+
+def ddl_may_change_keys(statement: str) -> bool:
+    """Whether a DDL statement may add, drop or move a foreign key, by its text alone (the
+    binlog's, so the answer is the statement's at its position, whatever the catalog says by
+    the time it is read): a CREATE TABLE, anything naming FOREIGN KEY or REFERENCES, a RENAME.
+    A false positive costs one read of the keys where the statement is applied."""
+    return _KEY_DDL.search(statement) is not None
+
+
+def referenced_tables(statement: str, database: str) -> list[tuple[str, str]]:
+    """The parent tables a DDL statement names after REFERENCES, in order, each once; an
+    unqualified name is in ``database`` (the child's, as the server resolves it)."""
+    out: list[tuple[str, str]] = []
+    for first, second in _REFERENCES.findall(statement):
+        ref = (_unquote(first), _unquote(second)) if second else (database, _unquote(first))
+        if ref not in out:
+            out.append(ref)
+    return out
+
+
+def _unquote(ident: str) -> str:
+    return ident[1:-1].replace("``", "`") if ident.startswith("`") else ident
+
+
+def regrouped(tables: Iterable[tuple[str, str]], fks: Iterable[ForeignKey],
+              selected: Callable[[str, str], bool]) -> tuple[tuple[str, str], ...] | None:
+    """None when ``tables`` (a span's ``(database token, table token)``: one table, or a group's
+    members) are still exactly one span under ``fks``; else the tables, as tokens, of the spans
+    its tables now belong to (what discovery will re-form them into)."""
+    own = frozenset(tables)
+    groups = [frozenset((token(d), token(t)) for d, t in members)
+              for members in cascade_groups(fks, selected)]
+    now = [next((g for g in groups if table in g), frozenset({table})) for table in own]
+    if all(g == own for g in now):
+        return None
+    return tuple(sorted(set().union(*now)))

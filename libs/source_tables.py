@@ -74,16 +74,21 @@ async def source_tables(url: str) -> list[tuple[str, str]]:
 _fk_cache: dict[str, tuple[float, list[ForeignKey]]] = {}
 
 
-async def source_foreign_keys(url: str, *, strict: bool = False) -> list[ForeignKey]:
+async def source_foreign_keys(url: str, *, strict: bool = False,
+                              read_after: float | None = None) -> list[ForeignKey]:
     """The source's foreign keys (``libs.foreign_keys``; the URL's database only when it names
     one), cached like ``source_tables``. A failed read keeps the last answer, because the keys
     decide which tables form one span: a group span falling apart into table spans for one
     failed read would start those from no checkpoint. A source never read answers none (its
     tables keep their own spans until a read succeeds; DESIGN.md, "Foreign-key cascades"), or
-    with ``strict`` raises: a group span must not apply a batch without its keys."""
+    with ``strict`` raises: a group span must not apply a batch without its keys.
+
+    ``read_after`` (a ``time.monotonic()``): the answer must come from a read that started
+    after it, else it raises (never the last answer): a span deciding whether it may pass a
+    DDL met at that moment needs keys that show the DDL (DESIGN.md, "Foreign-key cascades")."""
     now = time.monotonic()
     hit = _fk_cache.get(url)
-    if hit is not None and now - hit[0] < _CACHE_S:
+    if hit is not None and now - hit[0] < _CACHE_S and (read_after is None or hit[0] >= read_after):
         return hit[1]
 
     def read() -> list[ForeignKey]:
@@ -98,7 +103,7 @@ async def source_foreign_keys(url: str, *, strict: bool = False) -> list[Foreign
     except Exception as exc:
         log.warning("cannot read the source's foreign keys", extra={
             "source": parse_database_url(url).redacted(), "error": repr(exc)})
-        if hit is None and strict:
+        if (hit is None and strict) or read_after is not None:
             raise
         fks = hit[1] if hit is not None else []
     _fk_cache[url] = (now, fks)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from nats.js import JetStreamContext
 
-from contracts.events.rows import DdlExecutedV1, RowsChangedV2
+from contracts.events.rows import DdlExecutedV1, ForeignKeysChangedV1, RowsChangedV2
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from services.capture.metrics import CASCADING_FOREIGN_KEYS
@@ -220,6 +220,15 @@ async def test_cascading_foreign_keys_are_named_and_followed_through_ddl(
         second = ["cap_fk.c.fk_q (p) -> cap_fk.p (id) ON UPDATE SET NULL"]
         await eventually(lambda: _is(named(), second), 20, f"capture to name {second} after the DDL")
         assert CASCADING_FOREIGN_KEYS.labels(source)._value.get() == 1
+        # The key changes reach the parent's DDL subject too, in stream order at each DDL's ts
+        # (DESIGN.md, "Foreign-key cascades", 4.); the drop names no parent.
+        messages = await source_messages(js, source)
+        alter = [m.event for m in messages
+                 if isinstance(m.event, DdlExecutedV1) and "fk_q" in m.event.statement]
+        announced = [m for m in messages if isinstance(m.event, ForeignKeysChangedV1)
+                     and "fk_q" in m.event.statement]
+        assert [(m.subject, m.event.ts, m.event.by_table) for m in announced] == [
+            (f"sluice.ddl.{source}.{name}.p", alter[0].ts, "c")]
 
 
 async def _is(got: list[str], want: list[str]) -> bool:

@@ -9,7 +9,6 @@ one capture; the cases run one after the other on the same tables."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +78,27 @@ CASES = (
 )
 
 
+# Keys created and cascaded at once (tests "keys known before the first change that depends on
+# them"), each a transaction run right after the one before.
+KEY_CHANGES = (
+    ("CREATE TABLE np (id INT PRIMARY KEY)",),
+    ("CREATE TABLE nc (id INT PRIMARY KEY, p_id INT,"
+     " FOREIGN KEY (p_id) REFERENCES np (id) ON DELETE CASCADE ON UPDATE CASCADE)",),
+    ("CREATE TABLE ns (id INT PRIMARY KEY, p_id INT,"
+     " FOREIGN KEY (p_id) REFERENCES np (id) ON DELETE SET NULL ON UPDATE SET NULL)",),
+    ("INSERT INTO np VALUES (1), (2), (3)", "INSERT INTO nc VALUES (10, 1), (20, 2), (30, 3)",
+     "INSERT INTO ns VALUES (100, 1), (200, 2), (300, 3)"),
+    ("DELETE FROM np WHERE id = 1",),  # nc 10 deleted, ns 100 SET NULL
+    ("UPDATE np SET id = 4 WHERE id = 2",),  # nc 20 follows to 4, ns 200 SET NULL
+    # A new child of orders: the group of customers, orders, items and notes grows by it.
+    ("CREATE TABLE gc (id INT PRIMARY KEY, order_id INT,"
+     " FOREIGN KEY (order_id) REFERENCES orders (id) ON DELETE CASCADE)",),
+    ("INSERT INTO gc VALUES (1, 60), (2, 51)",),
+    ("DELETE FROM customers WHERE id = 6",),  # orders 60, items 600 and gc 1 go with it
+)
+NEW_TABLES = ("np", "nc", "ns", "gc")
+
+
 # Two shards merged into one target with an origin column: the same keys in both, and each
 # shard's cascade stays in its shard.
 SHARDS = (("fks1", "fk_s1"), ("fks2", "fk_s2"))
@@ -134,11 +154,11 @@ def _merged(source: MariaDB, url: str) -> list[Verification]:
 
 
 def _wait_equal(source: MariaDB, targets: list[tuple[str, str]], merged_sinks: list[str],
-                procs: list[ServiceProcess], timeout: float) -> None:
+                procs: list[ServiceProcess], timeout: float, tables: tuple[str, ...] = TABLES) -> None:
     """``targets``: (sink URL, schema) holding the tables of ``DB``; ``merged_sinks``: the shards'."""
     def verify() -> list[Verification]:
         results = [verify_target([ShardRef(source.url, DB, t)], url, schema, t)
-                   for url, schema in targets for t in TABLES]
+                   for url, schema in targets for t in tables]
         return results + [r for url in merged_sinks for r in _merged(source, url)]
 
     wait_converged(verify, procs, timeout, interval=0.3, log_lines=5)
@@ -206,20 +226,25 @@ async def test_cascades_reach_three_downstreams_row_for_row(
     groups = {group_token([(DB, t) for t in TABLES[:4]])[1], group_token([(DB, "tree")])[1]}
     assert _spans(worker, "fk-0") == groups | {"plain", "a", "b"}
 
-    # A cascading key added to replicated tables: their spans become one group, which goes on
-    # from their checkpoints (not from the stream's start), and carries the cascade out.
+    # Keys that change in the stream, each followed at once by the cascade that needs them
+    # (discovery reads keys every few seconds; the spans stop at the key change until their
+    # group is formed again, and the group replays from the lowest checkpoint of their spans):
+    # - a cascading key added to replicated tables: their spans become one group;
+    # - tables created and cascaded within a second (delete and update cascade, SET NULL);
+    # - a group grown by a new child of one of its tables (announced on the parent's subject).
     await asyncio.to_thread(_run, mariadb, "ALTER TABLE b ADD CONSTRAINT fk_a FOREIGN KEY (a_id)"
                                            " REFERENCES a (id) ON DELETE CASCADE")
-    joined = group_token([(DB, "a"), (DB, "b")])[1]
-    cfs = [f"fk-{i}" for i in range(3)] + [f"fk-load-{i}" for i in range(3)]
-    deadline = time.monotonic() + 60
-    while not all(joined in _spans(worker, cf) for cf in cfs):
-        assert time.monotonic() < deadline, [_spans(worker, cf) for cf in cfs]
-        assert worker.alive(), worker.tail_log()
-        await asyncio.sleep(0.3)
     await asyncio.to_thread(_run, mariadb, "DELETE FROM a WHERE id = 1", "INSERT INTO b VALUES (30, 2)")
+    for statements in KEY_CHANGES:
+        await asyncio.to_thread(_run, mariadb, *statements)
     await asyncio.to_thread(_wait_equal, mariadb, [(url, DB) for url in sinks] + loaded, merged_sinks,
-                            processes, 60)
+                            processes, 90, (*TABLES, *NEW_TABLES))
+    joined = group_token([(DB, "a"), (DB, "b")])[1]
+    created = group_token([(DB, t) for t in ("np", "nc", "ns")])[1]
+    grown = group_token([(DB, t) for t in (*TABLES[:4], "gc")])[1]
+    cfs = [f"fk-{i}" for i in range(3)] + [f"fk-load-{i}" for i in range(3)]
+    spans = [_spans(worker, cf) for cf in cfs]
+    assert all({joined, created, grown} <= s for s in spans), spans
     assert "starts from its tables' lowest checkpoint" in worker.log_path.read_text()
 
 

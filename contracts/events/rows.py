@@ -133,6 +133,25 @@ class DdlExecutedV1(BaseModel):
     meta_after: TableMetaV1 | None = Field(None, description="Table metadata after the change.")
 
 
+@register("foreign_keys.changed", 1)
+class ForeignKeysChangedV1(BaseModel):
+    """A schema change of another table (``by_database``.``by_table``) names this table after
+    REFERENCES: the cascading foreign keys this table is the parent of may change here. On this
+    table's DDL subject, at the statement's ts, so every span reading this table meets it in
+    stream order; it changes nothing in this table's schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(min_length=1)
+    database: str = Field(min_length=1)
+    table: str = Field(min_length=1)
+    ts: int = Field(ge=0)
+    seq: int = Field(ge=0)
+    statement: str = Field(min_length=1)
+    position: SourcePositionV1
+    by_database: str = Field(min_length=1)
+    by_table: str = Field(min_length=1)
+
+
 @register("resolved.advanced", 1)
 class ResolvedAdvancedV1(BaseModel):
     """Every change of ``source`` with ts <= ``ts`` has been published."""

@@ -6,6 +6,7 @@ events and NATS messages; this module only fixes their meaning.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
@@ -108,6 +109,12 @@ class Span(NamedTuple):
 
     def __str__(self) -> str:
         return self.key
+
+
+def kv_parts(kv_key: str) -> tuple[str, ...]:
+    """The parts of a ``Span.kv_key``, unescaped (its inverse, part by part)."""
+    return tuple(re.sub(rb"=([0-9A-F]{2})", lambda m: bytes([int(m.group(1), 16)]), part.encode())
+                 .decode() for part in kv_key.split("."))
 
 
 def _kv_escape(value: str) -> str:

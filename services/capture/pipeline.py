@@ -27,6 +27,7 @@ from contracts.events.rows import (
     CaptureRejectedV2,
     CaptureRejectKind,
     DdlExecutedV1,
+    ForeignKeysChangedV1,
     ResolvedAdvancedV1,
     RowImageV2,
     RowOp,
@@ -35,7 +36,7 @@ from contracts.events.rows import (
 )
 from libs.codec.encode import UnsupportedValue, encode_value
 from libs.codec.table_meta import BinlogColumn, TableInfo, agrees, describe, load_table_info
-from libs.foreign_keys import ForeignKey, load_foreign_keys
+from libs.foreign_keys import ForeignKey, ddl_may_change_keys, load_foreign_keys, referenced_tables
 from libs.streams import ddl_subject, rejected_subject, rows_subject
 from services.capture import metrics
 from services.capture.binlog_reader import Begin, Commit, Heartbeat, Item, Position, Query, ReaderFailed, Rows
@@ -490,9 +491,30 @@ class SourcePipeline:
             msg_id = f"{self.source}:{item.position.file}:{item.position.pos}:{key[0]}.{key[1]}:ddl"
             await self.publisher.send(ddl_subject(self.source, *key), event, msg_id)
             self.next_seq += 1
+        if ts is not None and ddl_may_change_keys(item.query):
+            await self._announce_parents(item, tables, ts, txn.gtid if txn else None)
         for database in sorted({key[0] for key in tables}):
             await self.follow_foreign_keys(database)
         self._group_end(item.position)
+
+    async def _announce_parents(self, item: Query, tables: list[TableKey], ts: int, gtid: str | None) -> None:
+        """``foreign_keys.changed`` on the DDL subject of each table the statement names after
+        REFERENCES: the spans reading a parent meet the key change in stream order, at its ts,
+        and stop there until their foreign-key group is formed again (DESIGN.md, "Foreign-key
+        cascades"). From the statement's text, so the messages are the binlog's alone."""
+        child = tables[0]
+        for parent in referenced_tables(item.query, child[0]):
+            if parent in tables or not self._wanted(parent[0]):
+                continue
+            event = ForeignKeysChangedV1(
+                source=self.source, database=parent[0], table=parent[1], ts=ts, seq=self.next_seq,
+                statement=item.query,
+                position=SourcePositionV1(binlog_file=item.position.file, binlog_pos=item.position.pos,
+                                          gtid=gtid),
+                by_database=child[0], by_table=child[1])
+            msg_id = f"{self.source}:{item.position.file}:{item.position.pos}:{parent[0]}.{parent[1]}:fk"
+            await self.publisher.send(ddl_subject(self.source, *parent), event, msg_id)
+            self.next_seq += 1
 
     async def follow_foreign_keys(self, database: str) -> None:
         """Name each cascading foreign key of ``database`` once (log, metric, ``/healthz``).

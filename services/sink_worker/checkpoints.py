@@ -26,10 +26,11 @@ from nats.js.errors import (
     KeyDeletedError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
+    NoKeysError,
 )
 from nats.js.kv import KeyValue
 
-from libs.scheduling.model import Span
+from libs.scheduling.model import Span, kv_parts
 from libs.streams import CHECKPOINT_BUCKET
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,18 @@ class CheckpointStore:
         except KeyNotFoundError:
             return None, 0
         return Checkpoint.from_json(entry.value), int(entry.revision or 0)
+
+    async def group_spans(self, changefeed: str, source: str) -> list[Span]:
+        """The table-group spans of ``changefeed`` on ``source`` (a token) that hold a
+        checkpoint: a span new to some tables inherits from them (``span_start``). One listing
+        of the changefeed's keys on the source; only a span without a checkpoint asks."""
+        prefix = Span(changefeed, source, "-", "-").kv_key.rsplit(".", 2)[0]
+        try:
+            keys = await self.kv.keys(filters=[f"{prefix}.*.*"])
+        except NoKeysError:
+            return []
+        spans = [Span(*kv_parts(key)) for key in keys if len(kv_parts(key)) == 4]
+        return [s for s in spans if s.members is not None]
 
     async def get(self, span: Span) -> Checkpoint | None:
         cp, _ = await self._read(span)

@@ -189,9 +189,11 @@ class DdlBarrier:
         if cut.ddl_id is None:
             return
         ddl = next(e for e in w.fresh if e.event_id == cut.ddl_id)
-        assert isinstance(ddl.event, DdlExecutedV1)
         if abort.is_set():
             return  # the round is being abandoned: nothing more is written
+        if not self.keys_pass(w, ddl, outcome):
+            return
+        assert isinstance(ddl.event, DdlExecutedV1)
         if w.rt.shards > 1:
             outcome.blocked = shards_wait(ddl.ts, w.rt.shards)
             return
@@ -209,9 +211,24 @@ class DdlBarrier:
                                              f"{type(exc).__name__}: {exc}", w.rt.ddl_error)
             outcome.error = outcome.ddl_failure.message()
 
+    @staticmethod
+    def keys_pass(w: SpanWork, ddl: PulledEvent, outcome: SpanOutcome) -> bool:
+        """Whether the span goes on to carry out the DDL it stopped at: not when it changes the
+        span's foreign-key group (``fk_barrier``: the span stays before it, blocked); a parent's
+        ``foreign_keys.changed`` it passes is done (nothing to apply)."""
+        if w.fk_wait is not None and w.fk_wait[0] == ddl.event_id:
+            outcome.blocked = w.fk_wait[1]
+            return False
+        if not isinstance(ddl.event, DdlExecutedV1):
+            outcome.ddl_applied = True
+            return False
+        return True
+
     def group_ddl(self, sink: Sink, sink_url: str, w: SpanWork, ddl: PulledEvent,
                   outcome: SpanOutcome) -> None:
         """The DDL a table group's written batch stopped at (``table_group``)."""
+        if not self.keys_pass(w, ddl, outcome):
+            return
         assert isinstance(ddl.event, DdlExecutedV1)
         if ddl_action(ddl.event) in ("recopy", "leave"):
             outcome.blocked = (f"DDL at ts {ddl.ts} ({ddl.event.statement!r}) would re-copy a table "
@@ -230,10 +247,13 @@ class DdlBarrier:
         (None: no DDL, a sharded target's DDL that blocks the span, or one the rules leave out)."""
         if cut.ddl_id is None:
             return None
+        ddl = next(e for e in w.fresh if e.event_id == cut.ddl_id)
+        if not isinstance(ddl.event, DdlExecutedV1):
+            outcome.ddl_ignored = True  # a parent's foreign-key change: nothing to publish
+            return None
         if w.rt.shards > 1:
             outcome.blocked = shards_wait(cut.ddl_ts, w.rt.shards)
             return None
-        ddl = next(e for e in w.fresh if e.event_id == cut.ddl_id)
         if ddl_ignored(w, ddl):
             outcome.ddl_ignored = True
             return None

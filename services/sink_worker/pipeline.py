@@ -46,6 +46,7 @@ from services.sink_worker.checkpoint_advance import CheckpointAdvance
 from services.sink_worker.checkpoints import Checkpoint, CheckpointStore
 from services.sink_worker.ddl_barrier import DdlBarrier
 from services.sink_worker.fence import Fenced, SelfFence  # liveness: self-fence
+from services.sink_worker.fk_barrier import ForeignKeyBarrier
 from services.sink_worker.poison import IncidentAction, TableIncident
 from services.sink_worker.pull import SpanReader, latest_resolved
 from services.sink_worker.round_overlap import AheadSpan, read_ahead, settle
@@ -115,6 +116,7 @@ class Pipeline:
         self.planner = RoundPlanner(js, rows_stream, spark)
         schemas = TargetSchemas()
         self.barrier = DdlBarrier(schemas, initial_loads)
+        self.fk_barrier = ForeignKeyBarrier()
         self.writers = Writers(self.options, schemas, self.barrier, self.new_overwrites)
         self.advance = CheckpointAdvance(checkpoints, self.options, initial_loads, self.new_incidents)
 
@@ -388,6 +390,7 @@ class Pipeline:
             else:
                 await self.planner.plan(work)
                 await self.barrier.at_head(work)
+            await self.fk_barrier.check(work)
             report.events += len(work.fresh)
             works.append(work)
         return works

@@ -48,7 +48,7 @@ from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ValidationError
 
 from contracts import REGISTRY, ContractError, Envelope
-from contracts.events.rows import DdlExecutedV1, ResolvedAdvancedV1, RowsChangedV2
+from contracts.events.rows import DdlExecutedV1, ForeignKeysChangedV1, ResolvedAdvancedV1, RowsChangedV2
 from libs.chunks import ChunkError, ChunkInfo, ChunkJoiner, Joined, chunk_info
 from libs.eventstore.deadletter import dead_letter
 from libs.gc_pause import gc_paused
@@ -92,7 +92,7 @@ class PulledEvent:
     stream_seq: int
     subject: str
     event_id: str
-    event: RowsChangedV2 | DdlExecutedV1
+    event: RowsChangedV2 | DdlExecutedV1 | ForeignKeysChangedV1
     data: bytes = field(repr=False)
     headers: dict[str, str] = field(default_factory=dict, repr=False)
     dead: bool = False
@@ -101,7 +101,9 @@ class PulledEvent:
 
     @property
     def is_ddl(self) -> bool:
-        return isinstance(self.event, DdlExecutedV1)
+        """A barrier on the span's DDL subject: a DDL, or a foreign-key change announced on a
+        parent (``foreign_keys.changed``, which has nothing to apply)."""
+        return isinstance(self.event, DdlExecutedV1 | ForeignKeysChangedV1)
 
     @property
     def ts(self) -> int:
@@ -201,11 +203,11 @@ def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
             if not isinstance(event, RowsChangedV2):
                 raise Garbage("unexpected_type", f"{decoded.envelope.type} on a rows subject")
         elif is_ddl:
-            if not isinstance(event, DdlExecutedV1):
+            if not isinstance(event, DdlExecutedV1 | ForeignKeysChangedV1):
                 raise Garbage("unexpected_type", f"{decoded.envelope.type} on a DDL subject")
         else:
             raise Garbage("unexpected_subject", f"{msg.subject} is not a subject of {span.name}")
-    assert isinstance(event, RowsChangedV2 | DdlExecutedV1)
+    assert isinstance(event, RowsChangedV2 | DdlExecutedV1 | ForeignKeysChangedV1)
     if (token(event.source) != span.source
             or (token(event.database), token(event.table)) != (parts[3], parts[4])):
         raise Garbage("invalid_data", f"event of {event.source}/{event.database}.{event.table} "

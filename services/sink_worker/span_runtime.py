@@ -7,6 +7,7 @@ plan) and gets one ``SpanOutcome`` back from the write; ``RoundReport`` sums the
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
@@ -131,6 +132,7 @@ class SpanRuntime:
     """Skipped keys whose events are not dead-lettered yet, with the incident they ended."""
     group_metas: dict[tuple[str, str], TableMetaV1] = field(default_factory=dict)
     """A table group's members (real names) -> their newest metadata seen (``table_group``)."""
+    created_at: float = field(default_factory=time.monotonic)
 
     def status(self) -> dict[str, Any]:
         cp = self.checkpoint
@@ -187,6 +189,9 @@ class SpanWork:
     group: GroupCut | None = None
     """A table group's cut and batch (``table_group``), applied in the driver, not by Spark."""
     group_fks: list[ForeignKey] = field(default_factory=list)
+    fk_wait: tuple[str, str] | None = None
+    """(event id, why): the barrier that changes the span's foreign-key group (``fk_barrier``);
+    the span stops before it."""
 
 
 

@@ -6,10 +6,12 @@ lowest, else its initial load's low watermark, else the changefeed's start posit
 from __future__ import annotations
 
 import logging
+import time
 from typing import Literal
 
 from nats.js import JetStreamContext
 
+from libs.scheduling.model import Span
 from services.sink_worker.checkpoints import Checkpoint, CheckpointStore
 from services.sink_worker.pull import latest_resolved
 from services.sink_worker.snapshot import InitialLoads, SnapshotRequest, snapshot_mode
@@ -26,11 +28,12 @@ class SpanStarts:
         self.checkpoints = checkpoints
         self.rows_stream = rows_stream
         self.initial_loads = initial_loads
+        self._listed: dict[tuple[str, str], tuple[float, list[Span]]] = {}
 
     async def load(self, rt: SpanRuntime) -> None:
         stored = await self.checkpoints.get(rt.span)
         rt.stored = stored
-        if stored is None and rt.span.members is not None:
+        if stored is None:
             inherited = await self.inherit(rt)
             if inherited is not None:
                 rt.checkpoint = inherited  # stored with the first round, like any checkpoint
@@ -64,17 +67,40 @@ class SpanStarts:
         rt.checkpoint = Checkpoint()
 
     async def inherit(self, rt: SpanRuntime) -> Checkpoint | None:
-        """A new table group whose tables all ran as spans of their own (a cascading key added
-        to replicated tables) goes on from the lowest of their checkpoints, not from where a new
-        span starts: replaying from the lowest is what any replay does, and converges."""
-        found = [await self.checkpoints.get(span) for span in copied_spans(rt.span)]
-        known = [c for c in found if c is not None]
-        if not known or len(known) != len(found):
+        """A span new to its tables because foreign keys changed (a group formed by a key
+        added, grown by a table, split by a key dropped) goes on from the lowest checkpoint of
+        the spans that held its tables (each stopped at the key change, ``fk_barrier``), not
+        from where a new span starts: replaying from the lowest is what any replay does, and
+        converges (DESIGN.md, "Foreign-key cascades")."""
+        own = set(rt.span.tables())
+        candidates = [s for s in copied_spans(rt.span) if s != rt.span]
+        candidates += [g for g in await self._group_spans(rt) if g != rt.span and own & set(g.tables())]
+        held = [(span.tables(), cp) for span in candidates
+                if (cp := await self.checkpoints.get(span)) is not None]
+        start, covered = inherited_start(own, held)
+        if start is None:
             return None
-        start = Checkpoint(min(c.stream_seq for c in known), min(c.ts for c in known))
+        config = rt.config
+        from_zero = (config.start == "earliest" and config.start_position is None
+                     and config.start_time is None)
+        if not covered and (config.initial_load != "binlog-only" or from_zero):
+            # A table no span held starts where the changefeed starts a new table: from the
+            # stream's start (which also covers the others) or with its own copy.
+            return None
         log.info("a new foreign-key table group starts from its tables' lowest checkpoint",
                  extra={"span": rt.span.name, "checkpoint_ts": start.ts, "stream_seq": start.stream_seq})
         return start
+
+    async def _group_spans(self, rt: SpanRuntime) -> list[Span]:
+        """The changefeed's group spans on the span's source, listed after the span was made
+        here (so after the key change that made it): many spans starting at once (a worker's
+        start) share one listing of the bucket's keys."""
+        key = (rt.span.changefeed, rt.span.source)
+        listed = self._listed.get(key)
+        if listed is None or listed[0] < rt.created_at:
+            listed = self._listed[key] = (time.monotonic(),
+                                          await self.checkpoints.group_spans(*key))
+        return listed[1]
 
     async def _initial_load(self, rt: SpanRuntime, mode: Literal["snapshot", "snapshot-only"],
                             stored: Checkpoint | None) -> None:
@@ -106,3 +132,15 @@ class SpanStarts:
         rt.state = "done" if decision == "done" else "replicating"
 
     # ------------------------------------------------------------------ round
+
+
+def inherited_start(tables: set[tuple[str, str]],
+                    held: list[tuple[tuple[tuple[str, str], ...], Checkpoint]]
+                    ) -> tuple[Checkpoint | None, bool]:
+    """The lowest checkpoint of the spans that held some of ``tables`` (``held``: each one's
+    tables and stored checkpoint), and whether they held every one of them."""
+    relevant = [(ts, cp) for ts, cp in held if tables & set(ts)]
+    if not relevant:
+        return None, False
+    covered = tables <= {t for ts, _ in relevant for t in ts}
+    return Checkpoint(min(cp.stream_seq for _, cp in relevant), min(cp.ts for _, cp in relevant)), covered

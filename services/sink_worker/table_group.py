@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any, Literal
 
-from contracts.events.rows import DdlExecutedV1, RowImageV2, RowsChangedV2, TableMetaV1
+from contracts.events.rows import RowImageV2, RowsChangedV2, TableMetaV1
 from libs.codec.decode import decode_row
 from libs.codec.table_meta import load_table_info
 from libs.source_tables import connect_source
@@ -48,6 +48,7 @@ class GroupCut:
     batch: list[PulledEvent]
     """The rows events to apply, deduplicated, in ``(ts, seq, part)`` order (dead parts left out)."""
     ddl: PulledEvent | None = None
+    """The barrier the cut stops at: a member's DDL, or a parent's ``foreign_keys.changed``."""
 
 
 def cut_group(span_key: str, checkpoint_ts: int, horizon_ts: int, events: Sequence[PulledEvent]) -> GroupCut:
@@ -87,7 +88,7 @@ def cut_group(span_key: str, checkpoint_ts: int, horizon_ts: int, events: Sequen
     cut = SpanCut(span=span_key, limit_ts=limit, batch_events=count, batch_max_ts=max_ts,
                   ddl_ts=ddl.ts if ddl is not None else None,
                   ddl_id=ddl.event_id if ddl is not None else None)
-    return GroupCut(cut, batch, ddl if ddl is not None and isinstance(ddl.event, DdlExecutedV1) else None)
+    return GroupCut(cut, batch, ddl)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from uuid import uuid4
 
 from pyspark.sql import SparkSession
 
-from contracts.events.rows import RowsChangedV2
+from contracts.events.rows import DdlExecutedV1, RowsChangedV2
 from libs.dburl import parse_database_url
 from libs.telemetry.tracing import tracer
 from services.sink_worker import metrics as m
@@ -244,7 +244,7 @@ class StreamWriter:
             seen: set[str] = set()
             batch: list[ChangeSource] = []
             for e in w.fresh:
-                if (not e.dead and not e.is_ddl and w.start.ts < e.ts <= cut.limit_ts
+                if (not e.dead and isinstance(e.event, RowsChangedV2) and w.start.ts < e.ts <= cut.limit_ts
                         and e.event_id not in seen):
                     seen.add(e.event_id)
                     batch.append(ChangeSource(e.event_id, e.event))
@@ -258,6 +258,7 @@ class StreamWriter:
             messages = row_messages(publisher.target, w.rt.span.changefeed, schema, table, key, batch)
             ddl = DdlBarrier.stream_barrier(w, cut, outcome)
             if ddl is not None:
+                assert isinstance(ddl.event, DdlExecutedV1)
                 messages.append(ddl_message(publisher.target, w.rt.span.changefeed, schema, table,
                                             ChangeSource(ddl.event_id, ddl.event)))
                 outcome.publish_ddl = True
