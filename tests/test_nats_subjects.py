@@ -157,6 +157,8 @@ USES: dict[str, list[Use]] = {
         _kv_read(VALIDATION_BUCKET), _kv_write(VALIDATION_BUCKET, "cf.request"),
         Use("ROWS_STREAM", reads=((ROWS_STREAM, resolved_subject(SOURCE)),)),
         Use("resolved_subject", reads=((ROWS_STREAM, resolved_subject(SOURCE)),)),
+        # A source's problem: capture's newest rejection of it (routes/cluster.py).
+        Use("rejected_subject", reads=((ROWS_STREAM, rejected_subject(SOURCE)),)),
         Use("DEADLETTER_STREAM", reads=((DEADLETTER_STREAM, deadletter_subject(ROWS_STREAM)),),
             owns=(DEADLETTER_STREAM,)),
         Use("DOMAINS"), Use("domain_stream"), *_folds(*DOMAINS),
