@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from contracts.events.rows import ResolvedAdvancedV1, RowImageV2, RowsChangedV2
 from libs.codec.table_meta import BinlogColumn, ColumnSpec, TableInfo
 from libs.foreign_keys import ForeignKey
-from services.capture.binlog_reader import Begin, Commit, Item, Position, Query, RowImage, Rows, XaPrepare
+from services.capture.binlog_reader import Begin, Commit, Position, Query, RowImage, Rows, XaPrepare
 from services.capture.pipeline import MetaStore, SourcePipeline, StartState, TableKey
 from services.capture.xa import XaBook, XaResume, canonical_xid, parse_xa
 
@@ -77,7 +77,8 @@ def test_parts_past_the_budget_go_to_disk_and_come_back_identical() -> None:
         book.add(txn, KEY, INFO, Position("b.1", 200), part, 400)
     assert book.in_memory == 800 and book.spilled > 0  # the third went to the file
     assert book.prepare(A1, txn) is None
-    assert [[r.model_dump() for r in p] for p in txn.parts(KEY)] == [[r.model_dump() for r in p] for p in parts]
+    back = [[r.model_dump() for r in p] for p in txn.parts(KEY)]
+    assert back == [[r.model_dump() for r in p] for p in parts]
     taken = book.take(A1)
     assert taken is txn and A1 not in book
     book.release(txn)
@@ -143,15 +144,17 @@ class Tables(MetaStore):
         return []
 
 
-COLUMNS = (BinlogColumn("id", 3, None, False, True, None, None), BinlogColumn("v", 252, "utf8mb4", False, False,
-                                                                               None, None))
+COLUMNS = (BinlogColumn("id", 3, is_primary=True), BinlogColumn("v", 252, "utf8mb4"))
+
+
+Event = Begin | Rows | Commit | XaPrepare | Query
 
 
 class Binlog:
     """Builds binlog items with increasing positions (each an event's end, as the reader gives)."""
 
     def __init__(self) -> None:
-        self.items: list[Item] = []
+        self.items: list[Event] = []
         self.pos = 4
         self.seqno = 0
 
@@ -194,7 +197,7 @@ class Binlog:
         self.query(f"XA {verb} X'{gtrid.hex()}',X'',1")
 
 
-async def _read(start: StartState, items: list[Item], **kwargs: Any) -> Recorder:
+async def _read(start: StartState, items: list[Event], **kwargs: Any) -> Recorder:
     recorder = Recorder()
     pipeline = SourcePipeline("src", recorder, Tables(), start, part_rows=5,  # type: ignore[arg-type]
                               **kwargs)
@@ -267,7 +270,8 @@ async def test_a_restart_from_any_mark_publishes_what_the_first_reading_did() ->
     published = _published(first)
     restarts = 0
     for mark, next_seq, xa in first.marks:
-        start = StartState(Position(mark.position.binlog_file, mark.position.binlog_pos), mark.ts, next_seq, xa)
+        at = Position(mark.position.binlog_file, mark.position.binlog_pos)
+        start = StartState(at, mark.ts, next_seq, xa)
         read_from = (xa.begin if xa else start.position).pos
         again = await _read(start, [i for i in b.items if i.position.pos > read_from],
                             xa_memory_bytes=300 if restarts % 2 else 10**9)  # spilled or not

@@ -137,7 +137,8 @@ class Capture:
                    last_ts=pipeline.clock.last, resolved_ts=pipeline.resolved_ts,
                    resolved_position=str(pipeline.resolved_position), next_seq=pipeline.next_seq,
                    stopped_tables=sorted(".".join(key) for key in pipeline.stopped),
-                   xa_prepared=len(pipeline.xa), xa_recovering=pipeline.recovering,
+                   xa_prepared=len(pipeline.xa), xa_spilled_bytes=pipeline.xa.spilled,
+                   xa_recovering=pipeline.recovering,
                    cascading_foreign_keys=sorted(fk.describe() for fk in pipeline.cascading))
 
     # ------------------------------------------------------------------- run
