@@ -24,7 +24,7 @@ from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
-from libs.nats_auth import SINK_WORKER
+from libs.nats_auth import ADMIN
 from libs.streams import ROWS_STREAM, resolved_subject
 from services.capture.publisher import XA_PREPARED_HEADER
 from services.capture.xa import XaResume
@@ -133,7 +133,7 @@ async def test_xa_transactions_reach_three_downstreams_and_a_stream(
     mariadb.execute(*SCHEMA, database=DB)
     sinks = [f"sqlite:///{tmp_path / 'down.db'}", postgres.url, downstream_mariadb.url]
     host = nats_server.plain_url.split("://", 1)[1]
-    stream_sink = f"nats://{SINK_WORKER}:secret:xa-sink-pw@{host}/{OUT_STREAM}?subject=xa.out&format=debezium"
+    stream_sink = f"nats://{ADMIN}:secret:xa-sink-pw@{host}/{OUT_STREAM}?subject=xa.out&format=debezium"
     logs = tmp_path / "logs"
     capture_env = {**service_env, "SLUICE_CAPTURE_XA_MEMORY_BYTES": str(XA_MEMORY_BYTES)}
 
@@ -151,13 +151,16 @@ async def test_xa_transactions_reach_three_downstreams_and_a_stream(
         await record_changefeed(js, spec, requested_by="test")
         _created.append(spec.id)
     assert nats_server.stack_auth is not None
-    sink_password = nats_server.stack_auth.password(SINK_WORKER)
+    # The sink-worker role may not write streams of the stack's own server: the stream is
+    # written as a user that may (a real deployment points the sink at its own NATS).
+    sink_password = nats_server.stack_auth.password(ADMIN)
     worker = _worker({**service_env, "SLUICE_SECRET_XA_SINK_PW": sink_password}, logs, "worker-xa")
     processes.append(worker)
     worker.wait_healthy(60)
 
     seed = ", ".join(f"({i}, {i}, 'seed')" for i in range(1, 21))
-    await asyncio.to_thread(_txn, mariadb, f"INSERT INTO t VALUES {seed}")
+    await asyncio.to_thread(_txn, mariadb, f"INSERT INTO t VALUES {seed}",
+                            "INSERT INTO u VALUES (90, 1, 'seed')")
     await asyncio.to_thread(_wait_equal, mariadb, sinks, [capture, worker], 180)  # Spark's first job
 
     # --- Everyday XA, no waits between: prepared with other transactions committing before the
