@@ -189,6 +189,10 @@ class Settings(BaseSettings):
         description="capture: largest encoded row-change message (one row alone in it, JSON with "
                     "base64 for binary); larger ones are sent in chunks of the server's "
                     "max_payload up to this, beyond it the table is stopped with a rejection.")
+    capture_xa_memory_bytes: int = Field(
+        64 * 1024 * 1024, ge=0,
+        description="capture: row bytes the prepared, undecided XA transactions of a source keep in "
+                    "memory together; beyond it their parts go to temporary files (TMPDIR).")
     sink_pull_max_bytes: int = Field(
         512 * 1024 * 1024, ge=1024 * 1024,
         description="sink-worker: event bytes a span's reader keeps in memory (beyond them it "

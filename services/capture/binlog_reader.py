@@ -26,6 +26,7 @@ from pymysqlreplication.event import (
     MariadbGtidEvent,
     QueryEvent,
     RotateEvent,
+    XAPrepareEvent,
     XidEvent,
 )
 from pymysqlreplication.row_event import DeleteRowsEvent, TableMapEvent, UpdateRowsEvent, WriteRowsEvent
@@ -70,6 +71,22 @@ class Begin:
     position: Position
     timestamp: int
     gtid: str | None
+    xa: bool = False
+    """MariaDB's GTID flag FL_PREPARED_XA: the group is an XA transaction that ends at its
+    XA PREPARE (MySQL says so with an ``XA START`` query instead)."""
+
+
+@dataclass(frozen=True)
+class XaPrepare:
+    """XA PREPARE (XA_PREPARE_LOG_EVENT): the open group is prepared under the XID of these
+    parts (``xa.canonical_xid`` spells it); its XA COMMIT or XA ROLLBACK comes in a later group."""
+
+    position: Position
+    timestamp: int
+    gtrid: bytes
+    bqual: bytes
+    format_id: int
+    one_phase: bool
 
 
 @dataclass(frozen=True)
@@ -119,10 +136,11 @@ class ReaderFailed:
     error: BaseException
 
 
-Item = Begin | Rows | Commit | Query | Heartbeat | ReaderFailed
+Item = Begin | Rows | Commit | XaPrepare | Query | Heartbeat | ReaderFailed
 
 _EVENTS = [WriteRowsEvent, UpdateRowsEvent, DeleteRowsEvent, QueryEvent, XidEvent, RotateEvent,
-           HeartbeatLogEvent, MariadbGtidEvent, MysqlGtidEvent, TableMapEvent]
+           HeartbeatLogEvent, MariadbGtidEvent, MysqlGtidEvent, TableMapEvent, XAPrepareEvent]
+_FL_PREPARED_XA = 0x40
 
 
 @dataclass(frozen=True)
@@ -368,8 +386,13 @@ def _convert(event: Any, current_file: str, maps: dict[int, TableMapExtras]) -> 
         return Rows(position, timestamp, str(event.schema), str(event.table), op, columns, images)
     if isinstance(event, XidEvent):
         return Commit(position, timestamp)
-    if isinstance(event, MariadbGtidEvent | MysqlGtidEvent):
+    if isinstance(event, MariadbGtidEvent):
+        return Begin(position, timestamp, str(event.gtid), xa=bool(event.flags & _FL_PREPARED_XA))
+    if isinstance(event, MysqlGtidEvent):
         return Begin(position, timestamp, str(event.gtid))
+    if isinstance(event, XAPrepareEvent):
+        return XaPrepare(position, timestamp, bytes(event.xid_gtrid), bytes(event.xid_bqual),
+                         int(event.xid_format_id), bool(event.one_phase))
     if isinstance(event, QueryEvent):
         schema = event.schema.decode("utf-8", "replace") if isinstance(event.schema, bytes) \
             else str(event.schema)

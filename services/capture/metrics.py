@@ -28,3 +28,9 @@ CASCADING_FOREIGN_KEYS = Gauge(
     "sluice_capture_cascading_foreign_keys",
     "Foreign keys with ON DELETE/UPDATE CASCADE, SET NULL or SET DEFAULT among the captured tables: "
     "the child rows they change never reach the binlog.", ["source"])
+XA_PREPARED = Gauge("sluice_capture_xa_prepared",
+                    "XA transactions prepared and waiting for their XA COMMIT or XA ROLLBACK.", ["source"])
+XA_LOST = Counter("sluice_capture_xa_lost",
+                  "XA transactions whose rows capture cannot publish: committed without capture having "
+                  "seen their prepared group, or prepared groups not found again in the binlog.",
+                  ["source"])

@@ -10,6 +10,13 @@ the resolved marks of an idle source, which are published before anything after 
 Transactions are published per table: one ``RowsChangedV2`` per (transaction, table), split
 into parts of at most ``part_rows`` rows / ``part_bytes`` bytes; a part is sent as soon as it
 is full, the last one at the commit, so a huge transaction never sits in memory whole.
+
+An XA transaction's parts wait instead (``xa.XaBook``, spilled to disk beyond a budget) for its
+XA COMMIT, which publishes them as one transaction with the commit's ts and ids derived from the
+commit group's position, or its XA ROLLBACK, which drops them. Resolved marks pass a prepared
+group; each one records where the oldest undecided one starts and the XIDs waiting, and a
+session starting from such a mark first re-reads the binlog from there in *recovery*: it only
+rebuilds those prepared groups (publishes nothing, moves no ts or seq) up to the mark.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -39,12 +46,23 @@ from libs.codec.table_meta import BinlogColumn, TableInfo, agrees, describe, loa
 from libs.foreign_keys import ForeignKey, ddl_may_change_keys, load_foreign_keys, referenced_tables
 from libs.streams import ddl_subject, rejected_subject, rows_subject
 from services.capture import metrics
-from services.capture.binlog_reader import Begin, Commit, Heartbeat, Item, Position, Query, ReaderFailed, Rows
+from services.capture.binlog_reader import (
+    Begin,
+    Commit,
+    Heartbeat,
+    Item,
+    Position,
+    Query,
+    ReaderFailed,
+    Rows,
+    XaPrepare,
+)
 from services.capture.ddl_lookahead import DdlIndex, list_ddl
 from services.capture.publisher import MessageTooLarge, Publisher
 from services.capture.source import current_position
 from services.capture.statements import classify
 from services.capture.ts_clock import TsClock, wall_ms
+from services.capture.xa import PreparedXa, XaBook, XaResume, XaStatement, canonical_xid, parse_xa
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +85,8 @@ class StartState:
     position: Position
     ts: int
     next_seq: int
+    xa: XaResume | None = None
+    """XA transactions prepared before ``position`` and undecided there (from the mark)."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +226,8 @@ class _Txn:
     # Row images of the transaction read so far, of every table (wanted or not): the next
     # row's ordinal, so the ordinal depends on the binlog alone, not on filters or stops.
     rows_seen: int = 0
+    # An XA transaction: its full parts go here, not to the stream, until its decision.
+    xa: PreparedXa | None = None
 
 
 class SourcePipeline:
@@ -213,7 +235,7 @@ class SourcePipeline:
                  databases: frozenset[str] | None = None,
                  stopped: dict[TableKey, Position | None] | None = None,
                  part_rows: int = 500, part_bytes: int = 256 * 1024,
-                 resolve_every_s: float = 0.2) -> None:
+                 resolve_every_s: float = 0.2, xa_memory_bytes: int = 64 * 1024 * 1024) -> None:
         self.source = source
         self.publisher = publisher
         self.meta = meta
@@ -227,6 +249,14 @@ class SourcePipeline:
         self.committed_seq = start.next_seq
         self.resolved_ts = start.ts
         self.resolved_position = start.position
+        self.xa = XaBook(xa_memory_bytes)
+        self.committed_xa = start.xa
+        # Recovery: from the oldest undecided prepared group up to the mark (see the module doc).
+        self._recover: XaResume | None = None
+        if start.xa is not None and _before(start.xa.begin, start.position):
+            self._recover = start.xa
+            self.committed = start.xa.begin
+        self._xa_empty: set[str] = set()  # prepared XIDs without captured rows, this session
         # Table -> the position from which it is stopped (None: from anywhere).
         self.stopped: dict[TableKey, Position | None] = dict(stopped or {})
         self._warned_no_key: set[TableKey] = set()
@@ -251,29 +281,79 @@ class SourcePipeline:
                 await self.publish_resolved()
         await self.publish_resolved()
 
+    @property
+    def recovering(self) -> bool:
+        return self._recover is not None
+
     async def handle(self, item: Item) -> None:
         if isinstance(item, ReaderFailed):
             raise item.error
+        if self._recover is not None:
+            until = self.resolved_position
+            if isinstance(item, Heartbeat) and not _before(item.position, until):
+                self._end_recovery()
+            elif isinstance(item, Heartbeat):
+                return
+            elif _before(until, item.position):
+                self._end_recovery()
         if isinstance(item, Heartbeat):
             await self._heartbeat(item)
             return
         self.position = item.position
         if isinstance(item, Begin):
-            if self._txn is not None and self._txn.had_rows:
+            if self._txn is not None and (self._txn.had_rows or self._txn.xa is not None):
                 # A crash-truncated binlog may end a transaction without its commit (the server
-                # rolled it back on recovery), and so does an XA transaction at XA PREPARE, whose
-                # XA COMMIT comes later and which capture does not follow yet. Either way its rows
-                # are not published (parts already sent carry no last part): say so loudly.
-                log.error("transaction without commit dropped (crash-truncated binlog or XA)",
-                          extra={"source": self.source, "begin": str(self._txn.begin),
-                                 "gtid": self._txn.gtid})
+                # rolled it back on recovery): its rows are not published (parts already sent
+                # carry no last part). Say so loudly.
+                self._drop_open("transaction without commit dropped (crash-truncated binlog)")
             self._txn = _Txn(item.position, item.timestamp, item.gtid)
+            if item.xa:
+                self._txn.xa = self.xa.open(self.committed)
         elif isinstance(item, Rows):
             await self._rows(item)
         elif isinstance(item, Commit):
             await self._commit(item.position)
+        elif isinstance(item, XaPrepare):
+            if item.one_phase:  # MySQL: XA COMMIT ... ONE PHASE written as an XA_PREPARE event
+                await self._commit(item.position)
+            else:
+                await self._xa_prepare(item.position, canonical_xid(item.gtrid, item.bqual, item.format_id))
         elif isinstance(item, Query):
             await self._query(item)
+        if self._recover is not None and item.position == self.resolved_position:
+            self._end_recovery()
+
+    def _drop_open(self, message: str) -> None:
+        txn, self._txn = self._txn, None
+        if txn is None:
+            return
+        if txn.xa is not None:
+            self.xa.release(txn.xa)
+        if txn.had_rows and not self.recovering:
+            log.error(message, extra={"source": self.source, "begin": str(txn.begin), "gtid": txn.gtid})
+
+    def _end_recovery(self) -> None:
+        """The mark's position is reached: the XA transactions it names are rebuilt; from here
+        on everything is published as usual."""
+        assert self._recover is not None
+        expected, self._recover = self._recover, None
+        self._drop_open("transaction open at the resolved mark dropped")
+        missing, extra = self.xa.retain(expected.xids)
+        if missing:
+            # Their prepared groups are not where the mark says (binlog purged past them): their
+            # rows cannot be published at their XA COMMIT.
+            metrics.XA_LOST.labels(self.source).inc(len(missing))
+            log.error("prepared XA transactions not found in the binlog: their rows are lost to "
+                      "capture", extra={"source": self.source, "xids": missing,
+                                        "from": str(expected.begin)})
+        if extra:
+            log.warning("XA transactions found prepared but not in the resolved mark; dropped",
+                        extra={"source": self.source, "xids": extra})
+        self.committed = self.resolved_position
+        self.committed_xa = self.xa.resume()
+        metrics.XA_PREPARED.labels(self.source).set(len(self.xa))
+        log.info("XA recovery done", extra={"source": self.source, "prepared": len(self.xa),
+                                            "position": str(self.committed)})
 
     def _wanted(self, database: str) -> bool:
         if database in SYSTEM_SCHEMAS:
@@ -286,6 +366,8 @@ class SourcePipeline:
         if self._txn is not None:
             first = self._txn.rows_seen
             self._txn.rows_seen += len(item.images)
+        if self.recovering and (self._txn is None or self._txn.xa is None):
+            return  # published before the mark: only prepared XA groups are rebuilt
         if not self._wanted(item.database) or self._is_stopped(key, item.position):
             return
         txn = self._txn
@@ -369,6 +451,15 @@ class SourcePipeline:
 
     async def _send_part(self, txn: _Txn, key: TableKey, buffer: _TableBuffer, *, last: bool,
                          keep: int = 0) -> None:
+        if txn.xa is not None:
+            # Cut exactly as a published part would be, so the XA COMMIT publishes the same
+            # parts whatever the session that read the prepared group.
+            rows = buffer.rows[:len(buffer.rows) - keep] if keep else buffer.rows
+            self.xa.add(txn.xa, key, buffer.info, buffer.position, rows,
+                        sum(_approx_size(r) for r in rows))
+            buffer.rows = buffer.rows[len(rows):]
+            buffer.size = sum(_approx_size(r) for r in buffer.rows)
+            return
         if txn.ts is None:
             txn.ts = self.clock.commit(txn.timestamp * 1000)
         rows = buffer.rows[:len(buffer.rows) - keep] if keep else buffer.rows
@@ -415,12 +506,19 @@ class SourcePipeline:
 
     def _group_end(self, position: Position) -> None:
         self.committed = position
+        if self.recovering:
+            return
         self.committed_ts = self.clock.last
         self.committed_seq = self.next_seq
+        self.committed_xa = self.xa.resume()
+        metrics.XA_PREPARED.labels(self.source).set(len(self.xa))
 
     async def _commit(self, position: Position) -> None:
         txn, self._txn = self._txn, None
-        if txn is not None:
+        if txn is not None and txn.xa is not None:
+            # XA COMMIT ... ONE PHASE of a group that said it was XA (MySQL's XA START).
+            await self._publish_prepared(txn, self._stash(txn), position)
+        elif txn is not None:
             for key, buffer in list(txn.tables.items()):
                 if buffer.rows:
                     try:
@@ -429,7 +527,107 @@ class SourcePipeline:
                         await self._too_large(txn, key, buffer, exc)
         self._group_end(position)
 
+    # --------------------------------------------------------------------- XA
+
+    def _stash(self, txn: _Txn) -> PreparedXa:
+        """The open XA group's rows, all in parts: what is left of each table is its last."""
+        if txn.xa is None:
+            # No XA START and no XA flag seen (reading began inside the group): nothing of it
+            # was published yet unless a part was full, which the commit then completes.
+            txn.xa = self.xa.open(txn.begin)
+        for key, buffer in txn.tables.items():
+            if buffer.rows:
+                self.xa.add(txn.xa, key, buffer.info, buffer.position, buffer.rows, buffer.size)
+                buffer.rows, buffer.size = [], 0
+        return txn.xa
+
+    async def _xa_prepare(self, position: Position, xid: str) -> None:
+        txn, self._txn = self._txn, None
+        if txn is not None:
+            prepared = self._stash(txn)
+            if prepared.rows:
+                replaced = self.xa.prepare(xid, prepared)
+                if replaced is not None:
+                    log.error("XA transaction prepared again before its decision; the earlier "
+                              "one dropped", extra={"source": self.source, "xid": xid})
+            else:
+                self.xa.release(prepared)
+                self._xa_empty.add(xid)
+        self._group_end(position)
+
+    async def _xa_query(self, item: Query, stmt: XaStatement) -> None:
+        if stmt.verb == "start":
+            if self._txn is None:
+                self._txn = _Txn(item.position, item.timestamp, None)
+            if self._txn.xa is None:
+                self._txn.xa = self.xa.open(self.committed)
+            return
+        if stmt.verb in ("end", "other"):
+            return  # inside the group (XA END before the prepare) or not written as data
+        if stmt.verb == "prepare":
+            # Servers write an XA_PREPARE event; a statement is taken the same way.
+            if stmt.xid is not None:
+                await self._xa_prepare(item.position, stmt.xid)
+            return
+        txn = self._txn
+        if txn is not None and (txn.had_rows or txn.xa is not None) and (
+                stmt.one_phase or stmt.xid is None or stmt.xid not in self.xa):
+            # ONE PHASE: the group holding the rows ends here.
+            if stmt.verb == "commit":
+                await self._commit(item.position)
+            else:
+                self._drop_open("XA transaction rolled back")
+                self._group_end(item.position)
+            return
+        self._txn = None
+        if stmt.xid is None:
+            log.error("XA statement with an XID capture cannot read; nothing published for it",
+                      extra={"source": self.source, "statement": item.query[:200]})
+        elif stmt.verb == "commit":
+            prepared = self.xa.take(stmt.xid)
+            if prepared is not None:
+                commit = txn if txn is not None else _Txn(item.position, item.timestamp, None)
+                await self._publish_prepared(commit, prepared, item.position)
+            elif not self._known_empty(stmt.xid) and not self.recovering:
+                metrics.XA_LOST.labels(self.source).inc()
+                log.warning("XA COMMIT of a transaction capture did not see prepared (prepared "
+                            "before capture's start position, or without rows of captured "
+                            "tables)", extra={"source": self.source, "xid": stmt.xid})
+        elif not self.xa.rollback(stmt.xid):
+            self._known_empty(stmt.xid)
+        self._group_end(item.position)
+
+    def _known_empty(self, xid: str) -> bool:
+        known = xid in self._xa_empty
+        self._xa_empty.discard(xid)
+        return known
+
+    async def _publish_prepared(self, commit: _Txn, prepared: PreparedXa, position: Position) -> None:
+        """Publish an XA transaction's parts as one transaction of the commit group ``commit``:
+        its ts and ids come from the commit, so a re-read publishes the same messages."""
+        try:
+            if self.recovering:
+                return
+            for key, table in prepared.tables.items():
+                if self._is_stopped(key, position):
+                    continue
+                buffer = _TableBuffer(table.info, table.position)
+                for rows, last in _with_last(prepared.parts(key)):
+                    if commit.ts is None:
+                        commit.ts = self.clock.commit(commit.timestamp * 1000)
+                    try:
+                        await self._publish_rows(commit, key, buffer, rows, last)
+                    except _RowTooLarge as exc:
+                        await self._too_large(commit, key, buffer, exc)
+                        break
+        finally:
+            self.xa.release(prepared)
+
     async def _query(self, item: Query) -> None:
+        xa = parse_xa(item.query)
+        if xa is not None:
+            await self._xa_query(item, xa)
+            return
         stmt = classify(item.query, item.schema)
         if stmt.kind == "begin":
             if self._txn is None:
@@ -439,7 +637,8 @@ class SourcePipeline:
             await self._commit(item.position)
             return
         if stmt.kind == "dml":
-            await self._statement_dml(item, stmt.tables)
+            if not self.recovering:  # reported when first read
+                await self._statement_dml(item, stmt.tables)
             if self._txn is None or not self._txn.had_rows:
                 self._txn = None
                 self._group_end(item.position)
@@ -450,7 +649,7 @@ class SourcePipeline:
             return
         # Anything else (CREATE USER, GRANT, CREATE DATABASE, SAVEPOINT ...): a group of its own
         # unless it sits inside a transaction that already has rows.
-        if self._txn is None or not self._txn.had_rows:
+        if self._txn is None or not (self._txn.had_rows or self._txn.xa is not None):
             self._txn = None
             self._group_end(item.position)
 
@@ -466,6 +665,13 @@ class SourcePipeline:
                                   item.position)
 
     async def _ddl(self, item: Query, tables: list[TableKey]) -> None:
+        if self.recovering:  # published when first read; the tables' descriptions are stale now
+            self._drop_open("transaction open at a DDL dropped")
+            for key in tables:
+                self.meta.forget(key)
+                self._infos.pop(key, None)
+            self._group_end(item.position)
+            return
         txn, self._txn = self._txn, None
         if txn is not None and txn.had_rows:
             log.warning("DDL inside an open transaction; its rows are published first",
@@ -542,7 +748,7 @@ class SourcePipeline:
         metrics.CASCADING_FOREIGN_KEYS.labels(self.source).set(len(self.cascading))
 
     async def _heartbeat(self, item: Heartbeat) -> None:
-        if self._txn is not None:
+        if self._txn is not None or self.recovering:
             return
         # Nothing is open and the server has sent everything: the heartbeat's position is a
         # group boundary, and the wall clock may move the resolved ts.
@@ -556,13 +762,15 @@ class SourcePipeline:
     async def publish_resolved(self) -> None:
         """Publish the resolved mark for everything up to ``committed``, if it moved."""
         self._last_resolve = time.monotonic()
+        if self.recovering:
+            return
         ts, position = self.committed_ts, self.committed
         if ts == self.resolved_ts and position == self.resolved_position:
             return
         event = ResolvedAdvancedV1(source=self.source, ts=ts, position=SourcePositionV1(
             binlog_file=position.file, binlog_pos=position.pos))
         msg_id = f"{self.source}:resolved:{position.file}:{position.pos}:{ts}"
-        await self.publisher.resolved(event, msg_id, self.committed_seq)
+        await self.publisher.resolved(event, msg_id, self.committed_seq, xa=self.committed_xa)
         self.resolved_ts = ts
         self.resolved_position = position
 
@@ -571,6 +779,8 @@ class SourcePipeline:
     async def reject(self, kind: RejectKind, key: TableKey, message: str, position: Position | None) -> None:
         if kind in STOPPING_KINDS and key != ("", ""):
             self.stopped.setdefault(key, position)
+        if self.recovering:
+            return  # published when first read
         await publish_rejection(self.publisher, self.source, kind, key, message, position)
 
 
@@ -609,6 +819,18 @@ def _encode_row(info: TableInfo, columns: tuple[BinlogColumn, ...], values: dict
 
 
 _LARGE_RAW = 1024 * 1024
+
+
+def _with_last(parts: Iterator[list[RowImageV2]]) -> Iterator[tuple[list[RowImageV2], bool]]:
+    """Each part with whether it is the last one (one part read ahead, not all of them)."""
+    previous: list[RowImageV2] | None = None
+    for part in parts:
+        if previous is not None:
+            yield previous, False
+        previous = part
+    if previous is not None:
+        yield previous, True
+
 
 
 def _raw_size(images: Any) -> int:

@@ -37,12 +37,16 @@ from libs.telemetry.tracing import publish_span
 from libs.ts import ts_seconds
 from services.capture import metrics
 from services.capture.large_encode import approx_size, encode_rows_deterministic
+from services.capture.xa import XaResume
 
 log = logging.getLogger(__name__)
 
 # Header on resolved marks: the seq the next row/DDL message of the source gets. With the mark's
 # ts and position it is all the state a capture needs to continue exactly where it left off.
 NEXT_SEQ_HEADER = "Sluice-Next-Seq"
+# Header on resolved marks that pass prepared XA transactions still undecided: where the oldest
+# one's group starts and their XIDs (``xa.XaResume``), so a restart can find their rows again.
+XA_PREPARED_HEADER = "Sluice-Xa-Prepared"
 _WRONG_LAST_SEQ = frozenset({10071})
 _CHUNK_WINDOW_BYTES = 4 * 1024 * 1024
 
@@ -173,7 +177,8 @@ class Publisher:
             item.future.cancel()
         self._in_flight.clear()
 
-    async def resolved(self, event: ResolvedAdvancedV1, msg_id: str, next_seq: int) -> None:
+    async def resolved(self, event: ResolvedAdvancedV1, msg_id: str, next_seq: int, *,
+                       xa: XaResume | None = None) -> None:
         """Publish a resolved mark once everything before it is acked; keeps one per source."""
         await self.flush()
         self._check_lease()
@@ -184,6 +189,8 @@ class Publisher:
             api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(self.resolved_stream_seq),
             NEXT_SEQ_HEADER: str(next_seq),
         }
+        if xa is not None:
+            headers[XA_PREPARED_HEADER] = xa.header()
         started = time.perf_counter()
         with publish_span(self._resolved_subject, headers) as (_span, traced):
             try:

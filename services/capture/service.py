@@ -46,9 +46,10 @@ from services.capture.pipeline import (
     TableKey,
     publish_rejection,
 )
-from services.capture.publisher import NEXT_SEQ_HEADER, Fenced, LeaseLost, Publisher
+from services.capture.publisher import NEXT_SEQ_HEADER, XA_PREPARED_HEADER, Fenced, LeaseLost, Publisher
 from services.capture.source import SourceOptions, check_source, connect, current_position, earliest_position
 from services.capture.ts_clock import TsClock, wall_ms
+from services.capture.xa import XaResume
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,13 @@ async def load_start(js: JetStreamContext, source: str) -> tuple[StartState, int
     if next_seq is None:
         raise ContractError("invalid_data", f"resolved mark at seq {raw.seq} has no {NEXT_SEQ_HEADER}")
     position = Position(event.position.binlog_file, event.position.binlog_pos)
-    return StartState(position, event.ts, int(next_seq)), int(raw.seq or 0)
+    prepared = (raw.headers or {}).get(XA_PREPARED_HEADER)
+    try:
+        xa = XaResume.from_header(prepared) if prepared else None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ContractError("invalid_data", f"resolved mark at seq {raw.seq}: bad {XA_PREPARED_HEADER}: "
+                                            f"{exc}") from None
+    return StartState(position, event.ts, int(next_seq), xa), int(raw.seq or 0)
 
 
 async def load_stopped(js: JetStreamContext, source: str) -> dict[TableKey, Position | None]:
@@ -154,6 +161,8 @@ class Capture:
                    last_ts=pipeline.clock.last, resolved_ts=pipeline.resolved_ts,
                    resolved_position=str(pipeline.resolved_position), next_seq=pipeline.next_seq,
                    stopped_tables=sorted(".".join(key) for key in pipeline.stopped),
+                   xa_prepared=len(pipeline.xa), xa_spilled_bytes=pipeline.xa.spilled,
+                   xa_recovering=pipeline.recovering,
                    cascading_foreign_keys=sorted(fk.describe() for fk in pipeline.cascading))
 
     # ------------------------------------------------------------------- run
@@ -315,14 +324,18 @@ class Capture:
             stopped = await load_stopped(self.js, self.source)
         finally:
             await asyncio.to_thread(conn.close)
+        # Prepared XA transactions still undecided at the mark: their groups are read again first.
+        read_from = start.xa.begin if start.xa is not None else start.position
         log.info("capture reading", extra={"source": self.source, "position": str(start.position),
                                            "ts": start.ts, "next_seq": start.next_seq,
-                                           "stopped_tables": len(stopped)})
+                                           "stopped_tables": len(stopped), "read_from": str(read_from),
+                                           "xa_prepared": len(start.xa.xids) if start.xa else 0})
         meta = MetaStore(lambda: connect(options))
         pipeline = SourcePipeline(self.source, publisher, meta, start, databases=options.databases,
-                                  stopped=stopped)
+                                  stopped=stopped,
+                                  xa_memory_bytes=self.settings.capture_xa_memory_bytes)
         reader = BinlogReader(options.connection_kwargs(), self.settings.source_server_id,
-                              start.position, heartbeat_s=options.heartbeat_s,
+                              read_from, heartbeat_s=options.heartbeat_s,
                               only_schemas=sorted(options.databases) if options.databases else None)
         self._pipeline = pipeline
         reader.start()
@@ -345,6 +358,7 @@ class Capture:
         finally:
             reader.stop()
             publisher.discard()
+            pipeline.xa.close()
             await asyncio.to_thread(meta.close)
 
     async def _binlog_purged(self, publisher: Publisher, position: Position,
