@@ -137,7 +137,10 @@ class Tables(MetaStore):
     def __init__(self) -> None:
         super().__init__(lambda: None)
 
-    async def get(self, key: TableKey, *, fresh: bool = False) -> TableInfo | None:
+    async def catalog_at(self, key: TableKey, position: Position) -> TableInfo | None:
+        return INFO if key == KEY else None
+
+    def cached(self, key: TableKey) -> TableInfo | None:
         return INFO if key == KEY else None
 
     async def foreign_keys(self, database: str) -> list[ForeignKey]:
