@@ -299,6 +299,29 @@ async def test_add_column_rollout_under_load_applies_once(merge: Merge) -> None:
     merge.workload.start(per_second=3)
 
 
+async def test_ddls_capture_reads_behind_each_other_still_reach_the_target(merge: Merge) -> None:
+    """Captures paused across two DDLs of every shard: the first one's shape is never read from
+    the catalog (already past the second), so it travels without metadata; the target still
+    takes both and ends equal to the merge."""
+    captures = [p for name, p in merge.system.processes.items() if name.startswith("capture")]
+    assert captures
+    for p in captures:
+        p.pause()
+    try:
+        await merge.alter_all("ALTER TABLE {table} ADD COLUMN lag1 VARCHAR(40) NULL", "lag1")
+        await merge.alter_all("ALTER TABLE {table} ADD COLUMN lag2 VARCHAR(40) NULL", "lag2")
+    finally:
+        for p in captures:
+            p.resume()
+    await merge.wait(lambda: merge.target_has("lag1") and merge.target_has("lag2"), 150,
+                     "the target to gain both columns")
+    await merge.wait(merge.no_locks, 90, "both locks to resolve")
+    assert "shard DDL without table metadata" in merge.worker_logs(), "the case this test is for"
+    merge.workload.stop()
+    await merge.wait(merge.converged, 90, "downstream to equal the merged upstream")
+    merge.workload.start(per_second=3)
+
+
 def _execs(events: list[tuple[str, dict[str, Any]]], column: str) -> list[dict[str, Any]]:
     return [d for t, d in events
             if t == "shard_ddl.operation_issued" and d["kind"] == "exec" and column in d["ddls"][0]]

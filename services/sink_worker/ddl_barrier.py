@@ -16,6 +16,8 @@ import asyncio
 import logging
 import threading
 
+import pymysql
+
 from contracts.events.rows import DdlExecutedV1, TableMetaV1
 from libs.routing import Router
 from libs.table_rules import TableRulesError, rules_for
@@ -25,6 +27,7 @@ from services.sink_worker.pull import PulledEvent
 from services.sink_worker.shard_ddl import ShardDdl, execute_on_target, rewritten
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.factory import open_sink
+from services.sink_worker.sinks.mysql import MySQLSink
 from services.sink_worker.sinks.nats_stream import is_stream_sink
 from services.sink_worker.snapshot import InitialLoads, SnapshotRequest
 from services.sink_worker.sort_job import SpanCut
@@ -170,8 +173,21 @@ class DdlBarrier:
         """The owner brings the target to the shard's schema after the DDL
         (``shard_ddl.execute_on_target``: idempotent, a re-run counts as done)."""
         if ddl.meta_after is None:
-            log.warning("shard DDL without table metadata: nothing to change downstream",
-                        extra={"span": w.rt.span.name, "statement": ddl.statement})
+            # Capture read this DDL behind a later one of the table, so it sent no shape (never
+            # a later one). A MySQL-family target still runs the statements (indexes, defaults);
+            # the columns follow the span's next batch, whose rows carry their own shape.
+            sink = open_sink(w.rt.config.sink_url)
+            if isinstance(sink, MySQLSink):
+                for sql in statements:
+                    try:
+                        sink.execute_ddl(sql)
+                    except pymysql.err.MySQLError as exc:
+                        log.warning("shard DDL without table metadata failed on the target; its "
+                                    "columns follow the next batch", extra={
+                                        "span": w.rt.span.name, "statement": sql, "error": repr(exc)})
+            self.schemas.reconcile_next(w.rt.span.kv_key)
+            log.info("shard DDL without table metadata: the target follows the next batch's rows",
+                     extra={"span": w.rt.span.name, "statement": ddl.statement})
             return
         url = w.rt.config.sink_url
         table = w.routes.target(ddl.database, ddl.table, ddl.meta_after)

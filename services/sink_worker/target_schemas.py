@@ -14,6 +14,9 @@ class TargetSchemas:
     def __init__(self) -> None:
         # (sink url, schema, table) -> meta JSON the target was last brought to by this process.
         self._known: dict[tuple[str, str | None, str], str] = {}
+        # Spans (kv keys) whose next batch brings a shard-merged target's columns to its rows:
+        # their shard DDL came without metadata (capture read it behind a later DDL).
+        self._reconcile_next: set[str] = set()
 
     def ensure(self, sink: Sink, sink_url: str, table: TargetTable, *, reconcile: bool) -> None:
         """Create the target from the source schema when missing, and bring its columns to the
@@ -40,6 +43,17 @@ class TargetSchemas:
     def brought_to(self, sink_url: str, table: TargetTable) -> None:
         """The target now has ``table``'s schema (a DDL carried out on it)."""
         self._known[(sink_url, table.schema, table.name)] = table.meta.model_dump_json()
+
+    def reconcile_next(self, span_key: str) -> None:
+        """The span's next batch reconciles its (shard-merged) target to the batch's metadata:
+        every shard has passed the DDL by then (the lock resolved), so no column flips back."""
+        self._reconcile_next.add(span_key)
+
+    def take_reconcile(self, span_key: str) -> bool:
+        if span_key in self._reconcile_next:
+            self._reconcile_next.discard(span_key)
+            return True
+        return False
 
     def clear(self) -> None:
         self._known.clear()

@@ -82,7 +82,8 @@ class SqlWriter:
             sink = open_sink(sink_url)
             for w in batch_works:
                 assert w.plan is not None
-                self.schemas.ensure(sink, sink_url, w.plan.table, reconcile=w.rt.shards == 1)
+                reconcile = w.rt.shards == 1 or self.schemas.take_reconcile(w.rt.span.kv_key)
+                self.schemas.ensure(sink, sink_url, w.plan.table, reconcile=reconcile)
             if batch_works:
                 keys = [w.rt.span.kv_key for w in batch_works]
                 metas = {w.rt.span.kv_key: w.source_meta for w in batch_works if w.source_meta is not None}
