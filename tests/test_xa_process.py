@@ -79,16 +79,6 @@ def _prepare(source: MariaDB, xid: str, *statements: str, rows: list[tuple[Any, 
         conn.close()
 
 
-def _decide(source: MariaDB, *statements: str) -> None:
-    conn = source.connect(DB)
-    try:
-        with conn.cursor() as cur:
-            for sql in statements:
-                cur.execute(sql)
-    finally:
-        conn.close()
-
-
 def _wait_equal(source: MariaDB, sinks: list[str], procs: list[ServiceProcess], timeout: float) -> None:
     def verify() -> list[Verification]:
         return [verify_target([ShardRef(source.url, DB, t)], url, DB, t) for url in sinks for t in TABLES]
@@ -175,7 +165,7 @@ async def test_xa_transactions_reach_three_downstreams_and_a_stream(
     await asyncio.to_thread(_prepare, mariadb, "'i1'", "INSERT INTO u VALUES (11, 4, 'i1')")
     await asyncio.to_thread(_prepare, mariadb, "'i2'", "UPDATE t SET v = 5 WHERE id = 5",
                             "INSERT INTO u VALUES (12, 5, 'i2')")
-    await asyncio.to_thread(_decide, mariadb, "XA COMMIT 'p1'", "XA ROLLBACK 'rb'")
+    await asyncio.to_thread(mariadb.execute, "XA COMMIT 'p1'", "XA ROLLBACK 'rb'", database=DB)
     await asyncio.to_thread(_txn, mariadb, "UPDATE t SET pad = 'after p1' WHERE id = 100")
     conn = mariadb.connect(DB)
     try:
@@ -185,15 +175,15 @@ async def test_xa_transactions_reach_three_downstreams_and_a_stream(
                 cur.execute(sql)
     finally:
         conn.close()
-    await asyncio.to_thread(_decide, mariadb, "XA COMMIT 'i2'", "XA COMMIT 'p2','branch',7",
-                            "XA COMMIT 'i1'")
+    await asyncio.to_thread(mariadb.execute, "XA COMMIT 'i2'", "XA COMMIT 'p2','branch',7",
+                            "XA COMMIT 'i1'", database=DB)
     # A big one: its parts go past the memory budget to a temporary file while it waits.
     big = [(i, i, "x" * 150) for i in range(1000, 4000)]
     await asyncio.to_thread(_prepare, mariadb, "'big'", "DELETE FROM t WHERE id = 6", rows=big)
     await asyncio.to_thread(_wait_health, capture, "a spilled XA transaction",
                             lambda h: h.get("xa_prepared") == 1 and h.get("xa_spilled_bytes", 0) > 0)
     await asyncio.to_thread(_txn, mariadb, "DELETE FROM t WHERE id = 7")
-    await asyncio.to_thread(_decide, mariadb, "XA COMMIT 'big'")
+    await asyncio.to_thread(mariadb.execute, "XA COMMIT 'big'", database=DB)
     await asyncio.to_thread(_wait_equal, mariadb, sinks, [capture, worker], 120)
     health = capture.health() or {}
     assert (health.get("xa_prepared"), health.get("xa_spilled_bytes")) == (0, 0)
@@ -209,7 +199,7 @@ async def test_xa_transactions_reach_three_downstreams_and_a_stream(
     await asyncio.to_thread(_txn, mariadb, "INSERT INTO t VALUES (23, 23, 'while down')")
     await asyncio.to_thread(_prepare, mariadb, "'k2'", "INSERT INTO t VALUES (600, 6, 'k2')",
                             "DELETE FROM u WHERE id = 11")
-    await asyncio.to_thread(_decide, mariadb, "XA COMMIT 'k1'")
+    await asyncio.to_thread(mariadb.execute, "XA COMMIT 'k1'", database=DB)
     capture = start_capture()
     # --- and again with the decision after the restart: the recovered rows wait in the new
     # capture, k2's group lying before the mark it starts from.
@@ -219,7 +209,7 @@ async def test_xa_transactions_reach_three_downstreams_and_a_stream(
     await asyncio.to_thread(_wait_health, capture, "recovery done",
                             lambda h: h.get("xa_prepared") == 1 and h.get("xa_recovering") is False)
     await asyncio.to_thread(_txn, mariadb, "INSERT INTO t VALUES (24, 24, 'after restart')")
-    await asyncio.to_thread(_decide, mariadb, "XA COMMIT 'k2'")
+    await asyncio.to_thread(mariadb.execute, "XA COMMIT 'k2'", database=DB)
     await asyncio.to_thread(_wait_equal, mariadb, sinks, [capture, worker], 120)
     log = capture.log_path.read_text()
     assert log.count("XA recovery done") >= 2, log[-3000:]
