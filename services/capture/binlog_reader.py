@@ -14,6 +14,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from pymysqlreplication.row_event import DeleteRowsEvent, TableMapEvent, UpdateR
 
 from contracts.events.rows import RowOp
 from libs.codec.table_meta import BinlogColumn
+from services.capture import table_map_cache
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +141,8 @@ class ReaderFailed:
 Item = Begin | Rows | Commit | XaPrepare | Query | Heartbeat | ReaderFailed
 
 _EVENTS = [WriteRowsEvent, UpdateRowsEvent, DeleteRowsEvent, QueryEvent, XidEvent, RotateEvent,
-           HeartbeatLogEvent, MariadbGtidEvent, MysqlGtidEvent, TableMapEvent, XAPrepareEvent]
+           HeartbeatLogEvent, MariadbGtidEvent, MysqlGtidEvent, TableMapEvent,
+           table_map_cache.CachedTableMapEvent, XAPrepareEvent]
 _FL_PREPARED_XA = 0x40
 
 
@@ -182,6 +185,7 @@ class BinlogReader:
         self.position = start
 
     def start(self) -> None:
+        table_map_cache.install()
         self._thread = threading.Thread(target=self._run, name=f"binlog-{self._start}", daemon=True)
         self._thread.start()
 
@@ -222,18 +226,32 @@ class BinlogReader:
             return not self._thread.is_alive()
         return True
 
-    def take(self, max_items: int = 500, wait: float = 0.5) -> list[Item]:
-        """Block up to ``wait`` for the first item, then take what is there (runs off-loop)."""
+    def take(self, max_items: int = 2000, wait: float = 0.5, linger: float = 0.002) -> list[Item]:
+        """Block up to ``wait`` for the first item, then take what comes within ``linger`` more
+        (runs off-loop). Each batch costs the event loop a fixed amount (an executor hop, the
+        publish spans, a status update): while a backlog drains, batches of a few items would
+        spend more on that than on the items; ``linger`` bounds what it adds to latency."""
         try:
             items = [self._queue.get(timeout=wait)]
         except queue.Empty:
             return []
+        until = time.monotonic() + linger
         while len(items) < max_items:
             try:
                 items.append(self._queue.get_nowait())
             except queue.Empty:
-                break
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    items.append(self._queue.get(timeout=left))
+                except queue.Empty:
+                    break
         return items
+
+    def pending(self) -> int:
+        """Items read and not taken yet (a backlog is being drained when > 0)."""
+        return self._queue.qsize()
 
     def _put(self, item: Item) -> bool:
         while not self._stop.is_set():

@@ -274,12 +274,23 @@ class SourcePipeline:
 
     # ------------------------------------------------------------------ items
 
-    async def handle_batch(self, items: list[Item]) -> None:
-        for item in items:
-            await self.handle(item)
-            if time.monotonic() - self._last_resolve >= self._resolve_every_s:
+    async def handle_batch(self, items: list[Item], *, caught_up: bool = True) -> None:
+        """Handle ``items``; ``caught_up``: the reader had nothing more queued after them.
+
+        A resolved mark waits for the ack of everything before it, so it stops the pipeline
+        for a round trip: while a backlog drains (not ``caught_up``) one goes out every
+        ``resolve_every_s``, and the row messages between marks are acked in a pipelined window;
+        once caught up, one closes each batch, so an idle source's last commit resolves at once.
+        """
+        try:
+            for item in items:
+                await self.handle(item)
+                if time.monotonic() - self._last_resolve >= self._resolve_every_s:
+                    await self.publish_resolved()
+            if caught_up:
                 await self.publish_resolved()
-        await self.publish_resolved()
+        finally:
+            self.publisher.end_spans()
 
     @property
     def recovering(self) -> bool:
