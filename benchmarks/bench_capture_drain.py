@@ -252,6 +252,7 @@ def main() -> None:
                                     lambda _pid, _root, _argv: "capture", interval=0.2)
             sampler.start()
             wait_reading(proc)
+            sampler.start_clock()
             started = time.perf_counter()
             finished = asyncio.run(wait_resolved(nats_server, end, 1800))
             seconds = finished - started
@@ -259,6 +260,9 @@ def main() -> None:
             sampler.join()
             published = rows_published(proc)
             peak_mib = sampler.peaks.get("capture", 0) / 2**20
+            cpu_s = sampler.cpu_by_part().get("capture", 0.0)
+            _say(f"capture CPU during the drain: {cpu_s:.1f} s ({cpu_s / seconds:.0%} of one core)")
+            figures.extra["capture_cpu_s"] = cpu_s
         rate = parsed.rows / seconds
         _say(f"drain: {published:,} rows published in {seconds:.2f} s = {rate:,.0f} rows/s "
              f"({rate / parsed.rows_per_s:.2f}x parse-only); capture peak RSS {peak_mib:,.0f} MiB")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -274,7 +274,7 @@ class SourcePipeline:
 
     # ------------------------------------------------------------------ items
 
-    async def handle_batch(self, items: list[Item], *, caught_up: bool = True) -> None:
+    async def handle_batch(self, items: Sequence[Item], *, caught_up: bool = True) -> None:
         """Handle ``items``; ``caught_up``: the reader had nothing more queued after them.
 
         A resolved mark waits for the ack of everything before it, so it stops the pipeline
@@ -484,8 +484,8 @@ class SourcePipeline:
         event = RowsChangedV2.model_construct(
             source=self.source, database=key[0], table=key[1], ts=txn.ts, seq=self.next_seq,
             part=buffer.part, last_part=last,
-            position=SourcePositionV1(binlog_file=txn.begin.file, binlog_pos=txn.begin.pos,
-                                      gtid=txn.gtid),
+            position=SourcePositionV1.model_construct(binlog_file=txn.begin.file, binlog_pos=txn.begin.pos,
+                                                      gtid=txn.gtid),
             meta=buffer.info.meta(), rows=rows)
         msg_id = f"{self.source}:{txn.begin.file}:{txn.begin.pos}:{key[0]}.{key[1]}:{buffer.part}"
         try:

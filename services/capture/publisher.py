@@ -50,6 +50,7 @@ from libs.telemetry.tracing import publish_span, start_publish_span
 from libs.ts import ts_seconds
 from services.capture import metrics
 from services.capture.large_encode import approx_size, encode_rows_deterministic
+from services.capture.rows_encode import encode_rows
 from services.capture.xa import XaResume
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ XA_PREPARED_HEADER = "Sluice-Xa-Prepared"
 _WRONG_LAST_SEQ = frozenset({10071})
 _CHUNK_WINDOW_BYTES = 4 * 1024 * 1024
 _NO_RESPONDERS = "503"
+_ROWS_TYPE = REGISTRY.key_of(RowsChangedV2)[0]
 
 
 class LeaseLost(Exception):
@@ -210,6 +212,12 @@ class Publisher:
             # Likely to need chunks: the deterministic encoding, in a thread (large_encode.py).
             payload = await asyncio.to_thread(encode_rows_deterministic, event, event_id=msg_id)
             type_ = REGISTRY.key_of(RowsChangedV2)[0]
+        elif isinstance(event, RowsChangedV2):
+            type_ = _ROWS_TYPE
+            try:
+                payload = encode_rows(event, producer=self.producer, epoch=self.epoch, event_id=msg_id)
+            except TypeError:  # a value orjson does not write as the contract says
+                payload, type_ = self._encode(event, msg_id)
         else:
             payload, type_ = self._encode(event, msg_id)
         if needs_chunks(len(payload), max_payload):
