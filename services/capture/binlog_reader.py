@@ -227,27 +227,8 @@ class BinlogReader:
         return True
 
     def take(self, max_items: int = 2000, wait: float = 0.5, linger: float = 0.002) -> list[Item]:
-        """Block up to ``wait`` for the first item, then take what comes within ``linger`` more
-        (runs off-loop). Each batch costs the event loop a fixed amount (an executor hop, the
-        publish spans, a status update): while a backlog drains, batches of a few items would
-        spend more on that than on the items; ``linger`` bounds what it adds to latency."""
-        try:
-            items = [self._queue.get(timeout=wait)]
-        except queue.Empty:
-            return []
-        until = time.monotonic() + linger
-        while len(items) < max_items:
-            try:
-                items.append(self._queue.get_nowait())
-            except queue.Empty:
-                left = until - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    items.append(self._queue.get(timeout=left))
-                except queue.Empty:
-                    break
-        return items
+        """A batch of items (``take_batch``; runs off-loop)."""
+        return take_batch(self._queue, max_items, wait, linger)
 
     def pending(self) -> int:
         """Items read and not taken yet (a backlog is being drained when > 0)."""
@@ -299,6 +280,30 @@ class BinlogReader:
                 except Exception:  # closing a broken connection may fail too
                     log.debug("closing the binlog stream failed", exc_info=True)
             _quiet.stopped_threads.discard(threading.get_ident())
+
+
+def take_batch(items_queue: queue.Queue[Item], max_items: int, wait: float, linger: float) -> list[Item]:
+    """Block up to ``wait`` for the first item, then take what comes within ``linger`` more.
+    Each batch costs the event loop a fixed amount (an executor hop, the publish spans, a status
+    update): while a backlog drains, batches of a few items would spend more on that than on the
+    items; ``linger`` bounds what it adds to latency."""
+    try:
+        items = [items_queue.get(timeout=wait)]
+    except queue.Empty:
+        return []
+    until = time.monotonic() + linger
+    while len(items) < max_items:
+        try:
+            items.append(items_queue.get_nowait())
+        except queue.Empty:
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                items.append(items_queue.get(timeout=left))
+            except queue.Empty:
+                break
+    return items
 
 
 def _position_of(item: Item) -> Position:
