@@ -121,3 +121,16 @@ def test_the_fast_rows_encoding_decodes_to_the_same_event() -> None:
         op="insert", before=None, after={"id": 2**70}, ordinal=0)]})
     with pytest.raises(TypeError):
         encode_rows(too_big, producer="capture/x", epoch=3, event_id="x")
+
+
+def test_the_pipelines_models_are_what_model_construct_builds() -> None:
+    from contracts.events.rows import RowImageV2, SourcePositionV1
+    from services.capture.pipeline import _construct
+
+    values = {"op": "update", "before": {"id": 1}, "after": {"id": 2}, "ordinal": 0}
+    fast, slow = _construct(RowImageV2, dict(values)), RowImageV2.model_construct(**values)
+    assert fast == slow and fast.model_dump() == slow.model_dump() == values
+    assert fast.model_fields_set == slow.model_fields_set
+    assert fast.model_copy(update={"ordinal": 5}).ordinal == 5
+    position = _construct(SourcePositionV1, {"binlog_file": "b.1", "binlog_pos": 4, "gtid": None})
+    assert position.model_dump_json() == SourcePositionV1(binlog_file="b.1", binlog_pos=4).model_dump_json()
