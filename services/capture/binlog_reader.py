@@ -253,6 +253,8 @@ class BinlogReader:
                 only_schemas=self._only_schemas, enable_logging=False, pymysql_wrapper=self._connect)
             current_file = self._start.file
             maps: dict[int, TableMapExtras] = {}
+            shapes: dict[int, _Shape] = {}
+            extras_of: dict[int, tuple[Any, TableMapExtras]] = {}
             for event in stream:
                 if self._stop.is_set():
                     break
@@ -262,9 +264,13 @@ class BinlogReader:
                 if isinstance(event, TableMapEvent):
                     # Table ids are reused only after a table leaves the server's cache; the
                     # newest map of an id is the one its rows events refer to.
-                    maps[event.table_id] = table_map_extras(event)
+                    # The same parse (table-map cache) gives the same extras: not read again.
+                    seen = extras_of.get(event.table_id)
+                    if seen is None or seen[0] is not event.optional_metadata:
+                        seen = extras_of[event.table_id] = (event.optional_metadata, table_map_extras(event))
+                    maps[event.table_id] = seen[1]
                     continue
-                item = _convert(event, current_file, maps)
+                item = _convert(event, current_file, maps, shapes)
                 if item is not None:
                     if not isinstance(item, Heartbeat):
                         self.position = _position_of(item)
@@ -386,12 +392,28 @@ def _columns(event: Any, extras: TableMapExtras | None) -> tuple[BinlogColumn, .
     return tuple(out)
 
 
-def _convert(event: Any, current_file: str, maps: dict[int, TableMapExtras]) -> Item | None:
+_Shape = tuple[Any, TableMapExtras | None, tuple[BinlogColumn, ...], Repairs]
+
+
+def _shape(event: Any, maps: dict[int, TableMapExtras], shapes: dict[int, _Shape]) -> _Shape:
+    """The rows event's columns and repairs, made once per table map: the library hands every
+    rows event of a table the same column list until a new map of the table (the table-map
+    cache returns the same one for identical maps), so identity says whether it still holds."""
+    extras = maps.get(event.table_id)
+    known = shapes.get(event.table_id)
+    if known is not None and known[0] is event.columns and known[1] is extras:
+        return known
+    shape = (event.columns, extras, _columns(event, extras), _repairs(event))
+    shapes[event.table_id] = shape
+    return shape
+
+
+def _convert(event: Any, current_file: str, maps: dict[int, TableMapExtras],
+             shapes: dict[int, _Shape] | None = None) -> Item | None:
     position = Position(current_file, int(event.packet.log_pos))
     timestamp = int(event.timestamp)
     if isinstance(event, WriteRowsEvent | UpdateRowsEvent | DeleteRowsEvent):
-        columns = _columns(event, maps.get(event.table_id))
-        repairs = _repairs(event)
+        _, _, columns, repairs = _shape(event, maps, {} if shapes is None else shapes)
         if isinstance(event, UpdateRowsEvent):
             op: RowOp = "update"
             images = tuple(RowImage(_fix_row(r["before_values"], repairs),

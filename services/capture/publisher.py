@@ -263,7 +263,11 @@ class Publisher:
     async def _settle_one(self) -> None:
         item = self._in_flight.popleft()
         try:
-            await asyncio.wait_for(asyncio.shield(item.future), self._ack_timeout)
+            if not item.future.done():
+                # Only then: wait_for costs a timer and an event-loop turn even for an ack that is
+                # already in, and acks mostly come back in bursts ahead of the window's head.
+                await asyncio.wait_for(asyncio.shield(item.future), self._ack_timeout)
+            item.future.result()
         except TimeoutError:
             raise PublishFailed(f"no ack within {self._ack_timeout}s for {item.subject}") from None
         except (APIError, NoStreamResponseError) as exc:
