@@ -21,7 +21,8 @@ schemas:
     .venv/bin/python -m contracts.generate
 
 # Every benchmark, and the release report at the top of BENCHMARKS.md (not part of the test
-# suite; ~35 min; `just bench --quick` for a smoke run). Needs `.venv/bin/pip install -e '.[bench]'`.
+# suite; ~35 min; `just bench --quick` for a smoke run). Needs `.venv/bin/pip install -e '.[bench]'`;
+# the OLTP benchmarks install sysbench with apt-get (root or sudo) when it is missing.
 bench *ARGS:
     .venv/bin/python -m benchmarks.run_all {{ARGS}}
 

@@ -81,10 +81,15 @@ BENCHES = (
     Bench("bench_shard_ddl", "Shard DDL coordination", (), ("--rounds", "1")),
     Bench("bench_snapshot", "Initial load against LOAD DATA and COPY", ("--rows", "500000"),
           ("--rows", "50000", "--chunk-rows", "10000")),
+    Bench("bench_capture_drain", "Capture drain of a sysbench backlog beside the binlog library's parse-only "
+          "rate", (), ("--table-size", "10000", "--seconds", "10")),
+    Bench("bench_oltp", "sysbench against a source: upstream TPS, lag and catch-up into MariaDB and "
+          "PostgreSQL beside a native GTID replica", (),
+          ("--table-size", "10000", "--write-s", "20", "--rw-s", "10", "--dir", ".sluice/bench-quick/oltp")),
 )
 # Heavy multi-process benchmarks last: a failure there should not cost the quick ones.
-RUN_ORDER = ("bench_scheduling", "bench_rebuild", "bench_shard_ddl", "bench_snapshot", "apply",
-             "bench_failover", "bench_e2e", "bench_e2e_shared")
+RUN_ORDER = ("bench_scheduling", "bench_rebuild", "bench_shard_ddl", "bench_snapshot", "bench_capture_drain",
+             "apply", "bench_failover", "bench_e2e", "bench_e2e_shared", "bench_oltp")
 
 
 def _say(text: str) -> None:

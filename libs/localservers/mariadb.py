@@ -265,6 +265,27 @@ class MariaDB:
         """``connection_settings`` for pymysqlreplication's BinLogStreamReader."""
         return {"host": "127.0.0.1", "port": self.port, "user": "root", "passwd": ""}
 
+    def replicate_from(self, source: MariaDB) -> None:
+        """Make this server a native GTID replica of ``source`` from its first transaction
+        (``MASTER_USE_GTID=slave_pos`` with an empty position): the physical baseline the OLTP
+        benchmark sets beside capture. Each server needs its own ``server_id``."""
+        self.execute(
+            "STOP SLAVE", "RESET SLAVE ALL", "SET GLOBAL gtid_slave_pos = ''",
+            f"CHANGE MASTER TO MASTER_HOST='127.0.0.1', MASTER_PORT={source.port}, "
+            "MASTER_USER='root', MASTER_PASSWORD='', MASTER_USE_GTID=slave_pos",
+            "START SLAVE")
+
+    def replica_status(self) -> dict[str, Any]:
+        """``SHOW SLAVE STATUS`` as a dict (empty when this server is no replica)."""
+        conn = self.connect()
+        try:
+            with conn.cursor(pymysql.cursors.DictCursor) as cur:
+                cur.execute("SHOW SLAVE STATUS")
+                row = cur.fetchone()
+            return dict(row) if row else {}
+        finally:
+            conn.close()
+
     def tail_log(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

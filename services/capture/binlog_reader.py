@@ -14,6 +14,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from pymysqlreplication.row_event import DeleteRowsEvent, TableMapEvent, UpdateR
 
 from contracts.events.rows import RowOp
 from libs.codec.table_meta import BinlogColumn
+from services.capture import table_map_cache
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +141,8 @@ class ReaderFailed:
 Item = Begin | Rows | Commit | XaPrepare | Query | Heartbeat | ReaderFailed
 
 _EVENTS = [WriteRowsEvent, UpdateRowsEvent, DeleteRowsEvent, QueryEvent, XidEvent, RotateEvent,
-           HeartbeatLogEvent, MariadbGtidEvent, MysqlGtidEvent, TableMapEvent, XAPrepareEvent]
+           HeartbeatLogEvent, MariadbGtidEvent, MysqlGtidEvent, TableMapEvent,
+           table_map_cache.CachedTableMapEvent, XAPrepareEvent]
 _FL_PREPARED_XA = 0x40
 
 
@@ -182,6 +185,7 @@ class BinlogReader:
         self.position = start
 
     def start(self) -> None:
+        table_map_cache.install()
         self._thread = threading.Thread(target=self._run, name=f"binlog-{self._start}", daemon=True)
         self._thread.start()
 
@@ -222,18 +226,13 @@ class BinlogReader:
             return not self._thread.is_alive()
         return True
 
-    def take(self, max_items: int = 500, wait: float = 0.5) -> list[Item]:
-        """Block up to ``wait`` for the first item, then take what is there (runs off-loop)."""
-        try:
-            items = [self._queue.get(timeout=wait)]
-        except queue.Empty:
-            return []
-        while len(items) < max_items:
-            try:
-                items.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        return items
+    def take(self, max_items: int = 2000, wait: float = 0.5, linger: float = 0.002) -> list[Item]:
+        """A batch of items (``take_batch``; runs off-loop)."""
+        return take_batch(self._queue, max_items, wait, linger)
+
+    def pending(self) -> int:
+        """Items read and not taken yet (a backlog is being drained when > 0)."""
+        return self._queue.qsize()
 
     def _put(self, item: Item) -> bool:
         while not self._stop.is_set():
@@ -254,6 +253,8 @@ class BinlogReader:
                 only_schemas=self._only_schemas, enable_logging=False, pymysql_wrapper=self._connect)
             current_file = self._start.file
             maps: dict[int, TableMapExtras] = {}
+            shapes: dict[int, _Shape] = {}
+            extras_of: dict[int, tuple[Any, TableMapExtras]] = {}
             for event in stream:
                 if self._stop.is_set():
                     break
@@ -263,9 +264,13 @@ class BinlogReader:
                 if isinstance(event, TableMapEvent):
                     # Table ids are reused only after a table leaves the server's cache; the
                     # newest map of an id is the one its rows events refer to.
-                    maps[event.table_id] = table_map_extras(event)
+                    # The same parse (table-map cache) gives the same extras: not read again.
+                    seen = extras_of.get(event.table_id)
+                    if seen is None or seen[0] is not event.optional_metadata:
+                        seen = extras_of[event.table_id] = (event.optional_metadata, table_map_extras(event))
+                    maps[event.table_id] = seen[1]
                     continue
-                item = _convert(event, current_file, maps)
+                item = _convert(event, current_file, maps, shapes)
                 if item is not None:
                     if not isinstance(item, Heartbeat):
                         self.position = _position_of(item)
@@ -281,6 +286,30 @@ class BinlogReader:
                 except Exception:  # closing a broken connection may fail too
                     log.debug("closing the binlog stream failed", exc_info=True)
             _quiet.stopped_threads.discard(threading.get_ident())
+
+
+def take_batch(items_queue: queue.Queue[Item], max_items: int, wait: float, linger: float) -> list[Item]:
+    """Block up to ``wait`` for the first item, then take what comes within ``linger`` more.
+    Each batch costs the event loop a fixed amount (an executor hop, the publish spans, a status
+    update): while a backlog drains, batches of a few items would spend more on that than on the
+    items; ``linger`` bounds what it adds to latency."""
+    try:
+        items = [items_queue.get(timeout=wait)]
+    except queue.Empty:
+        return []
+    until = time.monotonic() + linger
+    while len(items) < max_items:
+        try:
+            items.append(items_queue.get_nowait())
+        except queue.Empty:
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                items.append(items_queue.get(timeout=left))
+            except queue.Empty:
+                break
+    return items
 
 
 def _position_of(item: Item) -> Position:
@@ -363,12 +392,28 @@ def _columns(event: Any, extras: TableMapExtras | None) -> tuple[BinlogColumn, .
     return tuple(out)
 
 
-def _convert(event: Any, current_file: str, maps: dict[int, TableMapExtras]) -> Item | None:
+_Shape = tuple[Any, TableMapExtras | None, tuple[BinlogColumn, ...], Repairs]
+
+
+def _shape(event: Any, maps: dict[int, TableMapExtras], shapes: dict[int, _Shape]) -> _Shape:
+    """The rows event's columns and repairs, made once per table map: the library hands every
+    rows event of a table the same column list until a new map of the table (the table-map
+    cache returns the same one for identical maps), so identity says whether it still holds."""
+    extras = maps.get(event.table_id)
+    known = shapes.get(event.table_id)
+    if known is not None and known[0] is event.columns and known[1] is extras:
+        return known
+    shape = (event.columns, extras, _columns(event, extras), _repairs(event))
+    shapes[event.table_id] = shape
+    return shape
+
+
+def _convert(event: Any, current_file: str, maps: dict[int, TableMapExtras],
+             shapes: dict[int, _Shape] | None = None) -> Item | None:
     position = Position(current_file, int(event.packet.log_pos))
     timestamp = int(event.timestamp)
     if isinstance(event, WriteRowsEvent | UpdateRowsEvent | DeleteRowsEvent):
-        columns = _columns(event, maps.get(event.table_id))
-        repairs = _repairs(event)
+        _, _, columns, repairs = _shape(event, maps, {} if shapes is None else shapes)
         if isinstance(event, UpdateRowsEvent):
             op: RowOp = "update"
             images = tuple(RowImage(_fix_row(r["before_values"], repairs),

@@ -10,6 +10,11 @@ Resolved marks are also the fence between two captures of one source: each carri
 ``Nats-Expected-Last-Subject-Sequence`` = the stream sequence of the mark it follows, so a
 capture that lost its lease and did not notice yet cannot publish a mark after its successor's.
 
+Acks come back to one subscription of the publisher (``AckInbox``), and messages published
+between two event-loop turns go out in one socket write. Tracing: one PRODUCER span per subject
+per batch the pipeline hands over (``end_spans``), its context in each message's headers, not a
+span per message.
+
 A message larger than the server's max_payload (the client knows it from the server's INFO)
 is published as ordered chunks on the same subject (``libs/chunks.py``), each with its own
 deterministic id; the sink joins them again. Beyond ``max_message_bytes`` a message is refused
@@ -19,24 +24,33 @@ deterministic id; the sink joins them again. Beyond ``max_message_bytes`` a mess
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext, api
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NoStreamResponseError
+from opentelemetry.trace import Span
 from pydantic import BaseModel
 
 from contracts.events.rows import ResolvedAdvancedV1, RowsChangedV2
 from contracts.registry import REGISTRY
 from libs.chunks import chunk_size_for, digest_of, needs_chunks, split
 from libs.streams import ROWS_STREAM, resolved_subject
-from libs.telemetry.tracing import publish_span
+from libs.telemetry.tracing import publish_span, start_publish_span
 from libs.ts import ts_seconds
 from services.capture import metrics
 from services.capture.large_encode import approx_size, encode_rows_deterministic
+from services.capture.rows_encode import encode_rows
 from services.capture.xa import XaResume
 
 log = logging.getLogger(__name__)
@@ -49,6 +63,8 @@ NEXT_SEQ_HEADER = "Sluice-Next-Seq"
 XA_PREPARED_HEADER = "Sluice-Xa-Prepared"
 _WRONG_LAST_SEQ = frozenset({10071})
 _CHUNK_WINDOW_BYTES = 4 * 1024 * 1024
+_NO_RESPONDERS = "503"
+_ROWS_TYPE = REGISTRY.key_of(RowsChangedV2)[0]
 
 
 class LeaseLost(Exception):
@@ -79,6 +95,67 @@ class _InFlight:
     subject: str
 
 
+class AckInbox:
+    """JetStream publishes whose acks come back to one subscription, as futures.
+
+    What nats-py's ``publish_async`` does, without what costs per message there: a random
+    token (a ``getrandom`` system call each), a semaphore taken through ``wait_for`` (a task
+    and an event-loop turn each, so every message went out in its own socket write) and a
+    done-callback. The reply subject ends in a counter; the window of ``Publisher`` bounds what
+    is in flight.
+    """
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._prefix = ""
+        self._sub: Subscription | None = None
+        self._futures: dict[str, asyncio.Future[api.PubAck]] = {}
+        self._next = 0
+
+    async def publish(self, subject: str, payload: bytes,
+                      headers: dict[str, str]) -> asyncio.Future[api.PubAck]:
+        if self._sub is None:
+            self._prefix = self._nc.new_inbox() + "."
+            self._sub = await self._nc.subscribe(self._prefix + "*", cb=self._on_ack)
+        self._next += 1
+        token = str(self._next)
+        future: asyncio.Future[api.PubAck] = asyncio.get_running_loop().create_future()
+        self._futures[token] = future
+        try:
+            await self._nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
+        except BaseException:
+            self._futures.pop(token, None)
+            raise
+        future.add_done_callback(lambda _f: self._futures.pop(token, None))
+        return future
+
+    async def _on_ack(self, msg: Msg) -> None:
+        future = self._futures.pop(msg.subject[len(self._prefix):], None)
+        if future is None or future.done():
+            return  # a session already over, or a late answer after a timeout
+        if msg.headers and msg.headers.get(api.Header.STATUS) == _NO_RESPONDERS:
+            future.set_exception(NoStreamResponseError())
+            return
+        try:
+            resp = json.loads(msg.data)
+        except ValueError as exc:
+            future.set_exception(exc)
+            return
+        if "error" in resp:
+            future.set_exception(APIError.from_error(resp["error"]))
+        else:
+            future.set_result(api.PubAck.from_response(resp))
+
+    async def close(self) -> None:
+        for future in self._futures.values():
+            future.cancel()
+        self._futures.clear()
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(NatsError):
+                await sub.unsubscribe()
+
+
 class Publisher:
     def __init__(self, js: JetStreamContext, source: str, producer: str, *,
                  is_valid: Callable[[], bool], epoch: int = 0, window: int = 256,
@@ -98,6 +175,24 @@ class Publisher:
         # The server's max_payload, as its INFO told the client (nats-py keeps it current).
         self._max_payload = max_payload or (lambda: 1024 * 1024)
         self.max_message_bytes = max_message_bytes
+        self._acks = AckInbox(js._nc)
+        self._spans: dict[str, tuple[Span, dict[str, str]]] = {}
+        self._messages: dict[str, Any] = {}  # event type -> its counter (labels() per message costs)
+        self._rows = metrics.ROWS_PUBLISHED.labels(source)
+
+    def _span_headers(self, subject: str) -> dict[str, str]:
+        """The trace headers of ``subject``'s publish span of this batch (opened on first use)."""
+        found = self._spans.get(subject)
+        if found is None:
+            found = self._spans[subject] = start_publish_span(subject)
+        return found[1]
+
+    def end_spans(self) -> None:
+        """End the batch's publish spans: one per subject a batch published to, not one per
+        message (a span costs more than the publish of a small message)."""
+        spans, self._spans = self._spans, {}
+        for span, _headers in spans.values():
+            span.end()
 
     def _check_lease(self) -> None:
         if not self._is_valid():
@@ -116,6 +211,12 @@ class Publisher:
             # Likely to need chunks: the deterministic encoding, in a thread (large_encode.py).
             payload = await asyncio.to_thread(encode_rows_deterministic, event, event_id=msg_id)
             type_ = REGISTRY.key_of(RowsChangedV2)[0]
+        elif isinstance(event, RowsChangedV2):
+            type_ = _ROWS_TYPE
+            try:
+                payload = encode_rows(event, producer=self.producer, epoch=self.epoch, event_id=msg_id)
+            except TypeError:  # a value orjson does not write as the contract says
+                payload, type_ = self._encode(event, msg_id)
         else:
             payload, type_ = self._encode(event, msg_id)
         if needs_chunks(len(payload), max_payload):
@@ -125,14 +226,20 @@ class Publisher:
             await self._send_chunks(subject, payload, msg_id, getattr(event, "ts", 0), max_payload)
         else:
             await self._publish_one(subject, payload, {api.Header.MSG_ID.value: msg_id})
-        metrics.MESSAGES_PUBLISHED.labels(self.source, type_).inc()
+        self._counter(type_).inc()
         if rows:
-            metrics.ROWS_PUBLISHED.labels(self.source).inc(rows)
+            self._rows.inc(rows)
+
+    def _counter(self, type_: str) -> Any:
+        found = self._messages.get(type_)
+        if found is None:
+            found = self._messages[type_] = metrics.MESSAGES_PUBLISHED.labels(self.source, type_)
+        return found
 
     async def _publish_one(self, subject: str, payload: bytes, headers: dict[str, str]) -> None:
-        with publish_span(subject, headers) as (_span, traced):
-            future = await self.js.publish_async(subject, payload, headers=traced,
-                                                 stream=ROWS_STREAM, wait_stall=self._ack_timeout)
+        traced = {**self._span_headers(subject), **headers,
+                  api.Header.EXPECTED_STREAM.value: ROWS_STREAM}
+        future = await self._acks.publish(subject, payload, traced)
         self._in_flight.append(_InFlight(future, time.perf_counter(), subject))
         while len(self._in_flight) > self._window:
             await self._settle_one()
@@ -156,11 +263,15 @@ class Publisher:
     async def _settle_one(self) -> None:
         item = self._in_flight.popleft()
         try:
-            await asyncio.wait_for(asyncio.shield(item.future), self._ack_timeout)
+            if not item.future.done():
+                # Only then: wait_for costs a timer and an event-loop turn even for an ack that is
+                # already in, and acks mostly come back in bursts ahead of the window's head.
+                await asyncio.wait_for(asyncio.shield(item.future), self._ack_timeout)
+            item.future.result()
         except TimeoutError:
             raise PublishFailed(f"no ack within {self._ack_timeout}s for {item.subject}") from None
-        except APIError as exc:
-            raise PublishFailed(f"publish to {item.subject} refused: {exc}") from exc
+        except (APIError, NoStreamResponseError) as exc:
+            raise PublishFailed(f"publish to {item.subject} refused: {exc!r}") from exc
         self._latency.observe(time.perf_counter() - item.started)
 
     async def flush(self) -> None:
@@ -176,6 +287,12 @@ class Publisher:
         for item in self._in_flight:
             item.future.cancel()
         self._in_flight.clear()
+
+    async def close(self) -> None:
+        """``discard``, and stop listening for acks."""
+        self.discard()
+        self.end_spans()
+        await self._acks.close()
 
     async def resolved(self, event: ResolvedAdvancedV1, msg_id: str, next_seq: int, *,
                        xa: XaResume | None = None) -> None:
@@ -204,5 +321,5 @@ class Publisher:
                 raise PublishFailed("no ack for the resolved mark") from None
         self._latency.observe(time.perf_counter() - started)
         self.resolved_stream_seq = int(ack.seq)
-        metrics.MESSAGES_PUBLISHED.labels(self.source, type_).inc()
+        self._counter(type_).inc()
         metrics.RESOLVED_TIME.labels(self.source).set(ts_seconds(event.ts))

@@ -298,12 +298,18 @@ class Capture:
         return False
 
     async def _session(self, leadership: Leadership) -> None:
-        assert self.options is not None
-        options = self.options
         nc = self.js._nc
         publisher = Publisher(self.js, self.source, self.producer, is_valid=leadership.valid,
                               epoch=leadership.epoch, max_payload=lambda: nc.max_payload,
                               max_message_bytes=self.settings.capture_max_message_bytes)
+        try:
+            await self._read(leadership, publisher)
+        finally:
+            await publisher.close()
+
+    async def _read(self, leadership: Leadership, publisher: Publisher) -> None:
+        assert self.options is not None
+        options = self.options
         conn = await asyncio.to_thread(connect, options)
         try:
             problems = await asyncio.to_thread(check_source, conn)
@@ -347,7 +353,7 @@ class Capture:
                     raise LeaseLost(f"capture lease of {self.source} lost")
                 items = await loop.run_in_executor(None, reader.take)
                 try:
-                    await pipeline.handle_batch(items)
+                    await pipeline.handle_batch(items, caught_up=not reader.pending())
                 except pymysql.err.OperationalError as exc:
                     if not binlog_unavailable(exc):
                         raise
