@@ -220,6 +220,9 @@ class Settings(BaseSettings):
     secrets_dir: str | None = Field(
         None, description="Directory of secret files: URL password secret:NAME reads file NAME here "
                           "(else env SLUICE_SECRET_<NAME>); read by libs.secret_refs.")
+    secrets_hosts: str | None = Field(
+        None, description="Where each secret may be sent: NAME=host:port,host;NAME2=... A secret is "
+                          "resolved only for a URL whose host(s) are bound to it; read by libs.secret_refs.")
     # --- end api auth ---
     api_command_timeout_s: float = Field(
         5.0, gt=0, description="How long the api waits for a leader to answer a command.")

@@ -96,7 +96,7 @@ def test_compose_holds_no_password_and_takes_them_from_env_file() -> None:
     for name, spec in services.items():
         for key, value in (spec.get("environment") or {}).items():
             if re.search(r"PASSWORD|TOKEN|SECRET", key) and not key.endswith("_FILE") \
-                    and key != "SLUICE_SECRETS_DIR":
+                    and key not in ("SLUICE_SECRETS_DIR", "SLUICE_SECRETS_HOSTS"):
                 assert str(value).startswith("${") and ":?" in str(value), (name, key, value)
             if "://" in str(value) and "@" in str(value):
                 password = str(value).split("://", 1)[1].split("@", 1)[0].partition(":")[2]
@@ -143,6 +143,8 @@ def test_compose_grafana_has_no_anonymous_access_and_health_uses_readyz() -> Non
 
 
 def test_compose_stack_is_complete_and_consistent() -> None:
+    from libs.dburl import parse_database_url
+    from libs.secret_refs import binding_problem, is_reference, reference_name
     from libs.service import DEFAULT_PORTS
 
     services = _compose()["services"]
@@ -209,6 +211,13 @@ def test_compose_stack_is_complete_and_consistent() -> None:
         if service == "capture":
             source = env["SLUICE_SOURCE_URL"]
             assert any(f"@{db}:3306/" in source for db in ("mariadb-1", "mariadb-2")), name
+        # Every secret a service's URL names is bound to that URL's host (else it resolves nowhere).
+        for key in ("SLUICE_SOURCE_URL", "SLUICE_DOWNSTREAM_URL"):
+            if key in env:
+                url = parse_database_url(env[key], resolve_secrets=False)
+                if is_reference(url.password):
+                    assert binding_problem(reference_name(url.password), [(url.host, url.port)],
+                                           environ=env) is None, (name, key)
     assert replicas == {"capture": 2, "member": 2, "scheduler": 2, "replication-manager": 2,
                         "ddl-lock": 2, "api": 2, "sink-worker": 3}
     assert {s["environment"]["SLUICE_SOURCE_ID"] for n, (svc, s) in sluice.items() if svc == "capture"} == {

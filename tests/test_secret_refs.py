@@ -32,11 +32,11 @@ def test_a_missing_secret_names_where_it_was_looked_for(tmp_path: Path) -> None:
         resolve_secret("sink", str(tmp_path), {})
     assert str(tmp_path / "sink") in str(err.value) and "SLUICE_SECRET_SINK" in str(err.value)
     with pytest.raises(SecretError, match="not a name"):
-        resolve_password("secret:../etc/passwd", None, {})
+        resolve_password("secret:../etc/passwd", [("h", 1)], environ={})
 
 
 def test_a_literal_password_passes_through_and_is_detected() -> None:
-    assert resolve_password("plain", None, {}) == "plain"
+    assert resolve_password("plain", [("anywhere", 1)], environ={}) == "plain"
     assert literal_password("mysql://u:plain@h:3306/")
     assert not literal_password("mysql://u:secret:x@h:3306/")
     assert not literal_password("mysql://u@h:3306/") and not literal_password("sqlite:///a.db")
@@ -44,6 +44,7 @@ def test_a_literal_password_passes_through_and_is_detected() -> None:
 
 def test_database_urls_resolve_their_secret_when_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLUICE_SECRET_DOWN", "s3cr3t")
+    monkeypatch.setenv("SLUICE_SECRETS_HOSTS", "down=db:5432;missing=h")
     monkeypatch.delenv("SLUICE_SECRETS_DIR", raising=False)
     url = "postgresql://app:secret:down@db:5432/x"
     assert parse_database_url(url).password == "s3cr3t"
@@ -74,7 +75,8 @@ async def test_capture_resolves_its_source_secret_from_the_secrets_dir_and_leaks
     (secrets / "cap-pw").write_text(CAPTURE_CANARY + "\n")
     env = {**service_env, "SLUICE_SOURCE_ID": "capsecret", "SLUICE_SOURCE_SERVER_ID": str(replica_server_id),
            "SLUICE_SOURCE_URL": f"mysql://capcanary:secret:cap-pw@127.0.0.1:{mariadb.port}/cap_secret",
-           "SLUICE_SECRETS_DIR": str(secrets), "SLUICE_LOG_LEVEL": "DEBUG"}
+           "SLUICE_SECRETS_DIR": str(secrets), "SLUICE_LOG_LEVEL": "DEBUG",
+           "SLUICE_SECRETS_HOSTS": f"cap-pw=127.0.0.1:{mariadb.port}"}
     proc = ServiceProcess("services.capture", env, tmp_path / "logs", instance_id="capsecret").start()
     try:
         # Reading: connected with the resolved password, its start position taken (a change
@@ -114,3 +116,36 @@ def test_passwords_inside_raw_payloads_are_redacted() -> None:
     assert redact_urls_in_text(raw) == (
         '{"sink_url": "postgresql://u:***@db:5432/x", "sources": [{"url": '
         '"mysql://repl:secret:src1@h:3306/"}, {"url": "mysql://root@h/"}]}')
+
+
+def test_a_secret_resolves_only_for_the_hosts_it_is_bound_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    from libs.secret_refs import SecretBindingError, parse_bindings
+    from services.sink_worker.sinks.nats_stream import StreamUrlError, parse_stream_url
+
+    monkeypatch.setenv("SLUICE_SECRET_SHOP_PW", "shop-canary")
+    monkeypatch.setenv("SLUICE_SECRET_BUS_PW", "bus-canary")
+    monkeypatch.setenv("SLUICE_SECRETS_HOSTS",
+                       "shop-pw=DB1:3306, [::1]:3307 # the shop\nbus-pw=nats-1,nats-2:4333")
+    monkeypatch.delenv("SLUICE_SECRETS_DIR", raising=False)
+    assert parse_database_url("mysql://r:secret:shop-pw@db1:3306/").password == "shop-canary"
+    assert parse_database_url("mysql://r:secret:shop-pw@[::1]:3307/").password == "shop-canary"
+    # capture and the sinks parse their URLs here: another host or port gets no password.
+    for url in ("mysql://r:secret:shop-pw@evil:3306/", "mysql://r:secret:shop-pw@db1:3307/",
+                "postgresql://r:secret:shop-pw@db1/x"):
+        with pytest.raises(DatabaseUrlError, match="may only be sent to db1:3306") as err:
+            parse_database_url(url)
+        assert "shop-canary" not in str(err.value)
+    assert parse_stream_url("nats://u:secret:bus-pw@nats-1:4999,nats-2:4333/S").password == "bus-canary"
+    with pytest.raises(StreamUrlError, match="not to evil:4222"):
+        parse_stream_url("nats://u:secret:bus-pw@nats-1,evil/S")
+    with pytest.raises(SecretBindingError, match="bound to no host"):
+        resolve_password("secret:other", [("db1", 3306)])
+    # A malformed binding refuses every secret rather than guessing.
+    monkeypatch.setenv("SLUICE_SECRETS_HOSTS", "shop-pw db1:3306")
+    with pytest.raises(DatabaseUrlError, match="NAME=host:port"):
+        parse_database_url("mysql://r:secret:shop-pw@db1:3306/")
+    assert parse_bindings("a=h:1;a=g;;b=[fe80::1]:5") == {
+        "a": (parse_bindings("a=h:1")["a"][0], parse_bindings("a=g")["a"][0]),
+        "b": parse_bindings("b=[fe80::1]:5")["b"]}
+    with pytest.raises(SecretError, match="port out of range"):
+        parse_bindings("a=h:70000")

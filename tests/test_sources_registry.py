@@ -102,7 +102,9 @@ def registry(tmp_path_factory: pytest.TempPathFactory, mariadb: MariaDB) -> Iter
     server = NatsServer(data_dir=tmp / "nats").start()
     env = {"SLUICE_NATS_URL": server.url, "SLUICE_LEASE_TTL_S": "1.5", "SLUICE_LOG_JSON": "true",
            "SLUICE_STATE_DB_URL": f"sqlite:///{tmp / 'state.db'}", "SLUICE_API_TOKEN": TOKEN,
-           "SLUICE_SECRET_REG_PW": PASSWORD}
+           "SLUICE_SECRET_REG_PW": PASSWORD,
+           # localhost too: the test moves the source to it and expects the registry's 409.
+           "SLUICE_SECRETS_HOSTS": f"reg-pw=127.0.0.1:{mariadb.port},localhost:{mariadb.port}"}
     api = ServiceProcess("services.api", env, tmp / "logs").start()
     try:
         api.wait_healthy(60)

@@ -22,6 +22,7 @@ from services.api.auth import require_write
 from services.api.context import ApiContext, get_ctx, js_of, projections_of
 from services.api.routes.changefeeds import _command
 from services.api.schemas import Accepted, redact_url
+from services.api.validation import url_binding_problem
 
 router = APIRouter(prefix="/sources", tags=["sources"])
 
@@ -63,6 +64,9 @@ async def add_source(source: SourceIn, ctx: ApiContext = Depends(get_ctx)) -> Ac
     """Register a source's URL once; changefeeds then name it by id and its capture needs only
     SLUICE_SOURCE_ID. Registering the same URL again changes nothing."""
     problems = _url_problems(source.url)
+    binding = None if problems else url_binding_problem(source.url)
+    if binding:
+        problems = [{"loc": ["body", "url"], "msg": f"source URL refused: {binding}", "type": "value_error"}]
     if problems:
         raise RequestValidationError(problems)
     view = projections_of(ctx).changefeeds
