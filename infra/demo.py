@@ -518,6 +518,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
     system = LocalSystem(
         base_dir=args.dir, sources=2, downstream=args.downstream, control_replicas=2,
         workers=args.workers, standalone_workers=False, initial_load="snapshot",
+        nats_sync_interval=args.nats_sync_interval,
         control_env={"SLUICE_REPLICATION_TICK_S": "1", "SLUICE_DDL_LOCK_RESEND_S": "3",
                      "SLUICE_DDL_LOCK_DISCOVERY_INTERVAL_S": "1",
                      "SLUICE_SCHEDULER_DISCOVERY_INTERVAL_S": "1"},
@@ -740,7 +741,15 @@ def main() -> int:
                         help="how long the target may take to catch up after the workload")
     parser.add_argument("--no-wait", action="store_true", help="stop after the checksum comparison")
     parser.add_argument("--dir", type=Path, default=ROOT / ".sluice" / "demo", help="data and logs")
+    parser.add_argument("--nats-sync-interval", default=None,
+                        help="JetStream fsync interval of the demo's nats-server: always (before "
+                             "each acknowledgement) or a duration such as 1s. Default: the server's "
+                             "(about 2 min): the demo starts from an empty directory on every run, "
+                             "so no acknowledged write has to outlive an OS crash")
     args = parser.parse_args()
+    # The demo's state (NATS passwords, the servers' data, logs) is for its user alone; the
+    # processes it starts inherit the mask.
+    os.umask(0o077)
     if os.environ.get(CHILD_ENV) is None:
         return supervise()
     return child_main(args)

@@ -27,6 +27,9 @@ class Settings(BaseSettings):
     nats_password: SecretStr | None = Field(None, description="NATS password.")
     nats_token: SecretStr | None = Field(None, description="NATS auth token.")
     nats_creds_file: str | None = Field(None, description="Path of a NATS .creds file.")
+    nats_users_dir: str | None = Field(
+        None, description="Directory of per-role password files (python -m libs.nats_auth local): "
+                          "a service without nats_user connects as its own role with file <role>.")
     # --- NATS TLS (natsauth) ---
     nats_tls_ca_file: str | None = Field(
         None, description="CA (PEM) that signed the NATS server's certificate; setting it turns TLS on.")

@@ -142,6 +142,8 @@ def test_a_mutation_is_recorded_as_the_tokens_principal(api_stack: ApiStack) -> 
 
     # The line is written once the answer is sent: wait for it rather than race it.
     wait_until(lambda: audit() >= want, 10, f"audit lines {want - audit()}")
+    # What the api writes (its read model) is its own: 0600 (the service runtime's umask).
+    assert (api_stack.tmp / "state.db").stat().st_mode & 0o777 == 0o600
 
 
 def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(api_stack: ApiStack) -> None:

@@ -105,6 +105,11 @@ def test_compose_holds_no_password_and_takes_them_from_env_file() -> None:
     used |= {s["environment"] for s in _compose()["secrets"].values()}
     example = (ROOT / ".env.example").read_text()
     assert all(re.search(rf"^#? ?{v}=", example, re.MULTILINE) for v in used), (used, example)
+    # Copied as it is, .env.example gives no two secrets one value, and no NATS role a password
+    # (each gets its own from `python -m libs.nats_auth env`).
+    given = dict(re.findall(r"^([A-Z0-9_]+)=(.*)$", example, re.MULTILINE))
+    assert not [k for k in given if k.startswith("SLUICE_NATS_PW_")], given
+    assert len(set(given.values())) == len(given), given
     assert ".env" in (ROOT / ".gitignore").read_text().split()
     assert "sluice" not in " ".join(re.findall(r"PASSWORD\w*: *(\S+)", text))
 
@@ -250,3 +255,23 @@ def test_docker_compose_config_validates() -> None:
         assert out.returncode == 0, out.stdout + out.stderr
         return
     pytest.skip("no Docker Compose client on this machine (docker compose / docker-compose)")
+
+
+def test_no_process_is_started_with_a_url_or_secret_on_its_command_line() -> None:
+    """A command line is every local user's to read (ps, /proc/<pid>/cmdline): a URL (which may
+    hold a password), a token or a JSON spec goes to a child process through its environment
+    or stdin instead."""
+    import ast
+
+    found = []
+    for root in ("benchmarks", "infra", "libs", "services"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "subprocess"
+                        and node.args):
+                    continue
+                argv = ast.unparse(node.args[0]).lower()
+                if any(word in argv for word in ("url", "password", "secret", "token", "json.dumps")):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {argv[:100]}")
+    assert found == [], found
