@@ -224,3 +224,25 @@ def test_a_stored_secret_cannot_be_sent_to_a_host_it_is_not_bound_to(api_stack: 
         # would be waiting in the listener's backlog now.
         with pytest.raises(BlockingIOError):
             listener.accept()
+
+
+def test_a_filter_selecting_no_table_is_a_warning() -> None:
+    from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1
+    from services.api.prechecks import filter_warnings
+
+    spec = ChangefeedSpecV2(id="cf", sources=[SourceRefV1(id="s", url="mysql://u@h:3306/")],
+                            sink_url="sqlite:///x.db",
+                            filter=TableFilterV1(include=["shop.*"], exclude=["shop.a"]))
+    assert filter_warnings(spec, {"s": [("shop", "b")]}) == []
+    [warning] = filter_warnings(spec, {"s": [("shop", "a"), ("other", "b")]})
+    assert "selects no table" in warning and "shop.*" in warning
+    assert filter_warnings(spec, {}) == []  # a source not listed: its own failure says why
+
+
+@pytest.mark.integration
+def test_a_changefeed_whose_filter_selects_nothing_is_accepted_with_a_warning(api_stack: ApiStack) -> None:
+    with api_stack.client() as c:
+        r = c.post(f"{V1}/changefeeds", json=_spec(api_stack, "pc-nothing", filter={"include": ["nope_*.*"]}))
+        assert r.status_code == 202, r.text
+        assert any("selects no table" in w for w in r.json()["warnings"]), r.json()
+        assert c.delete(f"{V1}/changefeeds/pc-nothing").status_code == 202

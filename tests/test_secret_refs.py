@@ -62,6 +62,18 @@ def test_redaction_keeps_a_reference_and_hides_a_password() -> None:
 CAPTURE_CANARY = "capture-canary-8e2b61"
 
 
+def _metrics(proc: ServiceProcess) -> tuple[int, str]:
+    import urllib.request
+
+    with urllib.request.urlopen(proc.base_url + "/metrics", timeout=5) as resp:
+        return resp.status, resp.read().decode()
+
+
+def _gauge(text: str, source: str) -> float:
+    prefix = f'sluice_capture_source_failing_since_timestamp_seconds{{source="{source}"}} '
+    return next(float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix))
+
+
 @pytest.mark.integration
 async def test_capture_resolves_its_source_secret_from_the_secrets_dir_and_leaks_it_nowhere(
         mariadb: MariaDB, nats_server: NatsServer, js: JetStreamContext, service_env: dict[str, str],
@@ -72,19 +84,38 @@ async def test_capture_resolves_its_source_secret_from_the_secrets_dir_and_leaks
                     "CREATE TABLE cap_secret.t (id INT PRIMARY KEY, v VARCHAR(20))")
     secrets = tmp_path / "secrets"
     secrets.mkdir()
-    (secrets / "cap-pw").write_text(CAPTURE_CANARY + "\n")
+    # A wrong password first: capture says why and since when, and takes the corrected file at
+    # its next attempt, without a restart.
+    (secrets / "cap-pw").write_text("not-the-password\n")
     env = {**service_env, "SLUICE_SOURCE_ID": "capsecret", "SLUICE_SOURCE_SERVER_ID": str(replica_server_id),
            "SLUICE_SOURCE_URL": f"mysql://capcanary:secret:cap-pw@127.0.0.1:{mariadb.port}/cap_secret",
            "SLUICE_SECRETS_DIR": str(secrets), "SLUICE_LOG_LEVEL": "DEBUG",
            "SLUICE_SECRETS_HOSTS": f"cap-pw=127.0.0.1:{mariadb.port}"}
     proc = ServiceProcess("services.capture", env, tmp_path / "logs", instance_id="capsecret").start()
     try:
+        async def failing() -> bool:
+            health = await asyncio.to_thread(proc.health) or {}
+            return "Access denied" in str(health.get("problem")) and bool(health.get("problem_since"))
+
+        await eventually(failing, 60, "capture showing why it cannot connect, and since when")
+        health = await asyncio.to_thread(proc.health) or {}
+        assert health["state"] == "source-error" and health["problem_since_utc"].endswith(" UTC"), health
+        status, metrics_text = await asyncio.to_thread(_metrics, proc)
+        assert status == 200 and _gauge(metrics_text, "capsecret") == pytest.approx(
+            health["problem_since"], abs=1), metrics_text
+        pid = proc.proc.pid if proc.proc else None
+        (secrets / "cap-pw").write_text(CAPTURE_CANARY + "\n")
+
         # Reading: connected with the resolved password, its start position taken (a change
         # made before that position would not be captured).
         async def reading() -> bool:
             return (await asyncio.to_thread(proc.health) or {}).get("state") == "reading"
 
-        await eventually(reading, 60, "capture reading the source's binlog")
+        await eventually(reading, 60, "capture reading the source's binlog once its secret is right")
+        assert proc.proc is not None and proc.proc.pid == pid  # the same process: no restart
+        health = await asyncio.to_thread(proc.health) or {}
+        assert health.get("problem") is None and health.get("problem_since") is None, health
+        assert _gauge((await asyncio.to_thread(_metrics, proc))[1], "capsecret") == 0
         mariadb.execute("INSERT INTO cap_secret.t VALUES (1, 'x')")
 
         async def captured() -> bool:

@@ -104,7 +104,9 @@ def registry(tmp_path_factory: pytest.TempPathFactory, mariadb: MariaDB) -> Iter
            "SLUICE_STATE_DB_URL": f"sqlite:///{tmp / 'state.db'}", "SLUICE_API_TOKEN": TOKEN,
            "SLUICE_SECRET_REG_PW": PASSWORD,
            # localhost too: the test moves the source to it and expects the registry's 409.
-           "SLUICE_SECRETS_HOSTS": f"reg-pw=127.0.0.1:{mariadb.port},localhost:{mariadb.port}"}
+           "SLUICE_SECRETS_HOSTS": (f"reg-pw=127.0.0.1:{mariadb.port},localhost:{mariadb.port};"
+                                    f"reg-bad-pw=127.0.0.1:{mariadb.port}"),
+           "SLUICE_SECRET_REG_BAD_PW": "not-the-password"}
     api = ServiceProcess("services.api", env, tmp / "logs").start()
     try:
         api.wait_healthy(60)
@@ -130,6 +132,12 @@ def test_one_command_per_shard_and_a_capture_started_with_only_its_id(
     code, out = registry.sluice("source", "add", "regshop",
                                 f"mysql://regrepl:{PASSWORD}@127.0.0.1:{registry.mariadb.port}/")
     assert code == 1 and "secret" in out and PASSWORD not in out, out
+    # The source's checks run at registration, as at changefeed creation: a wrong password is
+    # refused with the server's words, and nothing is registered.
+    wrong = registry.source_url.replace("secret:reg-pw", "secret:reg-bad-pw")
+    code, out = registry.sluice("source", "add", "regshop", wrong)
+    assert code == 1 and "422" in out and "Access denied" in out, out
+    assert "regshop" not in registry.sources()
     code, out = registry.sluice("source", "add", "regshop", registry.source_url)
     assert code == 0, out
     wait_until(lambda: (capture.health() or {}).get("state") == "reading", 60,

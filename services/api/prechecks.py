@@ -30,7 +30,7 @@ import pymysql
 from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpecV2
 from libs.dburl import DatabaseUrl, DatabaseUrlError, parse_database_url
 from libs.foreign_keys import ForeignKey, cascade_warnings, load_foreign_keys
-from libs.routing import RouteRule, RoutingConfigError, TableRef, router_for
+from libs.routing import RouteRule, RoutingConfigError, TableFilter, TableRef, router_for
 from services.capture.source import check_source
 from services.sink_worker.sinks.nats_stream import (
     StreamSinkUrl,
@@ -246,7 +246,33 @@ def run_checks_blocking(spec: ChangefeedSpecV2) -> CheckResult:
     except RoutingConfigError:
         return CheckResult(failed, fk_problems)  # the spec validation refuses it with the reason
     cascades = cascade_warnings(router, fks, tables, stream_sink=is_stream_sink(spec.sink_url))
-    return CheckResult(failed, fk_problems + [w.message for w in cascades])
+    return CheckResult(failed, fk_problems + filter_warnings(spec, tables) + [w.message for w in cascades])
+
+
+def filter_warnings(spec: ChangefeedSpecV2, tables: dict[str, list[tuple[str, str]]]) -> list[str]:
+    """A filter that selects no table of the sources: accepted (the tables may come later), but
+    a changefeed that replicates nothing should not look like one that works. Judged only when
+    every source was listed."""
+    if len(tables) != len(spec.sources):
+        return []
+    try:
+        flt = TableFilter.from_contract(spec.filter)
+    except RoutingConfigError:
+        return []
+    if any(flt.selected(d, t) for listed in tables.values() for d, t in listed):
+        return []
+    return [f"the filter (include {list(flt.include)}, exclude {list(flt.exclude)}) selects no table "
+            "of the sources: nothing is replicated until a table it selects is created"]
+
+
+def source_checks_blocking(source_id: str, url: str) -> list[ChangefeedCheckV1]:
+    """A source's own creation checks (reachable, ROW/FULL/FULL binlog, replication grants):
+    what ``sluice source add`` is refused for, the same as a changefeed naming it."""
+    return _check_source(source_id, url, {}, {}, [])
+
+
+async def source_checks(source_id: str, url: str) -> list[ChangefeedCheckV1]:
+    return await asyncio.to_thread(source_checks_blocking, source_id, url)
 
 
 async def run_checks(spec: ChangefeedSpecV2) -> CheckResult:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import pymysql
@@ -145,12 +146,21 @@ class Capture:
         self._reported: set[tuple[str, str]] = set()
         self._purged_reported: set[Position] = set()
         self._pipeline: SourcePipeline | None = None
+        self._url = settings.source_url
         self._show(state="starting", lease=False)
 
     # ----------------------------------------------------------------- status
 
     def _show(self, **fields: Any) -> None:
         self.status.update({"source": self.source, **fields})
+
+    def _failing(self, state: str, problem: str, **fields: Any) -> None:
+        """A session that failed: the reason, and since when sessions fail (kept across retries)."""
+        since = self.status.get("problem_since") or time.time()
+        metrics.SOURCE_FAILING_SINCE.labels(self.source).set(since)
+        self._show(state=state, problem=problem, problem_since=since,
+                   problem_since_utc=datetime.fromtimestamp(since, UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+                   **fields)
 
     def ready(self) -> bool:
         """Ready while standing by or reading; not while refused, failing or starting."""
@@ -181,6 +191,7 @@ class Capture:
             self.status.pop("problem", None)
             log.info("source URL from the sources registry", extra={"source": self.source})
             # --- end sources registry ---
+        self._url = url
         try:
             self.options = SourceOptions.parse(url)
         except ValueError as exc:
@@ -270,14 +281,14 @@ class Capture:
             return True
         except SourceRefused as exc:
             outcome = "refused"
-            self._show(state="refused", problem=str(exc))
+            self._failing("refused", str(exc))
             await self._sleep(RETRY_REFUSED_S)
         except BinlogPurged as exc:
             # Nothing this process can do brings the binlog back: say so where an operator looks
             # (/healthz unhealthy, the rejection event, the api's source status) and look again
             # now and then, for a source restored from a backup with its binlogs.
             outcome = "binlog-purged"
-            self._show(state="binlog-purged", problem=str(exc), unhealthy=str(exc))
+            self._failing("binlog-purged", str(exc), unhealthy=str(exc))
             await self._sleep(RETRY_PURGED_S)
         except CaptureStopped as exc:
             outcome = "stopped"
@@ -291,15 +302,16 @@ class Capture:
         except Exception as exc:  # every failure restarts from the stream
             log.error("capture session failed: %r", exc, extra={"source": self.source},
                       exc_info=not isinstance(exc, OSError | NatsError | pymysql.err.MySQLError))
-            self._show(state="source-error", problem=repr(exc))
+            self._failing("source-error", repr(exc))
             raise
         finally:
             metrics.SESSIONS.labels(self.source, outcome).inc()
         return False
 
     async def _session(self, leadership: Leadership) -> None:
-        assert self.options is not None
-        options = self.options
+        # Parsed again for every session: its secret is read again, so a corrected password
+        # file (or variable) is used at the next attempt, without a restart.
+        self.options = options = SourceOptions.parse(self._url)
         nc = self.js._nc
         publisher = Publisher(self.js, self.source, self.producer, is_valid=leadership.valid,
                               epoch=leadership.epoch, max_payload=lambda: nc.max_payload,
@@ -339,7 +351,8 @@ class Capture:
                               only_schemas=sorted(options.databases) if options.databases else None)
         self._pipeline = pipeline
         reader.start()
-        self._show(state="reading", problem=None)
+        self._show(state="reading", problem=None, problem_since=None, problem_since_utc=None)
+        metrics.SOURCE_FAILING_SINCE.labels(self.source).set(0)
         loop = asyncio.get_running_loop()
         try:
             while not self.stopping.is_set():
