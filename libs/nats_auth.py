@@ -45,6 +45,8 @@ REPLICATION_MANAGER = "replication-manager"
 DDL_LOCK = "ddl-lock"
 SINK_WORKER = "sink-worker"
 CAPTURE_PREFIX = "capture."
+# The user a NATS node's cluster route logs in as (compose); no client connects as it.
+ROUTE_USER = "route"
 
 # Roles every stack issues up front; a capture's role is per source (``capture_role``).
 FIXED_ROLES = (ADMIN, READER, API, MEMBER, SCHEDULER, REPLICATION_MANAGER, DDL_LOCK, SINK_WORKER)
@@ -469,6 +471,8 @@ def main(argv: list[str] | None = None) -> None:
         issued = StackAuth.issue(compose_roles(args.sources))
         for role in compose_roles(args.sources):
             print(f"{password_variable(role)}={issued.password(role)}")
+        # Not a client role: the compose nodes' cluster routes log in with it.
+        print(f"{password_variable(ROUTE_USER)}={secrets.token_urlsafe(24)}")
 
 
 if __name__ == "__main__":

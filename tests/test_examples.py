@@ -96,6 +96,42 @@ def test_the_example_source_user_and_settings_pass_capture_and_the_creation_chec
         admin.close()
 
 
+@pytest.mark.integration
+def test_the_compose_sources_replication_user_is_created_from_its_secret(mariadb: MariaDB,
+                                                                          tmp_path: Path) -> None:
+    """infra/mariadb/sluice-user.sh, as the MariaDB image's entrypoint sources it (its
+    ``docker_process_sql`` reads SQL on stdin): the user capture logs in as in compose, with the
+    secret's password (quotes and backslashes included) and the replication grants."""
+    import subprocess
+
+    password = "pw'with\\quote-" + secrets.token_hex(6)
+    (tmp_path / "source_password").write_text(password)
+    script = EXAMPLES.parent / "infra" / "mariadb" / "sluice-user.sh"
+    stub = f'docker_process_sql() {{ cat > "{tmp_path}/init.sql"; }}; . "{script}"'
+    done = subprocess.run(["/bin/sh", "-ec", stub],
+                          env={"SLUICE_SOURCE_PASSWORD_FILE": str(tmp_path / "source_password"),
+                               "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    statements = [s.strip() for s in (tmp_path / "init.sql").read_text().split(";\n") if s.strip()]
+    admin = mariadb.connect()
+    try:
+        with admin.cursor() as cur:
+            cur.execute("DROP USER IF EXISTS 'sluice'@'%'")
+            for statement in statements:
+                cur.execute(statement)
+        user = pymysql.connect(host="127.0.0.1", port=mariadb.port, user="sluice", password=password)
+        try:
+            with user.cursor() as cur:
+                cur.execute("SHOW GRANTS")
+                assert missing_source_grants([row[0] for row in cur.fetchall()]) == []
+        finally:
+            user.close()
+        with admin.cursor() as cur:
+            cur.execute("DROP USER 'sluice'@'%'")
+    finally:
+        admin.close()
+
+
 def test_the_first_hour_walkthrough_names_real_commands_and_files() -> None:
     from typer.main import get_command
 

@@ -155,13 +155,16 @@ def test_compose_stack_is_complete_and_consistent() -> None:
     services = _compose()["services"]
     settings = {f"SLUICE_{n.upper()}" for n in Settings.model_fields}
     nats_nodes = [f"nats-{i}" for i in (1, 2, 3)]
-    # NATS: a 3-node JetStream cluster, every node routed to every other.
+    # NATS: a 3-node JetStream cluster, every node routed to every other as user "route", whose
+    # password the routes' listener requires (compose's $$ is a literal $ for the shell).
     for node in nats_nodes:
         spec = services[node]
         assert spec["image"].startswith("nats:") and "healthcheck" in spec
         command = " ".join(spec["command"])
-        assert "-js" in spec["command"] and "--cluster_name sluice" in command, node
-        assert all(f"nats://{n}:6222" in command for n in nats_nodes), node
+        assert "exec nats-server -c /tmp/nats-node.conf -js -sd /data" in command, node
+        assert "name: sluice" in command, node
+        assert 'authorization { user: route, password: "$$SLUICE_NATS_PW_ROUTE" }' in command, node
+        assert all(f"nats://route:$$SLUICE_NATS_PW_ROUTE@{n}:6222" in command for n in nats_nodes), node
     # Two MariaDB sources with a ROW binlog of full images, distinct server ids.
     server_ids = set()
     for db in ("mariadb-1", "mariadb-2"):
@@ -275,3 +278,31 @@ def test_no_process_is_started_with_a_url_or_secret_on_its_command_line() -> Non
                 if any(word in argv for word in ("url", "password", "secret", "token", "json.dumps")):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {argv[:100]}")
     assert found == [], found
+
+
+def test_compose_nats_node_config_is_what_nats_server_accepts(tmp_path: Path) -> None:
+    """The compose nodes' start script, run here with this machine's nats-server (``-t``: check
+    the config and exit): the config it writes is valid, includes the generated users, and is
+    the only place the route password is written, 0600."""
+    import os
+    import stat
+
+    from libs.localservers.common import find_binary
+    from libs.nats_auth import compose_roles, password_variable
+
+    script = _compose()["services"]["nats-1"]["command"][0].replace("$$", "$")
+    (tmp_path / "etc" / "nats").mkdir(parents=True)
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "etc" / "nats" / "auth.conf").write_text((ROOT / "infra/nats/auth.conf").read_text())
+    conf = tmp_path / "tmp" / "nats-node.conf"
+    script = (script.replace("/tmp/nats-node.conf", str(conf)).replace("-sd /data", f"-sd {tmp_path / 'js'}")
+              .replace("exec nats-server", f"exec {find_binary('nats-server')} -t"))
+    env = {**os.environ, "HOSTNAME": "nats-1", "SLUICE_NATS_SYNC_INTERVAL": "always",
+           "SLUICE_NATS_PW_ROUTE": "route-pw-5d1c",
+           **{password_variable(r): f"pw-{i}" for i, r in enumerate(compose_roles(["src1", "src2"]))}}
+    done = subprocess.run(["/bin/sh", "-ec", script], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "is valid" in done.stdout + done.stderr
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+    text = conf.read_text()
+    assert text.count("route-pw-5d1c") == 4 and "server_name: nats-1" in text
