@@ -30,6 +30,7 @@ from libs.streams import (
     PREPARE_BUCKET,
     ROWS_STREAM,
     SNAPSHOT_BUCKET,
+    SOURCE_HEALTH_BUCKET,
     VALIDATION_BUCKET,
     domain_stream,
     table_incidents_subject,
@@ -183,7 +184,7 @@ def role_permissions(role: str) -> Permissions | None:
         # Event-stream consumers: every Sluice stream and bucket, read-only.
         streams = [ROWS_STREAM, DEADLETTER_STREAM, *(domain_stream(d) for d in DOMAINS),
                    *(f"KV_{b}" for b in (LEADER_BUCKET, CHECKPOINT_BUCKET, SNAPSHOT_BUCKET, PREPARE_BUCKET,
-                                              VALIDATION_BUCKET))]
+                                              VALIDATION_BUCKET, SOURCE_HEALTH_BUCKET))]
         return Permissions(tuple([*_COMMON_PUB, "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
                                   *(s for st in streams for s in js_read(st))]), (INBOX,))
     if role.startswith(CAPTURE_PREFIX):
@@ -192,6 +193,8 @@ def role_permissions(role: str) -> Permissions | None:
         return Permissions(
             tuple([*_COMMON_PUB, *js_own(ROWS_STREAM), *lease_pub,
                    f"sluice.rows.{source}.>", f"sluice.ddl.{source}.>", f"sluice.resolved.{source}",
+                   # Why it cannot read its source, under its own key only (libs/source_health.py).
+                   *kv_write(SOURCE_HEALTH_BUCKET, [source]),
                    # Started without SLUICE_SOURCE_URL it reads its URL from the sources registry
                    # (libs/sources.py, in the changefeeds log), parking what it cannot decode there.
                    *_domain_reader("changefeeds"), *_dead_letters()]),
@@ -236,7 +239,7 @@ def role_permissions(role: str) -> Permissions | None:
                    *js_own(DEADLETTER_STREAM), f"$JS.API.STREAM.MSG.DELETE.{DEADLETTER_STREAM}",
                    *js_read(ROWS_STREAM),
                    *kv_read(LEADER_BUCKET), *kv_read(CHECKPOINT_BUCKET), *kv_read(SNAPSHOT_BUCKET),
-                   *kv_read(PREPARE_BUCKET),
+                   *kv_read(PREPARE_BUCKET), *kv_read(SOURCE_HEALTH_BUCKET),
                    # Validation: reads the workers' status, writes only compare requests.
                    *kv_write(VALIDATION_BUCKET, ["*.request"])]),
             (INBOX,))

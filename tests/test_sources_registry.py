@@ -188,6 +188,31 @@ def test_a_capture_waiting_for_its_source_stops_at_once(
     assert capture.terminate(timeout=15) == 0
 
 
+@pytest.mark.integration
+def test_a_capture_that_cannot_log_in_shows_why_and_since_when_in_the_api_and_cli(
+        registry: Registry, replica_server_id: int, processes: list[ServiceProcess]) -> None:
+    wrong = registry.source_url.replace("secret:reg-pw", "secret:reg-bad-pw")
+    code, out = registry.sluice("source", "add", "regbad", wrong, "--skip-checks")
+    assert code == 0, out
+    capture = ServiceProcess("services.capture", {
+        **registry.env, "SLUICE_SOURCE_ID": "regbad", "SLUICE_SOURCE_URL": "",
+        "SLUICE_SOURCE_SERVER_ID": str(replica_server_id)}, registry.tmp / "logs")
+    processes.append(capture.start())
+
+    def failing() -> bool:
+        source = registry.sources().get("regbad", {})
+        return "Access denied" in str(source.get("problem")) and bool(source.get("problem_since"))
+
+    wait_until(failing, 60, "the api showing why capture cannot read regbad, and since when")
+    source = registry.sources()["regbad"]
+    assert source["problem_kind"] == "source_error" and source["problem_since"].endswith(" UTC"), source
+    assert "not-the-password" not in json.dumps(source)
+    code, out = registry.sluice("source", "list")
+    assert code == 0 and "Access denied" in out and f"(since {source['problem_since']})" in out, out
+    assert capture.terminate(timeout=15) == 0
+    assert registry.sluice("source", "remove", "regbad")[0] == 0
+
+
 def _purge_resolved_marks(server: NatsServer, source: str) -> None:
     """The fix a binlog_purged rejection names: capture then starts at the current position."""
     import asyncio

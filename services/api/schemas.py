@@ -179,10 +179,14 @@ class SourceOut(BaseModel):
     resolved_ts: int | None
     resolved_lag_s: float | None
     capture_leader: str | None
-    problem_kind: str | None = Field(None, description="Kind of capture's newest rejection of the source "
-                                     "as a whole while no resolved mark followed it (e.g. binlog_purged).")
+    problem_kind: str | None = Field(None, description=(
+        "Why capture does not read the source: source_error (it cannot connect or log in), refused, "
+        "binlog_purged; or the kind of capture's newest rejection of the source as a whole while no "
+        "resolved mark followed it."))
     problem: str | None = Field(None, description="What stops capture of this source and the fix; null "
                                 "while it reads.")
+    problem_since: str | None = Field(None, description=(
+        "Since when capture's sessions with the source fail (UTC), while they do."))
 
     @computed_field(description="The newest resolved mark as a UTC time and how far it is behind the "  # type: ignore[prop-decorator]
                                 "wall clock; null before the capture published one.")

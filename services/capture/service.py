@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 import pymysql
@@ -33,6 +32,7 @@ from contracts.registry import REGISTRY, ContractError
 from libs.config import Settings
 from libs.election import Election, Leadership
 from libs.service import ServiceRuntime
+from libs.source_health import SourceHealth, utc_text
 from libs.sources import registered_url
 from libs.streams import ROWS_STREAM, rejected_subject, resolved_subject, token
 from libs.streams_setup import ensure_rows_stream
@@ -147,6 +147,7 @@ class Capture:
         self._purged_reported: set[Position] = set()
         self._pipeline: SourcePipeline | None = None
         self._url = settings.source_url
+        self.health = SourceHealth(js, self.source, settings.instance_id, replicas=settings.stream_replicas)
         self._show(state="starting", lease=False)
 
     # ----------------------------------------------------------------- status
@@ -154,13 +155,14 @@ class Capture:
     def _show(self, **fields: Any) -> None:
         self.status.update({"source": self.source, **fields})
 
-    def _failing(self, state: str, problem: str, **fields: Any) -> None:
-        """A session that failed: the reason, and since when sessions fail (kept across retries)."""
+    async def _failing(self, state: str, problem: str, **fields: Any) -> None:
+        """A session that failed: the reason, and since when sessions fail (kept across retries),
+        in /healthz, the metric and the source's health entry the api shows."""
         since = self.status.get("problem_since") or time.time()
         metrics.SOURCE_FAILING_SINCE.labels(self.source).set(since)
-        self._show(state=state, problem=problem, problem_since=since,
-                   problem_since_utc=datetime.fromtimestamp(since, UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        self._show(state=state, problem=problem, problem_since=since, problem_since_utc=utc_text(since),
                    **fields)
+        await self.health.failing(state.replace("-", "_"), problem, since)
 
     def ready(self) -> bool:
         """Ready while standing by or reading; not while refused, failing or starting."""
@@ -281,14 +283,14 @@ class Capture:
             return True
         except SourceRefused as exc:
             outcome = "refused"
-            self._failing("refused", str(exc))
+            await self._failing("refused", str(exc))
             await self._sleep(RETRY_REFUSED_S)
         except BinlogPurged as exc:
             # Nothing this process can do brings the binlog back: say so where an operator looks
             # (/healthz unhealthy, the rejection event, the api's source status) and look again
             # now and then, for a source restored from a backup with its binlogs.
             outcome = "binlog-purged"
-            self._failing("binlog-purged", str(exc), unhealthy=str(exc))
+            await self._failing("binlog-purged", str(exc), unhealthy=str(exc))
             await self._sleep(RETRY_PURGED_S)
         except CaptureStopped as exc:
             outcome = "stopped"
@@ -302,7 +304,7 @@ class Capture:
         except Exception as exc:  # every failure restarts from the stream
             log.error("capture session failed: %r", exc, extra={"source": self.source},
                       exc_info=not isinstance(exc, OSError | NatsError | pymysql.err.MySQLError))
-            self._failing("source-error", repr(exc))
+            await self._failing("source-error", repr(exc))
             raise
         finally:
             metrics.SESSIONS.labels(self.source, outcome).inc()
@@ -353,6 +355,7 @@ class Capture:
         reader.start()
         self._show(state="reading", problem=None, problem_since=None, problem_since_utc=None)
         metrics.SOURCE_FAILING_SINCE.labels(self.source).set(0)
+        await self.health.reading()
         loop = asyncio.get_running_loop()
         try:
             while not self.stopping.is_set():

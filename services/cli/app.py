@@ -274,6 +274,13 @@ def rebalance(ctx: typer.Context) -> None:
     cli.accepted(cli.run("POST", "/rebalance"))
 
 
+def _problem(source: dict[str, Any]) -> str:
+    """What stops capture of a source, and since when while its sessions fail."""
+    problem = str(source.get("problem") or "")
+    since = source.get("problem_since")
+    return f"{problem} (since {since})" if problem and since else problem
+
+
 @app.command()
 def sources(ctx: typer.Context) -> None:
     """Sources of the changefeeds, with their newest resolved mark, capture leader and what stops
@@ -283,7 +290,7 @@ def sources(ctx: typer.Context) -> None:
     def human(items: list[dict[str, Any]]) -> None:
         render.table("sources", ["source", "url", "changefeeds", "resolved", "capture", "problem"],
                      ([s["id"], s["url"], ",".join(s["changefeeds"]), render.checkpoint(s, "resolved_time"),
-                       s.get("capture_leader"), s.get("problem") or ""] for s in items))
+                       s.get("capture_leader"), _problem(s)] for s in items))
 
     cli.show(cli.run("GET", "/sources"), human)
 
@@ -466,7 +473,7 @@ def source_list(ctx: typer.Context) -> None:
         render.table("sources", ["source", "url", "registered", "changefeeds", "resolved", "capture",
                                  "problem"],
                      ([s["id"], s["url"], "yes" if s.get("registered") else "no", ",".join(s["changefeeds"]),
-                       render.checkpoint(s, "resolved_time"), s.get("capture_leader"), s.get("problem") or ""]
+                       render.checkpoint(s, "resolved_time"), s.get("capture_leader"), _problem(s)]
                       for s in items))
 
     cli.show(cli.run("GET", "/sources"), human)
