@@ -246,3 +246,52 @@ def test_a_changefeed_whose_filter_selects_nothing_is_accepted_with_a_warning(ap
         assert r.status_code == 202, r.text
         assert any("selects no table" in w for w in r.json()["warnings"]), r.json()
         assert c.delete(f"{V1}/changefeeds/pc-nothing").status_code == 202
+
+
+def test_expression_names_are_the_columns_an_expression_reads() -> None:
+    from libs.table_rules import expression_names
+
+    assert expression_names("amount > 100 AND status = 'x'") == {"amount", "status"}
+    assert expression_names("cast(price AS DECIMAL(10,2)) > 3 OR `my col` IS NOT NULL") == {"price", "my col"}
+    assert expression_names("created < current_date - INTERVAL 1 DAY AND DATE '2026-01-01' < d") == {
+        "created", "d"}
+    assert expression_names("a.b = 1 AND CASE WHEN flag THEN true ELSE false END") == {"a", "flag"}
+    assert expression_names("exists(xs, x -> x > 1)") == set()  # a lambda's own names: not judged
+
+
+@pytest.mark.integration
+def test_table_rules_are_checked_against_the_source_columns_and_unreplicable_tables_warned(
+        api_stack: ApiStack) -> None:
+    api_stack.source.execute(
+        "CREATE DATABASE IF NOT EXISTS pc_rules",
+        "CREATE TABLE IF NOT EXISTS pc_rules.items (id INT PRIMARY KEY, status VARCHAR(10), amount INT)",
+        "CREATE TABLE IF NOT EXISTS pc_rules.nokey (v INT)",
+        "CREATE TABLE IF NOT EXISTS pc_rules.geo (id INT PRIMARY KEY, g GEOMETRY)")
+    only = {"include": ["pc_rules.*"]}
+    bad_rules = [
+        {"tables": ["pc_rules.items"], "ignore_insert_value_expr": "statuz = 'x' AND amount > 1"},
+        {"tables": ["pc_rules.items"], "drop_columns": ["amont"]},
+        {"tables": ["pc_rules.items"], "drop_columns": ["id"]},
+    ]
+    with api_stack.client() as c:
+        got = c.post(f"{V1}/changefeeds",
+                     json=_spec(api_stack, "pc-rules", filter=only, table_rules=bad_rules))
+        assert got.status_code == 422, got.text
+        messages = [e["msg"] for e in got.json()["detail"]]
+        assert any(m.startswith("table_rules[0]") and "statuz" in m and "amount" not in m.split("reads")[1]
+                   for m in messages), messages
+        assert any(m.startswith("table_rules[1]") and "drop_columns" in m and "amont" in m for m in messages)
+        assert any(m.startswith("table_rules[2]") and "key column(s) id" in m for m in messages), messages
+        assert c.get(f"{V1}/changefeeds/pc-rules").status_code == 404
+        # Right rules: accepted, with the tables it will not replicate named as warnings.
+        good = [{"tables": ["pc_rules.items"], "ignore_insert_value_expr": "status = 'x'",
+                 "drop_columns": ["amount"]}]
+        r = c.post(f"{V1}/changefeeds", json=_spec(api_stack, "pc-rules", filter=only, table_rules=good,
+                                                     initial_load="binlog-only"))
+        assert r.status_code == 202, r.text
+        warnings = r.json()["warnings"]
+        assert any("pc_rules.nokey" in w and "no primary key" in w for w in warnings), warnings
+        assert any("pc_rules.geo" in w and "unsupported column type" in w and "g geometry" in w
+                   for w in warnings), warnings
+        assert not any("pc_rules.items" in w for w in warnings), warnings
+        assert c.delete(f"{V1}/changefeeds/pc-rules").status_code == 202
