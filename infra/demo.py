@@ -60,6 +60,36 @@ from typing import Any, TypeVar
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--downstream", choices=["sqlite", "postgres", "mariadb"], default="sqlite")
+    parser.add_argument("--seconds", type=float, default=30.0,
+                        help="how long the workload runs once every span streams "
+                             "(the DDL rollout is within it)")
+    parser.add_argument("--rate", type=float, default=500.0, help="target upstream row changes/s")
+    parser.add_argument("--txn-rows", type=int, default=10, help="row changes per transaction")
+    parser.add_argument("--seed", type=int, default=7, help="seed of the workload and the DDL order")
+    parser.add_argument("--workers", type=int, default=2, help="sink-workers (each runs Spark local[1])")
+    parser.add_argument("--warmup-timeout", type=float, default=300.0,
+                        help="how long every span may take to copy its rows and start streaming")
+    parser.add_argument("--converge-timeout", type=float, default=300.0,
+                        help="how long the target may take to catch up after the workload")
+    parser.add_argument("--no-wait", action="store_true", help="stop after the checksum comparison")
+    parser.add_argument("--dir", type=Path, default=ROOT / ".sluice" / "demo", help="data and logs")
+    parser.add_argument("--nats-sync-interval", default=None,
+                        help="JetStream fsync interval of the demo's nats-server: always (before "
+                             "each acknowledgement) or a duration such as 1s. Default: the server's "
+                             "(about 2 min): the demo starts from an empty directory on every run, "
+                             "so no acknowledged write has to outlive an OS crash")
+    return parser
+
+
+# --help needs none of what `infra/dev.sh demo` installs: answered before the imports that do.
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    build_parser().parse_args()
+
 import httpx  # noqa: E402
 
 from contracts.events.changefeeds import RouteRuleV1  # noqa: E402
@@ -725,28 +755,7 @@ def child_main(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--downstream", choices=["sqlite", "postgres", "mariadb"], default="sqlite")
-    parser.add_argument("--seconds", type=float, default=30.0,
-                        help="how long the workload runs once every span streams "
-                             "(the DDL rollout is within it)")
-    parser.add_argument("--rate", type=float, default=500.0, help="target upstream row changes/s")
-    parser.add_argument("--txn-rows", type=int, default=10, help="row changes per transaction")
-    parser.add_argument("--seed", type=int, default=7, help="seed of the workload and the DDL order")
-    parser.add_argument("--workers", type=int, default=2, help="sink-workers (each runs Spark local[1])")
-    parser.add_argument("--warmup-timeout", type=float, default=300.0,
-                        help="how long every span may take to copy its rows and start streaming")
-    parser.add_argument("--converge-timeout", type=float, default=300.0,
-                        help="how long the target may take to catch up after the workload")
-    parser.add_argument("--no-wait", action="store_true", help="stop after the checksum comparison")
-    parser.add_argument("--dir", type=Path, default=ROOT / ".sluice" / "demo", help="data and logs")
-    parser.add_argument("--nats-sync-interval", default=None,
-                        help="JetStream fsync interval of the demo's nats-server: always (before "
-                             "each acknowledgement) or a duration such as 1s. Default: the server's "
-                             "(about 2 min): the demo starts from an empty directory on every run, "
-                             "so no acknowledged write has to outlive an OS crash")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     # The demo's state (NATS passwords, the servers' data, logs) is for its user alone; the
     # processes it starts inherit the mask.
     os.umask(0o077)

@@ -156,3 +156,22 @@ def test_the_first_hour_walkthrough_names_real_commands_and_files() -> None:
         command = cli.commands[word]
         if hasattr(command, "commands"):
             assert sub in command.commands, (word, sub)
+
+
+def test_the_demo_answers_help_before_anything_is_installed(tmp_path: Path) -> None:
+    """`bash infra/dev.sh demo --help` prints the options at once: demo.py answers --help before
+    importing the project (here with an interpreter that has none of its dependencies), and
+    dev.sh runs it before `setup` (which installs Java, MariaDB, PostgreSQL and the venv)."""
+    import subprocess
+    import sys
+
+    root = EXAMPLES.parent
+    bare = tmp_path / "bare-python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=60)
+    done = subprocess.run([str(bare / "bin" / "python"), "-I", str(root / "infra" / "demo.py"), "--help"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "--seconds" in done.stdout and "--nats-sync-interval" in done.stdout
+    dev_sh = (root / "infra" / "dev.sh").read_text()
+    demo = dev_sh[dev_sh.index("  demo)"):]
+    assert demo.index("-h|--help)") < demo.index("    setup\n"), demo
