@@ -93,6 +93,8 @@ if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
 import httpx  # noqa: E402
 
 from contracts.events.changefeeds import RouteRuleV1  # noqa: E402
+from libs.localservers.mariadb import MariaDB  # noqa: E402
+from libs.localservers.postgres import PostgreSQL  # noqa: E402
 from libs.localservers.service_process import ServiceProcess  # noqa: E402
 from libs.localservers.system import LocalSystem  # noqa: E402
 from services.sink_worker.verify import ShardRef, Verification, verify_target  # noqa: E402
@@ -543,6 +545,33 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str, stop: threadi
             next_tick += TICK_S
 
 
+def server_lines(system: LocalSystem) -> list[str]:
+    """Where each of the demo's servers listens, as whom to log in and what it holds, so a user
+    can look at the data (every server listens on 127.0.0.1 only)."""
+    lines = []
+    for i, db in enumerate(system.source_dbs):
+        lines.append(f"source {system.source_id(i)}: MariaDB 127.0.0.1:{db.port}, user root (no password), "
+                     f"databases {', '.join(SCHEMAS)}:  mysql -h 127.0.0.1 -P {db.port} -u root {SCHEMAS[0]}")
+    target = f"{TARGET[0]}.{TARGET[1]}"
+    if isinstance(system.downstream_db, PostgreSQL):
+        port = system.downstream_db.port
+        lines.append(f"downstream: PostgreSQL 127.0.0.1:{port}, user postgres (no password), table "
+                     f"{target} in database postgres:  psql -h 127.0.0.1 -p {port} -U postgres postgres")
+    elif isinstance(system.downstream_db, MariaDB):
+        port = system.downstream_db.port
+        lines.append(f"downstream: MariaDB 127.0.0.1:{port}, user root (no password), table {target}:  "
+                     f"mysql -h 127.0.0.1 -P {port} -u root {TARGET[0]}")
+    else:
+        # One SQLite file is one namespace: the schema is not part of the name.
+        path = system.sink_url.removeprefix("sqlite:///")
+        lines.append(f"downstream: SQLite {path}, table {TARGET[1]}:  "
+                     f"sqlite3 {path} 'SELECT count(*) FROM {TARGET[1]}'")
+    if system.nats is not None:
+        lines.append(f"NATS: {system.nats.plain_url}, each service as its own user; read-only user 'reader' "
+                     f"(password in {system.nats.data_dir / 'auth.json'}, 0600)")
+    return lines
+
+
 def run(args: argparse.Namespace, stop: threading.Event) -> int:
     shutil.rmtree(args.dir, ignore_errors=True)
     system = LocalSystem(
@@ -568,6 +597,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         assert system.nats is not None
         say(f"NATS requires a user: each service connects as its own role with least-privilege "
             f"permissions; the stack's passwords are in {system.nats.data_dir / 'auth.json'} (0600)")
+        for line in server_lines(system):
+            say(line)
         workload = ShardWorkload(system, args.seed, args.rate, args.txn_rows)
         workload.create()
         say(f"each source holds {', '.join(f'{s}.{t}' for s in SCHEMAS for t in TABLES)}: "
@@ -666,6 +697,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
             say(f"checksum {TARGET[0]}.{TARGET[1]}: {outcome} -> DIFFERENT")
         say(f"RESULT: {'EQUAL' if ok else 'DIFFERENT'} ({time.monotonic() - begun:.0f}s after start)")
         say(f"API docs: {api.base_url}/docs   logs: {args.dir / 'logs'}")
+        for line in server_lines(system):
+            say(line)
         assert system.nats is not None
         say(f"read the streams as the read-only NATS user: user 'reader', password from "
             f"{system.nats.data_dir / 'auth.json'}, server {system.nats.plain_url}")

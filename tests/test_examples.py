@@ -175,3 +175,19 @@ def test_the_demo_answers_help_before_anything_is_installed(tmp_path: Path) -> N
     dev_sh = (root / "infra" / "dev.sh").read_text()
     demo = dev_sh[dev_sh.index("  demo)"):]
     assert demo.index("-h|--help)") < demo.index("    setup\n"), demo
+
+
+def test_the_demo_says_where_its_servers_listen_and_as_whom(tmp_path: Path) -> None:
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("sluice_demo", EXAMPLES.parent / "infra" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    system = demo.LocalSystem(base_dir=tmp_path, sources=2)
+    system.source_dbs = [SimpleNamespace(port=40001), SimpleNamespace(port=40002)]
+    lines = demo.server_lines(system)
+    assert lines[0].startswith("source src1: MariaDB 127.0.0.1:40001, user root")
+    assert "shop_a, shop_b" in lines[0] and "mysql -h 127.0.0.1 -P 40002 -u root" in lines[1]
+    assert lines[2].startswith(f"downstream: SQLite {tmp_path / 'downstream.db'}")
