@@ -41,5 +41,17 @@ def test_waiting_for_says_why_a_span_does_not_stream_yet() -> None:
     assert waiting_for("absent", (), None, None, now).startswith("the scheduler to place it on a worker")
     copying = {"state": "copying", "rows_copied": 1500, "rows_estimate": 20000}
     assert waiting_for("replicating", ("w1",), None, copying, now) == (
-        "initial load copying: 1,500/20,000 rows copied")
+        "initial load copying: 1,500 of about 20,000 rows copied")
+    # The estimate is information_schema's: a copy past it is never shown as more than all.
+    past = {"state": "copying", "rows_copied": 100_000, "rows_estimate": 98_712}
+    assert waiting_for("replicating", ("w1",), None, past, now) == (
+        "initial load copying: 100,000 rows (the estimate was about 98,712) copied")
     assert waiting_for("replicating", ("w1",), warming, {"state": "done"}, now) is None
+
+
+def test_a_progress_bar_never_passes_its_total() -> None:
+    from libs.progress_text import progress_total, rows_progress
+
+    assert rows_progress(1500, None) == "1,500 rows"
+    assert progress_total(500, 1000) == 1000 and progress_total(1200, 1000) is None
+    assert progress_total(5, 0) is None

@@ -9,6 +9,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from contracts.events.changefeeds import ChangefeedSpecV2
+from libs.progress_text import rows_progress
 from libs.secret_refs import is_reference
 from libs.ts import behind_text, duration_text
 from libs.ts import lag_seconds as ts_lag_seconds
@@ -81,9 +82,8 @@ def waiting_for(state: str, members: tuple[str | None, ...], prepare: dict[str, 
     """Why a span is not streaming yet, for people: its initial load's progress, or what its
     worker's prepare waits for (the prepare bucket); None once it streams."""
     if snapshot and snapshot.get("state") not in (None, "done"):
-        done, estimate = snapshot.get("rows_copied") or 0, snapshot.get("rows_estimate")
-        rows = f"{done:,}/{estimate:,} rows" if estimate else f"{done:,} rows"
-        return f"initial load {snapshot['state']}: {rows} copied"
+        done, estimate = int(snapshot.get("rows_copied") or 0), snapshot.get("rows_estimate")
+        return f"initial load {snapshot['state']}: {rows_progress(done, int(estimate or 0))} copied"
     if state not in _NOT_YET_RUNNING:
         return None
     if prepare and prepare.get("member") in members:

@@ -15,6 +15,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from libs.config import Settings
+from libs.progress_text import progress_total
 from services.cli import render
 from services.cli.client import ApiClient, ApiError
 
@@ -241,7 +242,8 @@ def changefeed_snapshot(ctx: typer.Context, changefeed: str,
         if cli.json:
             render.as_json(totals)
         else:
-            render.table("initial load", ["table", "state", "rows copied", "estimate", "rows/s", "ETA"],
+            render.table("initial load", ["table", "state", "rows copied", "estimated rows (about)", "rows/s",
+                                          "ETA"],
                          ([k, v["state"], v["rows_copied"], v["rows_estimate"] or None,
                            round(v["rows_per_s"]) or None,
                            render.duration(v["eta_s"]) if v["state"] != "done" else None]
@@ -253,7 +255,8 @@ def changefeed_snapshot(ctx: typer.Context, changefeed: str,
         ids = {}
         while True:
             for name, v in sorted(totals.items()):
-                est = v["rows_estimate"] or None
+                # Past the estimate the bar counts rows instead of showing more than 100%.
+                est = progress_total(v["rows_copied"], v["rows_estimate"])
                 if name not in ids:
                     ids[name] = bars.add_task(name, total=est, speed="")
                 bars.update(ids[name], completed=v["rows_copied"], total=est,

@@ -10,6 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from libs.progress_text import rows_progress
+
 
 def make_console() -> Console:
     return Console(highlight=False, soft_wrap=True)
@@ -124,9 +126,8 @@ def tables(items: list[dict[str, Any]]) -> None:
         snap = t.get("snapshot")
         if not snap:
             return None
-        done, est = snap.get("rows_copied"), snap.get("rows_estimate")
-        text = f"{snap.get('state', '?')} {done}/{est}" if est else f"{snap.get('state', '?')} {done}"
-        return text + speed(snap)
+        done, est = int(snap.get("rows_copied") or 0), int(snap.get("rows_estimate") or 0)
+        return f"{snap.get('state', '?')} {rows_progress(done, est)}" + speed(snap)
 
     def incident(t: dict[str, Any]) -> str | None:
         stopped = t.get("incident")
