@@ -306,3 +306,9 @@ def test_compose_nats_node_config_is_what_nats_server_accepts(tmp_path: Path) ->
     assert stat.S_IMODE(conf.stat().st_mode) == 0o600
     text = conf.read_text()
     assert text.count("route-pw-5d1c") == 4 and "server_name: nats-1" in text
+
+
+def test_the_readme_says_what_continuous_validation_cannot_find() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Continuous validation"):readme.index("## Operator API and CLI")]
+    assert "extra rows downstream in a merged target without an origin" in " ".join(section.split())
