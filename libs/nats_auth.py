@@ -428,7 +428,8 @@ def write_local_stack(directory: Path, sources: Iterable[str], *, port: int = 42
     file is 0600) and one 0600 password file per role under ``users/`` (what a service reads
     with SLUICE_NATS_USERS_DIR). Passwords already issued are kept: running it again after
     adding a source only adds that source's capture user."""
-    private_dir(directory)
+    # Absolute: the server and the services may start from another directory.
+    directory = private_dir(directory).resolve()
     auth_file = directory / "auth.json"
     auth = StackAuth.load_or_issue(auth_file, compose_roles(sources))
     users = private_dir(directory / "users")
