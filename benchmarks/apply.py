@@ -575,6 +575,9 @@ def lock_status(db: MariaDB) -> dict[str, int]:
     return {str(name): int(value) for name, value in rows}
 
 
+WORKER_SPEC_ENV = "BENCH_WORKER_SPEC"
+
+
 def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConfig, tmp: Path,
                    profile: Path | None, warmup: Workload | None) -> SparkRun:
     db.execute(f"DROP DATABASE IF EXISTS `{work.database}`")
@@ -588,7 +591,7 @@ def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConf
         db.execute(f"DROP DATABASE IF EXISTS `{warmup.database}`")
         spec["warmup"] = [warmup.source, warmup.database, warmup.last_ts]
     log_path = tmp / f"worker-{config.label}.log"
-    env = dict(os.environ)
+    env = {**os.environ, WORKER_SPEC_ENV: json.dumps(spec)}
     if os.environ.get("BENCH_JAVA_OPTIONS"):  # experiments with JVM flags
         env["JDK_JAVA_OPTIONS"] = os.environ["BENCH_JAVA_OPTIONS"]
     if profile is not None:
@@ -603,7 +606,9 @@ def run_spark_path(nats_url: str, db: MariaDB, work: Workload, config: SparkConf
                                       "--conf spark.eventLog.compress=false "
                                       f"--conf spark.eventLog.dir={events} pyspark-shell")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.apply", "--worker", json.dumps(spec)],
+        # The spec holds the NATS admin URL, password included: in the child's environment (its
+        # user's only), never in its command line (every local user's, through ps).
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.apply", "--worker"],
                                 cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
     sampler = RssSampler(proc.pid)
     sampler.start()
@@ -871,12 +876,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="time box of the row-at-a-time baseline (its rate is over what it applied)")
     parser.add_argument("--fast-db", action="store_true",
                         help="MariaDB without durable commits (flush_log_at_trx_commit=2, sync_binlog=0)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     add_json_option(parser)
     args = parser.parse_args(argv)
     out = Figures("apply")
     if args.worker:
-        print("BENCH " + json.dumps(asyncio.run(_worker(json.loads(args.worker)))), flush=True)
+        spec = json.loads(os.environ.pop(WORKER_SPEC_ENV))
+        print("BENCH " + json.dumps(asyncio.run(_worker(spec))), flush=True)
         sys.stdin.read()
         return
 

@@ -60,9 +60,41 @@ from typing import Any, TypeVar
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--downstream", choices=["sqlite", "postgres", "mariadb"], default="sqlite")
+    parser.add_argument("--seconds", type=float, default=30.0,
+                        help="how long the workload runs once every span streams "
+                             "(the DDL rollout is within it)")
+    parser.add_argument("--rate", type=float, default=500.0, help="target upstream row changes/s")
+    parser.add_argument("--txn-rows", type=int, default=10, help="row changes per transaction")
+    parser.add_argument("--seed", type=int, default=7, help="seed of the workload and the DDL order")
+    parser.add_argument("--workers", type=int, default=2, help="sink-workers (each runs Spark local[1])")
+    parser.add_argument("--warmup-timeout", type=float, default=300.0,
+                        help="how long every span may take to copy its rows and start streaming")
+    parser.add_argument("--converge-timeout", type=float, default=300.0,
+                        help="how long the target may take to catch up after the workload")
+    parser.add_argument("--no-wait", action="store_true", help="stop after the checksum comparison")
+    parser.add_argument("--dir", type=Path, default=ROOT / ".sluice" / "demo", help="data and logs")
+    parser.add_argument("--nats-sync-interval", default=None,
+                        help="JetStream fsync interval of the demo's nats-server: always (before "
+                             "each acknowledgement) or a duration such as 1s. Default: the server's "
+                             "(about 2 min): the demo starts from an empty directory on every run, "
+                             "so no acknowledged write has to outlive an OS crash")
+    return parser
+
+
+# --help needs none of what `infra/dev.sh demo` installs: answered before the imports that do.
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    build_parser().parse_args()
+
 import httpx  # noqa: E402
 
 from contracts.events.changefeeds import RouteRuleV1  # noqa: E402
+from libs.localservers.mariadb import MariaDB  # noqa: E402
+from libs.localservers.postgres import PostgreSQL  # noqa: E402
 from libs.localservers.service_process import ServiceProcess  # noqa: E402
 from libs.localservers.system import LocalSystem  # noqa: E402
 from services.sink_worker.verify import ShardRef, Verification, verify_target  # noqa: E402
@@ -513,11 +545,39 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str, stop: threadi
             next_tick += TICK_S
 
 
+def server_lines(system: LocalSystem) -> list[str]:
+    """Where each of the demo's servers listens, as whom to log in and what it holds, so a user
+    can look at the data (every server listens on 127.0.0.1 only)."""
+    lines = []
+    for i, db in enumerate(system.source_dbs):
+        lines.append(f"source {system.source_id(i)}: MariaDB 127.0.0.1:{db.port}, user root (no password), "
+                     f"databases {', '.join(SCHEMAS)}:  mysql -h 127.0.0.1 -P {db.port} -u root {SCHEMAS[0]}")
+    target = f"{TARGET[0]}.{TARGET[1]}"
+    if isinstance(system.downstream_db, PostgreSQL):
+        port = system.downstream_db.port
+        lines.append(f"downstream: PostgreSQL 127.0.0.1:{port}, user postgres (no password), table "
+                     f"{target} in database postgres:  psql -h 127.0.0.1 -p {port} -U postgres postgres")
+    elif isinstance(system.downstream_db, MariaDB):
+        port = system.downstream_db.port
+        lines.append(f"downstream: MariaDB 127.0.0.1:{port}, user root (no password), table {target}:  "
+                     f"mysql -h 127.0.0.1 -P {port} -u root {TARGET[0]}")
+    else:
+        # One SQLite file is one namespace: the schema is not part of the name.
+        path = system.sink_url.removeprefix("sqlite:///")
+        lines.append(f"downstream: SQLite {path}, table {TARGET[1]}:  "
+                     f"sqlite3 {path} 'SELECT count(*) FROM {TARGET[1]}'")
+    if system.nats is not None:
+        lines.append(f"NATS: {system.nats.plain_url}, each service as its own user; read-only user 'reader' "
+                     f"(password in {system.nats.data_dir / 'auth.json'}, 0600)")
+    return lines
+
+
 def run(args: argparse.Namespace, stop: threading.Event) -> int:
     shutil.rmtree(args.dir, ignore_errors=True)
     system = LocalSystem(
         base_dir=args.dir, sources=2, downstream=args.downstream, control_replicas=2,
         workers=args.workers, standalone_workers=False, initial_load="snapshot",
+        nats_sync_interval=args.nats_sync_interval,
         control_env={"SLUICE_REPLICATION_TICK_S": "1", "SLUICE_DDL_LOCK_RESEND_S": "3",
                      "SLUICE_DDL_LOCK_DISCOVERY_INTERVAL_S": "1",
                      "SLUICE_SCHEDULER_DISCOVERY_INTERVAL_S": "1"},
@@ -537,6 +597,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         assert system.nats is not None
         say(f"NATS requires a user: each service connects as its own role with least-privilege "
             f"permissions; the stack's passwords are in {system.nats.data_dir / 'auth.json'} (0600)")
+        for line in server_lines(system):
+            say(line)
         workload = ShardWorkload(system, args.seed, args.rate, args.txn_rows)
         workload.create()
         say(f"each source holds {', '.join(f'{s}.{t}' for s in SCHEMAS for t in TABLES)}: "
@@ -635,6 +697,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
             say(f"checksum {TARGET[0]}.{TARGET[1]}: {outcome} -> DIFFERENT")
         say(f"RESULT: {'EQUAL' if ok else 'DIFFERENT'} ({time.monotonic() - begun:.0f}s after start)")
         say(f"API docs: {api.base_url}/docs   logs: {args.dir / 'logs'}")
+        for line in server_lines(system):
+            say(line)
         assert system.nats is not None
         say(f"read the streams as the read-only NATS user: user 'reader', password from "
             f"{system.nats.data_dir / 'auth.json'}, server {system.nats.plain_url}")
@@ -724,23 +788,10 @@ def child_main(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--downstream", choices=["sqlite", "postgres", "mariadb"], default="sqlite")
-    parser.add_argument("--seconds", type=float, default=30.0,
-                        help="how long the workload runs once every span streams "
-                             "(the DDL rollout is within it)")
-    parser.add_argument("--rate", type=float, default=500.0, help="target upstream row changes/s")
-    parser.add_argument("--txn-rows", type=int, default=10, help="row changes per transaction")
-    parser.add_argument("--seed", type=int, default=7, help="seed of the workload and the DDL order")
-    parser.add_argument("--workers", type=int, default=2, help="sink-workers (each runs Spark local[1])")
-    parser.add_argument("--warmup-timeout", type=float, default=300.0,
-                        help="how long every span may take to copy its rows and start streaming")
-    parser.add_argument("--converge-timeout", type=float, default=300.0,
-                        help="how long the target may take to catch up after the workload")
-    parser.add_argument("--no-wait", action="store_true", help="stop after the checksum comparison")
-    parser.add_argument("--dir", type=Path, default=ROOT / ".sluice" / "demo", help="data and logs")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
+    # The demo's state (NATS passwords, the servers' data, logs) is for its user alone; the
+    # processes it starts inherit the mask.
+    os.umask(0o077)
     if os.environ.get(CHILD_ENV) is None:
         return supervise()
     return child_main(args)

@@ -128,6 +128,14 @@ case "${1:-}" in
     cat pyproject.toml requirements.lock | sha256sum | cut -d' ' -f1 > "$VENV/.sluice-installed" ;;
   demo)
     shift
+    # Its help installs nothing first: demo.py answers --help before importing the project.
+    for arg in "$@"; do
+      case "$arg" in
+        -h|--help)
+          if [ -x "$VENV/bin/python" ]; then exec "$VENV/bin/python" infra/demo.py "$@"; fi
+          exec "$(find_python)" infra/demo.py "$@" ;;
+      esac
+    done
     setup
     exec "$VENV/bin/python" infra/demo.py "$@" ;;
   *)

@@ -27,6 +27,9 @@ class Settings(BaseSettings):
     nats_password: SecretStr | None = Field(None, description="NATS password.")
     nats_token: SecretStr | None = Field(None, description="NATS auth token.")
     nats_creds_file: str | None = Field(None, description="Path of a NATS .creds file.")
+    nats_users_dir: str | None = Field(
+        None, description="Directory of per-role password files (python -m libs.nats_auth local): "
+                          "a service without nats_user connects as its own role with file <role>.")
     # --- NATS TLS (natsauth) ---
     nats_tls_ca_file: str | None = Field(
         None, description="CA (PEM) that signed the NATS server's certificate; setting it turns TLS on.")
@@ -220,6 +223,9 @@ class Settings(BaseSettings):
     secrets_dir: str | None = Field(
         None, description="Directory of secret files: URL password secret:NAME reads file NAME here "
                           "(else env SLUICE_SECRET_<NAME>); read by libs.secret_refs.")
+    secrets_hosts: str | None = Field(
+        None, description="Where each secret may be sent: NAME=host:port,host;NAME2=... A secret is "
+                          "resolved only for a URL whose host(s) are bound to it; read by libs.secret_refs.")
     # --- end api auth ---
     api_command_timeout_s: float = Field(
         5.0, gt=0, description="How long the api waits for a leader to answer a command.")

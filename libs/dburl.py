@@ -59,8 +59,10 @@ class DatabaseUrl:
 def parse_database_url(url: str, *, resolve_secrets: bool = True) -> DatabaseUrl:
     """Parse ``url`` with SQLAlchemy's ``make_url``; a ``secret:NAME`` password is resolved
     (libs.secret_refs) unless ``resolve_secrets`` is false (checking a spec's shape without its
-    secrets). Kept here because make_url does not: map scheme aliases to a dialect, fill default
-    ports, refuse a port out of range, or resolve secret references."""
+    secrets), and only when the secret is bound to the URL's host and port (DatabaseUrlError
+    naming the binding otherwise: no caller gets the password for another host).
+    Kept here because make_url does not: map scheme aliases to a dialect, fill default ports,
+    refuse a port out of range, or resolve secret references."""
     scheme = urlsplit(url).scheme
     dialect = _SCHEMES.get(scheme.lower())
     if dialect is None:
@@ -82,21 +84,22 @@ def parse_database_url(url: str, *, resolve_secrets: bool = True) -> DatabaseUrl
     port = parsed.port or _DEFAULT_PORTS[dialect]
     if not 0 <= port <= 65535:
         raise DatabaseUrlError("bad port in database URL: Port out of range 0-65535")
+    host = (parsed.host or "127.0.0.1").lower()
     return DatabaseUrl(
         dialect=dialect,
-        host=(parsed.host or "127.0.0.1").lower(),
+        host=host,
         port=port,
         user=parsed.username or "",
-        password=_password(parsed.password or "", resolve_secrets),
+        password=_password(parsed.password or "", (host, port) if resolve_secrets else None),
         database=parsed.database or "",
         options=options,
     )
 
 
-def _password(given: str, resolve: bool) -> str:
-    if not resolve:
+def _password(given: str, destination: tuple[str, int] | None) -> str:
+    if destination is None:
         return given
     try:
-        return resolve_password(given)
+        return resolve_password(given, [destination])
     except SecretError as exc:
         raise DatabaseUrlError(str(exc)) from None

@@ -15,6 +15,7 @@ delete a stream. A KV bucket is the stream ``KV_<bucket>``, written through ``$K
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from libs.streams import (
     PREPARE_BUCKET,
     ROWS_STREAM,
     SNAPSHOT_BUCKET,
+    SOURCE_HEALTH_BUCKET,
     VALIDATION_BUCKET,
     domain_stream,
     table_incidents_subject,
@@ -44,6 +46,8 @@ REPLICATION_MANAGER = "replication-manager"
 DDL_LOCK = "ddl-lock"
 SINK_WORKER = "sink-worker"
 CAPTURE_PREFIX = "capture."
+# The user a NATS node's cluster route logs in as (compose); no client connects as it.
+ROUTE_USER = "route"
 
 # Roles every stack issues up front; a capture's role is per source (``capture_role``).
 FIXED_ROLES = (ADMIN, READER, API, MEMBER, SCHEDULER, REPLICATION_MANAGER, DDL_LOCK, SINK_WORKER)
@@ -180,7 +184,7 @@ def role_permissions(role: str) -> Permissions | None:
         # Event-stream consumers: every Sluice stream and bucket, read-only.
         streams = [ROWS_STREAM, DEADLETTER_STREAM, *(domain_stream(d) for d in DOMAINS),
                    *(f"KV_{b}" for b in (LEADER_BUCKET, CHECKPOINT_BUCKET, SNAPSHOT_BUCKET, PREPARE_BUCKET,
-                                              VALIDATION_BUCKET))]
+                                              VALIDATION_BUCKET, SOURCE_HEALTH_BUCKET))]
         return Permissions(tuple([*_COMMON_PUB, "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
                                   *(s for st in streams for s in js_read(st))]), (INBOX,))
     if role.startswith(CAPTURE_PREFIX):
@@ -189,6 +193,8 @@ def role_permissions(role: str) -> Permissions | None:
         return Permissions(
             tuple([*_COMMON_PUB, *js_own(ROWS_STREAM), *lease_pub,
                    f"sluice.rows.{source}.>", f"sluice.ddl.{source}.>", f"sluice.resolved.{source}",
+                   # Why it cannot read its source, under its own key only (libs/source_health.py).
+                   *kv_write(SOURCE_HEALTH_BUCKET, [source]),
                    # Started without SLUICE_SOURCE_URL it reads its URL from the sources registry
                    # (libs/sources.py, in the changefeeds log), parking what it cannot decode there.
                    *_domain_reader("changefeeds"), *_dead_letters()]),
@@ -233,7 +239,7 @@ def role_permissions(role: str) -> Permissions | None:
                    *js_own(DEADLETTER_STREAM), f"$JS.API.STREAM.MSG.DELETE.{DEADLETTER_STREAM}",
                    *js_read(ROWS_STREAM),
                    *kv_read(LEADER_BUCKET), *kv_read(CHECKPOINT_BUCKET), *kv_read(SNAPSHOT_BUCKET),
-                   *kv_read(PREPARE_BUCKET),
+                   *kv_read(PREPARE_BUCKET), *kv_read(SOURCE_HEALTH_BUCKET),
                    # Validation: reads the workers' status, writes only compare requests.
                    *kv_write(VALIDATION_BUCKET, ["*.request"])]),
             (INBOX,))
@@ -335,13 +341,17 @@ class StackAuth:
 
 def server_config(*, host: str, port: int, store_dir: Path | None, auth: StackAuth | None,
                   tls: TlsFiles | None = None, server_name: str | None = None,
-                  extra: dict[str, Any] | None = None) -> str:
-    """A nats-server config file (JSON is valid NATS config syntax)."""
+                  sync_interval: str | None = None, extra: dict[str, Any] | None = None) -> str:
+    """A nats-server config file (JSON is valid NATS config syntax). ``sync_interval`` is
+    JetStream's fsync interval (``always``: before each acknowledgement); None keeps the
+    server's default (about every 2 minutes)."""
     config: dict[str, Any] = {"host": host, "port": port}
     if server_name:
         config["server_name"] = server_name
     if store_dir is not None:
         config["jetstream"] = {"store_dir": str(store_dir)}
+        if sync_interval:
+            config["jetstream"]["sync_interval"] = sync_interval
     if auth is not None:
         config["authorization"] = auth.authorization()
     if tls is not None:
@@ -358,9 +368,13 @@ def password_variable(role: str) -> str:
     return "SLUICE_NATS_PW_" + "".join(c if c.isalnum() else "_" for c in role).upper()
 
 
+SYNC_INTERVAL_VARIABLE = "SLUICE_NATS_SYNC_INTERVAL"
+
+
 def env_authorization_config(roles: Iterable[str]) -> str:
     """An ``authorization`` block for nats-server whose passwords are environment references
-    (``$SLUICE_NATS_PW_<ROLE>``), so the file holds no secret."""
+    (``$SLUICE_NATS_PW_<ROLE>``), so the file holds no secret, and JetStream's fsync interval
+    from ``$SLUICE_NATS_SYNC_INTERVAL`` (compose's default: always)."""
     users = []
     for role in roles:
         user: dict[str, Any] = {"user": role, "password": f"@@{password_variable(role)}@@"}
@@ -368,10 +382,11 @@ def env_authorization_config(roles: Iterable[str]) -> str:
         if perms is not None:
             user["permissions"] = perms.as_config()
         users.append(user)
-    text = json.dumps({"authorization": {"users": users}}, indent=1)
+    text = json.dumps({"jetstream": {"sync_interval": f"@@{SYNC_INTERVAL_VARIABLE}@@"},
+                       "authorization": {"users": users}}, indent=1)
     # nats-server resolves a bare $NAME from the environment; a quoted one would stay literal.
-    for role in roles:
-        text = text.replace(f'"@@{password_variable(role)}@@"', f"${password_variable(role)}")
+    for name in [*(password_variable(role) for role in roles), SYNC_INTERVAL_VARIABLE]:
+        text = text.replace(f'"@@{name}@@"', f"${name}")
     return text + "\n"
 
 
@@ -379,10 +394,59 @@ def compose_roles(sources: Iterable[str]) -> list[str]:
     return [*FIXED_ROLES, *(capture_role(s) for s in sources)]
 
 
+# A single node has no replica to hold an acknowledged write while the OS loses its page cache:
+# it fsyncs before each acknowledgement (DESIGN.md, "JetStream durability").
+SINGLE_NODE_SYNC_INTERVAL = "always"
+
+
+@dataclass(frozen=True)
+class LocalStack:
+    """What ``python -m libs.nats_auth local`` writes for one machine's nats-server."""
+
+    config: Path
+    users_dir: Path
+    auth_file: Path
+
+
+def private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def write_private(path: Path, text: str) -> None:
+    """``text`` in a file no other user can read, from its first byte on."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its old mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def write_local_stack(directory: Path, sources: Iterable[str], *, port: int = 4222,
+                      sync_interval: str | None = SINGLE_NODE_SYNC_INTERVAL) -> LocalStack:
+    """A nats-server config with every role's user and permissions (passwords inline, so the
+    file is 0600) and one 0600 password file per role under ``users/`` (what a service reads
+    with SLUICE_NATS_USERS_DIR). Passwords already issued are kept: running it again after
+    adding a source only adds that source's capture user."""
+    # Absolute: the server and the services may start from another directory.
+    directory = private_dir(directory).resolve()
+    auth_file = directory / "auth.json"
+    auth = StackAuth.load_or_issue(auth_file, compose_roles(sources))
+    users = private_dir(directory / "users")
+    for role, password in auth.passwords.items():
+        write_private(users / role, password + "\n")
+    config = directory / "nats.conf"
+    write_private(config, server_config(host="127.0.0.1", port=port, store_dir=directory / "jetstream",
+                                        auth=auth, sync_interval=sync_interval))
+    return LocalStack(config=config, users_dir=users, auth_file=auth_file)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m libs.nats_auth compose-config SOURCE...``: the authorization block of the
     compose NATS cluster (infra/nats/auth.conf), passwords read from the environment;
-    ``python -m libs.nats_auth env SOURCE...``: a fresh password per role, as ``.env`` lines."""
+    ``python -m libs.nats_auth env SOURCE...``: a fresh password per role, as ``.env`` lines;
+    ``python -m libs.nats_auth local DIR SOURCE...``: one machine's server config and password
+    files (README, "The first hour")."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m libs.nats_auth")
@@ -391,13 +455,28 @@ def main(argv: list[str] | None = None) -> None:
     compose.add_argument("sources", nargs="+")
     env = sub.add_parser("env", help="new random passwords as .env lines (issue or rotate)")
     env.add_argument("sources", nargs="+")
+    local = sub.add_parser("local", help="one machine's nats-server config and per-role password files")
+    local.add_argument("directory", type=Path)
+    local.add_argument("sources", nargs="+")
+    local.add_argument("--port", type=int, default=4222)
+    local.add_argument("--sync-interval", default=SINGLE_NODE_SYNC_INTERVAL,
+                       help="JetStream fsync interval: always (default), or a duration such as 1s")
     args = parser.parse_args(argv)
-    if args.command == "compose-config":
+    if args.command == "local":
+        stack = write_local_stack(args.directory, args.sources, port=args.port,
+                                  sync_interval=args.sync_interval)
+        print(f"nats-server config: {stack.config} (0600)\n"
+              f"password of each role: {stack.users_dir}/<role> (0600); run every service with\n"
+              f"  SLUICE_NATS_USERS_DIR={stack.users_dir}\n"
+              f"start the server with\n  nats-server -c {stack.config}")
+    elif args.command == "compose-config":
         print(env_authorization_config(compose_roles(args.sources)), end="")
     else:
         issued = StackAuth.issue(compose_roles(args.sources))
         for role in compose_roles(args.sources):
             print(f"{password_variable(role)}={issued.password(role)}")
+        # Not a client role: the compose nodes' cluster routes log in with it.
+        print(f"{password_variable(ROUTE_USER)}={secrets.token_urlsafe(24)}")
 
 
 if __name__ == "__main__":

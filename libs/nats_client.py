@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import ssl
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -15,6 +16,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from libs.config import Settings
+from libs.nats_auth import role_of_service
 from libs.nats_tls import client_context
 from libs.telemetry.metrics import NATS_RECONNECTS
 
@@ -47,7 +49,26 @@ def tls_context(settings: Settings) -> ssl.SSLContext | None:
                           settings.nats_tls_key_file)
 
 
-async def connect(settings: Settings, name: str) -> Client:
+def credentials(settings: Settings, service: str | None) -> tuple[str | None, str | None]:
+    """The user and password a service connects with: the settings' own, or with
+    ``nats_users_dir`` and no user set, the service's role and the password file of that role
+    (written 0600 by ``python -m libs.nats_auth local``), so no password is on a command line
+    or in a shell's environment."""
+    password = settings.nats_password.get_secret_value() if settings.nats_password else None
+    if settings.nats_user or not settings.nats_users_dir or service is None:
+        return settings.nats_user, password
+    role = role_of_service(service, settings.source_id)
+    if role is None:
+        return settings.nats_user, password
+    path = Path(settings.nats_users_dir) / role
+    try:
+        return role, path.read_text().strip()
+    except OSError as exc:
+        raise ConnectionError(f"no NATS password for role {role!r}: cannot read {path} ({exc.strerror}); "
+                              "write it with python -m libs.nats_auth local") from None
+
+
+async def connect(settings: Settings, name: str, service: str | None = None) -> Client:
     async def on_reconnect() -> None:
         NATS_RECONNECTS.inc()
         log.warning("reconnected to NATS")
@@ -58,13 +79,14 @@ async def connect(settings: Settings, name: str) -> Client:
     async def on_error(exc: Exception) -> None:
         log.warning("NATS error: %s", exc)
 
+    user, password = credentials(settings, service)
     # The client retries forever once connected; at start-up a missing NATS must fail the
     # process within a bound, so an operator sees the error instead of a silent hang.
     connecting = nats.connect(
         servers=[s.strip() for s in settings.nats_url.split(",") if s.strip()],
         name=name,
-        user=settings.nats_user,
-        password=settings.nats_password.get_secret_value() if settings.nats_password else None,
+        user=user,
+        password=password,
         token=settings.nats_token.get_secret_value() if settings.nats_token else None,
         user_credentials=settings.nats_creds_file,
         tls=tls_context(settings),

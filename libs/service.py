@@ -111,10 +111,13 @@ class ServiceRuntime:
             return Response(payload, media_type=content_type)
 
     async def run(self, main: Callable[[ServiceRuntime], Coroutine[Any, Any, None]]) -> None:
+        # Whatever a service writes (the api's read model, spools, Spark's files) is its own:
+        # 0600 files, 0700 directories.
+        os.umask(0o077)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        self._nc = await connect(self.settings, name=self.producer)
+        self._nc = await connect(self.settings, name=self.producer, service=self.name)
         server = _Server(uvicorn.Config(self.app, host=self.settings.http_host, port=self.port,
                                         log_config=None, access_log=False, lifespan="off"))
         server_task = asyncio.create_task(server.serve(), name="uvicorn")

@@ -17,6 +17,9 @@ PREPARE_BUCKET = "sluice-prepare"
 # Continuous validation: each span's status (key: the span's checkpoint key), written by the
 # worker that runs it; on-demand compare requests (key: ``<changefeed>.request``), written by the api.
 VALIDATION_BUCKET = "sluice-validation"
+# Why a source's capture cannot read it and since when (key: the source's token), written by that
+# capture while its sessions fail and deleted when one reads; the api's source status shows it.
+SOURCE_HEALTH_BUCKET = "sluice-source-health"
 
 # One event-sourced stream per control domain; its leader is the only writer.
 DOMAINS = ("members", "schedule", "replication", "ddl", "changefeeds")

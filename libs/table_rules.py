@@ -275,3 +275,75 @@ def table_problems(rules: Sequence[TableRuleV1], database: str, table: str, meta
     except TableRulesError as exc:
         return [f"{database}.{table}: {exc}"]
     return []
+
+
+# -- checks with a table's columns (the api's creation checks, against the source) ---------------
+
+# Words of an expression that name no column: literals, niladic functions, type names after AS.
+_NOT_COLUMNS = frozenset("""true false null current_date current_timestamp current_user current_timezone
+current_catalog current_database current_schema localtimestamp user session_user""".split())
+
+
+def expression_names(expr: str) -> set[str]:
+    """The column names ``expr`` reads, as far as can be told without Spark: bare and backquoted
+    names that are not a function being called, a keyword, a literal, a unit, a type after AS or
+    a struct field after a dot. An expression with a lambda (``x -> ...``) reads names of its
+    own: none are reported for it, rather than a false one."""
+    tokens = [(m.lastgroup, m.group()) for m in _TOKEN.finditer(expr) if m.lastgroup != "space"]
+    if any(kind == "op" and text == "->" for kind, text in tokens):
+        return set()
+    names: set[str] = set()
+    for i, (kind, text) in enumerate(tokens):
+        before = tokens[i - 1] if i else ("start", "")
+        after = tokens[i + 1] if i + 1 < len(tokens) else ("end", "")
+        if kind == "quoted":
+            if before[0] != "dot":
+                names.add(text[1:-1].replace("``", "`"))
+            continue
+        if kind != "word":
+            continue
+        lower = text.lower()
+        if (after[0] == "open" or before[0] == "dot" or before[1].lower() == "as"
+                or lower in _CONNECTIVES or lower in _UNITS or lower in _FORBIDDEN or lower in _NOT_COLUMNS
+                or (lower in _TYPED_LITERALS and after[0] == "string")):
+            continue
+        names.add(text)
+    return names
+
+
+def rule_column_problems(rules: Sequence[TableRuleV1], where: str, database: str, table: str,
+                         meta: TableMetaV1) -> list[str]:
+    """Each rule matching ``database.table`` checked against the table's columns, naming the
+    rule and the column: unknown columns in an expression, keep_columns or drop_columns, and
+    key columns dropped. ``where`` names the table's source for the message."""
+    columns = {c.name.lower() for c in meta.columns}
+    keys = set(meta.primary_key)
+    out: list[str] = []
+    for i, rule in enumerate(rules):
+        if not _matches(rule, database, table):
+            continue
+        label = f"table_rules[{i}] ({', '.join(rule.tables)})"
+        computed = {c.name.lower() for c in rule.computed}
+        for name in EXPRESSION_FIELDS:
+            expr = getattr(rule, name)
+            unknown = sorted(n for n in expression_names(expr or "") if n.lower() not in columns | computed)
+            if unknown:
+                out.append(f"{label}: {name} reads column(s) {', '.join(unknown)}, which {database}.{table} "
+                           f"of {where} does not have")
+        for c in rule.computed:
+            unknown = sorted(n for n in expression_names(c.expr) if n.lower() not in columns)
+            if unknown:
+                out.append(f"{label}: computed column {c.name} reads column(s) {', '.join(unknown)}, which "
+                           f"{database}.{table} of {where} does not have")
+        for field_name, given in (("drop_columns", rule.drop_columns),
+                                  ("keep_columns", rule.keep_columns or [])):
+            unknown = sorted(n for n in given if n.lower() not in columns)
+            if unknown:
+                out.append(f"{label}: {field_name} names column(s) {', '.join(unknown)}, which "
+                           f"{database}.{table} of {where} does not have")
+        dropped = sorted(k for k in keys if k in rule.drop_columns
+                         or (rule.keep_columns is not None and k not in rule.keep_columns))
+        if dropped:
+            out.append(f"{label}: leaves out key column(s) {', '.join(dropped)} of {database}.{table} "
+                       f"({where}): the downstream finds each row by its key")
+    return out

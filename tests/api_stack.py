@@ -206,6 +206,12 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory, mariadb: MariaDB) -> Ite
            "SLUICE_STATE_DB_URL": f"sqlite:///{tmp / 'state.db'}", "SLUICE_API_TOKEN": TOKEN,
            "SLUICE_API_TOKENS": f"vic:viewer:{VIEWER_TOKEN},alice:operator:{ALICE_TOKEN}",
            "SLUICE_LOG_LEVEL": "DEBUG", "SLUICE_SECRET_SRC_PW": CANARY,
+           # Where each secret may be sent: the source's own port only (the exfiltration test
+           # listens on another port of 127.0.0.1); down-pw's host is a closed port.
+           "SLUICE_SECRETS_HOSTS": (f"{SECRET}=127.0.0.1:{mariadb.port};down-pw=127.0.0.1;"
+                                    "not-there=127.0.0.1;"
+                                    f"nats-sink-pw={server.plain_url.split('://', 1)[1]}"),
+           "SLUICE_SECRET_DOWN_PW": CANARY,
            # A NATS sink's user (the creation checks connect as it): the sink-worker's.
            "SLUICE_SECRET_NATS_SINK_PW": server.stack_auth.password(SINK_WORKER) if server.stack_auth else ""}
 

@@ -115,7 +115,8 @@ def test_create_refused_by_a_check_then_skip_checks(api_stack: ApiStack, tmp_pat
 
 def test_tables_snapshot_progress_and_move(api_stack: ApiStack) -> None:
     code, out = sluice(api_stack, "changefeed", "tables", CF)
-    assert code == 0 and "replicating" in out and "500/1000 at 2,500 rows/s, ETA 2m05s" in out, out
+    assert code == 0 and "replicating" in out, out
+    assert "500 of about 1,000 rows at 2,500 rows/s, ETA 2m05s" in out, out
     assert "UTC" in out and " behind" in out and "none yet" in out, out
     assert "waiting for" in out and "copied" in out, out
     progress = sluice_json(api_stack, "changefeed", "snapshot", CF)

@@ -96,6 +96,42 @@ def test_the_example_source_user_and_settings_pass_capture_and_the_creation_chec
         admin.close()
 
 
+@pytest.mark.integration
+def test_the_compose_sources_replication_user_is_created_from_its_secret(mariadb: MariaDB,
+                                                                          tmp_path: Path) -> None:
+    """infra/mariadb/sluice-user.sh, as the MariaDB image's entrypoint sources it (its
+    ``docker_process_sql`` reads SQL on stdin): the user capture logs in as in compose, with the
+    secret's password (quotes and backslashes included) and the replication grants."""
+    import subprocess
+
+    password = "pw'with\\quote-" + secrets.token_hex(6)
+    (tmp_path / "source_password").write_text(password)
+    script = EXAMPLES.parent / "infra" / "mariadb" / "sluice-user.sh"
+    stub = f'docker_process_sql() {{ cat > "{tmp_path}/init.sql"; }}; . "{script}"'
+    done = subprocess.run(["/bin/sh", "-ec", stub],
+                          env={"SLUICE_SOURCE_PASSWORD_FILE": str(tmp_path / "source_password"),
+                               "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    statements = [s.strip() for s in (tmp_path / "init.sql").read_text().split(";\n") if s.strip()]
+    admin = mariadb.connect()
+    try:
+        with admin.cursor() as cur:
+            cur.execute("DROP USER IF EXISTS 'sluice'@'%'")
+            for statement in statements:
+                cur.execute(statement)
+        user = pymysql.connect(host="127.0.0.1", port=mariadb.port, user="sluice", password=password)
+        try:
+            with user.cursor() as cur:
+                cur.execute("SHOW GRANTS")
+                assert missing_source_grants([row[0] for row in cur.fetchall()]) == []
+        finally:
+            user.close()
+        with admin.cursor() as cur:
+            cur.execute("DROP USER 'sluice'@'%'")
+    finally:
+        admin.close()
+
+
 def test_the_first_hour_walkthrough_names_real_commands_and_files() -> None:
     from typer.main import get_command
 
@@ -120,3 +156,38 @@ def test_the_first_hour_walkthrough_names_real_commands_and_files() -> None:
         command = cli.commands[word]
         if hasattr(command, "commands"):
             assert sub in command.commands, (word, sub)
+
+
+def test_the_demo_answers_help_before_anything_is_installed(tmp_path: Path) -> None:
+    """`bash infra/dev.sh demo --help` prints the options at once: demo.py answers --help before
+    importing the project (here with an interpreter that has none of its dependencies), and
+    dev.sh runs it before `setup` (which installs Java, MariaDB, PostgreSQL and the venv)."""
+    import subprocess
+    import sys
+
+    root = EXAMPLES.parent
+    bare = tmp_path / "bare-python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=60)
+    done = subprocess.run([str(bare / "bin" / "python"), "-I", str(root / "infra" / "demo.py"), "--help"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "--seconds" in done.stdout and "--nats-sync-interval" in done.stdout
+    dev_sh = (root / "infra" / "dev.sh").read_text()
+    demo = dev_sh[dev_sh.index("  demo)"):]
+    assert demo.index("-h|--help)") < demo.index("    setup\n"), demo
+
+
+def test_the_demo_says_where_its_servers_listen_and_as_whom(tmp_path: Path) -> None:
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("sluice_demo", EXAMPLES.parent / "infra" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    system = demo.LocalSystem(base_dir=tmp_path, sources=2)
+    system.source_dbs = [SimpleNamespace(port=40001), SimpleNamespace(port=40002)]
+    lines = demo.server_lines(system)
+    assert lines[0].startswith("source src1: MariaDB 127.0.0.1:40001, user root")
+    assert "shop_a, shop_b" in lines[0] and "mysql -h 127.0.0.1 -P 40002 -u root" in lines[1]
+    assert lines[2].startswith(f"downstream: SQLite {tmp_path / 'downstream.db'}")

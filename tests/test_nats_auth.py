@@ -11,6 +11,7 @@ import os
 import sqlite3
 import ssl
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -340,30 +341,41 @@ def test_compose_auth_config_is_the_generated_one() -> None:
 
 
 @pytest.fixture
-def compose_nats(tmp_path: Path) -> Iterator[tuple[int, dict[str, str]]]:
+def compose_nats(tmp_path: Path) -> Iterator[tuple[int, dict[str, str], int]]:
     """nats-server started as compose starts it: flags, ``-c infra/nats/auth.conf`` and the
-    passwords in its environment."""
-    port = free_port()
+    passwords and sync interval in its environment; with its monitoring port."""
+    port, monitor = free_port(), free_port()
     passwords = {r: f"pw-{i}" for i, r in enumerate(compose_roles(["src1", "src2"]))}
-    env = {**os.environ, **{password_variable(r): pw for r, pw in passwords.items()}}
+    env = {**os.environ, **{password_variable(r): pw for r, pw in passwords.items()},
+           "SLUICE_NATS_SYNC_INTERVAL": "always"}
     with open(tmp_path / "log", "wb") as log:
         proc = subprocess.Popen([find_binary("nats-server"), "-c", str(COMPOSE_AUTH), "-a", "127.0.0.1",
-                                 "-p", str(port), "-js", "-sd", str(tmp_path / "js")], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+                                 "-p", str(port), "-m", str(monitor), "-js", "-sd", str(tmp_path / "js")],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: port_open(port) or proc.poll() is not None, 15,
                    "nats-server with the compose config")
         assert proc.poll() is None, (tmp_path / "log").read_text()
-        yield port, passwords
+        yield port, passwords, monitor
     finally:
         proc.terminate()
         proc.wait(10)
 
 
+def _http_get(url: str) -> bytes:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return bytes(resp.read())
+
+
 async def test_compose_auth_config_takes_passwords_from_the_environment(
-    compose_nats: tuple[int, dict[str, str]],
+    compose_nats: tuple[int, dict[str, str], int],
 ) -> None:
-    port, passwords = compose_nats
+    port, passwords, monitor = compose_nats
+    # JetStream fsyncs before each acknowledgement (SLUICE_NATS_SYNC_INTERVAL).
+    jsz = json.loads(await asyncio.to_thread(_http_get, f"http://127.0.0.1:{monitor}/jsz?config=true"))
+    assert jsz["config"]["sync_always"] is True, jsz["config"]
     url = f"nats://127.0.0.1:{port}"
     errors = Errors()
     client = await nats.connect(url, user=API, password=passwords[API], error_cb=errors.on_error,
@@ -382,3 +394,66 @@ async def test_compose_auth_config_takes_passwords_from_the_environment(
         await capture.close()
     with pytest.raises(nats.errors.Error, match="Authorization Violation"):
         await nats.connect(url, error_cb=errors.on_error, allow_reconnect=False)
+
+
+# ------------------------------------------------------------------ the first hour's NATS
+
+async def _anonymous_refused_and_member_lease(port: int, admin_password: str) -> None:
+    with pytest.raises((nats.errors.NoServersError, nats.errors.Error, OSError)):
+        await nats.connect(f"nats://127.0.0.1:{port}", allow_reconnect=False, connect_timeout=3,
+                           max_reconnect_attempts=0)
+    admin = await nats.connect(f"nats://127.0.0.1:{port}", user="admin", password=admin_password,
+                               allow_reconnect=False)
+    try:
+        # The member took its lease, which only the member role may write.
+        kv = await admin.jetstream().key_value(LEADER_BUCKET)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                await kv.get("member")
+                return
+            except nats.js.errors.KeyNotFoundError:
+                await asyncio.sleep(0.1)
+        pytest.fail("the member never took its lease as its own role")
+    finally:
+        await admin.close()
+
+
+def test_the_first_hours_nats_has_users_and_a_service_connects_as_its_role(tmp_path: Path) -> None:
+    """README "The first hour": one command writes the server config and a password file per
+    role (private modes); nats-server started with it refuses anonymous clients and fsyncs
+    before each acknowledgement; a service given only SLUICE_NATS_USERS_DIR works as its own
+    role, with no password on its command line."""
+    port, directory = free_port(), tmp_path / "nats"
+    local = [sys.executable, "-m", "libs.nats_auth", "local", str(directory), "shop", "--port", str(port)]
+    out = subprocess.run(local, check=True, capture_output=True, text=True).stdout
+    users = directory / "users"
+    assert f"SLUICE_NATS_USERS_DIR={users}" in out and "nats-server -c" in out
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (directory, users, directory / "nats.conf",
+                                                         directory / "auth.json", users / "member")}
+    assert modes == {"nats": 0o700, "users": 0o700, "nats.conf": 0o600, "auth.json": 0o600,
+                     "member": 0o600}, modes
+    config = json.loads((directory / "nats.conf").read_text())
+    assert config["jetstream"]["sync_interval"] == "always" and config["host"] == "127.0.0.1"
+    member_pw = (users / "member").read_text().strip()
+    with open(tmp_path / "nats.log", "wb") as log:
+        server = subprocess.Popen([find_binary("nats-server"), "-c", str(directory / "nats.conf")],
+                                  stdout=log, stderr=subprocess.STDOUT)
+    member = ServiceProcess("services.member", {"SLUICE_NATS_URL": f"nats://127.0.0.1:{port}",
+                                                "SLUICE_NATS_USERS_DIR": str(users),
+                                                "SLUICE_LEASE_TTL_S": "1.5"}, tmp_path / "logs")
+    try:
+        wait_until(lambda: port_open(port) or server.poll() is not None, 15, "the first hour's nats-server")
+        member.start().wait_ready(60)
+        assert member.proc is not None
+        assert member_pw.encode() not in Path(f"/proc/{member.proc.pid}/cmdline").read_bytes()
+        asyncio.run(_anonymous_refused_and_member_lease(port, (users / "admin").read_text().strip()))
+        assert member_pw not in member.log_path.read_text()
+    finally:
+        member.terminate()
+        server.terminate()
+        server.wait(10)
+    # Again with a second source: issued passwords are kept, the new capture gets its own.
+    subprocess.run([*local[:-2], "shop-2", "--port", str(port)], check=True, capture_output=True)
+    assert (users / "member").read_text().strip() == member_pw
+    assert (users / capture_role("shop-2")).stat().st_mode & 0o777 == 0o600

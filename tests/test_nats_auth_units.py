@@ -219,9 +219,11 @@ def test_env_command_issues_one_password_per_compose_role(capsys: pytest.Capture
     main(["env", "src1", "src2"])
     lines = capsys.readouterr().out.splitlines()
     names = [line.split("=", 1)[0] for line in lines]
-    assert names == [password_variable(r) for r in compose_roles(["src1", "src2"])]
+    assert names == [*(password_variable(r) for r in compose_roles(["src1", "src2"])), "SLUICE_NATS_PW_ROUTE"]
     assert "SLUICE_NATS_PW_CAPTURE_SRC2" in names
     assert all(len(line.split("=", 1)[1]) >= 24 for line in lines)
+    # Each its own: no two roles (nor the cluster's routes) share a password.
+    assert len({line.split("=", 1)[1] for line in lines}) == len(lines)
 
 
 def test_the_member_leader_probes_a_member_and_the_member_answers() -> None:

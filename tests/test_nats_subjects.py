@@ -41,6 +41,7 @@ from libs.streams import (
     SHARD_DDL_OPS_SUBJECTS,
     SHARD_DDL_REPORT_SUBJECT,
     SNAPSHOT_BUCKET,
+    SOURCE_HEALTH_BUCKET,
     VALIDATION_BUCKET,
     announce_subject,
     command_subject,
@@ -81,7 +82,7 @@ class Use:
 
 _BUCKETS = {LEADER_BUCKET: "LEADER_BUCKET", CHECKPOINT_BUCKET: "CHECKPOINT_BUCKET",
             SNAPSHOT_BUCKET: "SNAPSHOT_BUCKET", PREPARE_BUCKET: "PREPARE_BUCKET",
-            VALIDATION_BUCKET: "VALIDATION_BUCKET"}
+            VALIDATION_BUCKET: "VALIDATION_BUCKET", SOURCE_HEALTH_BUCKET: "SOURCE_HEALTH_BUCKET"}
 
 
 def _kv_write(bucket: str, key: str) -> Use:
@@ -127,6 +128,8 @@ USES: dict[str, list[Use]] = {
         Use("rejected_subject", publish=(rejected_subject(SOURCE),)),
         Use("resolved_subject", publish=(resolved_subject(SOURCE),)),
         _kv_write(LEADER_BUCKET, CAPTURE),
+        # Why it cannot read its source (libs.source_health), under its own source's key.
+        _kv_write(SOURCE_HEALTH_BUCKET, SOURCE),
         # The sources registry (libs.sources.registered_url) when started without a source URL.
         *_folds("changefeeds"), _dead_letters(domain_stream("changefeeds")),
     ],
@@ -153,7 +156,7 @@ USES: dict[str, list[Use]] = {
         Use("leader_command_subject", publish=tuple(leader_command_subject(s) for s in
                                                     (MEMBER, SCHEDULER, REPLICATION_MANAGER, DDL_LOCK))),
         _kv_read(LEADER_BUCKET), _kv_read(CHECKPOINT_BUCKET), _kv_read(SNAPSHOT_BUCKET),
-        _kv_read(PREPARE_BUCKET),
+        _kv_read(PREPARE_BUCKET), _kv_read(SOURCE_HEALTH_BUCKET),
         _kv_read(VALIDATION_BUCKET), _kv_write(VALIDATION_BUCKET, "cf.request"),
         Use("ROWS_STREAM", reads=((ROWS_STREAM, resolved_subject(SOURCE)),)),
         Use("resolved_subject", reads=((ROWS_STREAM, resolved_subject(SOURCE)),)),
@@ -254,3 +257,10 @@ def test_the_incidents_subject_carries_table_incidents_only() -> None:
     folded = domain_fold_subjects("changefeeds")
     assert folded == [domain_events_subject("changefeeds"), table_incidents_subject()]
     assert domain_fold_subjects("schedule") == [domain_events_subject("schedule")]
+
+
+def test_a_capture_writes_only_its_own_sources_health() -> None:
+    perms = role_permissions(CAPTURE)
+    assert perms is not None
+    assert perms.may_publish(f"$KV.{SOURCE_HEALTH_BUCKET}.{SOURCE}")
+    assert not perms.may_publish(f"$KV.{SOURCE_HEALTH_BUCKET}.src2")

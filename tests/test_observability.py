@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
+import httpx
 import nats
 import pytest
 
@@ -37,6 +38,7 @@ from tests.helpers.otlp_receiver import OtlpReceiver, ReceivedSpan
 pytestmark = pytest.mark.integration
 
 SOURCE = "obs"
+API_TOKEN = "obs-api-token-3f9a"
 CONTROL = ("member", "scheduler", "replication_manager", "ddl_lock", "api")
 
 
@@ -90,7 +92,8 @@ class ObsSystem:
         self.sql(f"DELETE FROM t WHERE id = {id_}")
         self.expected.append(("delete", {"id": id_, "v": old}, None))
 
-    def wait(self, check: Callable[[], Any], within: float, what: str) -> Any:
+    def wait(self, check: Callable[[], Any], within: float, what: str,
+             detail: Callable[[], str] | None = None) -> Any:
         deadline = time.monotonic() + within
         while True:
             value = check()
@@ -99,7 +102,7 @@ class ObsSystem:
             for name, proc in self.processes.items():
                 assert proc.alive(), f"{name} died:\n{proc.tail_log()}"
             if time.monotonic() > deadline:
-                pytest.fail(f"timed out waiting for {what}\n{self.diagnostics()}")
+                pytest.fail(f"timed out waiting for {what}\n{detail() if detail else self.diagnostics()}")
             time.sleep(0.3)  # polling a condition with a deadline
 
     def stop(self) -> None:
@@ -163,6 +166,7 @@ def system(mariadb: MariaDB, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "SLUICE_STATE_DB_URL": f"sqlite:///{base / 'state.db'}",
         "SLUICE_DOWNSTREAM_URL": f"sqlite:///{base / 'down.db'}",
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "300",
+        "SLUICE_API_TOKEN": API_TOKEN,
     }
     system = ObsSystem(broker, receiver, mariadb, db, env, base / "logs")
     try:
@@ -379,3 +383,44 @@ def test_sink_worker_kill_9_and_restart_neither_duplicates_nor_loses(system: Obs
         assert len(msgs) > before[fmt]
         # Exactly once each, in order: the re-read from the stored checkpoint was deduplicated.
         assert changes_of(fmt, msgs) == system.expected, fmt
+
+
+# Last: its changefeed adds spans the tests above count.
+def test_a_changefeed_requests_trace_continues_into_the_placement_of_its_tables(
+        system: ObsSystem, tmp_path: Path) -> None:
+    api_url = system.processes["api-1"].base_url + "/api/v1/changefeeds"
+    headers = {"Authorization": f"Bearer {API_TOKEN}"}
+    spec = {"id": "obs-trace", "sources": [{"id": SOURCE, "url": system.source.url_for(system.db)}],
+            "filter": {"include": [f"{system.db}.*"]}, "sink_url": f"sqlite:///{tmp_path / 'trace.db'}",
+            "initial_load": "binlog-only"}
+    # A row makes the table a span the scheduler discovers (spans come from the ROWS stream).
+    system.sql("INSERT INTO t VALUES (990001, 'trace')")
+    created = httpx.post(api_url, json=spec, headers=headers, timeout=30)
+    assert created.status_code == 202, created.text
+    try:
+        def chain() -> tuple[ReceivedSpan, ReceivedSpan, ReceivedSpan] | None:
+            # The api's server span of the one POST /changefeeds this module makes.
+            for request in _spans(system, "api", "POST /api/v1/changefeeds"):
+                if request.attributes.get("http.response.status_code") != "202":
+                    continue
+                tasks = [s for s in _spans(system, "scheduler", "schedule schedule.add_table")
+                         if s.trace_id == request.trace_id]
+                dispatched = [s for s in _spans(system, "replication-manager", "dispatch add-prepare")
+                              if s.trace_id == request.trace_id]
+                if tasks and dispatched:
+                    return request, tasks[0], dispatched[0]
+            return None
+
+        def seen() -> str:
+            api_spans = [(s.name, s.trace_id, s.attributes) for s in system.receiver.snapshot()
+                         if s.service == "sluice-api"]
+            tasks = [(s.name, s.trace_id, s.parent_span_id) for s in system.receiver.snapshot()
+                     if s.service == "sluice-scheduler" and s.name.startswith("schedule ")]
+            return f"api spans {api_spans[-5:]}; scheduler spans {tasks[-8:]}"
+
+        request, task, dispatch = system.wait(chain, 120, "the api request's trace reaching the dispatch",
+                                              detail=seen)
+        assert request.parent_span_id in ("", "0" * 16)  # the request is the trace's root
+        assert task.parent_span_id != "" and dispatch.trace_id == request.trace_id
+    finally:
+        assert httpx.delete(f"{api_url}/obs-trace", headers=headers, timeout=30).status_code == 202

@@ -96,7 +96,7 @@ def test_compose_holds_no_password_and_takes_them_from_env_file() -> None:
     for name, spec in services.items():
         for key, value in (spec.get("environment") or {}).items():
             if re.search(r"PASSWORD|TOKEN|SECRET", key) and not key.endswith("_FILE") \
-                    and key != "SLUICE_SECRETS_DIR":
+                    and key not in ("SLUICE_SECRETS_DIR", "SLUICE_SECRETS_HOSTS"):
                 assert str(value).startswith("${") and ":?" in str(value), (name, key, value)
             if "://" in str(value) and "@" in str(value):
                 password = str(value).split("://", 1)[1].split("@", 1)[0].partition(":")[2]
@@ -105,6 +105,11 @@ def test_compose_holds_no_password_and_takes_them_from_env_file() -> None:
     used |= {s["environment"] for s in _compose()["secrets"].values()}
     example = (ROOT / ".env.example").read_text()
     assert all(re.search(rf"^#? ?{v}=", example, re.MULTILINE) for v in used), (used, example)
+    # Copied as it is, .env.example gives no two secrets one value, and no NATS role a password
+    # (each gets its own from `python -m libs.nats_auth env`).
+    given = dict(re.findall(r"^([A-Z0-9_]+)=(.*)$", example, re.MULTILINE))
+    assert not [k for k in given if k.startswith("SLUICE_NATS_PW_")], given
+    assert len(set(given.values())) == len(given), given
     assert ".env" in (ROOT / ".gitignore").read_text().split()
     assert "sluice" not in " ".join(re.findall(r"PASSWORD\w*: *(\S+)", text))
 
@@ -143,18 +148,23 @@ def test_compose_grafana_has_no_anonymous_access_and_health_uses_readyz() -> Non
 
 
 def test_compose_stack_is_complete_and_consistent() -> None:
+    from libs.dburl import parse_database_url
+    from libs.secret_refs import binding_problem, is_reference, reference_name
     from libs.service import DEFAULT_PORTS
 
     services = _compose()["services"]
     settings = {f"SLUICE_{n.upper()}" for n in Settings.model_fields}
     nats_nodes = [f"nats-{i}" for i in (1, 2, 3)]
-    # NATS: a 3-node JetStream cluster, every node routed to every other.
+    # NATS: a 3-node JetStream cluster, every node routed to every other as user "route", whose
+    # password the routes' listener requires (compose's $$ is a literal $ for the shell).
     for node in nats_nodes:
         spec = services[node]
         assert spec["image"].startswith("nats:") and "healthcheck" in spec
         command = " ".join(spec["command"])
-        assert "-js" in spec["command"] and "--cluster_name sluice" in command, node
-        assert all(f"nats://{n}:6222" in command for n in nats_nodes), node
+        assert "exec nats-server -c /tmp/nats-node.conf -js -sd /data" in command, node
+        assert "name: sluice" in command, node
+        assert 'authorization { user: route, password: "$$SLUICE_NATS_PW_ROUTE" }' in command, node
+        assert all(f"nats://route:$$SLUICE_NATS_PW_ROUTE@{n}:6222" in command for n in nats_nodes), node
     # Two MariaDB sources with a ROW binlog of full images, distinct server ids.
     server_ids = set()
     for db in ("mariadb-1", "mariadb-2"):
@@ -209,6 +219,13 @@ def test_compose_stack_is_complete_and_consistent() -> None:
         if service == "capture":
             source = env["SLUICE_SOURCE_URL"]
             assert any(f"@{db}:3306/" in source for db in ("mariadb-1", "mariadb-2")), name
+        # Every secret a service's URL names is bound to that URL's host (else it resolves nowhere).
+        for key in ("SLUICE_SOURCE_URL", "SLUICE_DOWNSTREAM_URL"):
+            if key in env:
+                url = parse_database_url(env[key], resolve_secrets=False)
+                if is_reference(url.password):
+                    assert binding_problem(reference_name(url.password), [(url.host, url.port)],
+                                           environ=env) is None, (name, key)
     assert replicas == {"capture": 2, "member": 2, "scheduler": 2, "replication-manager": 2,
                         "ddl-lock": 2, "api": 2, "sink-worker": 3}
     assert {s["environment"]["SLUICE_SOURCE_ID"] for n, (svc, s) in sluice.items() if svc == "capture"} == {
@@ -241,3 +258,57 @@ def test_docker_compose_config_validates() -> None:
         assert out.returncode == 0, out.stdout + out.stderr
         return
     pytest.skip("no Docker Compose client on this machine (docker compose / docker-compose)")
+
+
+def test_no_process_is_started_with_a_url_or_secret_on_its_command_line() -> None:
+    """A command line is every local user's to read (ps, /proc/<pid>/cmdline): a URL (which may
+    hold a password), a token or a JSON spec goes to a child process through its environment
+    or stdin instead."""
+    import ast
+
+    found = []
+    for root in ("benchmarks", "infra", "libs", "services"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "subprocess"
+                        and node.args):
+                    continue
+                argv = ast.unparse(node.args[0]).lower()
+                if any(word in argv for word in ("url", "password", "secret", "token", "json.dumps")):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {argv[:100]}")
+    assert found == [], found
+
+
+def test_compose_nats_node_config_is_what_nats_server_accepts(tmp_path: Path) -> None:
+    """The compose nodes' start script, run here with this machine's nats-server (``-t``: check
+    the config and exit): the config it writes is valid, includes the generated users, and is
+    the only place the route password is written, 0600."""
+    import os
+    import stat
+
+    from libs.localservers.common import find_binary
+    from libs.nats_auth import compose_roles, password_variable
+
+    script = _compose()["services"]["nats-1"]["command"][0].replace("$$", "$")
+    (tmp_path / "etc" / "nats").mkdir(parents=True)
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "etc" / "nats" / "auth.conf").write_text((ROOT / "infra/nats/auth.conf").read_text())
+    conf = tmp_path / "tmp" / "nats-node.conf"
+    script = (script.replace("/tmp/nats-node.conf", str(conf)).replace("-sd /data", f"-sd {tmp_path / 'js'}")
+              .replace("exec nats-server", f"exec {find_binary('nats-server')} -t"))
+    env = {**os.environ, "HOSTNAME": "nats-1", "SLUICE_NATS_SYNC_INTERVAL": "always",
+           "SLUICE_NATS_PW_ROUTE": "route-pw-5d1c",
+           **{password_variable(r): f"pw-{i}" for i, r in enumerate(compose_roles(["src1", "src2"]))}}
+    done = subprocess.run(["/bin/sh", "-ec", script], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "is valid" in done.stdout + done.stderr
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+    text = conf.read_text()
+    assert text.count("route-pw-5d1c") == 4 and "server_name: nats-1" in text
+
+
+def test_the_readme_says_what_continuous_validation_cannot_find() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Continuous validation"):readme.index("## Operator API and CLI")]
+    assert "extra rows downstream in a merged target without an origin" in " ".join(section.split())

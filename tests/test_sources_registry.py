@@ -102,7 +102,11 @@ def registry(tmp_path_factory: pytest.TempPathFactory, mariadb: MariaDB) -> Iter
     server = NatsServer(data_dir=tmp / "nats").start()
     env = {"SLUICE_NATS_URL": server.url, "SLUICE_LEASE_TTL_S": "1.5", "SLUICE_LOG_JSON": "true",
            "SLUICE_STATE_DB_URL": f"sqlite:///{tmp / 'state.db'}", "SLUICE_API_TOKEN": TOKEN,
-           "SLUICE_SECRET_REG_PW": PASSWORD}
+           "SLUICE_SECRET_REG_PW": PASSWORD,
+           # localhost too: the test moves the source to it and expects the registry's 409.
+           "SLUICE_SECRETS_HOSTS": (f"reg-pw=127.0.0.1:{mariadb.port},localhost:{mariadb.port};"
+                                    f"reg-bad-pw=127.0.0.1:{mariadb.port}"),
+           "SLUICE_SECRET_REG_BAD_PW": "not-the-password"}
     api = ServiceProcess("services.api", env, tmp / "logs").start()
     try:
         api.wait_healthy(60)
@@ -128,6 +132,12 @@ def test_one_command_per_shard_and_a_capture_started_with_only_its_id(
     code, out = registry.sluice("source", "add", "regshop",
                                 f"mysql://regrepl:{PASSWORD}@127.0.0.1:{registry.mariadb.port}/")
     assert code == 1 and "secret" in out and PASSWORD not in out, out
+    # The source's checks run at registration, as at changefeed creation: a wrong password is
+    # refused with the server's words, and nothing is registered.
+    wrong = registry.source_url.replace("secret:reg-pw", "secret:reg-bad-pw")
+    code, out = registry.sluice("source", "add", "regshop", wrong)
+    assert code == 1 and "422" in out and "Access denied" in out, out
+    assert "regshop" not in registry.sources()
     code, out = registry.sluice("source", "add", "regshop", registry.source_url)
     assert code == 0, out
     wait_until(lambda: (capture.health() or {}).get("state") == "reading", 60,
@@ -176,6 +186,31 @@ def test_a_capture_waiting_for_its_source_stops_at_once(
     status, _ = capture.get_json("/readyz")
     assert status == 503, "not ready while it has no source to read"
     assert capture.terminate(timeout=15) == 0
+
+
+@pytest.mark.integration
+def test_a_capture_that_cannot_log_in_shows_why_and_since_when_in_the_api_and_cli(
+        registry: Registry, replica_server_id: int, processes: list[ServiceProcess]) -> None:
+    wrong = registry.source_url.replace("secret:reg-pw", "secret:reg-bad-pw")
+    code, out = registry.sluice("source", "add", "regbad", wrong, "--skip-checks")
+    assert code == 0, out
+    capture = ServiceProcess("services.capture", {
+        **registry.env, "SLUICE_SOURCE_ID": "regbad", "SLUICE_SOURCE_URL": "",
+        "SLUICE_SOURCE_SERVER_ID": str(replica_server_id)}, registry.tmp / "logs")
+    processes.append(capture.start())
+
+    def failing() -> bool:
+        source = registry.sources().get("regbad", {})
+        return "Access denied" in str(source.get("problem")) and bool(source.get("problem_since"))
+
+    wait_until(failing, 60, "the api showing why capture cannot read regbad, and since when")
+    source = registry.sources()["regbad"]
+    assert source["problem_kind"] == "source_error" and source["problem_since"].endswith(" UTC"), source
+    assert "not-the-password" not in json.dumps(source)
+    code, out = registry.sluice("source", "list")
+    assert code == 0 and "Access denied" in out and f"(since {source['problem_since']})" in out, out
+    assert capture.terminate(timeout=15) == 0
+    assert registry.sluice("source", "remove", "regbad")[0] == 0
 
 
 def _purge_resolved_marks(server: NatsServer, source: str) -> None:

@@ -41,5 +41,47 @@ def test_waiting_for_says_why_a_span_does_not_stream_yet() -> None:
     assert waiting_for("absent", (), None, None, now).startswith("the scheduler to place it on a worker")
     copying = {"state": "copying", "rows_copied": 1500, "rows_estimate": 20000}
     assert waiting_for("replicating", ("w1",), None, copying, now) == (
-        "initial load copying: 1,500/20,000 rows copied")
+        "initial load copying: 1,500 of about 20,000 rows copied")
+    # The estimate is information_schema's: a copy past it is never shown as more than all.
+    past = {"state": "copying", "rows_copied": 100_000, "rows_estimate": 98_712}
+    assert waiting_for("replicating", ("w1",), None, past, now) == (
+        "initial load copying: 100,000 rows (the estimate was about 98,712) copied")
     assert waiting_for("replicating", ("w1",), warming, {"state": "done"}, now) is None
+
+
+def test_a_progress_bar_never_passes_its_total() -> None:
+    from libs.progress_text import progress_total, rows_progress
+
+    assert rows_progress(1500, None) == "1,500 rows"
+    assert progress_total(500, 1000) == 1000 and progress_total(1200, 1000) is None
+    assert progress_total(5, 0) is None
+
+
+def test_cli_tables_never_cut_a_value_at_80_columns() -> None:
+    import io
+
+    from rich.console import Console
+
+    from services.cli.render import table
+
+    columns = ["source", "database", "table", "state", "primary", "secondary", "checkpoint", "snapshot",
+               "waiting for", "incident"]
+    row = ["src1", "shop_database_long_name", "orders_table_with_a_long_name", "replicating",
+           "sink-worker-1", "sink-worker-2", "2026-11-27 06:52:08.100 UTC, 33.4 s behind",
+           "copying 500 of about 1,000 rows", "initial load copying: 500 of about 1,000 rows copied", None]
+
+    def render(**options: object) -> str:
+        out = io.StringIO()
+        table("tables", columns, [row], out=Console(file=out, width=80, color_system=None, **options))
+        return out.getvalue()
+
+    for text in (render(force_terminal=True), render()):  # an 80-column terminal; a pipe
+        assert "…" not in text
+        assert all(str(v) in text for v in row if v is not None), text
+        assert all(c in text for c in columns), text
+    # On the terminal nothing is wider than it; a short table stays a table there.
+    assert max(len(line) for line in render(force_terminal=True).splitlines()) <= 80
+    out = io.StringIO()
+    table("members", ["member", "tables"], [["w1", 3]],
+          out=Console(file=out, width=80, force_terminal=True, color_system=None))
+    assert "┃ member ┃" in out.getvalue()

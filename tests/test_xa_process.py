@@ -144,7 +144,8 @@ async def test_xa_transactions_reach_three_downstreams_and_a_stream(
     # The sink-worker role may not write streams of the stack's own server: the stream is
     # written as a user that may (a real deployment points the sink at its own NATS).
     sink_password = nats_server.stack_auth.password(ADMIN)
-    worker = _worker({**service_env, "SLUICE_SECRET_XA_SINK_PW": sink_password}, logs, "worker-xa")
+    worker = _worker({**service_env, "SLUICE_SECRET_XA_SINK_PW": sink_password,
+                      "SLUICE_SECRETS_HOSTS": f"xa-sink-pw={host}"}, logs, "worker-xa")
     processes.append(worker)
     worker.wait_healthy(60)
 

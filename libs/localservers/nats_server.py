@@ -34,6 +34,8 @@ class NatsServer:
     port: int = 0
     auth: bool = True
     tls: bool = False
+    sync_interval: str | None = None
+    """JetStream's fsync interval; None keeps the server's default (the tests' throwaway data)."""
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     stack_auth: StackAuth | None = field(default=None, repr=False)
     tls_files: TlsFiles | None = field(default=None, repr=False)
@@ -68,7 +70,7 @@ class NatsServer:
 
     def _write_config(self) -> None:
         text = server_config(host="127.0.0.1", port=self.port, store_dir=self.data_dir / "js",
-                             auth=self.stack_auth, tls=self.tls_files)
+                             auth=self.stack_auth, tls=self.tls_files, sync_interval=self.sync_interval)
         self.config_path.touch(mode=0o600, exist_ok=True)
         self.config_path.write_text(text)
 

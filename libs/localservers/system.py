@@ -47,6 +47,8 @@ class LocalSystem:
     control_env: dict[str, str] = field(default_factory=dict)
     nats_tls: bool = False
     """nats-server requires TLS with client certificates (authentication is always on)."""
+    nats_sync_interval: str | None = None
+    """JetStream's fsync interval (the demo: ``always``); None keeps the server's default."""
     nats: NatsServer | None = None
     source_dbs: list[MariaDB] = field(default_factory=list)
     downstream_db: MariaDB | PostgreSQL | None = None
@@ -59,7 +61,8 @@ class LocalSystem:
 
     def start_infra(self) -> None:
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        self.nats = NatsServer(data_dir=self.base_dir / "nats", tls=self.nats_tls).start()
+        self.nats = NatsServer(data_dir=self.base_dir / "nats", tls=self.nats_tls,
+                               sync_interval=self.nats_sync_interval).start()
         for i in range(self.sources):
             db = MariaDB(data_dir=self.base_dir / f"source{i + 1}", server_id=next(self._server_ids))
             self.source_dbs.append(db.start())

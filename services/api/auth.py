@@ -115,6 +115,7 @@ async def require_read(request: Request,
 async def require_write(request: Request,
                         creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
     principal = _authenticate(request, creds)
+    # Remembered before the role check, so the audit line of a refused change names who tried.
+    _remember(request, principal)
     if principal.role != "operator":
         raise HTTPException(403, f"{principal.name} is a {principal.role}: this needs an operator token")
-    _remember(request, principal)

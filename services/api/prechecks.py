@@ -28,9 +28,11 @@ import psycopg
 import pymysql
 
 from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpecV2
+from libs.codec.table_meta import TableInfo, load_table_info
 from libs.dburl import DatabaseUrl, DatabaseUrlError, parse_database_url
 from libs.foreign_keys import ForeignKey, cascade_warnings, load_foreign_keys
-from libs.routing import RouteRule, RoutingConfigError, TableRef, router_for
+from libs.routing import RouteRule, RoutingConfigError, TableFilter, TableRef, router_for
+from libs.table_rules import rule_column_problems
 from services.capture.source import check_source
 from services.sink_worker.sinks.nats_stream import (
     StreamSinkUrl,
@@ -38,6 +40,7 @@ from services.sink_worker.sinks.nats_stream import (
     is_stream_sink,
     parse_stream_url,
 )
+from services.sink_worker.span import KeylessTableError, choose_key
 
 CONNECT_TIMEOUT_S = 3
 # Each replication need, and the privilege names that grant it (MariaDB >= 10.5 shows
@@ -104,8 +107,17 @@ def _unreachable(what: str, url: DatabaseUrl, exc: Exception) -> str:
             "Start it or open the network path from the api, or fix the URL's host, user or secret")
 
 
+# Tables whose columns the checks read per source (two information_schema queries each): a
+# changefeed over more is checked on these and says so.
+MAX_TABLES_INSPECTED = 2000
+
+
 def _check_source(source_id: str, url_text: str, tables: dict[str, list[tuple[str, str]]],
-                  fks: dict[str, list[ForeignKey]], fk_problems: list[str]) -> list[ChangefeedCheckV1]:
+                  fks: dict[str, list[ForeignKey]], fk_problems: list[str],
+                  selected: TableFilter | None = None,
+                  infos: dict[tuple[str, str, str], TableInfo] | None = None) -> list[ChangefeedCheckV1]:
+    """``selected``/``infos``: the tables the changefeed replicates get their columns and keys
+    read into ``infos`` (key: source, database, table) for the checks that need them."""
     try:
         url = parse_database_url(url_text)
     except DatabaseUrlError as exc:
@@ -134,6 +146,15 @@ def _check_source(source_id: str, url_text: str, tables: dict[str, list[tuple[st
                         + (" AND TABLE_SCHEMA = %s" if url.database else ""),
                         (url.database,) if url.database else ())
             tables[source_id] = [(str(d), str(t)) for d, t in cur.fetchall()]
+        if selected is not None and infos is not None:
+            chosen = [(d, t) for d, t in tables[source_id] if selected.selected(d, t)]
+            if len(chosen) > MAX_TABLES_INSPECTED:
+                fk_problems.append(f"source {source_id}: {len(chosen)} tables; the columns of the first "
+                                   f"{MAX_TABLES_INSPECTED} were checked")
+            for d, t in chosen[:MAX_TABLES_INSPECTED]:
+                info = load_table_info(conn, d, t)
+                if info is not None:
+                    infos[(source_id, d, t)] = info
         try:
             fks[source_id] = load_foreign_keys(conn, url.database or None)
         except pymysql.err.MySQLError as exc:
@@ -227,13 +248,54 @@ class CheckResult:
     """Accepted, but the operator should know (cascading foreign keys)."""
 
 
+def unreplicable_warnings(spec: ChangefeedSpecV2, infos: dict[tuple[str, str, str], TableInfo]) -> list[str]:
+    """Tables the changefeed selects that it will not replicate as they are: a column type
+    capture does not carry (capture stops the table), no key under the changefeed's key_policy
+    (the sink-worker stops the table). Accepted, since the rest of the changefeed works and the
+    table may be fixed upstream; each shows as stopped with its incident afterwards."""
+    out: list[str] = []
+    for (source, database, table), info in sorted(infos.items()):
+        where = f"{database}.{table} (source {source})"
+        bad = info.unsupported()
+        if bad:
+            out.append(f"{where} will not be replicated: unsupported column type(s) "
+                       f"{', '.join(f'{c.name} {c.sql_type}' for c in bad)}")
+            continue
+        try:
+            choose_key(info.meta(), spec.key_policy, database=database, table=table)
+        except KeylessTableError as exc:
+            out.append(f"{where} will not be replicated: {exc}")
+    return out
+
+
+def table_rule_checks(spec: ChangefeedSpecV2, infos: dict[tuple[str, str, str], TableInfo]
+                      ) -> list[ChangefeedCheckV1]:
+    """The table rules against the columns of every table they match: an unknown column in an
+    expression, keep_columns or drop_columns, or a key column left out, names the rule."""
+    rules = getattr(spec, "table_rules", [])
+    failed: list[ChangefeedCheckV1] = []
+    seen: set[str] = set()
+    for (source, database, table), info in sorted(infos.items()):
+        for message in rule_column_problems(rules, f"source {source}", database, table, info.meta()):
+            if message not in seen:
+                seen.add(message)
+                failed.append(_check("table_rules", message.split(":", 1)[0], message))
+    return failed
+
+
 def run_checks_blocking(spec: ChangefeedSpecV2) -> CheckResult:
     tables: dict[str, list[tuple[str, str]]] = {}
     fks: dict[str, list[ForeignKey]] = {}
     fk_problems: list[str] = []
     failed: list[ChangefeedCheckV1] = []
+    infos: dict[tuple[str, str, str], TableInfo] = {}
+    try:
+        selected: TableFilter | None = TableFilter.from_contract(spec.filter)
+    except RoutingConfigError:
+        selected = None  # the spec validation refuses it with the reason
     for source in spec.sources:
-        failed += _check_source(source.id, source.url, tables, fks, fk_problems)
+        failed += _check_source(source.id, source.url, tables, fks, fk_problems, selected, infos)
+    failed += table_rule_checks(spec, infos)
     failed += _check_sink(spec.sink_url)
     # A route about a source that could not be listed is not judged: its failure says why.
     if tables and len(tables) == len(spec.sources):
@@ -246,7 +308,34 @@ def run_checks_blocking(spec: ChangefeedSpecV2) -> CheckResult:
     except RoutingConfigError:
         return CheckResult(failed, fk_problems)  # the spec validation refuses it with the reason
     cascades = cascade_warnings(router, fks, tables, stream_sink=is_stream_sink(spec.sink_url))
-    return CheckResult(failed, fk_problems + [w.message for w in cascades])
+    warnings = fk_problems + filter_warnings(spec, tables) + unreplicable_warnings(spec, infos)
+    return CheckResult(failed, warnings + [w.message for w in cascades])
+
+
+def filter_warnings(spec: ChangefeedSpecV2, tables: dict[str, list[tuple[str, str]]]) -> list[str]:
+    """A filter that selects no table of the sources: accepted (the tables may come later), but
+    a changefeed that replicates nothing should not look like one that works. Judged only when
+    every source was listed."""
+    if len(tables) != len(spec.sources):
+        return []
+    try:
+        flt = TableFilter.from_contract(spec.filter)
+    except RoutingConfigError:
+        return []
+    if any(flt.selected(d, t) for listed in tables.values() for d, t in listed):
+        return []
+    return [f"the filter (include {list(flt.include)}, exclude {list(flt.exclude)}) selects no table "
+            "of the sources: nothing is replicated until a table it selects is created"]
+
+
+def source_checks_blocking(source_id: str, url: str) -> list[ChangefeedCheckV1]:
+    """A source's own creation checks (reachable, ROW/FULL/FULL binlog, replication grants):
+    what ``sluice source add`` is refused for, the same as a changefeed naming it."""
+    return _check_source(source_id, url, {}, {}, [])
+
+
+async def source_checks(source_id: str, url: str) -> list[ChangefeedCheckV1]:
+    return await asyncio.to_thread(source_checks_blocking, source_id, url)
 
 
 async def run_checks(spec: ChangefeedSpecV2) -> CheckResult:

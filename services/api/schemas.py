@@ -9,6 +9,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from contracts.events.changefeeds import ChangefeedSpecV2
+from libs.progress_text import rows_progress
 from libs.secret_refs import is_reference
 from libs.ts import behind_text, duration_text
 from libs.ts import lag_seconds as ts_lag_seconds
@@ -81,9 +82,8 @@ def waiting_for(state: str, members: tuple[str | None, ...], prepare: dict[str, 
     """Why a span is not streaming yet, for people: its initial load's progress, or what its
     worker's prepare waits for (the prepare bucket); None once it streams."""
     if snapshot and snapshot.get("state") not in (None, "done"):
-        done, estimate = snapshot.get("rows_copied") or 0, snapshot.get("rows_estimate")
-        rows = f"{done:,}/{estimate:,} rows" if estimate else f"{done:,} rows"
-        return f"initial load {snapshot['state']}: {rows} copied"
+        done, estimate = int(snapshot.get("rows_copied") or 0), snapshot.get("rows_estimate")
+        return f"initial load {snapshot['state']}: {rows_progress(done, int(estimate or 0))} copied"
     if state not in _NOT_YET_RUNNING:
         return None
     if prepare and prepare.get("member") in members:
@@ -179,10 +179,14 @@ class SourceOut(BaseModel):
     resolved_ts: int | None
     resolved_lag_s: float | None
     capture_leader: str | None
-    problem_kind: str | None = Field(None, description="Kind of capture's newest rejection of the source "
-                                     "as a whole while no resolved mark followed it (e.g. binlog_purged).")
+    problem_kind: str | None = Field(None, description=(
+        "Why capture does not read the source: source_error (it cannot connect or log in), refused, "
+        "binlog_purged; or the kind of capture's newest rejection of the source as a whole while no "
+        "resolved mark followed it."))
     problem: str | None = Field(None, description="What stops capture of this source and the fix; null "
                                 "while it reads.")
+    problem_since: str | None = Field(None, description=(
+        "Since when capture's sessions with the source fail (UTC), while they do."))
 
     @computed_field(description="The newest resolved mark as a UTC time and how far it is behind the "  # type: ignore[prop-decorator]
                                 "wall clock; null before the capture published one.")

@@ -13,10 +13,10 @@ from urllib.parse import urlsplit
 from contracts.events.changefeeds import ChangefeedSpecV2
 from libs.dburl import DatabaseUrlError, parse_database_url
 from libs.routing import OriginColumn, Router, RouteRule, RoutingConfigError, TableFilter
-from libs.secret_refs import literal_password
+from libs.secret_refs import binding_problem, is_reference, literal_password, reference_name
 from libs.table_rules import rule_problems
 from services.api.schemas import REDACTED
-from services.sink_worker.sinks.nats_stream import is_stream_sink, parse_stream_url
+from services.sink_worker.sinks.nats_stream import is_stream_sink, parse_stream_url, server_host_port
 
 
 def _error(loc: list[str | int], msg: str) -> dict[str, Any]:
@@ -38,6 +38,38 @@ def password_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
     for i, source in enumerate(spec.sources):
         if literal_password(source.url) and urlsplit(source.url).password != REDACTED:
             errors.append(_error(["sources", i, "url"], _literal_password("source")))
+    return errors
+
+
+def url_binding_problem(url: str) -> str | None:
+    """Why ``url``'s secret may not be sent to its host(s) (libs.secret_refs bindings), checked
+    before anything connects; None without a secret reference or an unparseable URL (refused
+    for its form elsewhere)."""
+    try:
+        if is_stream_sink(url):
+            stream = parse_stream_url(url, resolve_secrets=False)
+            password, destinations = stream.password or "", [server_host_port(h) for h in stream.hosts]
+        else:
+            db = parse_database_url(url, resolve_secrets=False)
+            password, destinations = db.password, [(db.host, db.port)]
+        if not is_reference(password):
+            return None
+        return binding_problem(reference_name(password), destinations)
+    except ValueError:  # the URL's form, or a malformed name: spec_problems says which
+        return None
+
+
+def binding_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
+    """URLs sending a secret to a host it is not bound to: refused before the creation checks
+    connect anywhere, so a changefeed cannot carry a stored secret to a host of its choosing."""
+    errors: list[dict[str, Any]] = []
+    problem = url_binding_problem(spec.sink_url)
+    if problem:
+        errors.append(_error(["sink_url"], f"sink URL refused: {problem}"))
+    for i, source in enumerate(spec.sources):
+        problem = url_binding_problem(source.url)
+        if problem:
+            errors.append(_error(["sources", i, "url"], f"source URL refused: {problem}"))
     return errors
 
 

@@ -34,3 +34,7 @@ XA_LOST = Counter("sluice_capture_xa_lost",
                   "XA transactions whose rows capture cannot publish: committed without capture having "
                   "seen their prepared group, or prepared groups not found again in the binlog.",
                   ["source"])
+SOURCE_FAILING_SINCE = Gauge(
+    "sluice_capture_source_failing_since_timestamp_seconds",
+    "When capture's sessions with the source began failing (cannot connect, refused, binlog "
+    "purged; UNIX time); 0 while it reads.", ["source"])

@@ -32,6 +32,7 @@ from contracts.registry import REGISTRY, ContractError
 from libs.config import Settings
 from libs.election import Election, Leadership
 from libs.service import ServiceRuntime
+from libs.source_health import SourceHealth, utc_text
 from libs.sources import registered_url
 from libs.streams import ROWS_STREAM, rejected_subject, resolved_subject, token
 from libs.streams_setup import ensure_rows_stream
@@ -145,12 +146,23 @@ class Capture:
         self._reported: set[tuple[str, str]] = set()
         self._purged_reported: set[Position] = set()
         self._pipeline: SourcePipeline | None = None
+        self._url = settings.source_url
+        self.health = SourceHealth(js, self.source, settings.instance_id, replicas=settings.stream_replicas)
         self._show(state="starting", lease=False)
 
     # ----------------------------------------------------------------- status
 
     def _show(self, **fields: Any) -> None:
         self.status.update({"source": self.source, **fields})
+
+    async def _failing(self, state: str, problem: str, **fields: Any) -> None:
+        """A session that failed: the reason, and since when sessions fail (kept across retries),
+        in /healthz, the metric and the source's health entry the api shows."""
+        since = self.status.get("problem_since") or time.time()
+        metrics.SOURCE_FAILING_SINCE.labels(self.source).set(since)
+        self._show(state=state, problem=problem, problem_since=since, problem_since_utc=utc_text(since),
+                   **fields)
+        await self.health.failing(state.replace("-", "_"), problem, since)
 
     def ready(self) -> bool:
         """Ready while standing by or reading; not while refused, failing or starting."""
@@ -181,6 +193,7 @@ class Capture:
             self.status.pop("problem", None)
             log.info("source URL from the sources registry", extra={"source": self.source})
             # --- end sources registry ---
+        self._url = url
         try:
             self.options = SourceOptions.parse(url)
         except ValueError as exc:
@@ -270,14 +283,14 @@ class Capture:
             return True
         except SourceRefused as exc:
             outcome = "refused"
-            self._show(state="refused", problem=str(exc))
+            await self._failing("refused", str(exc))
             await self._sleep(RETRY_REFUSED_S)
         except BinlogPurged as exc:
             # Nothing this process can do brings the binlog back: say so where an operator looks
             # (/healthz unhealthy, the rejection event, the api's source status) and look again
             # now and then, for a source restored from a backup with its binlogs.
             outcome = "binlog-purged"
-            self._show(state="binlog-purged", problem=str(exc), unhealthy=str(exc))
+            await self._failing("binlog-purged", str(exc), unhealthy=str(exc))
             await self._sleep(RETRY_PURGED_S)
         except CaptureStopped as exc:
             outcome = "stopped"
@@ -291,13 +304,16 @@ class Capture:
         except Exception as exc:  # every failure restarts from the stream
             log.error("capture session failed: %r", exc, extra={"source": self.source},
                       exc_info=not isinstance(exc, OSError | NatsError | pymysql.err.MySQLError))
-            self._show(state="source-error", problem=repr(exc))
+            await self._failing("source-error", repr(exc))
             raise
         finally:
             metrics.SESSIONS.labels(self.source, outcome).inc()
         return False
 
     async def _session(self, leadership: Leadership) -> None:
+        # Parsed again for every session: its secret is read again, so a corrected password
+        # file (or variable) is used at the next attempt, without a restart.
+        self.options = SourceOptions.parse(self._url)
         nc = self.js._nc
         publisher = Publisher(self.js, self.source, self.producer, is_valid=leadership.valid,
                               epoch=leadership.epoch, max_payload=lambda: nc.max_payload,
@@ -345,7 +361,9 @@ class Capture:
                               only_schemas=sorted(options.databases) if options.databases else None)
         self._pipeline = pipeline
         reader.start()
-        self._show(state="reading", problem=None)
+        self._show(state="reading", problem=None, problem_since=None, problem_since_utc=None)
+        metrics.SOURCE_FAILING_SINCE.labels(self.source).set(0)
+        await self.health.reading()
         loop = asyncio.get_running_loop()
         try:
             while not self.stopping.is_set():

@@ -15,6 +15,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from libs.config import Settings
+from libs.progress_text import progress_total
 from services.cli import render
 from services.cli.client import ApiClient, ApiError
 
@@ -241,7 +242,8 @@ def changefeed_snapshot(ctx: typer.Context, changefeed: str,
         if cli.json:
             render.as_json(totals)
         else:
-            render.table("initial load", ["table", "state", "rows copied", "estimate", "rows/s", "ETA"],
+            render.table("initial load", ["table", "state", "rows copied", "estimated rows (about)", "rows/s",
+                                          "ETA"],
                          ([k, v["state"], v["rows_copied"], v["rows_estimate"] or None,
                            round(v["rows_per_s"]) or None,
                            render.duration(v["eta_s"]) if v["state"] != "done" else None]
@@ -253,7 +255,8 @@ def changefeed_snapshot(ctx: typer.Context, changefeed: str,
         ids = {}
         while True:
             for name, v in sorted(totals.items()):
-                est = v["rows_estimate"] or None
+                # Past the estimate the bar counts rows instead of showing more than 100%.
+                est = progress_total(v["rows_copied"], v["rows_estimate"])
                 if name not in ids:
                     ids[name] = bars.add_task(name, total=est, speed="")
                 bars.update(ids[name], completed=v["rows_copied"], total=est,
@@ -274,6 +277,13 @@ def rebalance(ctx: typer.Context) -> None:
     cli.accepted(cli.run("POST", "/rebalance"))
 
 
+def _problem(source: dict[str, Any]) -> str:
+    """What stops capture of a source, and since when while its sessions fail."""
+    problem = str(source.get("problem") or "")
+    since = source.get("problem_since")
+    return f"{problem} (since {since})" if problem and since else problem
+
+
 @app.command()
 def sources(ctx: typer.Context) -> None:
     """Sources of the changefeeds, with their newest resolved mark, capture leader and what stops
@@ -283,7 +293,7 @@ def sources(ctx: typer.Context) -> None:
     def human(items: list[dict[str, Any]]) -> None:
         render.table("sources", ["source", "url", "changefeeds", "resolved", "capture", "problem"],
                      ([s["id"], s["url"], ",".join(s["changefeeds"]), render.checkpoint(s, "resolved_time"),
-                       s.get("capture_leader"), s.get("problem") or ""] for s in items))
+                       s.get("capture_leader"), _problem(s)] for s in items))
 
     cli.show(cli.run("GET", "/sources"), human)
 
@@ -447,7 +457,7 @@ def source_add(ctx: typer.Context, source: str,
                skip_checks: SkipChecks = False) -> None:
     """Register a source once; with --changefeed a new shard is one command."""
     cli = _cli(ctx)
-    cli.accepted(cli.run("POST", "/sources", {"id": source, "url": url}))
+    cli.accepted(cli.run("POST", "/sources" + _skip(skip_checks), {"id": source, "url": url}))
     for cf in changefeed or []:
         spec = cli.run("GET", f"/changefeeds/{cf}")["spec"]
         if any(s.get("id") == source for s in spec["sources"]):
@@ -466,7 +476,7 @@ def source_list(ctx: typer.Context) -> None:
         render.table("sources", ["source", "url", "registered", "changefeeds", "resolved", "capture",
                                  "problem"],
                      ([s["id"], s["url"], "yes" if s.get("registered") else "no", ",".join(s["changefeeds"]),
-                       render.checkpoint(s, "resolved_time"), s.get("capture_leader"), s.get("problem") or ""]
+                       render.checkpoint(s, "resolved_time"), s.get("capture_leader"), _problem(s)]
                       for s in items))
 
     cli.show(cli.run("GET", "/sources"), human)

@@ -7,8 +7,11 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
+
+from libs.progress_text import rows_progress
 
 
 def make_console() -> Console:
@@ -27,18 +30,37 @@ def checkpoint(item: dict[str, Any], field: str = "checkpoint_time") -> str:
     return str(item.get(field) or "none yet")
 
 
-def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], *,
+          out: Console | None = None) -> None:
+    """A table that never cuts a value. Into a pipe or a file it is as wide as its widest values
+    (``grep`` and ``awk`` see each whole); on a terminal its cells wrap, and when even wrapped
+    columns do not fit (headers keep their words), each row is printed as ``column  value``
+    lines instead."""
+    target = out or console
+    cells = [["-" if v is None else str(v) for v in row] for row in rows]
+    if not cells:
+        target.print(f"{title}: none")
+        return
     t = Table(title=title, title_justify="left", show_lines=False)
     for col in columns:
-        t.add_column(col)
-    count = 0
-    for row in rows:
-        t.add_row(*("-" if v is None else str(v) for v in row))
-        count += 1
-    if count == 0:
-        console.print(f"{title}: none")
+        t.add_column(col, overflow="fold", min_width=max((cell_len(w) for w in col.split()), default=1))
+    for row in cells:
+        t.add_row(*row)
+    # A cell takes its text plus one space each side plus one border; one more border closes a row.
+    widest = [max([cell_len(col), *(cell_len(row[i]) for row in cells)]) for i, col in enumerate(columns)]
+    narrowest = [max((cell_len(w) for w in col.split()), default=1) for col in columns]
+    if not target.is_terminal:
+        wide = Console(file=target.file, width=max(target.width, sum(widest) + 3 * len(columns) + 1),
+                       highlight=False, soft_wrap=True, color_system=None)
+        wide.print(t)
+    elif sum(narrowest) + 3 * len(columns) + 1 <= target.width:
+        target.print(t)
     else:
-        console.print(t)
+        name_width = max(len(c) for c in columns)
+        for i, row in enumerate(cells, 1):
+            target.print(f"{title} {i}/{len(cells)}", style="bold")
+            for col, value in zip(columns, row, strict=True):
+                target.print(f"  {col:<{name_width}}  {value}", overflow="fold")
 
 
 def _state(c: dict[str, Any]) -> str:
@@ -124,9 +146,8 @@ def tables(items: list[dict[str, Any]]) -> None:
         snap = t.get("snapshot")
         if not snap:
             return None
-        done, est = snap.get("rows_copied"), snap.get("rows_estimate")
-        text = f"{snap.get('state', '?')} {done}/{est}" if est else f"{snap.get('state', '?')} {done}"
-        return text + speed(snap)
+        done, est = int(snap.get("rows_copied") or 0), int(snap.get("rows_estimate") or 0)
+        return f"{snap.get('state', '?')} {rows_progress(done, est)}" + speed(snap)
 
     def incident(t: dict[str, Any]) -> str | None:
         stopped = t.get("incident")

@@ -22,15 +22,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.msg import Msg
+from opentelemetry.context import Context
 from prometheus_client import Counter, Gauge
 from pydantic import BaseModel
 
 from contracts import REGISTRY, ContractError
 from contracts.events.leadership import LeaderElectedV1
 from contracts.events.scheduling import (
+    AddTableV1,
     ScheduleRequestAnsweredV1,
     ScheduleRequestV1,
     SetChangedV1,
+    SpansChangedV1,
     TaskResultV1,
 )
 from libs.changefeeds import ChangefeedView, changefeeds_fold, discover_spans
@@ -45,7 +48,7 @@ from libs.leader_service import Entry, Followed, LeaderLoop
 from libs.scheduling import ChangefeedId, Span
 from libs.service import ServiceRuntime
 from libs.streams import command_subject
-from libs.telemetry.tracing import tracer
+from libs.telemetry.tracing import extract_context, tracer
 from services.scheduler.core import SchedulerCore
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,16 @@ DOMAIN = "schedule"
 TASKS = Counter("sluice_scheduler_tasks", "Schedule tasks recorded by this leader.", ["type"])
 REQUESTS = Counter("sluice_scheduler_requests", "Operator requests answered.", ["kind", "accepted"])
 PENDING = Gauge("sluice_scheduler_tasks_in_flight", "Tasks recorded and not settled yet.")
+
+
+def changefeed_of(event: BaseModel) -> str | None:
+    """The changefeed a changefeeds-log event is about (None: a source registry event)."""
+    spec = getattr(event, "spec", None)
+    if spec is not None:
+        return str(spec.id)
+    if hasattr(event, "state") and hasattr(event, "id"):
+        return str(event.id)
+    return None
 
 
 class SchedulerService:
@@ -157,6 +170,17 @@ class SchedulerHandlers:
         self.changefeeds_changed = True
         self.discovered: dict[ChangefeedId, list[Span]] | None = None
         self.last_discovery = -1e9
+        self.trace_of: dict[str, Context] = {}
+        """The trace context of each changefeed's newest event (its api request)."""
+
+    def _parent(self, event: BaseModel) -> Context | None:
+        """The trace a scheduling event continues: its changefeed's request for a table's first
+        placement and the spans it wants; a new trace (None) for moves and the rest."""
+        if isinstance(event, AddTableV1):
+            return self.trace_of.get(event.span.changefeed)
+        if isinstance(event, SpansChangedV1):
+            return self.trace_of.get(event.changefeed)
+        return None
 
     def on_replication(self, stored: StoredEvent) -> None:
         ev = stored.event
@@ -168,7 +192,12 @@ class SchedulerHandlers:
             self.core.on_replication_epoch(ev.epoch)
         self.wake()
 
-    def on_changefeed(self, _stored: StoredEvent) -> None:
+    def on_changefeed(self, stored: StoredEvent) -> None:
+        changefeed = changefeed_of(stored.event)
+        if changefeed is not None:
+            # Placing its tables continues the trace of the request that created (updated,
+            # resumed) the changefeed: the api's span is in the event's headers.
+            self.trace_of[changefeed] = extract_context(stored.headers)
         self.changefeeds_changed = True
         self.wake()
 
@@ -199,12 +228,15 @@ class SchedulerHandlers:
         if self.discovered is not None:
             events.extend(core.spans_changes(self.discovered))
         for event in events:  # wanted spans first: the manager needs them before tasks
-            await domain_log.append(event)
+            with tracer().start_as_current_span(f"schedule {REGISTRY.key_of(type(event))[0]}",
+                                                context=self._parent(event)):
+                await domain_log.append(event)
             policy.appended()
         for event in core.round(self.members.state, self.replication.state, now):
-            # The root of the task's trace: the manager's dispatches and the worker's
-            # handling continue it (context in the NATS headers).
-            with tracer().start_as_current_span(f"schedule {REGISTRY.key_of(type(event))[0]}"):
+            # The task's trace: a first placement continues its changefeed request's trace; the
+            # manager's dispatches and the worker's handling continue it (NATS headers).
+            with tracer().start_as_current_span(f"schedule {REGISTRY.key_of(type(event))[0]}",
+                                                context=self._parent(event)):
                 await domain_log.append(event)
             policy.appended()
             TASKS.labels(REGISTRY.key_of(type(event))[0]).inc()

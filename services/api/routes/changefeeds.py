@@ -27,7 +27,7 @@ from services.api.models import ChangefeedRow, SpanRow
 from services.api.prechecks import CheckResult, run_checks
 from services.api.schemas import Accepted, ChangefeedOut, lag_seconds, redact_spec, unredact_url
 from services.api.source_refs import ChangefeedSpecIn, resolve_spec
-from services.api.validation import password_problems, spec_problems
+from services.api.validation import binding_problems, password_problems, spec_problems
 
 router = APIRouter(prefix="/changefeeds", tags=["changefeeds"])
 _lock = asyncio.Lock()
@@ -106,7 +106,8 @@ async def _prechecks(spec: ChangefeedSpecV2, skip: bool) -> CheckResult:
 
 
 def _validate(spec: ChangefeedSpecV2, password_checked: bool = False) -> None:
-    problems = ([] if password_checked else password_problems(spec)) + spec_problems(spec)
+    problems = (([] if password_checked else password_problems(spec)) + spec_problems(spec)
+                + binding_problems(spec))
     if problems:
         raise RequestValidationError(problems)
 

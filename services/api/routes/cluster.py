@@ -30,6 +30,7 @@ from libs.streams import (
     PREPARE_BUCKET,
     ROWS_STREAM,
     SNAPSHOT_BUCKET,
+    SOURCE_HEALTH_BUCKET,
     command_subject,
     rejected_subject,
     resolved_subject,
@@ -255,10 +256,17 @@ async def list_sources(ctx: ApiContext) -> list[SourceOut]:
     for source_id, (url, feeds) in sorted(sources.items()):
         resolved, resolved_seq = await _resolved_ts(ctx, source_id)
         problem = await _source_problem(ctx, source_id, resolved_seq)
+        # The capture's own word while its sessions fail (it cannot connect, log in, ...) comes
+        # first: a rejection event exists only for some of those kinds.
+        health = await _kv_json(ctx, SOURCE_HEALTH_BUCKET, token(source_id))
+        since = None
+        if health and health.get("problem"):
+            problem, since = (str(health.get("kind") or "source_error"), str(health["problem"])), \
+                str(health.get("since_utc") or "") or None
         lease = await _kv_json(ctx, LEADER_BUCKET, f"capture.{token(source_id)}")
         out.append(SourceOut(id=source_id, url=url, changefeeds=feeds, registered=source_id in registry,
                              resolved_ts=resolved, problem_kind=problem[0] if problem else None,
-                             problem=problem[1] if problem else None,
+                             problem=problem[1] if problem else None, problem_since=since,
                              resolved_lag_s=lag_seconds(resolved or 0),
                              capture_leader=str(lease.get("candidate")) if lease else None))
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,8 +20,10 @@ from libs.secret_refs import literal_password
 from libs.sources import readers, record_source, record_source_removed
 from services.api.auth import require_write
 from services.api.context import ApiContext, get_ctx, js_of, projections_of
+from services.api.prechecks import source_checks
 from services.api.routes.changefeeds import _command
 from services.api.schemas import Accepted, redact_url
+from services.api.validation import url_binding_problem
 
 router = APIRouter(prefix="/sources", tags=["sources"])
 
@@ -59,16 +61,28 @@ _ADD_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 @router.post("", status_code=202, response_model=Accepted, dependencies=[Depends(require_write)],
              responses=_ADD_RESPONSES)
-async def add_source(source: SourceIn, ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+async def add_source(source: SourceIn, ctx: ApiContext = Depends(get_ctx),
+                     skip_checks: bool = Query(False, description=(
+                         "Register it even when its connection or binlog checks fail."))) -> Accepted:
     """Register a source's URL once; changefeeds then name it by id and its capture needs only
-    SLUICE_SOURCE_ID. Registering the same URL again changes nothing."""
+    SLUICE_SOURCE_ID. Registering the same URL again changes nothing. Before it is recorded, the
+    api connects with the URL's own credentials and runs the source checks of changefeed
+    creation (reachable, ROW/FULL/FULL binlog, replication grants): 422 with each fix."""
     problems = _url_problems(source.url)
+    binding = None if problems else url_binding_problem(source.url)
+    if binding:
+        problems = [{"loc": ["body", "url"], "msg": f"source URL refused: {binding}", "type": "value_error"}]
     if problems:
         raise RequestValidationError(problems)
     view = projections_of(ctx).changefeeds
     follow = f"/api/v1/sources/{source.id}"
     if view.state.sources.get(source.id) == source.url:
         return Accepted(detail=f"source {source.id!r} is registered with this URL already", follow=follow)
+    failed = await source_checks(source.id, source.url)
+    if failed and not skip_checks:
+        raise RequestValidationError([
+            {"loc": ["checks", f.check, f.target], "msg": f.message, "type": f"precheck.{f.check}"}
+            for f in failed])
 
     def check() -> None:
         registered = view.state.sources.get(source.id)

@@ -79,6 +79,15 @@ class StreamSinkUrl:
                 f"?subject={self.subject_prefix}&format={self.format}")
 
 
+def server_host_port(server: str) -> tuple[str, int]:
+    parts = urlsplit(f"nats://{server}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise StreamUrlError(f"bad port in NATS server {server!r}") from None
+    return parts.hostname or "", port or 4222
+
+
 def is_stream_sink(url: str) -> bool:
     return urlsplit(url).scheme.lower() in _SCHEMES
 
@@ -95,14 +104,15 @@ def parse_stream_url(url: str, *, resolve_secrets: bool = True) -> StreamSinkUrl
         auth, netloc = netloc.rsplit("@", 1)
         user, _, pw = auth.partition(":")
         user, password = unquote(user) or None, unquote(pw) or None
-        if password is not None and is_reference(password) and resolve_secrets:
-            try:
-                password = resolve_password(password)
-            except SecretError as exc:
-                raise StreamUrlError(str(exc)) from None
     hosts = tuple(h for h in netloc.split(",") if h)
     if not hosts:
         raise StreamUrlError("a NATS sink URL needs a host: nats://host:4222/<STREAM>")
+    if password is not None and is_reference(password) and resolve_secrets:
+        try:
+            # Every server of the URL may get the password: the secret must be bound to each.
+            password = resolve_password(password, [server_host_port(h) for h in hosts])
+        except SecretError as exc:
+            raise StreamUrlError(str(exc)) from None
     stream = parts.path.strip("/")
     if not stream or not _STREAM_NAME.match(stream):
         raise StreamUrlError(f"stream name {stream!r} must be letters, digits, '_' or '-' "
