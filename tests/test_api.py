@@ -26,6 +26,7 @@ from libs.ts import utc_text
 from services.api.projections import Projections
 from services.sink_worker.prepare_progress import entry as prepare_entry
 from tests.api_stack import ALICE_TOKEN, CANARY, CF, TOKEN, TS, VIEWER_TOKEN, ApiStack, lock_view, wait_ready
+from tests.helpers.api import _frames
 
 pytestmark = pytest.mark.integration
 V1 = "/api/v1"
@@ -347,18 +348,6 @@ def _last_seq(stack: ApiStack, domain: str) -> int:
     return stack.bg.run(go())
 
 
-def _frames(resp: httpx.Response) -> Any:
-    frame: dict[str, Any] = {}
-    for line in resp.iter_lines():
-        if not line:
-            if frame:
-                yield frame
-            frame = {}
-        elif not line.startswith(":"):
-            key, _, value = line.partition(": ")
-            frame[key] = json.loads(value) if key == "data" else value
-
-
 def test_ddl_locks_through_the_leader(api_stack: ApiStack) -> None:
     ddl = api_stack.ddl
     with api_stack.client() as c:
@@ -557,7 +546,6 @@ def test_read_models_rebuilt_by_replay_equal_the_live_ones(api_stack: ApiStack) 
 def _strip_lag(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in item.items() if k not in ("lag_s", "checkpoint_time", "waiting_for")}
             for item in items]
-
 
 
 def test_a_literal_password_is_refused_and_never_echoed(api_stack: ApiStack) -> None:

@@ -13,28 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
 from contracts.events.scheduling import SetChangedV1
 from libs.scheduling.model import Span as WorkerSpan
 from libs.streams import SNAPSHOT_BUCKET
 from libs.ts import utc_text
-from services.cli.app import app
 from tests.api_stack import CF, TOKEN, TS, ApiStack, lock_view, span_ref
+from tests.helpers.cli import sluice, sluice_json
 
 pytestmark = pytest.mark.integration
-
-
-def sluice(stack: ApiStack, *args: str, token: str | None = TOKEN) -> tuple[int, str]:
-    opts = ["--url", stack.url] + (["--token", token] if token else [])
-    result = CliRunner().invoke(app, [*opts, *args], env={"COLUMNS": "320"})
-    return result.exit_code, result.output
-
-
-def sluice_json(stack: ApiStack, *args: str) -> Any:
-    code, out = sluice(stack, "--json", *args)
-    assert code == 0, out
-    return json.loads(out)
 
 
 def later(seconds: float, fn: Any) -> threading.Thread:
@@ -95,7 +82,6 @@ def test_changefeed_commands(api_stack: ApiStack, tmp_path: Path) -> None:
     path.write_text(json.dumps(spec))
     code, out = sluice(api_stack, "changefeed", "create", str(path), token=None)
     assert code == 1 and "401" in out
-
 
 
 def test_create_refused_by_a_check_then_skip_checks(api_stack: ApiStack, tmp_path: Path) -> None:

@@ -27,15 +27,15 @@ import nats
 import psycopg
 import pymysql
 
-from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpecV2
+from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpec
 from libs.dburl import DatabaseUrl, DatabaseUrlError, parse_database_url
 from libs.foreign_keys import ForeignKey, cascade_warnings, load_foreign_keys
 from libs.routing import RouteRule, RoutingConfigError, TableRef, router_for
 from services.capture.source import check_source
+from services.sink_worker.sinks.factory import sink_kind
 from services.sink_worker.sinks.nats_stream import (
     StreamSinkUrl,
     StreamUrlError,
-    is_stream_sink,
     parse_stream_url,
 )
 
@@ -79,7 +79,7 @@ def missing_mysql_sink_grants(grants: Iterable[str]) -> list[str]:
     return [p for p in ("CREATE", "INSERT", "UPDATE", "DELETE") if p not in held]
 
 
-def unmatched_routes(spec: ChangefeedSpecV2, tables: dict[str, list[tuple[str, str]]]) -> list[str]:
+def unmatched_routes(spec: ChangefeedSpec, tables: dict[str, list[tuple[str, str]]]) -> list[str]:
     """Labels of the route rules no table of the listed sources matches."""
     refs = [TableRef(src, d, t) for src, ts in tables.items() for d, t in ts]
     out = []
@@ -174,7 +174,7 @@ def _check_stream_sink(url_text: str) -> list[ChangefeedCheckV1]:
 
 
 def _check_sink(url_text: str) -> list[ChangefeedCheckV1]:
-    if is_stream_sink(url_text):
+    if sink_kind(url_text).stream:
         return _check_stream_sink(url_text)
     try:
         url = parse_database_url(url_text)
@@ -227,7 +227,7 @@ class CheckResult:
     """Accepted, but the operator should know (cascading foreign keys)."""
 
 
-def run_checks_blocking(spec: ChangefeedSpecV2) -> CheckResult:
+def run_checks_blocking(spec: ChangefeedSpec) -> CheckResult:
     tables: dict[str, list[tuple[str, str]]] = {}
     fks: dict[str, list[ForeignKey]] = {}
     fk_problems: list[str] = []
@@ -245,10 +245,10 @@ def run_checks_blocking(spec: ChangefeedSpecV2) -> CheckResult:
         router = router_for(spec)
     except RoutingConfigError:
         return CheckResult(failed, fk_problems)  # the spec validation refuses it with the reason
-    cascades = cascade_warnings(router, fks, tables, stream_sink=is_stream_sink(spec.sink_url))
+    cascades = cascade_warnings(router, fks, tables, stream_sink=sink_kind(spec.sink_url).stream)
     return CheckResult(failed, fk_problems + [w.message for w in cascades])
 
 
-async def run_checks(spec: ChangefeedSpecV2) -> CheckResult:
+async def run_checks(spec: ChangefeedSpec) -> CheckResult:
     """The checks off the event loop (the drivers block)."""
     return await asyncio.to_thread(run_checks_blocking, spec)

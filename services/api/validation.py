@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from contracts.events.changefeeds import ChangefeedSpecV2
+from contracts.events.changefeeds import ChangefeedSpec, current_spec
 from libs.dburl import DatabaseUrlError, parse_database_url
 from libs.routing import OriginColumn, Router, RouteRule, RoutingConfigError, TableFilter
 from libs.secret_refs import literal_password
 from libs.table_rules import rule_problems
 from services.api.schemas import REDACTED
-from services.sink_worker.sinks.nats_stream import is_stream_sink, parse_stream_url
+from services.sink_worker.sinks.factory import check_sink_url, sink_kind
 
 
 def _error(loc: list[str | int], msg: str) -> dict[str, Any]:
@@ -30,7 +30,7 @@ def _literal_password(what: str) -> str:
             "user:secret:NAME@host in the URL instead")
 
 
-def password_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
+def password_problems(spec: ChangefeedSpec) -> list[dict[str, Any]]:
     """URLs holding a literal password (a secret reference or the api's ``***`` is fine)."""
     errors: list[dict[str, Any]] = []
     if literal_password(spec.sink_url) and urlsplit(spec.sink_url).password != REDACTED:
@@ -41,17 +41,14 @@ def password_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
     return errors
 
 
-def spec_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
+def spec_problems(spec: ChangefeedSpec) -> list[dict[str, Any]]:
     try:
         spec.model_dump_json()
     except ValueError as exc:  # lone surrogates and the like cannot be stored as JSON text
         return [_error([], f"the spec holds text that is not valid Unicode: {exc}")]
     errors: list[dict[str, Any]] = []
     try:
-        if is_stream_sink(spec.sink_url):
-            parse_stream_url(spec.sink_url, resolve_secrets=False)
-        else:
-            parse_database_url(spec.sink_url, resolve_secrets=False)
+        check_sink_url(spec.sink_url)
     except (DatabaseUrlError, ValueError) as exc:
         errors.append(_error(["sink_url"], f"sink URL refused: {exc}"))
     seen: set[str] = set()
@@ -90,11 +87,10 @@ def spec_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
         for problem in Router(rules, table_filter, origin).validate():
             errors.append(_error(["routes"], f"{problem.kind}: {problem.message}"))
     # Table rules (v4): patterns that compile, expressions that parse (``libs.table_rules``).
-    for text in rule_problems(getattr(spec, "table_rules", []), spec.initial_load):
+    for text in rule_problems(current_spec(spec).table_rules, spec.initial_load):
         errors.append(_error(["table_rules"], text))
     # Continuous validation (v5) reads the downstream's rows: a NATS sink has none.
-    validation = getattr(spec, "validation", None)
-    if validation is not None and validation.mode != "off" and is_stream_sink(spec.sink_url):
+    if current_spec(spec).validation.mode != "off" and not sink_kind(spec.sink_url).holds_rows:
         errors.append(_error(["validation", "mode"], "validation compares downstream rows; a NATS sink "
                                                      "holds none (set mode to off)"))
     for source_id in spec.start_position:

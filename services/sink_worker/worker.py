@@ -49,17 +49,18 @@ from libs.streams import (
     table_incidents_subject,
 )
 from services.sink_worker.agent import SinkAgent
-from services.sink_worker.checkpoints import CheckpointStore
+from services.sink_worker.ddl.shard import ShardDdl
 from services.sink_worker.fence import Fenced
-from services.sink_worker.incidents import carry_out, record_incidents
-from services.sink_worker.pipeline import Pipeline
+from services.sink_worker.incidents.log import carry_out, record_incidents
 from services.sink_worker.prepare_progress import Phase, PrepareProgress
-from services.sink_worker.round_wakeup import RoundWakeup, pause_after
-from services.sink_worker.shard_ddl import ShardDdl
-from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
-from services.sink_worker.span_runtime import PipelineOptions, RoundReport, SpanConfig
-from services.sink_worker.validation import ValidationOptions, Validator
-from services.sink_worker.warm_up import warm_up
+from services.sink_worker.round.pipeline import Pipeline
+from services.sink_worker.round.wakeup import RoundWakeup, pause_after
+from services.sink_worker.round.warm_up import warm_up
+from services.sink_worker.round.work import RoundReport
+from services.sink_worker.snapshot.initial_load import InitialLoads, SnapshotOptions
+from services.sink_worker.span.checkpoints import CheckpointStore
+from services.sink_worker.span.runtime import PipelineOptions, SpanConfig
+from services.sink_worker.validation.validator import ValidationOptions, Validator
 
 log = logging.getLogger(__name__)
 
