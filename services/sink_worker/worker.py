@@ -413,7 +413,7 @@ class SinkWorker:
             return
         states: dict[str, int] = {}
         for rt in self.pipeline.spans.values():
-            states[rt.state] = states.get(rt.state, 0) + 1
+            states[rt.state.value] = states.get(rt.state.value, 0) + 1
         log.info("sink progress", extra={
             "rounds": self.pipeline.rounds, "spans": states, "rows_written": self._rows_since_log,
             "last_round_s": round(report.duration_s, 3), "last_round_errors": report.errors[:3]})

@@ -28,10 +28,18 @@ from services.sink_worker.ddl.target_schemas import TargetSchemas
 from services.sink_worker.incidents.table_errors import ddl_failed
 from services.sink_worker.round.pull import PulledEvent
 from services.sink_worker.round.sort_job import SpanCut
-from services.sink_worker.round.work import SpanOutcome, SpanWork
+from services.sink_worker.round.work import SpanWork
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.factory import open_sink, sink_kind
 from services.sink_worker.snapshot.initial_load import InitialLoads, SnapshotRequest
+from services.sink_worker.span.machine import (
+    CarriedOut,
+    HeadFailed,
+    Recopying,
+    SpanOutcome,
+    SpanState,
+    WaitsAtHead,
+)
 from services.sink_worker.span.target import KeylessTableError
 
 log = logging.getLogger(__name__)
@@ -74,7 +82,7 @@ class DdlBarrier:
         if action == "drop":
             # One shard's table is gone; the merged target keeps the other shards' rows.
             if not await self.shard_ddl.dropped(span, target, head.stream_seq, ddl.statement):
-                w.shard_wait = "shard dropped upstream; waiting for the ddl-lock leader to record it"
+                w.head = WaitsAtHead("shard dropped upstream; waiting for the ddl-lock leader to record it")
                 return
         elif action == "truncate":
             log.warning("TRUNCATE of one shard of a merged target is not replicated (the target "
@@ -83,8 +91,8 @@ class DdlBarrier:
             ddls = (rewritten(ddl.statement, ddl.database, ddl.table, target),)
             op = await self.shard_ddl.at_ddl(span, target, ddls, head.stream_seq)
             if op is None:
-                w.shard_wait = (f"DDL at ts {head.ts} on a target with {w.rt.shards} upstream shards "
-                                "waits for its shard DDL operation")
+                w.head = WaitsAtHead(f"DDL at ts {head.ts} on a target with {w.rt.shards} upstream "
+                                     "shards waits for its shard DDL operation")
                 return
             if op.kind == "exec" and not self.shard_ddl.already_carried(op):
                 try:
@@ -94,13 +102,13 @@ class DdlBarrier:
                     log.exception("shard DDL exec failed",
                                   extra={"span": span.name, "statement": ddl.statement})
                     await self.shard_ddl.carried_out(op, error=repr(exc))
-                    w.shard_wait = f"shard DDL exec failed (retried): {exc!r}"
+                    w.head = WaitsAtHead(f"shard DDL exec failed (retried): {exc!r}")
                     return
             await self.shard_ddl.carried_out(op)
             log.info("shard DDL carried out", extra={"span": span.name, "kind": op.kind, "ts": head.ts,
                                                      "statement": ddl.statement})
-        w.shard_cut = SpanCut(span.kv_key, limit_ts=head.ts, batch_events=0, batch_max_ts=None,
-                              ddl_ts=head.ts, ddl_id=head.event_id)
+        w.head = CarriedOut(SpanCut(span.kv_key, limit_ts=head.ts, batch_events=0, batch_max_ts=None,
+                                    ddl_ts=head.ts, ddl_id=head.event_id))
 
     async def _schema_ddl_at_head(self, w: SpanWork) -> None:
         """A single-shard span whose next event is a DDL that re-copies its table or renamed it
@@ -129,7 +137,8 @@ class DdlBarrier:
         w.fresh = []
 
         def failed(reason: str) -> None:
-            w.ddl_failure = ddl_failed(span, ddl.statement, head.ts, head.stream_seq, reason, rt.ddl_error)
+            failure = ddl_failed(span, ddl.statement, head.ts, head.stream_seq, reason, rt.ddl_error)
+            w.head = HeadFailed(failure)
 
         if action == "leave":
             table = TargetTable(schema=routed.schema, name=routed.table,
@@ -143,8 +152,8 @@ class DdlBarrier:
             m.DDL_APPLIED.labels(span.changefeed, action).inc()
             log.info("table renamed away upstream: its target is dropped",
                      extra={"span": span.name, "ts": head.ts, "statement": ddl.statement})
-            w.shard_cut = SpanCut(span.kv_key, limit_ts=head.ts, batch_events=0, batch_max_ts=None,
-                                  ddl_ts=head.ts, ddl_id=head.event_id)
+            w.head = CarriedOut(SpanCut(span.kv_key, limit_ts=head.ts, batch_events=0, batch_max_ts=None,
+                                        ddl_ts=head.ts, ddl_id=head.event_id))
             return
         if self.initial_loads is None or not rt.config.source_url:
             failed("the DDL changes existing rows upstream, so the table must be copied again, but "
@@ -154,18 +163,17 @@ class DdlBarrier:
                                   rt.shards, rt.config.router, recopy_of=head.stream_seq)
         decision, start = await self.initial_loads.decide(request)
         if decision == "copying" or start is None:
-            if not w.recopying and rt.state != "snapshot":
+            if rt.state is not SpanState.SNAPSHOT:
                 log.info("DDL changes existing rows: copying the table again",
                          extra={"span": span.name, "ts": head.ts, "statement": ddl.statement})
-            w.recopying = True
+            w.head = Recopying()
             return
         resume_ts = max(head.ts, start.ts)
         m.DDL_APPLIED.labels(span.changefeed, action).inc()
         log.info("re-copy after DDL done; streaming on from its low watermark",
                  extra={"span": span.name, "ddl_ts": head.ts, "low_watermark_ts": start.ts})
-        w.shard_cut = SpanCut(span.kv_key, limit_ts=resume_ts, batch_events=0, batch_max_ts=None,
-                              ddl_ts=resume_ts, ddl_id=head.event_id)
-        w.recopy_key = request.progress_key
+        w.head = CarriedOut(SpanCut(span.kv_key, limit_ts=resume_ts, batch_events=0, batch_max_ts=None,
+                                    ddl_ts=resume_ts, ddl_id=head.event_id), request.progress_key)
 
     def _exec_shard_ddl(self, w: SpanWork, ddl: DdlExecutedV1, statements: tuple[str, ...]) -> None:
         """The owner brings the target to the shard's schema after the DDL

@@ -1,4 +1,5 @@
-"""How a span's checkpoint advances after a round.
+"""How a span's checkpoint advances after a round: the I/O of the span state machine's
+``written`` decision (``span.machine``), which holds the rules below.
 
 - Only for batches written in full: a span whose write failed, stopped at a DDL barrier it
   could not pass or hit a downstream's permanent refusal keeps its checkpoint, and its events
@@ -20,7 +21,7 @@ from libs.scheduling.model import Span
 from services.sink_worker import metrics as m
 from services.sink_worker.incidents.poison import TableIncident
 from services.sink_worker.round.sort_job import SpanCut
-from services.sink_worker.round.work import RoundReport, SpanOutcome, SpanWork
+from services.sink_worker.round.work import RoundReport, SpanWork
 from services.sink_worker.sinks.unique_guard import UniqueConflictError
 from services.sink_worker.snapshot.initial_load import InitialLoads
 from services.sink_worker.span.checkpoints import (
@@ -29,6 +30,7 @@ from services.sink_worker.span.checkpoints import (
     CheckpointRegression,
     CheckpointStore,
 )
+from services.sink_worker.span.machine import RoundFacts, SpanOutcome
 from services.sink_worker.span.runtime import PipelineOptions, SpanRuntime
 from services.sink_worker.validation.validator import Validator
 
@@ -46,71 +48,38 @@ class CheckpointAdvance:
 
     async def finish(self, w: SpanWork, cut: SpanCut | None, outcome: SpanOutcome | None,
                      report: RoundReport, validation: Validator | None) -> None:
+        """Carry out what the span's state machine decides at the round's end (``written``)."""
         rt = w.rt
-        if w.refused:
+        decided = rt.written(RoundFacts(start=w.start, horizon=w.horizon, pulled=w.pulled, head=w.head,
+                                        cut=cut, outcome=outcome, grouped=w.group is not None))
+        if decided.error is not None:
+            report.errors.append(f"{rt.span.name}: {decided.error}")
+        if decided.incident is not None:
+            self._stopped(rt, decided.incident)
+        if decided.newly_refused is not None:
+            log.error("span refused at DDL: %s", decided.newly_refused, extra={"span": rt.span.name})
+            m.KEYLESS_REFUSED.labels(rt.span.changefeed).inc()
+        proposed = decided.checkpoint
+        if proposed is None:
             return
-        if w.shard_wait is not None:
-            rt.state, rt.error = "blocked", w.shard_wait
-            return
-        if w.ddl_failure is not None:
-            rt.state, rt.error, rt.ddl_error = "error", w.ddl_failure.message(), w.ddl_failure
-            report.errors.append(f"{rt.span.name}: {rt.error}")
-            return
-        if w.recopying:
-            rt.state, rt.error, rt.ddl_error = "snapshot", None, None
-            return
-        if outcome is not None and outcome.incident is not None:
-            self._stopped(rt, outcome.incident)
-            report.errors.append(f"{rt.span.name}: {rt.error}")
-            return
-        if outcome is not None and outcome.error:
-            rt.state, rt.error = "error", outcome.error
-            rt.ddl_error = outcome.ddl_failure
-            report.errors.append(f"{rt.span.name}: {outcome.error}")
-            return
-        rt.ddl_error = None
-        if cut is None:
-            handled = w.horizon  # nothing fresh: everything up to the horizon is applied
-        else:
-            written = outcome is not None and outcome.written
-            if not written and (cut.batch_events or cut.ddl_id):
-                return  # not written: nothing to checkpoint
-            ddl_done = outcome is not None and outcome.ddl_applied and cut.ddl_ts is not None
-            handled = cut.ddl_ts if ddl_done and cut.ddl_ts is not None else cut.limit_ts
-            report.batch_events += cut.batch_events
-            rt.last_batch_events = cut.batch_events
-            if outcome is not None and outcome.ddl_applied:
-                report.ddl_applied += 1
-        new_ts = max(w.start.ts, handled)
-        first_pending = w.pulled.first_seq_after(new_ts)
-        new_seq = max(w.start.stream_seq,
-                      first_pending - 1 if first_pending is not None else w.pulled.read_upto)
-        proposed = Checkpoint(stream_seq=new_seq, ts=new_ts)
-        if outcome is not None:
-            report.rows_written += outcome.rows
-        if outcome is not None and outcome.refused:
-            if rt.state != "refused":
-                log.error("span refused at DDL: %s", outcome.refused, extra={"span": rt.span.name})
-                m.KEYLESS_REFUSED.labels(rt.span.changefeed).inc()
-            rt.state, rt.error = "refused", outcome.refused
-        elif outcome is not None and outcome.blocked:
-            rt.state, rt.error = "blocked", outcome.blocked
-        else:
-            rt.state, rt.error = "replicating", None
-        if proposed != w.start:
+        if decided.batch_events is not None:
+            report.batch_events += decided.batch_events
+            rt.last_batch_events = decided.batch_events
+        report.ddl_applied += decided.ddl_applied
+        report.rows_written += decided.rows
+        if decided.moved:
             rt.checkpoint = proposed
             report.advanced += 1
-        if validation is not None and cut is not None and cut.batch_events and w.group is None:
-            validation.note_batch(w, handled)
+        if validation is not None and decided.validate_upto is not None:
+            validation.note_batch(w, decided.validate_upto)
         # Written batches are recorded at once; an idle span following the resolved ts only
         # every checkpoint_interval_s (a restart then re-reads a little, which is harmless).
-        wrote = cut is not None and (cut.batch_events > 0 or (outcome is not None and outcome.ddl_applied))
-        due = wrote or time.monotonic() - rt.stored_at >= self.options.checkpoint_interval_s
+        due = decided.store_now or time.monotonic() - rt.stored_at >= self.options.checkpoint_interval_s
         if proposed != rt.stored and due and not await self._store(rt, proposed):
             return
-        if w.recopy_key is not None and rt.stored == proposed and self.initial_loads is not None:
+        if decided.recopy_key is not None and rt.stored == proposed and self.initial_loads is not None:
             with contextlib.suppress(Exception):  # a leftover record is only clutter
-                await self.initial_loads.store.delete(rt.span, w.recopy_key)
+                await self.initial_loads.store.delete(rt.span, decided.recopy_key)
         cf, name = rt.span.changefeed, rt.span.name
         m.CHECKPOINT_TIME.labels(cf, name).set(m.ts_seconds(proposed.ts))
         m.CHECKPOINT_LAG.labels(cf, name).set(m.lag_seconds(proposed.ts))
@@ -119,9 +88,7 @@ class CheckpointAdvance:
                 max(0.0, m.ts_seconds(rt.resolved_ts) - m.ts_seconds(proposed.ts)))
 
     def _stopped(self, rt: SpanRuntime, incident: TableIncident) -> None:
-        rt.incident = incident
         self.incidents.append((rt.span, incident))
-        rt.state, rt.error = "error", f"stopped: {incident.failure.describe()}"
         m.TABLE_INCIDENTS.labels(rt.span.changefeed).inc()
         if incident.failure.error.startswith(UniqueConflictError.__name__):
             m.CROSS_SHARD_CONFLICTS.labels(rt.span.changefeed, "refused").inc()

@@ -56,10 +56,11 @@ from services.sink_worker.round.routes import SpanRoutes
 from services.sink_worker.round.size import RoundSize
 from services.sink_worker.round.sort_job import SpanCut
 from services.sink_worker.round.trace import batch_span
-from services.sink_worker.round.work import RoundAbandoned, RoundReport, SpanOutcome, SpanWork
+from services.sink_worker.round.work import RoundAbandoned, RoundReport, SpanWork
 from services.sink_worker.round.writer import Outcomes, Writers
 from services.sink_worker.snapshot.initial_load import InitialLoads, snapshot_mode
 from services.sink_worker.span.checkpoints import Checkpoint, CheckpointStore
+from services.sink_worker.span.machine import SpanOutcome, SpanState
 from services.sink_worker.span.runtime import PipelineOptions, SpanConfig, SpanRuntime, copied_spans
 from services.sink_worker.span.start import SpanStarts
 from services.sink_worker.validation.validator import Validator
@@ -146,8 +147,7 @@ class Pipeline:
                 self.spans[span] = SpanRuntime(span, config, self._reader(span))
             elif rt.config != config:
                 rt.config = config
-                if rt.state == "refused":  # a new key policy may allow the table now
-                    rt.state, rt.error = "replicating", None
+                rt.config_changed()  # a new key policy may allow a refused table now
         for span in wanted:
             self.spans[span].skips.update(self.known_skips.get(span, {}))
         # Several upstream shards in one target: their DDL needs the ddl-lock, not this path.
@@ -296,10 +296,6 @@ class Pipeline:
                     key = w.rt.span.kv_key
                     cuts[key], outcomes[key] = await asyncio.to_thread(
                         self.writers.sql_for(w.rt.config.sink_url).write_group, w)
-            for w in works:
-                if w.shard_cut is not None:
-                    cuts[w.rt.span.kv_key] = w.shard_cut
-                    outcomes[w.rt.span.kv_key] = SpanOutcome(written=True, ddl_applied=True)
             await settle([self.advance.finish(w, cuts.get(w.rt.span.kv_key), outcomes.get(w.rt.span.kv_key),
                                               report, self.validation) for w in works])
             await self._ahead_done()
@@ -354,7 +350,7 @@ class Pipeline:
         limits = self.round_size.limits(rt.span for rt in runtimes)
         works: list[SpanWork] = []
         for rt in runtimes:
-            if rt.checkpoint is None or rt.state == "done":
+            if rt.checkpoint is None or rt.state is SpanState.DONE:
                 continue  # copying its initial load (or copied, snapshot-only): nothing to stream
             if rt.incident is not None:
                 continue  # stopped until an operator acts; its checkpoint stays where it is
@@ -368,7 +364,7 @@ class Pipeline:
                                         behind=bool(pulled.ghosts) or not pulled.reached)
             except Exception as exc:
                 log.warning("pull failed", exc_info=True, extra={"span": rt.span.name})
-                rt.state, rt.error = "error", f"pull failed: {exc!r}"
+                rt.pull_failed(f"pull failed: {exc!r}")
                 report.errors.append(f"{rt.span.name}: pull: {exc!r}")
                 m.ROUND_ERRORS.labels("pull").inc()
                 continue
@@ -450,26 +446,20 @@ class Pipeline:
         again as it is (``resume`` after the downstream was fixed): a change refused again
         stops it again, as a new incident."""
         rt = self.spans.get(span)
-        if rt is None or rt.incident is None or rt.incident.id != incident:
+        decided = rt.operator_action(incident, action) if rt is not None else None
+        if decided is None or decided.incident is None:
             return False
-        stopped = rt.incident
-        if action == "skip":
-            if stopped.failure.key is None:
-                return False  # no single row to skip: the batch only fails as a whole
-            rt.skips[stopped.failure.key] = max(stopped.upto_ts, rt.skips.get(stopped.failure.key, 0))
-            self.known_skips.setdefault(span, {})[stopped.failure.key] = rt.skips[stopped.failure.key]
-            rt.skip_reasons[stopped.failure.key] = stopped
-        rt.incident = None
-        rt.state, rt.error = "replicating", None
+        if decided.skip is not None:
+            self.known_skips.setdefault(span, {})[decided.skip[0]] = decided.skip[1]
         with contextlib.suppress(KeyError):
             m.TABLE_STOPPED.remove(span.changefeed, span.name)
-        log.warning("operator %s on a stopped span", action, extra={"span": span.name, **stopped.status()})
+        log.warning("operator %s on a stopped span", action,
+                    extra={"span": span.name, **decided.incident.status()})
         return True
 
     def _count_states(self) -> None:
-        counts: dict[str, int] = {s: 0 for s in ("starting", "snapshot", "replicating", "done", "refused",
-                                                 "blocked", "error")}
+        counts = dict.fromkeys(SpanState, 0)
         for rt in self.spans.values():
             counts[rt.state] += 1
         for state, n in counts.items():
-            m.SPANS.labels(state).set(n)
+            m.SPANS.labels(state.value).set(n)

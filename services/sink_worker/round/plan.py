@@ -36,6 +36,7 @@ from services.sink_worker.round.row_rules import analyse
 from services.sink_worker.round.work import SpanWork
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import sink_kind
+from services.sink_worker.span.machine import Refused
 from services.sink_worker.span.runtime import SpanRuntime
 from services.sink_worker.span.target import KeylessTableError
 
@@ -95,8 +96,7 @@ class RoundPlanner:
             w.plan = TargetPlan(target_id=target_id(w.rt.config.sink_url, table),
                                 sink_url=w.rt.config.sink_url, table=table)
             w.source_meta = last_meta.meta
-        if w.rt.state == "refused":
-            w.rt.state, w.rt.error = "replicating", None
+        w.rt.planned(None)
 
     async def plan_group(self, w: SpanWork) -> None:
         """A table group's cut (``table_group.cut_group``), the cascading keys among its tables
@@ -110,8 +110,9 @@ class RoundPlanner:
         try:
             fks = await source_foreign_keys(rt.config.source_url, strict=True)
         except Exception as exc:
-            rt.state, rt.error = "error", f"cannot read the source's foreign keys: {exc!r}"
-            w.refused = rt.error
+            reason = f"cannot read the source's foreign keys: {exc!r}"
+            rt.source_failed(reason)
+            w.head = Refused(reason)
             return
         members = set(rt.span.tables())
         w.group_fks = [fk for fk in fks if fk.cascading
@@ -134,8 +135,7 @@ class RoundPlanner:
                 self.refuse(w, f"table rules on tables of a foreign-key group ({', '.join(ruled)}) "
                                 "are not carried out with its cascades")
                 return
-        if rt.state == "refused":
-            rt.state, rt.error = "replicating", None
+        rt.planned(None)
 
     async def _table_rules(self, router: Router | None, ev: RowsChangedV2) -> TableRules | None:
         """The table's rules, their expressions checked against its metadata by Spark's
@@ -157,11 +157,10 @@ class RoundPlanner:
 
 
     def refuse(self, w: SpanWork, reason: str) -> None:
-        w.refused = reason
-        if w.rt.state != "refused" or w.rt.error != reason:
+        w.head = Refused(reason)
+        if w.rt.planned(reason):
             log.error("span refused: %s", reason, extra={"span": w.rt.span.name})
             m.KEYLESS_REFUSED.labels(w.rt.span.changefeed).inc()
-        w.rt.state, w.rt.error = "refused", reason
 
 
     async def _park_skipped(self, w: SpanWork, key: tuple[str, ...]) -> None:

@@ -1,5 +1,6 @@
 """The per-round records of a span's work: ``SpanWork`` (what a round pulled for a span and its
-plan), ``SpanOutcome`` (what its write did) and ``RoundReport`` (the round summed up)."""
+plan, with the verdict at its head) and ``RoundReport`` (the round summed up); what its write
+did is a ``span.machine.SpanOutcome``."""
 
 from __future__ import annotations
 
@@ -9,14 +10,11 @@ from contracts.events.rows import TableMetaV1
 from libs.foreign_keys import ForeignKey
 from libs.table_rules import TableRules
 from services.sink_worker.fk.table_group import GroupCut
-from services.sink_worker.incidents.poison import TableIncident
-from services.sink_worker.incidents.table_errors import DdlFailure
 from services.sink_worker.round.apply_job import TargetPlan
 from services.sink_worker.round.pull import PulledEvent, PullResult
 from services.sink_worker.round.routes import SpanRoutes
-from services.sink_worker.round.sort_job import SpanCut
-from services.sink_worker.sinks.nats_stream import StreamMessage
 from services.sink_worker.span.checkpoints import Checkpoint
+from services.sink_worker.span.machine import Head, Refused
 from services.sink_worker.span.runtime import SpanRuntime
 
 
@@ -32,20 +30,11 @@ class SpanWork:
     routes: SpanRoutes
     """The span's routes this round (``round_plan``): every part of the round reads them there."""
     plan: TargetPlan | None = None
-    refused: str | None = None
+    head: Head | None = None
+    """What the driver found at the span's head before the write (``span.machine``): a refusal,
+    a wait at a shard DDL, a re-copy, a DDL that cannot be carried out, or one carried out."""
     origin: tuple[str, str] | None = None
     """The origin column's name and this span's value, when its rows carry one."""
-    shard_wait: str | None = None
-    """Stopped at a shard DDL, waiting for its operation: why (nothing moves)."""
-    shard_cut: SpanCut | None = None
-    """The DDL at the head of the span was carried out in the driver (a shard DDL, a rename
-    away, a finished re-copy): its cut."""
-    recopying: bool = False
-    """A DDL at the head of the span re-copies its table (``ddl_plan``): nothing streams."""
-    recopy_key: str | None = None
-    """The finished re-copy's progress key, deleted once the checkpoint is past its DDL."""
-    ddl_failure: DdlFailure | None = None
-    """The DDL at the head of the span cannot be carried out downstream."""
     rules: TableRules | None = None
     """The table rules of the span's table (``libs.table_rules``), when it has any."""
     source_meta: TableMetaV1 | None = None
@@ -57,25 +46,10 @@ class SpanWork:
     """(event id, why): the barrier that changes the span's foreign-key group (``fk_barrier``);
     the span stops before it."""
 
-
-@dataclass
-class SpanOutcome:
-    written: bool = False
-    rows: int = 0
-    ddl_applied: bool = False
-    blocked: str | None = None
-    """Why the span stops at its DDL barrier: "blocked" (shard DDL) ..."""
-    refused: str | None = None
-    """... or "refused" (the DDL leaves the table without a usable key)."""
-    error: str | None = None
-    ddl_failure: DdlFailure | None = None
-    incident: TableIncident | None = None
-    """The downstream refused one of the batch's changes for good: the span stops."""
-    publish: list[StreamMessage] | None = None
-    """NATS sink: the batch's messages; written (and the DDL applied) once all are acked."""
-    publish_ddl: bool = False
-    ddl_ignored: bool = False
-    """NATS sink: the batch's DDL is one the table rules leave out (nothing published for it)."""
+    @property
+    def refused(self) -> bool:
+        """The span does not write this round."""
+        return isinstance(self.head, Refused)
 
 
 @dataclass

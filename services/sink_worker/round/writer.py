@@ -41,7 +41,7 @@ from services.sink_worker.round.sort_job import (
     event_records,
     run_sort,
 )
-from services.sink_worker.round.work import RoundAbandoned, SpanOutcome, SpanWork
+from services.sink_worker.round.work import RoundAbandoned, SpanWork
 from services.sink_worker.sinks.factory import open_sink, sink_kind
 from services.sink_worker.sinks.nats_stream import (
     ChangeSource,
@@ -50,6 +50,7 @@ from services.sink_worker.sinks.nats_stream import (
     row_messages,
 )
 from services.sink_worker.sinks.sql_common import SqlSink
+from services.sink_worker.span.machine import SpanOutcome
 from services.sink_worker.span.runtime import PipelineOptions
 
 log = logging.getLogger(__name__)

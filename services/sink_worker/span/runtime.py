@@ -19,17 +19,14 @@ from libs.routing import Router, router_for
 from libs.scheduling.model import Span
 from libs.streams import token
 from services.sink_worker import metrics as m
-from services.sink_worker.incidents.poison import TableIncident
-from services.sink_worker.incidents.table_errors import DdlFailure
 from services.sink_worker.round.pull import SpanReader
 from services.sink_worker.sinks.unique_guard import UniqueConflictPolicy
 from services.sink_worker.span.checkpoints import Checkpoint
+from services.sink_worker.span.machine import SpanMachine
 
 if TYPE_CHECKING:
     pass
 
-SpanState = Literal["starting", "snapshot", "replicating", "done", "refused", "blocked", "error"]
-"""``snapshot``: its initial load is copying; ``done``: a snapshot-only span whose copy is done."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +92,9 @@ class SpanConfig:
 
 
 @dataclass
-class SpanRuntime:
+class SpanRuntime(SpanMachine):
+    """What this worker keeps about a span between rounds; its state is the ``SpanMachine``'s."""
+
     span: Span
     config: SpanConfig
     reader: SpanReader
@@ -105,21 +104,10 @@ class SpanRuntime:
     """What the bucket holds as far as we know (None: nothing yet): the compare-and-set base."""
     stored_at: float = 0.0
     resolved_ts: int | None = None
-    state: SpanState = "starting"
-    error: str | None = None
     rows_written: int = 0
     dead_lettered: int = 0
     last_batch_events: int = 0
     shards: int = 1
-    ddl_error: DdlFailure | None = None
-    """The DDL the span stopped at because its downstream cannot take it (``table_errors``)."""
-    incident: TableIncident | None = None
-    """Stopped by a downstream's permanent refusal (``poison``): no round runs the span until
-    an operator skips, retries or resumes it."""
-    skips: dict[str, int] = field(default_factory=dict)
-    """Key JSON -> ts: that key's changes up to ts are left out (skipped by an operator)."""
-    skip_reasons: dict[str, TableIncident] = field(default_factory=dict)
-    """Skipped keys whose events are not dead-lettered yet, with the incident they ended."""
     group_metas: dict[tuple[str, str], TableMetaV1] = field(default_factory=dict)
     """A table group's members (real names) -> their newest metadata seen (``table_group``)."""
     created_at: float = field(default_factory=time.monotonic)
@@ -128,7 +116,7 @@ class SpanRuntime:
         cp = self.checkpoint
         out: dict[str, Any] = {
             "span": self.span.name, "changefeed": self.span.changefeed, "source": self.span.source,
-            "database": self.span.database, "table": self.span.table, "state": self.state,
+            "database": self.span.database, "table": self.span.table, "state": self.state.value,
             "checkpoint_ts": cp.ts if cp else None, "stream_seq": cp.stream_seq if cp else None,
             "resolved_ts": self.resolved_ts,
             "lag_s": round(m.lag_seconds(cp.ts), 3) if cp and cp.ts else None,

@@ -122,14 +122,14 @@ class SpanStarts:
             decision = "copying"
         if decision == "copying":
             rt.checkpoint = None
-            rt.state = "snapshot"
+            rt.started("copying")
             return
         assert start is not None
         if stored is None:
             await self.checkpoints.advance(rt.span, start, expected=None)
             stored = start
         rt.stored = rt.checkpoint = stored
-        rt.state = "done" if decision == "done" else "replicating"
+        rt.started("done" if decision == "done" else "stream")
 
     # ------------------------------------------------------------------ round
 

@@ -65,6 +65,7 @@ from services.sink_worker.sinks.sql_common import SqlSink
 from services.sink_worker.snapshot.initial_load import _real_names
 from services.sink_worker.snapshot.job import connect_source, decode_key, encode_key, estimate_rows
 from services.sink_worker.snapshot.plan import key_after
+from services.sink_worker.span.machine import SpanState
 from services.sink_worker.span.target import shard_ref, target_for
 
 if TYPE_CHECKING:
@@ -287,7 +288,7 @@ class Validator:
         busy = check.pending or check.suspects or check.reported
         if rt.config.validation == "off" and not comparing and not busy:
             return
-        if rt.state != "replicating" or rt.checkpoint is None:
+        if rt.state is not SpanState.REPLICATING or rt.checkpoint is None:
             return  # copying, stopped or refused: its downstream is not at its checkpoint
         if not sink_kind(rt.config.sink_url).holds_rows:
             status.error = "a NATS sink holds no rows to compare"
