@@ -18,7 +18,7 @@ from contracts.events.scheduling import SetChangedV1
 from libs.scheduling.model import Span as WorkerSpan
 from libs.streams import SNAPSHOT_BUCKET
 from libs.ts import utc_text
-from tests.api_stack import CF, TOKEN, TS, ApiStack, lock_view, span_ref
+from tests.api_stack import CF, TOKEN, ApiStack, lock_view, span_ref
 from tests.helpers.cli import sluice, sluice_json
 
 pytestmark = pytest.mark.integration
@@ -31,6 +31,7 @@ def later(seconds: float, fn: Any) -> threading.Thread:
 
 
 def test_status_shows_lag_members_and_locks(api_stack: ApiStack) -> None:
+    TS = api_stack.seed_scenario()
     api_stack.ddl.locks[(CF, "shop.z")] = lock_view(CF, "shop.z", "error")
     code, out = sluice(api_stack, "status")
     assert code == 0, out
@@ -100,6 +101,7 @@ def test_create_refused_by_a_check_then_skip_checks(api_stack: ApiStack, tmp_pat
 
 
 def test_tables_snapshot_progress_and_move(api_stack: ApiStack) -> None:
+    api_stack.seed_scenario()  # initial load copying 500/1000, whatever ran before
     code, out = sluice(api_stack, "changefeed", "tables", CF)
     assert code == 0 and "replicating" in out and "500/1000 at 2,500 rows/s, ETA 2m05s" in out, out
     assert "UTC" in out and " behind" in out and "none yet" in out, out
@@ -121,6 +123,7 @@ def test_tables_snapshot_progress_and_move(api_stack: ApiStack) -> None:
 
 
 def test_drain_waits_with_a_progress_bar(api_stack: ApiStack) -> None:
+    api_stack.seed_scenario()  # w2 holds table c, whatever ran before
     assert sluice_json(api_stack, "member", "list")
     # w2 holds table c (as secondary); the move off it completes while the CLI waits.
     moved = later(1.5, lambda: api_stack.append("replication", SetChangedV1(
