@@ -82,7 +82,7 @@ from libs.streams import resolved_subject, rows_subject
 from libs.streams_setup import ensure_rows_stream
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.mysql import MySQLSink
-from services.sink_worker.span import choose_key
+from services.sink_worker.span.target import choose_key
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "bench1"
@@ -663,9 +663,9 @@ async def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from libs.scheduling.model import Span
     from libs.spark import get_spark
-    from services.sink_worker.checkpoints import CheckpointStore
-    from services.sink_worker.pipeline import Pipeline
-    from services.sink_worker.span_runtime import PipelineOptions, SpanConfig
+    from services.sink_worker.round.pipeline import Pipeline
+    from services.sink_worker.span.checkpoints import CheckpointStore
+    from services.sink_worker.span.runtime import PipelineOptions, SpanConfig
 
     settings = Settings(nats_url=spec["nats_url"], spark_shuffle_partitions=spec["shuffle_partitions"],
                         spark_driver_java_options=spec["java_options"])

@@ -27,7 +27,7 @@ from benchmarks.apply import DATABASE, create_tables, expected_checksums, genera
 from contracts import REGISTRY
 from contracts.events.rows import RowsChangedV2
 from libs.localservers.mariadb import MariaDB
-from services.sink_worker.apply_job import (
+from services.sink_worker.round.apply_job import (
     ApplyPlan,
     SpanTargets,
     TargetPlan,
@@ -35,7 +35,7 @@ from services.sink_worker.apply_job import (
     plan_partitions,
     write_finals,
 )
-from services.sink_worker.sort_job import BatchEvent
+from services.sink_worker.round.sort_job import BatchEvent
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """Shard DDL coordination latency: a real nats-server and a real ddl-lock leader process; N
 shards of one target (N = 4 and 64) driven through the worker side of the protocol
-(``services.sink_worker.shard_ddl.ShardDdl``, the code the sink-worker runs) in this process,
+(``services.sink_worker.ddl.shard.ShardDdl``, the code the sink-worker runs) in this process,
 writing to a real SQLite target.
 
     .venv/bin/python -m benchmarks.bench_shard_ddl [--shards 4 64] [--rounds 3]
@@ -49,7 +49,7 @@ from libs.scheduling.model import Span  # noqa: E402
 from libs.shard_ddl.lock import Operation  # noqa: E402
 from libs.streams import domain_events_subject, domain_stream, rows_subject  # noqa: E402
 from libs.streams_setup import ensure_rows_stream  # noqa: E402
-from services.sink_worker.shard_ddl import ShardDdl  # noqa: E402
+from services.sink_worker.ddl.shard import ShardDdl  # noqa: E402
 from services.sink_worker.sinks.base import TargetTable, Upsert  # noqa: E402
 from services.sink_worker.sinks.factory import open_sink  # noqa: E402
 

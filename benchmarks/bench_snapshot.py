@@ -59,8 +59,8 @@ from libs.localservers.postgres import PostgreSQL
 from libs.scheduling.model import Span
 from libs.spark import get_spark, stop_spark
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.snapshot import SnapshotOptions
-from services.sink_worker.snapshot_job import (
+from services.sink_worker.snapshot.initial_load import SnapshotOptions
+from services.sink_worker.snapshot.job import (
     CopyJob,
     CopyPool,
     chunks_per_job,
@@ -69,8 +69,8 @@ from services.sink_worker.snapshot_job import (
     plan_chunks,
     run_copy,
 )
-from services.sink_worker.snapshot_plan import Chunk
-from services.sink_worker.span import target_for
+from services.sink_worker.snapshot.plan import Chunk
+from services.sink_worker.span.target import target_for
 
 _SCHEMA = "bench"
 _TABLE = "orders"
@@ -96,7 +96,7 @@ def _fill(source: MariaDB, rows: int) -> None:
 
 def _import_copy(batches: Iterator[Any]) -> Iterator[Any]:
     import services.sink_worker.sinks.factory
-    import services.sink_worker.snapshot_job  # noqa: F401
+    import services.sink_worker.snapshot.job  # noqa: F401
 
     yield from batches
 

@@ -27,7 +27,7 @@ notes every commit's time). It moves when checkpoints do, so it stands still whi
 at the DDL lock or a Spark round runs, and jumps after.
 
 Once the changefeed checkpoint passes the end of the workload, it compares the target with
-the merge of the 8 shards (row count and checksum, ``services.sink_worker.verify``) and prints
+the merge of the 8 shards (row count and checksum, ``services.sink_worker.validation.verify``) and prints
 EQUAL or DIFFERENT. Unless ``--no-wait`` is given it then leaves the system up (the api's /docs
 URL and a CLI command are printed) until Ctrl-C or SIGTERM. Either way it stops every process
 and exits 0 for EQUAL, 1 otherwise (130 when stopped before the comparison). The system runs
@@ -97,7 +97,7 @@ from libs.localservers.mariadb import MariaDB  # noqa: E402
 from libs.localservers.postgres import PostgreSQL  # noqa: E402
 from libs.localservers.service_process import ServiceProcess  # noqa: E402
 from libs.localservers.system import LocalSystem  # noqa: E402
-from services.sink_worker.verify import ShardRef, Verification, verify_target  # noqa: E402
+from services.sink_worker.validation.verify import ShardRef, Verification, verify_target  # noqa: E402
 
 CHANGEFEED = "demo"
 SCHEMAS = ("shop_a", "shop_b")

@@ -17,11 +17,12 @@ from nats.js.errors import NotFoundError
 from contracts.events.changefeeds import (
     ChangefeedCheckV1,
     ChangefeedCreatedV5,
+    ChangefeedSpec,
     ChangefeedSpecV2,
     ChangefeedStateChangedV1,
     ChangefeedUpdatedV5,
     TableFilterV1,
-    spec_v5,
+    current_spec,
 )
 from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV1
 from libs.control.changefeeds_state import ChangefeedView, TableKey, changefeeds_fold
@@ -58,7 +59,7 @@ async def record_changefeed(js: JetStreamContext, spec: ChangefeedSpecV2, reques
     to the changefeeds log since (else ``AppendConflict``)."""
     store = await _store(js, requested_by)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedCreatedV5(spec=spec_v5(spec), requested_by=requested_by,
+                              ChangefeedCreatedV5(spec=current_spec(spec), requested_by=requested_by,
                                                   failed_checks=failed_checks or []),
                               expected_last_subject_seq=expected_last_subject_seq)
 
@@ -68,7 +69,7 @@ async def record_update(js: JetStreamContext, spec: ChangefeedSpecV2, requested_
                         failed_checks: list[ChangefeedCheckV1] | None = None) -> int:
     store = await _store(js, requested_by)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedUpdatedV5(spec=spec_v5(spec), requested_by=requested_by,
+                              ChangefeedUpdatedV5(spec=current_spec(spec), requested_by=requested_by,
                                                   failed_checks=failed_checks or []),
                               expected_last_subject_seq=expected_last_subject_seq)
 
@@ -119,11 +120,11 @@ SpanKey = tuple[str, str, str, str]
 
 @dataclass
 class Discovered:
-    spans: dict[SpanKey, ChangefeedSpecV2]
+    spans: dict[SpanKey, ChangefeedSpec]
     rows_stream_missing: bool = False
 
 
-async def discover_spans(js: JetStreamContext, specs: list[ChangefeedSpecV2],
+async def discover_spans(js: JetStreamContext, specs: list[ChangefeedSpec],
                          rows_stream: str = ROWS_STREAM) -> Discovered:
     """The spans of ``specs``: the tables that have row or DDL subjects in the ROWS stream for
     the changefeed's sources (``stream_info`` with a subject filter) and match its table filter
@@ -158,7 +159,7 @@ async def discover_spans(js: JetStreamContext, specs: list[ChangefeedSpecV2],
     return found
 
 
-async def _group_spans(found: Discovered, spec: ChangefeedSpecV2, src: str, url: str) -> None:
+async def _group_spans(found: Discovered, spec: ChangefeedSpec, src: str, url: str) -> None:
     """The tables of the source that cascading foreign keys connect become one span, a table
     group (``libs.foreign_keys.cascade_groups``), so one worker applies a parent change and
     its cascades in order with the children's own changes (DESIGN.md, "Foreign-key cascades")."""

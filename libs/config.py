@@ -30,13 +30,11 @@ class Settings(BaseSettings):
     nats_users_dir: str | None = Field(
         None, description="Directory of per-role password files (python -m libs.nats_auth local): "
                           "a service without nats_user connects as its own role with file <role>.")
-    # --- NATS TLS (natsauth) ---
     nats_tls_ca_file: str | None = Field(
         None, description="CA (PEM) that signed the NATS server's certificate; setting it turns TLS on.")
     nats_tls_cert_file: str | None = Field(None, description="Client certificate (PEM) presented to NATS.")
     nats_tls_key_file: str | None = Field(
         None, description="Private key (PEM) of the NATS client certificate.")
-    # --- end NATS TLS ---
     nats_connect_timeout_s: float = Field(
         30.0, gt=0, description="How long a starting service waits for NATS before it fails."
     )
@@ -52,13 +50,11 @@ class Settings(BaseSettings):
 
     # Leadership
     lease_ttl_s: float = Field(3.0, gt=0.2, description="Leader lease TTL in seconds.")
-    # --- liveness: self-fence and detection (arithmetic in DESIGN.md, Leadership) ---
     member_ttl_s: float = Field(3.0, gt=0.2, description="A sink-worker is gone after this silence.")
     heartbeat_interval_s: float = Field(0.2, gt=0, description="How often a sink-worker sends its heartbeat.")
     member_fence_s: float = Field(
         1.0, gt=0, description="A sink-worker stops writing when no heartbeat was confirmed for this long."
     )
-    # --- end liveness ---
     control_snapshot_every: int = Field(
         5000, ge=10, description="Control leaders snapshot their domain state every this many events."
     )
@@ -79,11 +75,9 @@ class Settings(BaseSettings):
         1.0, gt=0, description="How often changefeed checkpoint advances are recorded at most."
     )
     dispatch_timeout_s: float = Field(2.0, gt=0, description="Wait for a dispatch answer.")
-    # --- liveness: prepare deadline ---
     replication_prepare_timeout_s: float = Field(
         20.0, gt=0, description="A destination not Prepared after this is given up (move/add rolled back)."
     )
-    # --- end liveness ---
 
     # Spark
     spark_master: str = Field(
@@ -163,7 +157,7 @@ class Settings(BaseSettings):
     )
     snapshot_retry_s: float = Field(10.0, gt=0, description="Pause before a failed initial load runs again.")
 
-    # --- validation: continuous validation and on-demand compares (sink-worker)
+    # validation: continuous validation and on-demand compares (sink-worker)
     validation_interval_s: float = Field(
         2.0, gt=0, description="sink-worker: how often each validated span checks its changed rows.")
     validation_batch_rows: int = Field(
@@ -175,7 +169,6 @@ class Settings(BaseSettings):
         1000, ge=1, description="sink-worker: mismatched rows a span lists and re-checks; more are counted.")
     validation_compare_chunk_rows: int = Field(
         1000, ge=1, description="sink-worker: rows of an on-demand compare per span and cycle.")
-    # --- end validation
 
     # Databases
     downstream_url: str = Field(
@@ -186,7 +179,7 @@ class Settings(BaseSettings):
     source_url: str = Field(
         "", description="capture: the source's URL; empty: the URL the sources registry holds for source_id.")
     source_server_id: int = Field(4101, ge=1, description="capture: replica server id for the binlog.")
-    # --- bigrows: rows larger than a NATS message
+    # bigrows: rows larger than a NATS message
     capture_max_message_bytes: int = Field(
         256 * 1024 * 1024, ge=1024 * 1024,
         description="capture: largest encoded row-change message (one row alone in it, JSON with "
@@ -205,10 +198,8 @@ class Settings(BaseSettings):
         description="sink-worker: values longer than this (contract encoding: base64 for binary) "
                     "stay in the worker process; the Spark jobs carry a reference and the driver "
                     "writes such rows itself. Keys above it stop their table.")
-    # --- end bigrows
 
     # Operator API (services.api) and CLI (services.cli)
-    # --- api auth, roles and limits (apisec) ---
     api_auth: bool = Field(
         True, description="Require a token on every /api/v1 endpoint; false opens the api to anyone "
                           "(development only).")
@@ -226,7 +217,6 @@ class Settings(BaseSettings):
     secrets_hosts: str | None = Field(
         None, description="Where each secret may be sent: NAME=host:port,host;NAME2=... A secret is "
                           "resolved only for a URL whose host(s) are bound to it; read by libs.secret_refs.")
-    # --- end api auth ---
     api_command_timeout_s: float = Field(
         5.0, gt=0, description="How long the api waits for a leader to answer a command.")
     api_url: str = Field("http://127.0.0.1:8100", description="CLI: base URL of the api.")

@@ -227,7 +227,7 @@ def role_permissions(role: str) -> Permissions | None:
             (INBOX, "sluice.dispatch.*", "sluice.announce.*", "sluice.shardddl.ops.*",
              # Answers the member leader's probe while its connection is up.
              "sluice.member.alive.*.*",
-             # New resolved marks wake an idle worker's rounds (services.sink_worker.round_wakeup).
+             # New resolved marks wake an idle worker's rounds (services.sink_worker.round.wakeup).
              "sluice.resolved.*"),
             allow_responses=True)
     if role == API:

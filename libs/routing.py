@@ -39,14 +39,15 @@ Choices written down:
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from contracts.events.changefeeds import ChangefeedSpecV2, TableFilterV1, TableRuleV1
+from contracts.events.changefeeds import ChangefeedSpec, TableRuleV1, current_spec
 from contracts.events.rows import ColumnV1, RowImageV2, TableMetaV1
+from libs.table_filter import NamePattern, RoutingConfigError, TableFilter
+from libs.table_rules import rule_problems, rules_for, table_problems
 
 __all__ = [
     "AmbiguousRouteError",
@@ -92,10 +93,6 @@ class Target(NamedTuple):
         return f"{self.schema}.{self.table}"
 
 
-class RoutingConfigError(ValueError):
-    """A rule or filter that cannot even be read (bad regex, empty target)."""
-
-
 class AmbiguousRouteError(ValueError):
     """A table matched by rules with different targets."""
 
@@ -106,68 +103,6 @@ class AmbiguousRouteError(ValueError):
         self.ref = ref
         self.rules = tuple(rules)
         self.targets = tuple(targets)
-
-
-# -- patterns -------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class NamePattern:
-    """A glob, or a regex when written with a leading ``~``. Compiled once."""
-
-    spec: str
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.spec.startswith("~"):
-            body = self.spec[1:]
-            try:
-                compiled = re.compile(body)
-            except re.error as exc:
-                raise RoutingConfigError(f"pattern {self.spec!r} is not a valid regular expression: {exc}"
-                                         ) from None
-        else:
-            # fnmatch.translate gives an anchored regex; compiling it once keeps route() cheap
-            # when it runs for every span of a big changefeed.
-            compiled = re.compile(fnmatch.translate(self.spec))
-        object.__setattr__(self, "_regex", compiled)
-
-    @property
-    def is_regex(self) -> bool:
-        return self.spec.startswith("~")
-
-    @property
-    def is_literal(self) -> bool:
-        """Matches exactly one name (no glob metacharacters, not a regex)."""
-        return not self.is_regex and not any(ch in self.spec for ch in "*?[")
-
-    def matches(self, name: str) -> bool:
-        return self._regex.fullmatch(name) is not None
-
-
-# -- filter ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TableFilter:
-    """A table is in when ``schema.table`` matches an include pattern and no exclude pattern."""
-
-    include: tuple[str, ...] = ("*.*",)
-    exclude: tuple[str, ...] = ()
-    _include: tuple[NamePattern, ...] = field(init=False, repr=False, compare=False)
-    _exclude: tuple[NamePattern, ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_include", tuple(NamePattern(p) for p in self.include))
-        object.__setattr__(self, "_exclude", tuple(NamePattern(p) for p in self.exclude))
-
-    @classmethod
-    def from_contract(cls, flt: TableFilterV1) -> TableFilter:
-        return cls(tuple(flt.include), tuple(flt.exclude))
-
-    def selected(self, schema: str, table: str) -> bool:
-        name = f"{schema}.{table}"
-        if not any(p.matches(name) for p in self._include):
-            return False
-        return not any(p.matches(name) for p in self._exclude)
 
 
 # -- rules ----------------------------------------------------------------------------------------
@@ -473,7 +408,6 @@ class Router:
         added (``TableRulesError`` when they do not fit it); only rule-routed tables get the
         origin column."""
         if self.table_rules:
-            from libs.table_rules import rules_for  # builds on this module
 
             meta = rules_for(self.table_rules, ref.schema, ref.table).rewrite_meta(meta)
         origin = self.origin_for(ref)
@@ -550,15 +484,15 @@ class Router:
 
 # -- changefeed specs -----------------------------------------------------------------------------
 
-def router_for(spec: ChangefeedSpecV2) -> Router:
+def router_for(spec: ChangefeedSpec) -> Router:
     """The routing of a changefeed spec. Raises ``RoutingConfigError`` for an unreadable rule."""
     rules = [RouteRule(schema=r.database, table=r.table, target_schema=r.target_schema,
                        target_table=r.target_table, source=r.source, name=r.name) for r in spec.routes]
     origin = OriginColumn(spec.origin_column) if spec.origin_column else None
-    return Router(rules, TableFilter.from_contract(spec.filter), origin, getattr(spec, "table_rules", ()))
+    return Router(rules, TableFilter.from_contract(spec.filter), origin, current_spec(spec).table_rules)
 
 
-def validate_spec(spec: ChangefeedSpecV2,
+def validate_spec(spec: ChangefeedSpec,
                   tables_meta: Mapping[TableRef, TableMetaV1 | None] | Iterable[TableRef] | None = None
                   ) -> list[RoutingProblem]:
     """Every routing problem of a changefeed spec, for the creation check (the api refuses the
@@ -566,10 +500,8 @@ def validate_spec(spec: ChangefeedSpecV2,
     their metadata where known (see ``Router.validate``). Table rules (v4) are checked too:
     expressions must parse, and with metadata, dropped or kept columns must exist and spare
     the key (``libs.table_rules``)."""
-    # libs.table_rules builds on this module's TableFilter: imported here, not at the top.
-    from libs.table_rules import rule_problems, table_problems
 
-    rules = getattr(spec, "table_rules", [])
+    rules = current_spec(spec).table_rules
     problems = [RoutingProblem("invalid_table_rule", text)
                 for text in rule_problems(rules, spec.initial_load)]
     if rules and isinstance(tables_meta, Mapping):
@@ -585,7 +517,7 @@ def validate_spec(spec: ChangefeedSpecV2,
     return [*problems, *router.validate(tables_meta)]
 
 
-def router_filter_selects(spec: ChangefeedSpecV2, ref: TableRef) -> bool:
+def router_filter_selects(spec: ChangefeedSpec, ref: TableRef) -> bool:
     try:
         return TableFilter.from_contract(spec.filter).selected(ref.schema, ref.table)
     except RoutingConfigError:
@@ -594,14 +526,14 @@ def router_filter_selects(spec: ChangefeedSpecV2, ref: TableRef) -> bool:
 
 # --- poison: cross-shard unique conflicts (a warning, not a refusal) -----------------------------
 
-def _merging_patterns(rule: RouteRule, spec: ChangefeedSpecV2) -> tuple[NamePattern, ...]:
+def _merging_patterns(rule: RouteRule, spec: ChangefeedSpec) -> tuple[NamePattern, ...]:
     """The patterns that can make a rule match several tables (its source pattern only when
     the changefeed has several sources)."""
     source, schema, table = rule._patterns
     return (source, schema, table) if len(spec.sources) > 1 else (schema, table)
 
 
-def unique_conflict_warnings(spec: ChangefeedSpecV2,
+def unique_conflict_warnings(spec: ChangefeedSpec,
                              tables_meta: Mapping[TableRef, TableMetaV1 | None] | None = None) -> list[str]:
     """Warnings for the changefeed-creation answer (api, CLI): merged targets whose unique keys
     would not include an origin column, so two shards holding one unique value conflict
@@ -613,7 +545,7 @@ def unique_conflict_warnings(spec: ChangefeedSpecV2,
         router = router_for(spec)
     except RoutingConfigError:
         return []  # refused by validate_spec anyway
-    policy = getattr(spec, "on_unique_conflict", "overwrite")
+    policy = current_spec(spec).on_unique_conflict
     outcome = ("the target's tables stop with a conflict report" if policy == "error"
                else "the other shard's row is removed (an event per row)")
     advice = f"on_unique_conflict={policy}: {outcome}; set origin_column to keep shards apart"

@@ -158,11 +158,6 @@ class ServiceRuntime:
             raise failure
 
 
-async def idle_until_stopped(runtime: ServiceRuntime) -> None:
-    """The main of a service whose work arrives in a later release: health only."""
-    await runtime.stopping.wait()
-
-
 def run_service(name: str, main: Callable[[ServiceRuntime], Coroutine[Any, Any, None]],
                 app: FastAPI | None = None) -> None:
     settings = get_settings()

@@ -119,12 +119,10 @@ def dispatch_subject(member_id: str) -> str:
 HEARTBEAT_SUBJECTS = "sluice.hb.*"
 
 
-# --- liveness: member probe ---
 def member_probe_subject(member_id: str, incarnation: str) -> str:
     """Core-NATS request/reply a member answers while its connection is up (the member leader
     probes a silent member: "no responders" means the connection is gone)."""
     return f"sluice.member.alive.{token(member_id)}.{token(incarnation)}"
-# --- end liveness ---
 
 
 def announce_subject(service: str) -> str:

@@ -3,7 +3,7 @@ which columns reach the downstream and which computed ones it gains.
 
 Plain logic, no I/O and no Spark: the api checks a spec with it, the sink-worker compiles the
 rules of each table with it and rewrites the target's metadata. The expressions themselves are
-Spark SQL, evaluated by the apply job (``services.sink_worker.row_rules``); here they are only
+Spark SQL, evaluated by the apply job (``services.sink_worker.round.row_rules``); here they are only
 checked to parse (``expression_problem``), so a typo is refused when the changefeed is created
 rather than when its first row arrives. Whether an expression's columns exist is known only
 with the table's metadata: the sink-worker asks Spark's analyser when it plans the table, and
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from contracts.events.changefeeds import ComputedType, TableRuleV1
 from contracts.events.rows import ColumnKind, ColumnV1, TableMetaV1
-from libs.routing import RoutingConfigError, TableFilter
+from libs.table_filter import RoutingConfigError, TableFilter
 
 ROW_EVENTS = ("insert", "update", "delete")
 EXPRESSION_FIELDS = ("ignore_insert_value_expr", "ignore_update_old_value_expr",

@@ -1,6 +1,6 @@
 """Continuous validation: what a downstream row should be, the status records and the requests.
 
-The sink-worker that runs a span validates it (``services/sink_worker/validation.py``); the api
+The sink-worker that runs a span validates it (``services/sink_worker/validation/validator.py``); the api
 reads what it records and asks for on-demand compares. Both meet in the ``sluice-validation``
 KV bucket:
 

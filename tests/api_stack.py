@@ -58,7 +58,6 @@ CANARY = "canary-pw-5d1f0e7a93"
 SECRET = "src-pw"
 CF = "orders"
 # ts of 10 s ago: physical ms << 18.
-TS = int((time.time() - 10) * 1000) << 18
 
 
 class BackgroundLoop:
@@ -132,6 +131,9 @@ class ApiStack:
     source: MariaDB
     responses: list[str] = field(default_factory=list)
     """Every api answer the tests' clients received (the secrets test greps them)."""
+    w2_incarnations: int = 0
+    ts: int = 0
+    """The ts the scenario was last stamped with (``seed_scenario``): 10 s before that moment."""
 
     @property
     def source_url(self) -> str:
@@ -163,6 +165,52 @@ class ApiStack:
 
         return self.bg.run(go())
 
+    def seed_scenario(self) -> int:
+        """The scenario the read tests assert, stamped now (its ts is 10 s ago), so what they see
+        depends neither on when the session's stack started nor on what earlier tests changed:
+        tables a and b replicating on w1 and c prepared on w2, the changefeed's checkpoint and
+        src1's resolved mark at ts, table a's checkpoint (seq 42, ts + 1) and its initial load
+        copying 500/1000, members w1 and w2 ready and not draining (w2 rejoins as a new
+        incarnation, which no earlier drain names). Returns ts once the api's read model and the
+        scheduler show it."""
+        ts = self.ts = stamp()
+        self.w2_incarnations += 1
+        w2 = f"i2-{self.w2_incarnations}"
+
+        async def resolved() -> None:
+            await EventStore(self.nc.jetstream(), ROWS_STREAM, producer="test-peer").append(
+                resolved_subject("src1"), ResolvedAdvancedV1(
+                    source="src1", ts=ts, position=SourcePositionV1(binlog_file="bin.000001", binlog_pos=4)))
+
+        self.bg.run(resolved())
+        self.append("members", *scenario_members(w2))
+        self.append("replication", *scenario_sets(ts),
+                    RebuiltV1(members={"w1": "i1", "w2": w2}, sets=3, waited_s=0.1),
+                    CheckpointAdvancedV1(changefeed=CF, checkpoint_ts=ts, resolved_ts=ts))
+        key = WorkerSpan(CF, "src1", "shop", "a").kv_key
+        self.kv_put(CHECKPOINT_BUCKET, key, {"stream_seq": 42, "ts": ts + 1})
+        self.kv_put(SNAPSHOT_BUCKET, key, SNAPSHOT_COPYING)
+        with self.client() as c:
+            def shown() -> bool:
+                tables = {t["table"]: t for t in c.get(f"/api/v1/changefeeds/{CF}/tables").json()}
+                cf = c.get(f"/api/v1/changefeeds/{CF}").json()
+                src = next((s for s in c.get("/api/v1/sources").json() if s["id"] == "src1"), {})
+                return (cf["checkpoint_ts"] == ts and src.get("resolved_ts") == ts
+                        and tables["a"]["checkpoint_ts"] == ts + 1
+                        and (tables["a"]["snapshot"] or {}).get("rows_copied") == 500
+                        and (tables["c"]["state"], tables["c"]["secondary"]) == ("prepare", "w2")
+                        and tables["a"]["primary"] == tables["b"]["primary"] == "w1"
+                        and not any(m["draining"] for m in c.get("/api/v1/members").json()))
+
+            wait_until(shown, 30, "the api to show the scenario stamped now")
+
+        def scheduler_sees_it() -> bool:
+            sched = (self.scheduler.health() or {}).get("scheduling", {})
+            return bool(sched.get("replication_ready")) and len(sched.get("usable_members", [])) == 2
+
+        wait_until(scheduler_sees_it, 30, "the scheduler to see both members usable")
+        return ts
+
     def kv_put(self, bucket: str, key: str, value: dict[str, Any]) -> None:
         async def go() -> None:
             js = self.nc.jetstream()
@@ -173,6 +221,30 @@ class ApiStack:
             await kv.put(key, json.dumps(value).encode())
 
         self.bg.run(go())
+
+
+def stamp() -> int:
+    """A ts 10 s before now: the scenario's checkpoints and resolved mark."""
+    return int((time.time() - 10) * 1000) << 18
+
+
+SNAPSHOT_COPYING = {"changefeed": CF, "source": "src1", "database": "shop", "table": "a", "state": "copying",
+                    "rows_copied": 500, "rows_estimate": 1000, "chunks_done": 5, "chunks_total": 10,
+                    "rows_per_s": 2500.0, "eta_s": 125.0}
+
+
+def scenario_members(w2_incarnation: str = "i2") -> list[MemberJoinedV2]:
+    return [MemberJoinedV2(member_id="w1", incarnation="i1", address="10.0.0.1"),
+            MemberJoinedV2(member_id="w2", incarnation=w2_incarnation, address="10.0.0.2")]
+
+
+def scenario_sets(ts: int) -> list[SetChangedV1]:
+    return [SetChangedV1(span=span_ref("a"), state="replicating", primary="w1",
+                         members={"w1": "primary"}, checkpoint_ts=ts, resolved_ts=ts),
+            SetChangedV1(span=span_ref("b"), state="replicating", primary="w1",
+                         members={"w1": "primary"}, checkpoint_ts=ts, resolved_ts=ts),
+            SetChangedV1(span=span_ref("c"), state="prepare", primary="w1", secondary="w2",
+                         members={"w1": "primary", "w2": "secondary"})]
 
 
 def span_ref(table: str) -> SpanRefV1:
@@ -215,18 +287,20 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory, mariadb: MariaDB) -> Ite
            # A NATS sink's user (the creation checks connect as it): the sink-worker's.
            "SLUICE_SECRET_NATS_SINK_PW": server.stack_auth.password(SINK_WORKER) if server.stack_auth else ""}
 
+    ts = stamp()
+
     async def seed() -> None:
         js = nc.jetstream()
         for domain in ("members", "replication"):
             await DomainLog(js, domain, producer="test-peer").ensure()
         # Tables a, b, c of src1 exist in the ROWS stream (the scheduler discovers spans there)
-        # and src1 has published up to TS.
+        # and src1 has published up to ts.
         rows = EventStore(js, ROWS_STREAM, producer="test-peer")
         await rows.ensure(ROWS_SUBJECTS)
         for table in ("a", "b", "c"):
             await js.publish(rows_subject("src1", "shop", table), b"{}")
         await rows.append(resolved_subject("src1"), ResolvedAdvancedV1(
-            source="src1", ts=TS, position=SourcePositionV1(binlog_file="bin.000001", binlog_pos=4)))
+            source="src1", ts=ts, position=SourcePositionV1(binlog_file="bin.000001", binlog_pos=4)))
 
     bg.run(seed())
     ddl = DdlResponder({(CF, "shop.t"): lock_view(CF, "shop.t", "error"),
@@ -237,7 +311,7 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory, mariadb: MariaDB) -> Ite
     scheduler_env = {**{k: v for k, v in env.items() if not k.startswith("SLUICE_API_TOKEN")},
                      "SLUICE_SCHEDULER_BALANCE_INTERVAL_S": "3600"}
     scheduler = ServiceProcess("services.scheduler", scheduler_env, tmp / "logs").start()
-    stack = ApiStack(server, api_proc, scheduler, bg, nc, ddl, tmp, env, mariadb)
+    stack = ApiStack(server, api_proc, scheduler, bg, nc, ddl, tmp, env, mariadb, ts=ts)
     try:
         api_proc.wait_healthy(60)
         scheduler.wait_healthy(60)
@@ -255,25 +329,15 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory, mariadb: MariaDB) -> Ite
 
         wait_until(scheduler_wants_them, 30, "the scheduler to want the changefeed's three spans")
         stack.append("members",
-                     LeaderElectedV1(service="member", candidate="peer", epoch=1),
-                     MemberJoinedV2(member_id="w1", incarnation="i1", address="10.0.0.1"),
-                     MemberJoinedV2(member_id="w2", incarnation="i2", address="10.0.0.2"))
+                     LeaderElectedV1(service="member", candidate="peer", epoch=1), *scenario_members())
         stack.append("replication",
                      LeaderElectedV1(service="replication-manager", candidate="peer", epoch=1),
-                     SetChangedV1(span=span_ref("a"), state="replicating", primary="w1",
-                                  members={"w1": "primary"}, checkpoint_ts=TS, resolved_ts=TS),
-                     SetChangedV1(span=span_ref("b"), state="replicating", primary="w1",
-                                  members={"w1": "primary"}, checkpoint_ts=TS, resolved_ts=TS),
-                     SetChangedV1(span=span_ref("c"), state="prepare", primary="w1", secondary="w2",
-                                  members={"w1": "primary", "w2": "secondary"}),
+                     *scenario_sets(ts),
                      RebuiltV1(members={"w1": "i1", "w2": "i2"}, sets=3, waited_s=0.1),
-                     CheckpointAdvancedV1(changefeed=CF, checkpoint_ts=TS, resolved_ts=TS))
+                     CheckpointAdvancedV1(changefeed=CF, checkpoint_ts=ts, resolved_ts=ts))
         key = WorkerSpan(CF, "src1", "shop", "a").kv_key
-        stack.kv_put(CHECKPOINT_BUCKET, key, {"stream_seq": 42, "ts": TS + 1})
-        stack.kv_put(SNAPSHOT_BUCKET, key, {"changefeed": CF, "source": "src1", "database": "shop",
-                                            "table": "a", "state": "copying", "rows_copied": 500,
-                                            "rows_estimate": 1000, "chunks_done": 5, "chunks_total": 10,
-                                            "rows_per_s": 2500.0, "eta_s": 125.0})
+        stack.kv_put(CHECKPOINT_BUCKET, key, {"stream_seq": 42, "ts": ts + 1})
+        stack.kv_put(SNAPSHOT_BUCKET, key, SNAPSHOT_COPYING)
         # The tests' commands go to the real scheduler: it must lead and have folded the seeded
         # replication state (ready, three sets, both members usable) or it refuses them.
         def scheduler_settled() -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 
 from contracts import REGISTRY
 from contracts.events.rows import ColumnV1, RowImageV2, RowsChangedV2, SourcePositionV1, TableMetaV1
-from services.sink_worker.sort_job import EventRecord
+from services.sink_worker.round.sort_job import EventRecord
 
 PEOPLE = TableMetaV1(columns=[ColumnV1(name="id", kind="int", sql_type="int", nullable=False),
                               ColumnV1(name="name", kind="string", sql_type="varchar(40)", nullable=True),
@@ -117,10 +117,10 @@ def expected() -> dict[str, list[dict[str, Any]]]:
 def run(master: str, sink_url: str) -> dict[str, list[dict[str, Any]]]:
     from libs.config import Settings
     from libs.spark import get_spark, stop_spark
-    from services.sink_worker.apply_job import TargetPlan, run_apply
+    from services.sink_worker.round.apply_job import TargetPlan, run_apply
+    from services.sink_worker.round.sort_job import SpanInput, run_sort
     from services.sink_worker.sinks.base import TargetTable
     from services.sink_worker.sinks.factory import open_sink
-    from services.sink_worker.sort_job import SpanInput, run_sort
 
     spark = get_spark(Settings(spark_master=master, spark_shuffle_partitions=3))
     try:

@@ -25,7 +25,8 @@ from libs.streams import PREPARE_BUCKET, domain_events_subject
 from libs.ts import utc_text
 from services.api.projections import Projections
 from services.sink_worker.prepare_progress import entry as prepare_entry
-from tests.api_stack import ALICE_TOKEN, CANARY, CF, TOKEN, TS, VIEWER_TOKEN, ApiStack, lock_view, wait_ready
+from tests.api_stack import ALICE_TOKEN, CANARY, CF, TOKEN, VIEWER_TOKEN, ApiStack, lock_view, wait_ready
+from tests.helpers.api import _frames
 
 pytestmark = pytest.mark.integration
 V1 = "/api/v1"
@@ -255,6 +256,8 @@ def test_changefeed_validation_is_field_level(api_stack: ApiStack) -> None:
 
 
 def test_tables_members_sources(api_stack: ApiStack) -> None:
+    # Stamped now and as seeded, whatever ran before on this worker's stack.
+    TS = api_stack.seed_scenario()
     # Table c is being prepared on w2, whose Spark is warming up (what its worker records).
     api_stack.kv_put(PREPARE_BUCKET, WorkerSpan(CF, "src1", "shop", "c").kv_key,
                      json.loads(prepare_entry("w2", "spark", time.time() - 5)))
@@ -313,6 +316,7 @@ def _move_once_settled(c: Any, url: str, dest: str, within: float = 30.0) -> Any
 
 
 def test_move_drain_rebalance_go_to_the_scheduler(api_stack: ApiStack) -> None:
+    api_stack.seed_scenario()  # c prepared on w2, a on w1, nobody draining, whatever ran before
     with api_stack.client() as c:
         move = f"{V1}/changefeeds/{CF}/tables/src1/shop"
         r = c.post(f"{move}/c/move", json={"dest": "w2"})
@@ -356,18 +360,6 @@ def _last_seq(stack: ApiStack, domain: str) -> int:
         return int((await stack.nc.jetstream().stream_info(f"SLUICE_{domain.upper()}")).state.last_seq)
 
     return stack.bg.run(go())
-
-
-def _frames(resp: httpx.Response) -> Any:
-    frame: dict[str, Any] = {}
-    for line in resp.iter_lines():
-        if not line:
-            if frame:
-                yield frame
-            frame = {}
-        elif not line.startswith(":"):
-            key, _, value = line.partition(": ")
-            frame[key] = json.loads(value) if key == "data" else value
 
 
 def test_ddl_locks_through_the_leader(api_stack: ApiStack) -> None:
@@ -568,7 +560,6 @@ def test_read_models_rebuilt_by_replay_equal_the_live_ones(api_stack: ApiStack) 
 def _strip_lag(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in item.items() if k not in ("lag_s", "checkpoint_time", "waiting_for")}
             for item in items]
-
 
 
 def test_a_literal_password_is_refused_and_never_echoed(api_stack: ApiStack) -> None:

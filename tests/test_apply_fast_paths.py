@@ -19,7 +19,7 @@ import pymysql.connections
 from contracts import REGISTRY
 from contracts.events.rows import ColumnV1, RowImageV2, RowsChangedV2, TableMetaV1
 from libs.codec.decode import RowDecoder, decode_value
-from services.sink_worker.apply_job import ApplyPlan, collapse, explode_collapse, explode_events
+from services.sink_worker.round.apply_job import ApplyPlan, collapse, explode_collapse, explode_events
 from services.sink_worker.sinks.base import Delete, Upsert
 from services.sink_worker.sinks.mysql import _row_literal
 from services.sink_worker.sinks.sql_common import _key_order, sort_key

@@ -24,14 +24,14 @@ from libs.codec.table_meta import load_table_info
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.nats_tls import issue_tls
-from services.sink_worker import source_read
 from services.sink_worker.sinks.base import TargetTable, Upsert
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.sinks.mysql import MySQLSink
 from services.sink_worker.sinks.postgres import PostgresSink
-from services.sink_worker.snapshot_job import CopyJob, _converter, _read_batches, connect_source, copy_chunk
-from services.sink_worker.snapshot_plan import Chunk
-from tests.test_type_matrix import KEY_CASES, VALUE_CASES
+from services.sink_worker.snapshot import source_read
+from services.sink_worker.snapshot.job import CopyJob, _converter, _read_batches, connect_source, copy_chunk
+from services.sink_worker.snapshot.plan import Chunk
+from tests.helpers.type_cases import KEY_CASES, VALUE_CASES
 
 pytestmark = pytest.mark.integration
 

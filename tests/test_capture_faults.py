@@ -15,7 +15,7 @@ from contracts.events.rows import RowsChangedV2
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.service_process import ServiceProcess
 from libs.streams import ROWS_STREAM, rows_subject
-from tests.test_capture_support import (
+from tests.helpers.capture import (
     binlog_position,
     check_order,
     eventually,

@@ -10,10 +10,10 @@ from prometheus_client import REGISTRY as METRICS
 
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
-from tests.test_capture_rows import fresh_database
-from tests.test_capture_support import (
+from tests.helpers.capture import (
     binlog_position,
     capture_settings,
+    fresh_database,
     rejections,
     rows_of,
     running_capture,

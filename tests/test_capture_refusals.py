@@ -10,7 +10,7 @@ from nats.js import JetStreamContext
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from services.capture import service as capture_service
-from tests.test_capture_support import (
+from tests.helpers.capture import (
     binlog_position,
     capture_settings,
     eventually,

@@ -13,12 +13,13 @@ from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from services.capture.metrics import CASCADING_FOREIGN_KEYS
 from services.capture.ts_clock import physical_ms, wall_ms
-from tests.test_capture_support import (
+from tests.helpers.capture import (
     binlog_position,
     capture_settings,
     check_order,
     ddl_of,
     eventually,
+    fresh_database,
     last_resolved,
     rejections,
     replay,
@@ -59,11 +60,6 @@ KINDS = {"id": "int", "i": "int", "si": "int", "d": "decimal", "f": "float", "db
          "s": "string", "tx": "string", "b": "bytes", "vb": "bytes", "dt": "date", "dtt": "datetime",
          "ts": "timestamp", "tm": "time", "j": "json", "e": "string", "st": "set", "bt": "bit",
          "yr": "int"}
-
-
-def fresh_database(db: MariaDB, name: str, *tables: str) -> None:
-    db.execute(f"DROP DATABASE IF EXISTS {name}", f"CREATE DATABASE {name}")
-    db.execute(*tables, database=name)
 
 
 async def test_workload_every_type_in_order(mariadb: MariaDB, nats_server: NatsServer,

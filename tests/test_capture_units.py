@@ -9,8 +9,8 @@ import pytest
 from pymysqlreplication.constants import NONE_SOURCE
 
 from libs.codec.encode import UnsupportedValue, encode_value, format_time, kind_for_data_type
+from libs.mysql_statements import classify
 from services.capture.binlog_reader import _fix_negative_time2
-from services.capture.statements import classify
 from services.capture.ts_clock import LOGICAL_MASK, TsClock, compose, logical, physical_ms
 
 # ------------------------------------------------------------------ ts clock

@@ -1,4 +1,4 @@
-"""Foreign-key actions carried out downstream (``services.sink_worker.cascades``), compared row for
+"""Foreign-key actions carried out downstream (``services.sink_worker.fk.cascades``), compared row for
 row with what InnoDB itself did on a real MariaDB source, on every SQL downstream.
 
 The test plays the part of the data path: it mirrors each statement's own row changes to the
@@ -19,11 +19,11 @@ from libs.codec.table_meta import load_table_info
 from libs.foreign_keys import ForeignKey, load_foreign_keys
 from libs.localservers.mariadb import MariaDB
 from libs.routing import OriginColumn, TableRef, rewrite_meta
-from services.sink_worker.cascades import CascadeGraph, CascadeTable, apply_cascade
+from services.sink_worker.fk.cascades import CascadeGraph, CascadeTable, apply_cascade
 from services.sink_worker.sinks.base import Delete, TargetTable, Upsert
 from services.sink_worker.sinks.sql_common import SqlSink
 from tests.helpers.fk_schema import CASCADE_SCHEMA, CASCADE_TABLES
-from tests.test_sinks import SINKS, make_target
+from tests.helpers.sinks import SINKS, make_target
 
 pytestmark = pytest.mark.integration
 _names = itertools.count()

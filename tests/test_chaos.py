@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from libs.localservers.system import LocalSystem
-from services.sink_worker.verify import ShardRef, Verification, verify_target
+from services.sink_worker.validation.verify import ShardRef, Verification, verify_target
 from tests.helpers.chaos import (
     FAULT_KINDS,
     GARBAGE_HEADER,
@@ -50,7 +50,7 @@ from tests.helpers.control_plane import (
     leader_of,
     read_writer_log,
 )
-from tests.helpers.worker_env import SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
+from tests.helpers.worker_env import MEMBER_WORKER_ENV, SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
 
 pytestmark = pytest.mark.integration
 
@@ -83,8 +83,7 @@ async def test_chaos_schedule_under_load_keeps_every_invariant(
         lease_ttl_s=LEASE_TTL_S, with_api=False, standalone_workers=False, initial_load="binlog-only",
         control_env={"SLUICE_SCHEDULER_BALANCE_INTERVAL_S": "2", "SLUICE_REPLICATION_TICK_S": "1",
                      "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S), "SLUICE_CONTROL_SNAPSHOT_EVERY": "20"},
-        worker_env={"SLUICE_SPARK_MASTER": "local[1]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-                    "SLUICE_SPARK_DRIVER_MEMORY": "512m", "SLUICE_SINK_APPLY_PARTITIONS": "2",
+        worker_env={**MEMBER_WORKER_ENV,
                     "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS, **SINK_TEST_PACING,
                     "SLUICE_SINK_WRITER_LOG": str(writer_log), "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S)},
     )

@@ -13,28 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
 from contracts.events.scheduling import SetChangedV1
 from libs.scheduling.model import Span as WorkerSpan
 from libs.streams import SNAPSHOT_BUCKET
 from libs.ts import utc_text
-from services.cli.app import app
-from tests.api_stack import CF, TOKEN, TS, ApiStack, lock_view, span_ref
+from tests.api_stack import CF, TOKEN, ApiStack, lock_view, span_ref
+from tests.helpers.cli import sluice, sluice_json
 
 pytestmark = pytest.mark.integration
-
-
-def sluice(stack: ApiStack, *args: str, token: str | None = TOKEN) -> tuple[int, str]:
-    opts = ["--url", stack.url] + (["--token", token] if token else [])
-    result = CliRunner().invoke(app, [*opts, *args], env={"COLUMNS": "320"})
-    return result.exit_code, result.output
-
-
-def sluice_json(stack: ApiStack, *args: str) -> Any:
-    code, out = sluice(stack, "--json", *args)
-    assert code == 0, out
-    return json.loads(out)
 
 
 def later(seconds: float, fn: Any) -> threading.Thread:
@@ -44,6 +31,7 @@ def later(seconds: float, fn: Any) -> threading.Thread:
 
 
 def test_status_shows_lag_members_and_locks(api_stack: ApiStack) -> None:
+    TS = api_stack.seed_scenario()
     api_stack.ddl.locks[(CF, "shop.z")] = lock_view(CF, "shop.z", "error")
     code, out = sluice(api_stack, "status")
     assert code == 0, out
@@ -97,7 +85,6 @@ def test_changefeed_commands(api_stack: ApiStack, tmp_path: Path) -> None:
     assert code == 1 and "401" in out
 
 
-
 def test_create_refused_by_a_check_then_skip_checks(api_stack: ApiStack, tmp_path: Path) -> None:
     spec = {"id": "cli-checks", "sources": [{"id": "src1", "url": api_stack.source_url}],
             "sink_url": "sqlite:///cli.db",
@@ -114,6 +101,7 @@ def test_create_refused_by_a_check_then_skip_checks(api_stack: ApiStack, tmp_pat
 
 
 def test_tables_snapshot_progress_and_move(api_stack: ApiStack) -> None:
+    api_stack.seed_scenario()  # initial load copying 500/1000, whatever ran before
     code, out = sluice(api_stack, "changefeed", "tables", CF)
     assert code == 0 and "replicating" in out, out
     assert "500 of about 1,000 rows at 2,500 rows/s, ETA 2m05s" in out, out
@@ -136,6 +124,7 @@ def test_tables_snapshot_progress_and_move(api_stack: ApiStack) -> None:
 
 
 def test_drain_waits_with_a_progress_bar(api_stack: ApiStack) -> None:
+    api_stack.seed_scenario()  # w2 holds table c, whatever ran before
     assert sluice_json(api_stack, "member", "list")
     # w2 holds table c (as secondary); the move off it completes while the CLI waits.
     moved = later(1.5, lambda: api_stack.append("replication", SetChangedV1(

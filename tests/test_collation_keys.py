@@ -20,11 +20,11 @@ from pyspark.sql import SparkSession
 from contracts.events.rows import ColumnV1, RowImageV2, TableMetaV1
 from libs.eventstore import EventStore
 from libs.streams import ROWS_STREAM, ROWS_SUBJECTS
-from services.sink_worker.apply_job import SpanTargets, final_images, plan_partitions
-from services.sink_worker.checkpoints import CheckpointStore
+from services.sink_worker.round.apply_job import SpanTargets, final_images, plan_partitions
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
-from tests.test_sort_apply import Harness
+from services.sink_worker.span.checkpoints import CheckpointStore
+from tests.helpers.harness import Harness
 
 pytestmark = pytest.mark.integration
 

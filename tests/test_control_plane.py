@@ -36,7 +36,7 @@ from tests.helpers.control_plane import (
     read_writer_log,
     verify_all,
 )
-from tests.helpers.worker_env import SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
+from tests.helpers.worker_env import MEMBER_WORKER_ENV, SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
 
 pytestmark = pytest.mark.integration
 
@@ -132,8 +132,7 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
         # Snapshots every 20 events: every leader change here rebuilds from a snapshot plus a tail.
         control_env={"SLUICE_SCHEDULER_BALANCE_INTERVAL_S": "2", "SLUICE_REPLICATION_TICK_S": "1",
                      "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S), "SLUICE_CONTROL_SNAPSHOT_EVERY": "20"},
-        worker_env={"SLUICE_SPARK_MASTER": "local[1]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-                    "SLUICE_SPARK_DRIVER_MEMORY": "512m", "SLUICE_SINK_APPLY_PARTITIONS": "2",
+        worker_env={**MEMBER_WORKER_ENV,
                     "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS, **SINK_TEST_PACING,
                     "SLUICE_SINK_WRITER_LOG": str(writer_log), "SLUICE_MEMBER_TTL_S": str(MEMBER_TTL_S)},
     )

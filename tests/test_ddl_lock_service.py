@@ -34,7 +34,7 @@ from libs.streams import (
     rows_subject,
 )
 from libs.streams_setup import ensure_rows_stream
-from services.sink_worker.shard_ddl import ShardDdl
+from services.sink_worker.ddl.shard import ShardDdl
 from tests.helpers.control_plane import eventually
 
 pytestmark = pytest.mark.integration

@@ -33,8 +33,9 @@ from libs.localservers.service_process import ServiceProcess
 from libs.streams import SNAPSHOT_BUCKET
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.snapshot_plan import SnapshotProgress
-from services.sink_worker.verify import ShardRef, verify_target
+from services.sink_worker.snapshot.plan import SnapshotProgress
+from services.sink_worker.validation.verify import ShardRef, verify_target
+from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -53,8 +54,7 @@ def _capture(env: dict[str, str], logs: Path, source: MariaDB) -> ServiceProcess
 def _worker(env: dict[str, str], logs: Path) -> ServiceProcess:
     # Small chunks: a re-copy takes several waves, so the worker can be killed in the middle.
     return ServiceProcess("services.sink_worker", {
-        **env, "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-        "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_SINK_STANDALONE": "true",
+        **env, **STANDALONE_WORKER_ENV,
         "SLUICE_SNAPSHOT_CHUNK_ROWS": "100", "SLUICE_SNAPSHOT_PARALLELISM": "2",
         "SLUICE_SNAPSHOT_RETRY_S": "1", "SLUICE_SINK_MAX_EVENTS_PER_ROUND": "20000",
     }, logs, instance_id="worker-ddlm").start()

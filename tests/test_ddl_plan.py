@@ -1,11 +1,11 @@
-"""The single-shard DDL decision (``services.sink_worker.ddl_plan``): pure, from the event."""
+"""The single-shard DDL decision (``services.sink_worker.ddl.plan``): pure, from the event."""
 
 from __future__ import annotations
 
 import pytest
 
 from contracts.events.rows import ColumnV1, DdlExecutedV1, SourcePositionV1, TableMetaV1
-from services.sink_worker.ddl_plan import ddl_action, rename_role
+from services.sink_worker.ddl.plan import ddl_action, rename_role
 
 _META = TableMetaV1(columns=[ColumnV1(name="id", kind="int", sql_type="int", nullable=False),
                              ColumnV1(name="note", kind="string", sql_type="varchar(10)"),

@@ -24,8 +24,9 @@ from libs.localservers.service_process import ServiceProcess
 from libs.streams import ROWS_STREAM, rows_subject
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.verify import ShardRef, verify_target
-from tests.test_e2e_replication import _capture, _changefeed, _created
+from services.sink_worker.validation.verify import ShardRef, verify_target
+from tests.helpers.e2e import _capture, _changefeed, _created
+from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -52,12 +53,11 @@ def downstream_mariadb(mariadb_factory: Callable[..., MariaDB]) -> MariaDB:
 
 
 def _worker(env: dict[str, str], logs: Path, name: str) -> ServiceProcess:
-    # Large values never enter the JVM (services/sink_worker/large_values.py), so the driver
+    # Large values never enter the JVM (services/sink_worker/round/large_values.py), so the driver
     # gets what the other process tests give it. The pull budget keeps each span's round to its
     # large rows and little else.
     return ServiceProcess("services.sink_worker", {
-        **env, "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-        "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_SINK_STANDALONE": "true",
+        **env, **STANDALONE_WORKER_ENV,
         "SLUICE_SINK_PULL_MAX_BYTES": str(32 * MB),
     }, logs, instance_id=name).start()
 

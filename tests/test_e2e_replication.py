@@ -5,42 +5,25 @@ also after the capture and the sink-worker are killed with SIGKILL in the middle
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-import pytest
 from nats.js import JetStreamContext
 
-from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1
-from libs.changefeeds import record_changefeed, record_state
 from libs.localservers.common import wait_until
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
-from services.sink_worker.verify import ShardRef, Verification, verify_target
+from services.sink_worker.validation.verify import ShardRef, Verification, verify_target
 from tests.helpers.converge import wait_converged
+from tests.helpers.e2e import (  # noqa: F401 - fixtures
+    _capture,
+    _changefeed,
+    _delete_changefeeds_afterwards,
+    _worker,
+    downstream_mariadb,
+)
 from tests.helpers.workload import TABLES, RandomWorkload, run_in_thread
-
-_server_ids = itertools.count(4700)
-
-
-def _capture(env: dict[str, str], logs: Path, source: MariaDB, source_id: str, db: str) -> ServiceProcess:
-    return ServiceProcess("services.capture", {
-        **env, "SLUICE_SOURCE_ID": source_id,
-        "SLUICE_SOURCE_URL": f"{source.url_for(db)}?heartbeat=0.5",
-        "SLUICE_SOURCE_SERVER_ID": str(next(_server_ids)),
-    }, logs, instance_id=f"capture-{source_id}").start()
-
-
-def _worker(env: dict[str, str], logs: Path, name: str) -> ServiceProcess:
-    # Standalone: these tests are about the data path (one worker runs every span); the control
-    # plane's own process tests are in test_control_plane.py.
-    return ServiceProcess("services.sink_worker", {
-        **env, "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-        "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_SINK_STANDALONE": "true",
-    }, logs, instance_id=name).start()
 
 
 def _verify_all(source: MariaDB, db: str, sink_urls: list[str]) -> list[Verification]:
@@ -56,34 +39,9 @@ def _wait_equal(source: MariaDB, db: str, sink_urls: list[str], timeout: float,
     wait_converged(lambda: _verify_all(source, db, sink_urls), procs, timeout, interval=0.5)
 
 
-_created: list[str] = []
-
-
-async def _changefeed(js: JetStreamContext, cf_id: str, source_id: str, source: MariaDB, db: str,
-                      sink_url: str) -> None:
-    spec = ChangefeedSpecV2(id=cf_id, sources=[SourceRefV1(id=source_id, url=source.url)],
-                            filter=TableFilterV1(include=[f"{db}.*"]), sink_url=sink_url,
-                            initial_load="binlog-only")
-    await record_changefeed(js, spec, requested_by="test")
-    _created.append(cf_id)
-
-
-@pytest.fixture(autouse=True)
-async def _delete_changefeeds_afterwards(js: JetStreamContext) -> AsyncIterator[None]:
-    # The nats-server is shared by the session: later tests' workers must not run these feeds.
-    yield
-    while _created:
-        await record_state(js, _created.pop(), "deleted", requested_by="test", reason="test over")
-
-
-@pytest.fixture
-def downstream_mariadb(mariadb_factory: Callable[..., MariaDB]) -> MariaDB:
-    return mariadb_factory()
-
-
 async def test_random_workload_reaches_three_downstreams_row_for_row(
     js: JetStreamContext, service_env: dict[str, str], tmp_path: Path, mariadb: MariaDB,
-    postgres: PostgreSQL, downstream_mariadb: MariaDB, processes: list[ServiceProcess],
+    postgres: PostgreSQL, downstream_mariadb: MariaDB, processes: list[ServiceProcess],  # noqa: F811
 ) -> None:
     db = "e2e_three"
     conn = mariadb.connect()

@@ -18,8 +18,8 @@ from libs.codec.table_meta import ColumnSpec, TableInfo
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
-from tests.test_e2e_replication import downstream_mariadb  # noqa: F401 - fixture
-from tests.test_initial_load import (  # noqa: F401 - fixture
+from tests.helpers.e2e import downstream_mariadb  # noqa: F401 - fixture
+from tests.helpers.initial_load import (  # noqa: F401 - fixture
     _capture,
     _changefeed,
     _delete_changefeeds_afterwards,

@@ -10,7 +10,7 @@ import psycopg
 import pymysql
 import pytest
 
-from services.sink_worker.poison import RowFailure, locate_poison
+from services.sink_worker.incidents.poison import RowFailure, locate_poison
 from services.sink_worker.sinks.error_class import (
     ErrorClass,
     classify,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from libs.foreign_keys import ForeignKey, ddl_may_change_keys, referenced_tables, regrouped
 from libs.scheduling.model import Span, kv_parts
-from services.sink_worker.checkpoints import Checkpoint
-from services.sink_worker.span_start import inherited_start
+from services.sink_worker.span.checkpoints import Checkpoint
+from services.sink_worker.span.start import inherited_start
 
 
 def _fk(child: str, parent: str, on_delete: str = "CASCADE") -> ForeignKey:

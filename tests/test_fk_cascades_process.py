@@ -3,7 +3,7 @@
 
 MariaDB binlogs only the parent's change of an ``ON DELETE``/``ON UPDATE`` action; the tables the
 keys connect form one span (a table group) whose batch carries the cascades out downstream at
-their place (``services.sink_worker.table_group``). One changefeed per downstream, all fed by
+their place (``services.sink_worker.fk.table_group``). One changefeed per downstream, all fed by
 one capture; the cases run one after the other on the same tables."""
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ from libs.localservers.service_process import ServiceProcess
 from libs.routing import OriginColumn, TableRef, rewrite_meta
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.verify import ShardRef, Verification, verify_target
+from services.sink_worker.validation.verify import ShardRef, Verification, verify_target
 from tests.helpers.converge import wait_converged
-from tests.helpers.fk_schema import CASCADE_SCHEMA, CASCADE_TABLES
-from tests.test_e2e_replication import (  # noqa: F401 - fixtures
+from tests.helpers.e2e import (  # noqa: F401 - fixtures
     _capture,
     _created,
     _delete_changefeeds_afterwards,
     _worker,
     downstream_mariadb,
 )
+from tests.helpers.fk_schema import CASCADE_SCHEMA, CASCADE_TABLES
 
 pytestmark = pytest.mark.integration
 DB = "fk_e2e"

@@ -1,6 +1,6 @@
 """Cascading foreign keys: read from information_schema's rows, named at changefeed creation with
 what keeps each from being reproduced downstream (``libs.foreign_keys``), and the limits of
-carrying them out downstream (``services.sink_worker.cascades``, on SQLite: no server)."""
+carrying them out downstream (``services.sink_worker.fk.cascades``, on SQLite: no server)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from libs.foreign_keys import (
     group_token,
 )
 from libs.routing import OriginColumn, Router, RouteRule, TableFilter
-from services.sink_worker.cascades import CascadeError, CascadeGraph, CascadeTable, apply_cascade
+from services.sink_worker.fk.cascades import CascadeError, CascadeGraph, CascadeTable, apply_cascade
 from services.sink_worker.sinks.base import TargetTable, Upsert
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.sinks.sql_common import SqlSink

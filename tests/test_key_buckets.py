@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from contracts import REGISTRY
 from contracts.events.rows import RowImageV2, RowsChangedV2, TableMetaV1
-from services.sink_worker.apply_job import explode_event
-from services.sink_worker.key_buckets import fold_text, key_bucket
+from services.sink_worker.round.apply_job import explode_event
+from services.sink_worker.round.key_buckets import fold_text, key_bucket
 
 
 def test_fold_is_case_accent_and_pad_space_insensitive() -> None:

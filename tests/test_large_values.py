@@ -1,4 +1,4 @@
-"""Large values stay out of the Spark jobs (``services/sink_worker/large_values.py``): the
+"""Large values stay out of the Spark jobs (``services/sink_worker/round/large_values.py``): the
 substitution itself (pure), a pipeline round with a real SparkSession and SQLite that writes
 rows whose values went through the jobs as references (a threshold of 1 KiB stands in for the
 1 MiB default, so the rows stay small), and a MariaDB downstream refusing a row above its
@@ -18,18 +18,18 @@ from pyspark.sql import SparkSession
 from contracts import REGISTRY
 from contracts.events.rows import RowImageV2, RowsChangedV2, TableMetaV1
 from libs.localservers.mariadb import MariaDB
-from services.sink_worker.apply_job import event_rows, explode_event
-from services.sink_worker.checkpoints import CheckpointStore
-from services.sink_worker.large_values import REF_FIELD, LargeKeyError, LargeValues, holds_ref
-from services.sink_worker.pipeline import Pipeline
-from services.sink_worker.pull import PulledEvent
+from services.sink_worker.round.apply_job import event_rows, explode_event
+from services.sink_worker.round.large_values import REF_FIELD, LargeKeyError, LargeValues, holds_ref
+from services.sink_worker.round.pipeline import Pipeline
+from services.sink_worker.round.pull import PulledEvent
+from services.sink_worker.round.sort_job import event_records
 from services.sink_worker.sinks.base import TargetTable, Upsert
 from services.sink_worker.sinks.error_class import classify
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.sort_job import event_records
-from services.sink_worker.span_runtime import PipelineOptions
+from services.sink_worker.span.checkpoints import CheckpointStore
+from services.sink_worker.span.runtime import PipelineOptions
 from tests import test_sort_apply as data_path
-from tests.test_sort_apply import _POS, Harness, col, fetch_rows
+from tests.helpers.harness import _POS, Harness, col, fetch_rows
 
 rows_js = data_path.rows_js
 checkpoints = data_path.checkpoints
@@ -157,7 +157,7 @@ async def test_a_round_writes_large_values_it_kept_out_of_spark(
 def test_a_row_above_the_downstreams_max_allowed_packet_is_a_permanent_refusal(
         mariadb_factory: Callable[..., MariaDB]) -> None:
     # The server would drop the connection (2006, retried forever): the sink says 1153 instead,
-    # so the table stops with an incident naming the row (services/sink_worker/poison.py).
+    # so the table stops with an incident naming the row (services/sink_worker/incidents/poison.py).
     server = mariadb_factory()
     server.execute("SET GLOBAL max_allowed_packet = 4194304", "CREATE DATABASE pk")
     table = TargetTable(schema="pk", name="docs", meta=DOCS, key=("id",))

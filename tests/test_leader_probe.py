@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 from libs.election import Election, LeaderInfo, holder_gone, liveness_subject, probe
 from libs.localservers.nats_server import NatsServer
 from libs.streams import domain_stream
-from tests.test_election import (
+from tests.helpers.election import (
     CANDIDATE,
     REPO,
     Candidate,

@@ -44,6 +44,7 @@ from libs.nats_auth import (
 from libs.nats_tls import client_context
 from libs.streams import LEADER_BUCKET, ROWS_STREAM, dispatch_subject, resolved_subject, rows_subject
 from libs.streams_setup import ensure_rows_stream
+from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -230,8 +231,7 @@ async def test_a_row_forged_with_another_services_credentials_never_reaches_the_
     await record_changefeed(rows_js, spec, requested_by="test")
     try:
         worker = ServiceProcess("services.sink_worker", {
-            **service_env, "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-            "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_SINK_STANDALONE": "true"}, logs,
+            **service_env, **STANDALONE_WORKER_ENV}, logs,
             instance_id="worker-forge").start()
         processes.append(worker)
         capture.wait_healthy(60)

@@ -15,7 +15,6 @@ from contracts import REGISTRY
 from contracts.events.rows import DdlExecutedV1, RowImageV2, RowsChangedV2, SourcePositionV1
 from contracts.events.sink import SinkRowChangedV1
 from libs.localservers.nats_server import NatsServer
-from services.sink_worker.checkpoints import Checkpoint, CheckpointStore
 from services.sink_worker.sinks.nats_stream import (
     ChangeSource,
     StreamUrlError,
@@ -24,21 +23,13 @@ from services.sink_worker.sinks.nats_stream import (
     parse_stream_url,
     row_messages,
 )
+from services.sink_worker.span.checkpoints import Checkpoint, CheckpointStore
 from tests import test_sort_apply as data_path
-from tests.test_sort_apply import PEOPLE, Harness, dele, ins, upd
+from tests.helpers.harness import PEOPLE, Harness, dele, ins, upd
+from tests.helpers.nats_sink import read_stream
 
 rows_js = data_path.rows_js
 checkpoints = data_path.checkpoints
-
-
-async def read_stream(js: JetStreamContext, stream: str) -> list[tuple[str, dict[str, str], bytes]]:
-    """Every message of ``stream`` in stream order: (subject, headers, data)."""
-    info = await js.stream_info(stream)
-    out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        msg = await js.get_msg(stream, seq)
-        out.append((msg.subject, dict(msg.headers or {}), msg.data or b""))
-    return out
 
 
 def test_sink_url_parsing() -> None:

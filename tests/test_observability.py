@@ -34,6 +34,7 @@ from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
 from libs.streams import PREPARE_BUCKET, rows_subject
 from tests.helpers.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.helpers.worker_env import SPARK_WORKER_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -65,8 +66,7 @@ class ObsSystem:
 
     def start_worker(self) -> ServiceProcess:
         return self.start("sink-worker-1", "services.sink_worker", {
-            "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-            "SLUICE_SPARK_DRIVER_MEMORY": "1g"})
+            **SPARK_WORKER_ENV})
 
     def diagnostics(self) -> str:
         return "\n".join(f"--- {n}: alive={p.alive()}\n{p.tail_log(8)}" for n, p in self.processes.items())

@@ -21,10 +21,11 @@ from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
 from libs.streams import DEADLETTER_STREAM, domain_events_subject, rows_subject, table_incidents_subject
 from services.sink_worker import metrics as m
-from services.sink_worker.checkpoints import CheckpointStore
+from services.sink_worker.span.checkpoints import CheckpointStore
 from tests import test_sort_apply as data_path
-from tests.test_sink_worker import _changefeeds, _get_text, _wait
-from tests.test_sort_apply import Harness, Source, fetch_rows, ins, people, upd
+from tests.helpers.harness import Harness, Source, fetch_rows, ins, people, upd
+from tests.helpers.sink_worker import _changefeeds, _get_text, _wait
+from tests.helpers.worker_env import SPARK_WORKER_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -157,8 +158,7 @@ async def test_worker_process_records_the_incident_and_carries_out_a_skip_from_t
     await src.txn("shop", "pets", [ins(1, "rex", 3)])
     resolved = await src.resolve()
 
-    env = {**service_env, "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-           "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_LOG_JSON": "false", "SLUICE_SINK_STANDALONE": "true"}
+    env = {**service_env, **SPARK_WORKER_ENV, "SLUICE_LOG_JSON": "false", "SLUICE_SINK_STANDALONE": "true"}
     proc = ServiceProcess("services.sink_worker", env, tmp_path / "logs").start()
     try:
         proc.wait_healthy(timeout=60)
@@ -257,7 +257,7 @@ async def test_a_skip_on_a_target_with_an_origin_column_parks_the_skipped_change
     """The origin column is part of a merged target's key: the skipped key is matched with it,
     so the skipped change reaches the dead letters like on a plain target."""
     from libs.routing import OriginColumn, Router, RouteRule
-    from services.sink_worker.span_runtime import SpanConfig
+    from services.sink_worker.span.runtime import SpanConfig
 
     with sqlite3.connect(sqlite_url.removeprefix("sqlite:///")) as conn:
         conn.execute("DROP TABLE IF EXISTS people")

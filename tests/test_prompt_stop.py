@@ -23,8 +23,7 @@ from nats.js import JetStreamContext
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.service_process import ServiceProcess
 from libs.scheduling.model import Span
-from tests.helpers.workload import RandomWorkload, run_in_thread
-from tests.test_initial_load import (
+from tests.helpers.initial_load import (
     _capture,
     _changefeed,
     _delete_changefeeds_afterwards,
@@ -34,6 +33,7 @@ from tests.test_initial_load import (
     _wait_progress,
     _worker,
 )
+from tests.helpers.workload import RandomWorkload, run_in_thread
 
 pytestmark = pytest.mark.integration
 

@@ -84,7 +84,6 @@ def _host_port(mapping: Any) -> str:
     return str(mapping).rsplit(":", 2)[-2]
 
 
-# --- compose is safe to start (apisec) ---
 _BIND = "${SLUICE_BIND:-127.0.0.1}:"
 
 
@@ -144,7 +143,6 @@ def test_compose_grafana_has_no_anonymous_access_and_health_uses_readyz() -> Non
         assert "/readyz" in " ".join(spec["healthcheck"]["test"]), name
         if name.startswith("api-"):
             assert str(spec["environment"]["SLUICE_API_TOKEN"]).startswith("${SLUICE_API_TOKEN:?")
-# --- end compose is safe to start ---
 
 
 def test_compose_stack_is_complete_and_consistent() -> None:

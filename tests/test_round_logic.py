@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from services.sink_worker.round_overlap import settle
-from services.sink_worker.round_size import RoundSize
-from services.sink_worker.round_wakeup import Pause, pause_after, subscription_changes
+from services.sink_worker.round.overlap import settle
+from services.sink_worker.round.size import RoundSize
+from services.sink_worker.round.wakeup import Pause, pause_after, subscription_changes
 
 
 def test_a_new_span_starts_at_an_equal_share_of_the_ceiling() -> None:

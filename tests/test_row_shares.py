@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.sink_worker.writer import split_rows
+from services.sink_worker.round.writer import split_rows
 
 
 @pytest.mark.parametrize(("total", "weights", "expected"), [

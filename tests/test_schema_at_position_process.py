@@ -22,10 +22,10 @@ from libs.changefeeds import record_changefeed
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
-from services.sink_worker.verify import ShardRef, Verification, verify_target
+from services.sink_worker.validation.verify import ShardRef, Verification, verify_target
+from tests.helpers.capture import binlog_position, eventually, last_resolved, read_messages, rejections
 from tests.helpers.converge import wait_converged
-from tests.test_capture_support import binlog_position, eventually, last_resolved, read_messages, rejections
-from tests.test_e2e_replication import (  # noqa: F401 - fixtures
+from tests.helpers.e2e import (  # noqa: F401 - fixtures
     _capture,
     _created,
     _delete_changefeeds_afterwards,

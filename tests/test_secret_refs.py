@@ -16,7 +16,7 @@ from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
 from libs.secret_refs import SecretError, env_name, literal_password, resolve_password, resolve_secret
 from services.api.schemas import redact_url
-from tests.test_capture_support import eventually, rows_of, source_messages
+from tests.helpers.capture import eventually, rows_of, source_messages
 
 
 def test_a_file_in_the_secrets_dir_wins_over_the_environment(tmp_path: Path) -> None:

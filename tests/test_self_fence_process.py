@@ -16,7 +16,7 @@ import pytest
 
 from libs.localservers.system import LocalSystem
 from tests.helpers.control_plane import TABLES, Recorder, Workload, eventually, health, read_writer_log
-from tests.helpers.worker_env import SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
+from tests.helpers.worker_env import MEMBER_WORKER_ENV, SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
 
 pytestmark = pytest.mark.integration
 
@@ -36,8 +36,7 @@ async def system(tmp_path: Path) -> AsyncIterator[tuple[LocalSystem, Recorder, P
         # needs both workers holding spans (the default period is a minute).
         control_env={"SLUICE_REPLICATION_TICK_S": "1", "SLUICE_MEMBER_FENCE_S": str(FENCE_S),
                      "SLUICE_SCHEDULER_BALANCE_INTERVAL_S": "2"},
-        worker_env={"SLUICE_SPARK_MASTER": "local[1]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-                    "SLUICE_SPARK_DRIVER_MEMORY": "512m", "SLUICE_SINK_APPLY_PARTITIONS": "2",
+        worker_env={**MEMBER_WORKER_ENV,
                     "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS, **SINK_TEST_PACING,
                     "SLUICE_SINK_WRITER_LOG": str(writer_log), "SLUICE_MEMBER_FENCE_S": str(FENCE_S)},
     )

@@ -8,7 +8,7 @@ import pytest
 
 from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.localservers.mariadb import MariaDB
-from services.sink_worker.shard_ddl import execute_on_target
+from services.sink_worker.ddl.shard import execute_on_target
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 

@@ -29,8 +29,9 @@ from contracts.events.changefeeds import RouteRuleV1
 from libs.localservers.service_process import ServiceProcess
 from libs.localservers.system import LocalSystem
 from libs.streams import command_subject, domain_events_subject, domain_stream
-from services.sink_worker.verify import ShardRef, verify_target
+from services.sink_worker.validation.verify import ShardRef, verify_target
 from tests.helpers.control_plane import eventually, leader_of
+from tests.helpers.worker_env import MEMBER_WORKER_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -231,8 +232,7 @@ async def merge(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Merge
         control_services=("member", "scheduler", "replication_manager", "ddl_lock"), standalone_workers=False,
         control_env={"SLUICE_REPLICATION_TICK_S": "1", "SLUICE_DDL_LOCK_RESEND_S": "3",
                      "SLUICE_DDL_LOCK_DISCOVERY_INTERVAL_S": "1"},
-        worker_env={"SLUICE_SPARK_MASTER": "local[1]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-                    "SLUICE_SPARK_DRIVER_MEMORY": "512m", "SLUICE_SINK_APPLY_PARTITIONS": "2",
+        worker_env={**MEMBER_WORKER_ENV,
                     "SLUICE_SHARD_DDL_INFO_RESEND_S": "2", "SLUICE_SINK_DISCOVERY_INTERVAL_S": "1"},
     )
     workload: ShardWorkload | None = None

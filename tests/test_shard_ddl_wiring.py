@@ -37,8 +37,8 @@ from libs.shard_ddl.lock import (
     Unlocked,
 )
 from libs.shard_ddl.view import lock_view, parse_span, parse_target, span_name
-from services.sink_worker.apply_job import explode_event
-from services.sink_worker.span import target_for
+from services.sink_worker.round.apply_job import explode_event
+from services.sink_worker.span.target import target_for
 
 T = Target("merged", "orders")
 A = TableRef("src1", "shop_a", "orders_1")

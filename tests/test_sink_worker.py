@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
 import pytest
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from pyspark.sql import SparkSession
 
 from contracts.events.changefeeds import (
@@ -21,15 +19,16 @@ from contracts.events.changefeeds import (
     SourceRefV1,
     TableFilterV1,
 )
-from libs.eventstore import EventStore
 from libs.localservers.service_process import ServiceProcess
-from libs.streams import domain_events_subject, domain_stream, domain_subjects
-from services.sink_worker.checkpoints import CheckpointStore
-from services.sink_worker.pipeline import Pipeline
-from services.sink_worker.span_runtime import PipelineOptions
+from libs.streams import domain_events_subject
+from services.sink_worker.round.pipeline import Pipeline
+from services.sink_worker.span.checkpoints import CheckpointStore
+from services.sink_worker.span.runtime import PipelineOptions
 from services.sink_worker.worker import ChangefeedView
 from tests import test_sort_apply as data_path
-from tests.test_sort_apply import Harness, Source, fetch_rows, ins, people
+from tests.helpers.harness import Harness, Source, fetch_rows, ins, people
+from tests.helpers.sink_worker import _changefeeds, _get_text, _wait
+from tests.helpers.worker_env import SPARK_WORKER_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -37,30 +36,6 @@ pytestmark = pytest.mark.integration
 rows_js = data_path.rows_js
 checkpoints = data_path.checkpoints
 sqlite_url = data_path.sqlite_url
-
-
-async def _changefeeds(js: JetStreamContext) -> EventStore:
-    store = EventStore(js, domain_stream("changefeeds"), "test-api")
-    try:
-        await js.stream_info(store.stream)  # whoever made it first (api, other tests) keeps its config
-    except NotFoundError:
-        await store.ensure(domain_subjects("changefeeds"))
-    return store
-
-
-def _get_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return str(resp.read().decode())
-
-
-async def _wait(check: Any, within_s: float, what: str) -> Any:
-    deadline = time.monotonic() + within_s
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.2)  # polling a condition with a deadline, not a fixed wait
 
 
 def test_changefeed_view_folds_create_update_pause_delete() -> None:
@@ -112,8 +87,7 @@ async def test_worker_process_follows_changefeeds_and_stops_cleanly(
     await src.txn("other", "people", [ins(1, "y", 1)])
     resolved = await src.resolve()
 
-    env = {**service_env, "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-           "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_LOG_JSON": "false",
+    env = {**service_env, **SPARK_WORKER_ENV, "SLUICE_LOG_JSON": "false",
            "SLUICE_SINK_STANDALONE": "true",  # one worker, every span: no control plane here
            # An idle worker must start a round on a new resolved mark, not after this interval.
            "SLUICE_SINK_ROUND_INTERVAL_S": "30"}

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from contracts.events.rows import SourcePositionV1
-from services.sink_worker.snapshot_plan import (
+from services.sink_worker.snapshot.plan import (
     Chunk,
     SnapshotProgress,
     chunks_from_boundaries,
@@ -17,7 +17,7 @@ from services.sink_worker.snapshot_plan import (
     evenly_spread,
     range_condition,
 )
-from services.sink_worker.start_point import position_key, ts_threshold
+from services.sink_worker.span.start_point import position_key, ts_threshold
 
 
 def _in(chunk: Chunk, key: tuple[int, ...]) -> bool:

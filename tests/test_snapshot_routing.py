@@ -15,9 +15,9 @@ from libs.localservers.mariadb import MariaDB
 from libs.routing import router_for
 from libs.scheduling.model import Span
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.snapshot_job import CopyJob, copy_chunk
-from services.sink_worker.snapshot_plan import Chunk
-from services.sink_worker.span import shard_ref, target_for
+from services.sink_worker.snapshot.job import CopyJob, copy_chunk
+from services.sink_worker.snapshot.plan import Chunk
+from services.sink_worker.span.target import shard_ref, target_for
 
 
 def test_copies_of_two_shards_merge_into_the_routed_target_with_their_origin(

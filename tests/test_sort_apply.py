@@ -6,28 +6,21 @@ with its own source id, so tests share the ROWS stream without seeing each other
 
 from __future__ import annotations
 
-import itertools
 import json
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
 import pytest
-from nats.js import JetStreamContext, api
+from nats.js import JetStreamContext
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pyspark.sql import SparkSession
 
-from contracts import REGISTRY
 from contracts.events.rows import (
-    ColumnV1,
-    DdlExecutedV1,
     ResolvedAdvancedV1,
     RowImageV2,
     RowsChangedV2,
-    SourcePositionV1,
     TableMetaV1,
 )
 from libs.eventstore import EventStore
@@ -38,97 +31,28 @@ from libs.streams import (
     DEADLETTER_STREAM,
     ROWS_STREAM,
     ROWS_SUBJECTS,
-    ddl_subject,
-    resolved_subject,
     rows_subject,
 )
-from libs.telemetry.tracing import publish_span, setup_tracing
-from services.sink_worker.checkpoints import Checkpoint, CheckpointRegression, CheckpointStore
-from services.sink_worker.pipeline import Pipeline
-from services.sink_worker.pull import PullResult, SpanReader, latest_resolved
-from services.sink_worker.sinks.base import TargetTable
-from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.span import choose_key
-from services.sink_worker.span_runtime import PipelineOptions, RoundReport, SpanConfig
+from libs.telemetry.tracing import setup_tracing
+from services.sink_worker.round.pull import PullResult, SpanReader, latest_resolved
+from services.sink_worker.span.checkpoints import Checkpoint, CheckpointRegression, CheckpointStore
+from tests.helpers.harness import (
+    _POS,
+    PEOPLE,
+    Harness,
+    Source,
+    _seq,
+    col,
+    dele,
+    ins,
+    people,
+    upd,
+)
 
 pytestmark = pytest.mark.integration
 
 SPANS = InMemorySpanExporter()
 setup_tracing("test", extra_processor=SimpleSpanProcessor(SPANS))
-
-_POS = SourcePositionV1(binlog_file="bin.000001", binlog_pos=4)
-_seq = itertools.count(1)
-
-
-def col(name: str, kind: str = "int", sql_type: str = "int(11)", nullable: bool = True) -> ColumnV1:
-    return ColumnV1(name=name, kind=kind, sql_type=sql_type, nullable=nullable)
-
-
-PEOPLE = TableMetaV1(
-    columns=[col("id", nullable=False), col("name", "string", "varchar(11)"), col("age")],
-    primary_key=["id"], unique_keys=[["name"]])
-
-
-class Source:
-    """Publishes a source's events like capture does: ts per transaction, seq per message."""
-
-    def __init__(self, js: JetStreamContext, name: str | None = None) -> None:
-        self.js = js
-        self.name = name or f"s{uuid4().hex[:10]}"
-        self.ts = int(time.time() * 1000) << 18
-        self.last_ts = 0
-
-    def next_ts(self) -> int:
-        self.ts += 1 << 18  # one millisecond per transaction
-        self.last_ts = self.ts
-        return self.ts
-
-    async def publish(self, subject: str, event: Any, msg_id: str | None = None) -> int:
-        data = REGISTRY.encode(event, producer="test-capture", event_id=msg_id)
-        # Like capture: the publish span's context travels in the message headers.
-        with publish_span(subject) as (_span, headers):
-            ack = await self.js.publish(subject, data, stream=ROWS_STREAM, headers=headers)
-        return int(ack.seq)
-
-    async def txn(self, db: str, table: str, rows: list[RowImageV2], meta: TableMetaV1 = PEOPLE,
-                  parts: int = 1) -> int:
-        """One transaction on one table, its rows split over ``parts`` messages."""
-        ts = self.next_ts()
-        size = max(1, -(-len(rows) // parts))
-        chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
-        for part, chunk in enumerate(chunks):
-            await self.publish(rows_subject(self.name, db, table), RowsChangedV2(
-                source=self.name, database=db, table=table, ts=ts, seq=next(_seq), part=part,
-                last_part=part == len(chunks) - 1, position=_POS, meta=meta, rows=chunk))
-        return ts
-
-    async def ddl(self, db: str, table: str, statement: str, meta_after: TableMetaV1 | None) -> int:
-        ts = self.next_ts()
-        await self.publish(ddl_subject(self.name, db, table), DdlExecutedV1(
-            source=self.name, database=db, table=table, ts=ts, seq=next(_seq), statement=statement,
-            position=_POS, meta_after=meta_after))
-        return ts
-
-    async def resolve(self, ts: int | None = None) -> int:
-        ts = self.last_ts if ts is None else ts
-        data = REGISTRY.encode(ResolvedAdvancedV1(source=self.name, ts=ts, position=_POS), producer="t")
-        await self.js.publish(resolved_subject(self.name), data, stream=ROWS_STREAM,
-                              headers={api.Header.ROLLUP.value: "sub"})
-        return ts
-
-
-def ins(id_: int, name: str | None, age: int | None = None) -> RowImageV2:
-    return RowImageV2(op="insert", after={"id": id_, "name": name, "age": age})
-
-
-def upd(before: tuple[int, str | None, int | None], after: tuple[int, str | None, int | None]) -> RowImageV2:
-    b = dict(zip(("id", "name", "age"), before, strict=True))
-    a = dict(zip(("id", "name", "age"), after, strict=True))
-    return RowImageV2(op="update", before=b, after=a)
-
-
-def dele(id_: int, name: str | None, age: int | None = None) -> RowImageV2:
-    return RowImageV2(op="delete", before={"id": id_, "name": name, "age": age})
 
 
 @pytest.fixture
@@ -141,59 +65,6 @@ async def rows_js(js: JetStreamContext) -> JetStreamContext:
 @pytest.fixture
 async def checkpoints(rows_js: JetStreamContext) -> CheckpointStore:
     return await CheckpointStore(rows_js).open()
-
-
-class Harness:
-    def __init__(self, js: JetStreamContext, checkpoints: CheckpointStore, spark: SparkSession,
-                 sink_url: str, db: str = "shop", key_policy: str = "primary",
-                 max_events: int = 2000) -> None:
-        self.js = js
-        self.source = Source(js)
-        self.db = db
-        self.checkpoints = checkpoints
-        self.sink_url = sink_url
-        self.key_policy = key_policy
-        self.pipeline = Pipeline(js, checkpoints, lambda: spark,
-                                 PipelineOptions(max_events_per_round=max_events, apply_partitions=3,
-                                                 checkpoint_interval_s=0.0))
-        self.changefeed = f"cf{uuid4().hex[:6]}"
-
-    def span(self, table: str) -> Span:
-        return Span.of(self.changefeed, self.source.name, self.db, table)
-
-    async def run(self, *tables: str) -> None:
-        cfg = SpanConfig(sink_url=self.sink_url, key_policy=self.key_policy)  # type: ignore[arg-type]
-        await self.pipeline.set_spans({self.span(t): cfg for t in tables})
-
-    async def round(self) -> RoundReport:
-        report = await self.pipeline.round()
-        assert not report.errors, report.errors
-        return report
-
-    async def rounds_until(self, check: Callable[[], Awaitable[bool]], within_s: float = 60) -> None:
-        deadline = time.monotonic() + within_s
-        while True:
-            await self.round()
-            if await check():
-                return
-            assert time.monotonic() < deadline, "condition not reached in time"
-
-    def rows(self, table: str, meta: TableMetaV1 = PEOPLE) -> list[dict[str, Any]]:
-        return fetch_rows(self.sink_url, self.db, table, meta, self.key_policy)
-
-    async def checkpoint(self, table: str) -> Checkpoint | None:
-        return await self.checkpoints.get(self.span(table))
-
-
-def fetch_rows(sink_url: str, db: str, table: str, meta: TableMetaV1 = PEOPLE,
-               key_policy: str = "primary") -> list[dict[str, Any]]:
-    target = TargetTable(schema=db, name=table, meta=meta,
-                         key=choose_key(meta, key_policy))  # type: ignore[arg-type]
-    return open_sink(sink_url).fetch_rows(target)
-
-
-def people(*rows: tuple[int, str | None, int | None]) -> list[dict[str, Any]]:
-    return [{"id": i, "name": n, "age": a} for i, n, a in rows]
 
 
 @pytest.fixture

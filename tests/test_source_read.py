@@ -11,7 +11,7 @@ from decimal import Decimal
 import pymysql.converters
 from MySQLdb.constants import FIELD_TYPE
 
-from services.sink_worker import source_read
+from services.sink_worker.snapshot import source_read
 
 
 def test_localhost_is_tcp_as_in_pymysql_and_a_named_socket_is_used() -> None:

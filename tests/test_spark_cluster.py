@@ -79,7 +79,7 @@ def test_an_initial_load_copies_over_spark_connect(connect: SparkConnect, mariad
     from libs.codec.table_meta import load_table_info
     from services.sink_worker.sinks.base import TargetTable
     from services.sink_worker.sinks.factory import open_sink
-    from services.sink_worker.snapshot_job import CopyJob, CopyPool, connect_source, plan_chunks
+    from services.sink_worker.snapshot.job import CopyJob, CopyPool, connect_source, plan_chunks
 
     db = "snap_connect"
     mariadb.execute(f"DROP DATABASE IF EXISTS {db}", f"CREATE DATABASE {db}",

@@ -21,7 +21,7 @@ from libs.nats_auth import SINK_WORKER
 from libs.streams import domain_events_subject, domain_stream, table_incidents_subject
 from services.cli.app import app
 from tests.api_stack import CF, TOKEN, ApiStack
-from tests.test_api import _frames
+from tests.helpers.api import _frames
 
 pytestmark = pytest.mark.integration
 V1 = "/api/v1"

@@ -1,4 +1,4 @@
-"""A foreign-key table group's batch (``services.sink_worker.table_group``): its cut over several
+"""A foreign-key table group's batch (``services.sink_worker.fk.table_group``): its cut over several
 tables' messages, and its apply with the cascades at their place, on SQLite (no server)."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from contracts.events.rows import (
     TableMetaV1,
 )
 from libs.foreign_keys import ForeignKey
-from services.sink_worker.cascades import CascadeGraph, CascadeTable
-from services.sink_worker.pull import PulledEvent
+from services.sink_worker.fk.cascades import CascadeGraph, CascadeTable
+from services.sink_worker.fk.table_group import apply_group_batch, cut_group
+from services.sink_worker.round.pull import PulledEvent
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.sinks.sql_common import SqlSink
-from services.sink_worker.table_group import apply_group_batch, cut_group
 
 _POS = SourcePositionV1(binlog_file="binlog.000001", binlog_pos=4)
 _INT = {"kind": "int", "sql_type": "int"}

@@ -30,15 +30,15 @@ from libs.localservers.nats_server import NatsServer
 from libs.routing import Router, TableRef, validate_spec
 from libs.scheduling.model import Span
 from libs.table_rules import TableRulesError, expression_problem, rules_for
-from services.sink_worker.row_rules import analyse
+from services.sink_worker.round.row_rules import analyse
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.snapshot_job import CopyJob, copy_chunk
-from services.sink_worker.snapshot_plan import Chunk
-from services.sink_worker.span import target_for
-from services.sink_worker.span_runtime import SpanConfig
+from services.sink_worker.snapshot.job import CopyJob, copy_chunk
+from services.sink_worker.snapshot.plan import Chunk
+from services.sink_worker.span.runtime import SpanConfig
+from services.sink_worker.span.target import target_for
 from tests import test_sort_apply as data_path
-from tests.test_nats_sink import read_stream
-from tests.test_sort_apply import Harness, fetch_rows
+from tests.helpers.harness import Harness, fetch_rows
+from tests.helpers.nats_sink import read_stream
 
 rows_js = data_path.rows_js
 checkpoints = data_path.checkpoints

@@ -29,7 +29,7 @@ from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
-from tests.test_e2e_replication import (  # noqa: F401 - fixtures
+from tests.helpers.e2e import (  # noqa: F401 - fixtures
     _capture,
     _created,
     _delete_changefeeds_afterwards,

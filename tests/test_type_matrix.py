@@ -38,6 +38,8 @@ from libs.localservers.service_process import ServiceProcess
 from libs.streams import ROWS_STREAM, rejected_subject
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
+from tests.helpers.type_cases import KEY_CASES, VALUE_CASES, KeyCase, ValueCase
+from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -45,127 +47,6 @@ DB = "type_matrix"
 SOURCE_ID = "typematrix"
 WIDE = "wide"
 
-
-def _fsp(text: str, fsp: int) -> str:
-    """``text`` with its fraction cut to ``fsp`` digits (MariaDB truncates, it never rounds)."""
-    whole, _, frac = text.partition(".")
-    return whole + ("." + frac[:fsp].ljust(fsp, "0") if fsp else "")
-
-
-@dataclass(frozen=True)
-class ValueCase:
-    """One column type and its edge values (SQL literals)."""
-
-    id: str
-    sql_type: str
-    values: tuple[str, ...]
-
-
-def _value_cases() -> list[ValueCase]:
-    cases = [
-        ValueCase("tinyint", "tinyint", ("-128", "127", "0")),
-        ValueCase("tinyint_u", "tinyint unsigned", ("0", "255")),
-        ValueCase("bool", "tinyint(1)", ("0", "1", "-1")),
-        ValueCase("smallint", "smallint", ("-32768", "32767")),
-        ValueCase("smallint_u", "smallint unsigned", ("0", "65535")),
-        ValueCase("mediumint", "mediumint", ("-8388608", "8388607")),
-        ValueCase("mediumint_u", "mediumint unsigned", ("0", "16777215")),
-        ValueCase("int", "int", ("-2147483648", "2147483647", "0")),
-        ValueCase("int_u", "int unsigned", ("0", "4294967295")),
-        ValueCase("bigint", "bigint", ("-9223372036854775808", "9223372036854775807")),
-        ValueCase("bigint_u", "bigint unsigned", ("0", "18446744073709551615", "9223372036854775808")),
-        ValueCase("zerofill", "int(6) unsigned zerofill", ("42", "0")),
-        ValueCase("decimal_65_30", "decimal(65,30)", (
-            "'" + "9" * 35 + "." + "9" * 30 + "'", "'-" + "9" * 35 + "." + "9" * 30 + "'",
-            "'0." + "0" * 29 + "1'", "0")),
-        ValueCase("decimal_65_0", "decimal(65,0)", ("'" + "9" * 65 + "'", "'-" + "9" * 65 + "'")),
-        ValueCase("decimal_5_2_u", "decimal(5,2) unsigned", ("'999.99'", "'0.01'", "0")),
-        ValueCase("decimal_10_0", "decimal(10,0)", ("-9999999999", "9999999999")),
-        ValueCase("float", "float", ("-3.40282e38", "3.40282e38", "1.17549e-38", "0", "0.1", "-1.5")),
-        ValueCase("double", "double", ("1.7976931348623157e308", "-1.7976931348623157e308",
-                                       "2.2250738585072014e-308", "0.1", "5e-324", "0")),
-        ValueCase("bit1", "bit(1)", ("b'0'", "b'1'")),
-        ValueCase("bit8", "bit(8)", ("b'10000001'", "b'0'", "b'11111111'")),
-        ValueCase("bit63", "bit(63)", ("b'" + "1" * 63 + "'", "b'1'")),
-        ValueCase("bit64", "bit(64)", ("b'" + "1" * 64 + "'", "b'1" + "0" * 63 + "'", "b'0'")),
-        ValueCase("date", "date", ("'1000-01-01'", "'9999-12-31'", "'2024-02-29'", "'1970-01-01'")),
-        ValueCase("year", "year", ("0", "1901", "2155", "2024")),
-        ValueCase("char_utf8mb4", "char(10) character set utf8mb4",
-                  ("'abc'", "''", "'😀x'", "'ab  '", "' lead'", "'ﬁÆß'")),
-        ValueCase("varchar_utf8mb4", "varchar(20) character set utf8mb4",
-                  ("'😀🎉'", "'a  '", "''", "'quote''s \\\\ back'", "'" + "é" * 20 + "'")),
-        ValueCase("varchar_latin1", "varchar(20) character set latin1",
-                  ("'é'", "'ÿ¤'", "''", "'a  '")),
-        ValueCase("char_latin1", "char(5) character set latin1", ("'Ünï'", "''")),
-        ValueCase("varchar_ascii", "varchar(10) character set ascii", ("'abc'", "'~'")),
-        ValueCase("varchar_utf8mb3", "varchar(10) character set utf8mb3", ("'ä€'", "''")),
-        ValueCase("tinytext", "tinytext", ("'😀'", "''")),
-        ValueCase("text", "text", ("'line\\nbreak\\ttab'", "''", "'😀 " + "x" * 300 + "'")),
-        ValueCase("mediumtext", "mediumtext", ("'ünï😀'", "''")),
-        ValueCase("longtext", "longtext", ("'" + "long " * 2000 + "'", "''")),
-        ValueCase("text_latin1", "text character set latin1", ("'çà'", "''")),
-        ValueCase("binary4", "binary(4)", ("x'01000000'", "x'00000000'", "''", "x'FFFFFFFF'",
-                                           "x'0001'")),
-        ValueCase("binary16", "binary(16)", ("x'0123456789ABCDEF0000000000000000'", "x'00'")),
-        ValueCase("varbinary", "varbinary(8)", ("x'6100'", "''", "x'00'", "x'FF00FF00'")),
-        ValueCase("tinyblob", "tinyblob", ("x'00'", "''", "x'FF'")),
-        ValueCase("blob", "blob", ("x'DEADBEEF0000'", "''", "x'00'")),
-        ValueCase("mediumblob", "mediumblob", ("x'00FF00'", "''")),
-        ValueCase("longblob", "longblob", ("x'" + "00AB" * 1000 + "'", "''")),
-        ValueCase("enum", "enum('a','b','')", ("'a'", "'b'", "''")),
-        ValueCase("enum_utf8", "enum('ä','😀','x y')", ("'😀'", "'x y'", "'ä'")),
-        ValueCase("set", "set('a','b','c')", ("''", "'a'", "'a,c'", "'a,b,c'", "'c,b'")),
-        ValueCase("set_utf8", "set('😀','ä','x')", ("'😀,x'", "''", "'ä'")),
-        ValueCase("json", "json", ("'{\"a\": 1, \"b\": [true, null, \"😀\"]}'", "'[]'", "'\"str\"'",
-                                   "'1.5'", "'{}'", "'{\"n\": 12345678901234567890}'")),
-    ]
-    for fsp in range(7):
-        cases.append(ValueCase(f"datetime{fsp}", f"datetime({fsp})", tuple(
-            f"'{_fsp(v, fsp)}'" for v in ("1000-01-01 00:00:00.000000", "9999-12-31 23:59:59.999999",
-                                          "2024-02-29 12:34:56.123456", "1970-01-01 00:00:01.000001"))))
-        cases.append(ValueCase(f"timestamp{fsp}", f"timestamp({fsp}) NULL", tuple(
-            f"'{_fsp(v, fsp)}'" for v in ("1970-01-01 00:00:01.000000", "2038-01-19 03:14:07.999999",
-                                          "2024-02-29 00:00:00.654321", "1970-01-01 00:00:01.000001"))))
-        cases.append(ValueCase(f"time{fsp}", f"time({fsp})", tuple(
-            f"'{_fsp(v, fsp)}'" for v in ("-838:59:59.000000", "838:59:59.999999", "00:00:00.000000",
-                                          "-00:00:01.000000", "25:00:00.000001", "-12:34:56.780000",
-                                          "-00:00:00.500000"))))
-    return cases
-
-
-VALUE_CASES = _value_cases()
-
-
-@dataclass(frozen=True)
-class KeyCase:
-    """A table keyed by one column of this type: deletes and updates address rows by it."""
-
-    id: str
-    sql_type: str
-    values: tuple[str, ...]
-
-    @property
-    def table(self) -> str:
-        return f"key_{self.id}"
-
-
-KEY_CASES = [
-    KeyCase("bigint_u", "bigint unsigned", ("0", "18446744073709551615", "9223372036854775808")),
-    KeyCase("decimal", "decimal(10,2)", ("'-1.50'", "'99999999.99'", "'0.01'")),
-    KeyCase("varchar", "varchar(10) character set utf8mb4", ("'😀'", "'a'", "'ünï'")),
-    KeyCase("char", "char(4)", ("'ab'", "'x'", "'abcd'")),
-    KeyCase("binary", "binary(4)", ("x'01000000'", "x'00000000'", "x'FF000000'")),
-    KeyCase("varbinary", "varbinary(6)", ("x'0100'", "x'01'", "x'00'")),
-    KeyCase("date", "date", ("'1000-01-01'", "'9999-12-31'", "'2024-02-29'")),
-    KeyCase("datetime", "datetime(6)", ("'1000-01-01 00:00:00'", "'9999-12-31 23:59:59.999999'",
-                                        "'2024-02-29 12:00:00.5'")),
-    KeyCase("timestamp", "timestamp(3)", ("'1970-01-01 00:00:01'", "'2038-01-19 03:14:07.999'",
-                                          "'2024-02-29 00:00:00'")),
-    KeyCase("time", "time(2)", ("'-838:59:59'", "'838:59:59.99'", "'-00:00:00.50'")),
-    KeyCase("year", "year", ("0", "1901", "2155")),
-    KeyCase("bit", "bit(8)", ("b'0'", "b'11111111'", "b'1'")),
-    KeyCase("enum", "enum('x','y','z')", ("'x'", "'z'", "'y'")),
-]
 
 # Types capture cannot hand over faithfully to every downstream: refused, never stored wrong.
 REFUSED = {
@@ -345,8 +226,7 @@ def replicated(mariadb: MariaDB, postgres: PostgreSQL, nats_server: NatsServer,
         capture.wait_healthy(60)
         feeds = asyncio.run(_record_feeds(nats_server.url, sink_urls, mariadb))
         worker = ServiceProcess("services.sink_worker", {
-            **env, "SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
-            "SLUICE_SPARK_DRIVER_MEMORY": "1g", "SLUICE_SINK_STANDALONE": "true",
+            **env, **STANDALONE_WORKER_ENV,
         }, logs, instance_id="worker-typematrix").start()
         procs.append(worker)
         worker.wait_healthy(60)

@@ -14,7 +14,7 @@ from libs.codec.encode import encode_value
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from services.capture.binlog_reader import _fix_row, _repairs
-from tests.test_capture_support import (
+from tests.helpers.capture import (
     binlog_position,
     capture_settings,
     rows_of,

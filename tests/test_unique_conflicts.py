@@ -14,12 +14,12 @@ from pyspark.sql import SparkSession
 
 from libs.routing import Router, RouteRule
 from libs.scheduling.model import Span
-from services.sink_worker.checkpoints import CheckpointStore
-from services.sink_worker.pipeline import Pipeline
+from services.sink_worker.round.pipeline import Pipeline
 from services.sink_worker.sinks.unique_guard import ORIGIN_ADVICE, UniqueConflictPolicy
-from services.sink_worker.span_runtime import PipelineOptions, SpanConfig
+from services.sink_worker.span.checkpoints import CheckpointStore
+from services.sink_worker.span.runtime import PipelineOptions, SpanConfig
 from tests import test_sort_apply as data_path
-from tests.test_sort_apply import Source, fetch_rows, ins, people, upd
+from tests.helpers.harness import Source, fetch_rows, ins, people, upd
 
 pytestmark = pytest.mark.integration
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.sink_worker.incidents import overwritten_event
+from services.sink_worker.incidents.log import overwritten_event
 from services.sink_worker.sinks.error_class import classify
 from services.sink_worker.sinks.unique_guard import (
     DELETED,

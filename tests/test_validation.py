@@ -143,11 +143,11 @@ async def test_a_row_is_reported_only_when_it_still_differs_past_the_checkpoint_
     past that mark: re-read and reported; a reported row repaired leaves the report; a suspect
     that is equal at its re-check was in flight and is never reported."""
     from libs.scheduling.model import Span
-    from services.sink_worker import validation as v
-    from services.sink_worker.checkpoints import Checkpoint
-    from services.sink_worker.pull import ResolvedMark
+    from services.sink_worker.round.pull import ResolvedMark
     from services.sink_worker.sinks.base import TargetTable
-    from services.sink_worker.span_runtime import SpanConfig, SpanRuntime
+    from services.sink_worker.span.checkpoints import Checkpoint
+    from services.sink_worker.span.runtime import SpanConfig, SpanRuntime
+    from services.sink_worker.validation import validator as v
 
     meta = TableMetaV1(columns=[_col("id", "int", "int"), _col("name", "string", "varchar(8)")],
                        primary_key=["id"])
@@ -219,10 +219,10 @@ async def test_a_compare_walks_the_table_by_key_range_and_resumes_on_a_new_owner
     and a new one (fresh validator, the same bucket) goes on after the last key compared."""
     from libs.scheduling.model import Span
     from libs.validation import CompareRequest, request_key
-    from services.sink_worker import validation as v
-    from services.sink_worker.checkpoints import Checkpoint
     from services.sink_worker.sinks.base import TargetTable
-    from services.sink_worker.span_runtime import SpanConfig, SpanRuntime
+    from services.sink_worker.span.checkpoints import Checkpoint
+    from services.sink_worker.span.runtime import SpanConfig, SpanRuntime
+    from services.sink_worker.validation import validator as v
 
     meta = TableMetaV1(columns=[_col("id", "int", "int"), _col("name", "string", "varchar(8)")],
                        primary_key=["id"])
@@ -279,7 +279,7 @@ async def test_a_compare_walks_the_table_by_key_range_and_resumes_on_a_new_owner
     await cycle(second)  # done: no further chunk for the same request
     assert len(chunks) == 3
     # Its re-check (every column, although the changefeed's mode is off) reports it.
-    from services.sink_worker.pull import ResolvedMark
+    from services.sink_worker.round.pull import ResolvedMark
 
     read_ms = next(iter(second.checks[span].suspects.values())).read_ms
     mark[0] = ResolvedMark(ts=(read_ms + 1) << 18, stream_seq=5)

@@ -12,7 +12,7 @@ from libs.scheduling.model import Span as WorkerSpan
 from libs.streams import VALIDATION_BUCKET
 from libs.validation import CompareProgress, ReportedRow, SpanValidation
 from tests.api_stack import CF, VIEWER_TOKEN, ApiStack
-from tests.test_cli import sluice, sluice_json
+from tests.helpers.cli import sluice, sluice_json
 
 pytestmark = pytest.mark.integration
 V1 = "/api/v1"

@@ -29,7 +29,7 @@ from libs.localservers.service_process import ServiceProcess
 from libs.nats_client import read_json
 from libs.scheduling.model import Span
 from libs.validation import SpanValidation, bucket, request_compare
-from tests.test_e2e_replication import (  # noqa: F401 - fixtures
+from tests.helpers.e2e import (  # noqa: F401 - fixtures
     _capture,
     _created,
     _delete_changefeeds_afterwards,

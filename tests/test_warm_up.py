@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pyspark.sql import SparkSession
 
-from services.sink_worker.warm_up import warm_up
+from services.sink_worker.round.warm_up import warm_up
 
 pytestmark = pytest.mark.integration
 

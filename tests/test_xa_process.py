@@ -28,16 +28,16 @@ from libs.nats_auth import ADMIN
 from libs.streams import ROWS_STREAM, resolved_subject
 from services.capture.publisher import XA_PREPARED_HEADER
 from services.capture.xa import XaResume
-from services.sink_worker.verify import ShardRef, Verification, verify_target
+from services.sink_worker.validation.verify import ShardRef, Verification, verify_target
 from tests.helpers.converge import wait_converged
-from tests.test_e2e_replication import (  # noqa: F401 - fixtures
+from tests.helpers.e2e import (  # noqa: F401 - fixtures
     _capture,
     _created,
     _delete_changefeeds_afterwards,
     _worker,
     downstream_mariadb,
 )
-from tests.test_nats_sink import read_stream
+from tests.helpers.nats_sink import read_stream
 
 pytestmark = pytest.mark.integration
 DB = "xa_e2e"

@@ -142,7 +142,7 @@ class ChangefeedStateChangedV1(BaseModel):
     reason: str = ""
 
 
-# --- v3 of changefeed.created / changefeed.updated: secrets as references and creation checks
+# v3 of changefeed.created / changefeed.updated: secrets as references and creation checks
 # (apisec), and the cross-shard unique-conflict policy (poison).
 
 class ChangefeedCheckV1(BaseModel):
@@ -215,10 +215,9 @@ def _created_v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
 @upcaster("changefeed.updated", 2)
 def _updated_v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v2_to_v3(data["spec"]), "failed_checks": []}
-# --- end v3
 
 
-# --- v4 of changefeed.created / changefeed.updated: per-table event filters, column selection
+# v4 of changefeed.created / changefeed.updated: per-table event filters, column selection
 # and computed columns (``table_rules``).
 
 IgnorableEvent = Literal["insert", "update", "delete", "truncate", "drop table"]
@@ -320,10 +319,9 @@ def _created_v3_to_v4(data: dict[str, Any]) -> dict[str, Any]:
 @upcaster("changefeed.updated", 3)
 def _updated_v3_to_v4(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v3_to_v4(data["spec"])}
-# --- end v4
 
 
-# --- v5 of changefeed.created / changefeed.updated: continuous validation (``validation``).
+# v5 of changefeed.created / changefeed.updated: continuous validation (``validation``).
 
 ValidationMode = Literal["off", "fast", "full"]
 
@@ -385,4 +383,15 @@ def _created_v4_to_v5(data: dict[str, Any]) -> dict[str, Any]:
 @upcaster("changefeed.updated", 4)
 def _updated_v4_to_v5(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v4_to_v5(data["spec"])}
-# --- end v5
+
+
+ChangefeedSpec = ChangefeedSpecV5
+"""The current spec, the one type every reader of a changefeed holds: events are upcast when
+they are read (the upcasters above), and ``current_spec`` upcasts a spec built in code from an
+older version the same way, so no reader asks whether a field exists."""
+
+
+def current_spec(spec: ChangefeedSpecV2) -> ChangefeedSpec:
+    """``spec`` as the current version (itself when it is one)."""
+    return spec_v5(spec)
+

@@ -14,7 +14,7 @@ from contracts.events.changefeeds import (
     ChangefeedCreatedV3,
     ChangefeedCreatedV4,
     ChangefeedCreatedV5,
-    ChangefeedSpecV2,
+    ChangefeedSpec,
     ChangefeedStateChangedV1,
     ChangefeedUpdatedV2,
     ChangefeedUpdatedV3,
@@ -34,12 +34,11 @@ TableKey = tuple[str, str, str, str]
 class ChangefeedView:
     """The changefeeds as their event log says they are now."""
 
-    specs: dict[str, ChangefeedSpecV2] = field(default_factory=dict)
+    specs: dict[str, ChangefeedSpec] = field(default_factory=dict)
     states: dict[str, str] = field(default_factory=dict)
     failed_checks: dict[str, list[ChangefeedCheckV1]] = field(default_factory=dict)
     """Checks that failed at the last create/update, accepted with skip_checks."""
 
-    # --- poison: tables stopped by their downstream (contracts/events/table_incidents.py) ---
     stopped: dict[TableKey, TableStoppedV1] = field(default_factory=dict)
     """Each table's open incident (none once an operator acted on it)."""
     skipped: dict[TableKey, dict[str, int]] = field(default_factory=dict)
@@ -60,7 +59,6 @@ class ChangefeedView:
         if event.action == "skip" and open_.key is not None:
             keys = self.skipped.setdefault(key, {})
             keys[open_.key] = max(open_.upto_ts, keys.get(open_.key, 0))
-    # --- end poison ---
 
     def apply(self, event: BaseModel) -> bool:
         """Fold one event; True when it changed anything the worker acts on."""
@@ -109,7 +107,7 @@ class ChangefeedView:
         else:
             self.failed_checks.pop(cf, None)
 
-    def running(self) -> list[ChangefeedSpecV2]:
+    def running(self) -> list[ChangefeedSpec]:
         return [spec for cf, spec in sorted(self.specs.items()) if self.states.get(cf) == "running"]
 
 

@@ -13,7 +13,12 @@ from typing import Literal
 
 import nats
 
-from contracts.events.changefeeds import ChangefeedSpecV2, InitialLoad, SourceRefV1, TableFilterV1
+from contracts.events.changefeeds import (
+    ChangefeedSpecV2,
+    InitialLoad,
+    SourceRefV1,
+    TableFilterV1,
+)
 from libs.changefeeds import record_changefeed
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer

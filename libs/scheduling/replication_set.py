@@ -27,9 +27,10 @@ to keep that rule:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
-from typing import NamedTuple, Protocol
+from typing import Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
 
 from libs.scheduling.model import (
     ACTIVE_TABLE_STATES,
@@ -74,13 +75,34 @@ _ASSUMED_STATE = {
 }
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+_Handler = Callable[Concatenate["ReplicationSet", _P], _R]
+
+
+def _checked(handler: _Handler[_P, _R]) -> _Handler[_P, _R]:
+    """Check the set's invariants after every step, in production as in the tests (TiCDC checks
+    them on every poll): a set that broke one raises ``InconsistentSetError`` at the step that
+    broke it, instead of dispatching from a state no handler was written for."""
+
+    @functools.wraps(handler)
+    def step(rs: ReplicationSet, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        out = handler(rs, *args, **kwargs)
+        rs.check_invariants()
+        return out
+
+    return step
+
+
 class ReplicationSet:
     """The replication state of one span across members.
 
-    Invariants (``check_invariants``): at most one primary and it is ``primary``; at most one
-    secondary and it is ``secondary``; Absent has neither; Replicating has a primary and no
-    secondary; Prepare has a secondary; Commit has a secondary or a (promoted) primary; a set in
-    conflict trusts nobody: every member is undetermined.
+    Invariants (``check_invariants``, after every handler and rebuild): at most one primary and
+    it is ``primary``; at most one secondary and it is ``secondary``; Absent has neither;
+    Replicating has a primary and no secondary; Prepare has a secondary; Commit has a secondary
+    or a (promoted) primary; a set in conflict trusts nobody: every member is undetermined.
     """
 
     __slots__ = (
@@ -140,6 +162,7 @@ class ReplicationSet:
                 # point a previous leader gave it), so the max is a safe floor.
                 rs._advance(status.checkpoint_ts, status.resolved_ts)
         rs._assign_roles({m: s.state for m, s in statuses.items()})
+        rs.check_invariants()
         return rs
 
     def _assign_roles(self, states: Mapping[MemberId, TableState]) -> None:
@@ -278,6 +301,7 @@ class ReplicationSet:
 
     # -- scheduler inputs ---------------------------------------------------------------------
 
+    @_checked
     def handle_add_table(self, member: MemberId, checkpoint_ts: int) -> list[Dispatch]:
         """Absent -> Prepare: ``member`` prepares as secondary. Ignored in any other state."""
         if self.why_not_add(member) is not None:
@@ -289,6 +313,7 @@ class ReplicationSet:
         self.state = SetState.PREPARE
         return [self._send(member, DispatchAction.ADD_PREPARE)]
 
+    @_checked
     def handle_move_table(self, dest: MemberId) -> list[Dispatch]:
         """Replicating -> Prepare: ``dest`` prepares while the primary keeps writing."""
         if self.why_not_move(dest) is not None:
@@ -299,6 +324,7 @@ class ReplicationSet:
         self.state = SetState.PREPARE
         return [self._send(dest, DispatchAction.ADD_PREPARE)]
 
+    @_checked
     def handle_remove_table(self) -> list[Dispatch]:
         """Any state -> Removing (or removed at once when nobody holds the span)."""
         if self.removed or self.error is not None:
@@ -311,6 +337,7 @@ class ReplicationSet:
         return [self._send(m, DispatchAction.REMOVE) for m in self.members
                 if self.reported.get(m) is not TableState.STOPPING]
 
+    @_checked
     def abandon_prepare(self) -> list[Dispatch]:
         """The secondary did not become Prepared in time (a destination that never finishes
         its prepare): give the move or add up instead of waiting for ever.
@@ -334,6 +361,7 @@ class ReplicationSet:
 
     # -- member inputs ------------------------------------------------------------------------
 
+    @_checked
     def handle_member_status(
         self,
         member: MemberId,
@@ -367,6 +395,7 @@ class ReplicationSet:
             return self._on_removing(member, state)
         return []  # Absent has no primary or secondary; unreachable while invariants hold
 
+    @_checked
     def handle_member_shutdown(self, member: MemberId) -> list[Dispatch]:
         """The member service declared ``member`` dead: its tables stopped with it.
 
@@ -377,6 +406,7 @@ class ReplicationSet:
             return []
         return self.handle_member_status(member, TableState.STOPPED)
 
+    @_checked
     def tick(self) -> list[Dispatch]:
         """Resend whatever the current step is waiting for (dispatches are request/reply on
         core NATS and can be lost). Members treat duplicates as no-ops."""
@@ -594,6 +624,7 @@ class ReplicationSet:
         return [self._send(m, DispatchAction.REMOVE) for m, s in self.reported.items()
                 if m != keep and s is TableState.REPLICATING]
 
+    @_checked
     def resolve_conflict(self, keep: MemberId) -> list[Dispatch]:
         """Operator decision: ``keep`` goes on writing, every other writer is told to remove.
 

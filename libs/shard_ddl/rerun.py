@@ -1,9 +1,10 @@
 """DDL text for shard merging: rewrite table names to the target's, compare statements, and
 recognise a re-run of a DDL that the target already has.
 
-Everything works on tokens of a small MySQL lexer, never on regexes over the raw text, so a
-table name only changes where the grammar puts a table name: a column, string literal or
-comment that happens to spell the table name (or ``ADD``, ``TABLE``...) is left alone.
+Everything works on tokens of the MySQL lexer (``libs.mysql_statements.tokenize``), never on
+regexes over the raw text, so a table name only changes where the grammar puts a table name: a
+column, string literal or comment that happens to spell the table name (or ``ADD``,
+``TABLE``...) is left alone.
 
 Lexer assumptions (MySQL/MariaDB defaults): ``"..."`` is a string, not an identifier (no
 ``ANSI_QUOTES``); backslash escapes in strings (no ``NO_BACKSLASH_ESCAPES``); ``-- `` needs
@@ -26,6 +27,7 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from contracts.events.rows import TableMetaV1
+from libs.mysql_statements import Token, significant, tokenize
 from libs.sql_ident import quote_ident
 
 __all__ = [
@@ -44,110 +46,6 @@ __all__ = [
     "rewrite_table_names",
     "tokenize",
 ]
-
-
-# -- lexer ----------------------------------------------------------------------------------------
-
-class Token(NamedTuple):
-    kind: str
-    """``ws``, ``comment``, ``word`` (bare identifier, keyword or number), ``qident``
-    (backticked identifier), ``string``, ``punct``."""
-    text: str
-    """Exactly as in the statement (a token list joins back to the statement)."""
-    closed: bool = True
-    """False for a quote or comment that runs to the end of the statement unterminated."""
-
-    @property
-    def upper(self) -> str:
-        return self.text.upper() if self.kind == "word" else ""
-
-    @property
-    def is_ident(self) -> bool:
-        return self.kind in ("word", "qident")
-
-    @property
-    def value(self) -> str:
-        """The identifier's name: backticks removed and doubled backticks undone."""
-        if self.kind == "qident":
-            body = self.text[1:-1] if self.closed else self.text[1:]
-            return body.replace("``", "`")
-        return self.text
-
-
-def _is_word_char(ch: str) -> bool:
-    return ch.isalnum() or ch in "_$" or ord(ch) > 127
-
-
-def tokenize(sql: str) -> list[Token]:
-    """Split a statement into tokens; never fails (unterminated quotes run to the end)."""
-    out: list[Token] = []
-    i, n = 0, len(sql)
-    while i < n:
-        ch = sql[i]
-        if ch.isspace():
-            j = i + 1
-            while j < n and sql[j].isspace():
-                j += 1
-            out.append(Token("ws", sql[i:j]))
-        elif ch == "#" or (sql.startswith("--", i) and (i + 2 == n or sql[i + 2].isspace())):
-            j = sql.find("\n", i)
-            j = n if j < 0 else j
-            out.append(Token("comment", sql[i:j]))
-        elif sql.startswith("/*", i):
-            j = sql.find("*/", i + 2)
-            if j < 0:
-                out.append(Token("comment", sql[i:], closed=False))
-                j = n
-            else:
-                j += 2
-                out.append(Token("comment", sql[i:j]))
-        elif ch == "`":
-            j = i + 1
-            while True:
-                k = sql.find("`", j)
-                if k < 0:
-                    out.append(Token("qident", sql[i:], closed=False))
-                    j = n
-                    break
-                if k + 1 < n and sql[k + 1] == "`":  # doubled backtick inside the name
-                    j = k + 2
-                    continue
-                j = k + 1
-                out.append(Token("qident", sql[i:j]))
-                break
-        elif ch in "'\"":
-            j = i + 1
-            closed = False
-            while j < n:
-                c = sql[j]
-                if c == "\\":
-                    j += 2
-                    continue
-                if c == ch:
-                    if j + 1 < n and sql[j + 1] == ch:  # doubled quote
-                        j += 2
-                        continue
-                    j += 1
-                    closed = True
-                    break
-                j += 1
-            j = min(j, n)
-            out.append(Token("string", sql[i:j], closed=closed))
-        elif _is_word_char(ch):
-            j = i + 1
-            while j < n and _is_word_char(sql[j]):
-                j += 1
-            out.append(Token("word", sql[i:j]))
-        else:
-            j = i + 1
-            out.append(Token("punct", ch))
-        i = j
-    return out
-
-
-def _significant(tokens: Sequence[Token]) -> list[int]:
-    return [i for i, t in enumerate(tokens) if t.kind not in ("ws", "comment")
-            or (t.kind == "comment" and t.text.startswith("/*!"))]
 
 
 _SIMPLE_IDENT = re.compile(r"[A-Za-z0-9_$]+")
@@ -214,7 +112,7 @@ class _Cursor:
         bad = next((t for t in self.tokens if not t.closed), None)
         if bad is not None:
             raise DDLRewriteError(f"unterminated {bad.kind} in DDL: {sql!r}")
-        self.sig = _significant(self.tokens)
+        self.sig = significant(self.tokens)
         self.pos = 0
         self.replacements: list[tuple[int, int, str]] = []  # token index range [a, b] -> text
 
@@ -495,7 +393,7 @@ def _parse_type(toks: Sequence[Token]) -> tuple[str, int]:
 
 
 def normalise_type(sql_type: str) -> str:
-    toks = [tokenize(sql_type)[i] for i in _significant(tokenize(sql_type))]
+    toks = [tokenize(sql_type)[i] for i in significant(tokenize(sql_type))]
     return _type_from_tokens(toks)
 
 
@@ -796,7 +694,7 @@ def check_applied(sql: str, shape: TableShape | None) -> RerunCheck:
     tokens = tokenize(sql)
     if any(not t.closed for t in tokens):
         return RerunCheck(_U, "unterminated quote or comment in the statement")
-    sig = [tokens[i] for i in _significant(tokens)]
+    sig = [tokens[i] for i in significant(tokens)]
     while sig and sig[-1].kind == "punct" and sig[-1].text == ";":
         sig.pop()
     cur = _Spec(sig)

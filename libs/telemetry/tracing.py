@@ -99,8 +99,3 @@ def process_span(subject: str, headers: Mapping[str, str] | None) -> Iterator[Sp
                     "messaging.operation.type": "process"},
     ) as span:
         yield span
-
-
-def current_trace_id() -> str | None:
-    span_ctx = trace.get_current_span().get_span_context()
-    return format(span_ctx.trace_id, "032x") if span_ctx.is_valid else None

@@ -13,7 +13,7 @@ class ChangefeedRow(SQLModel, table=True):
 
     id: str = Field(primary_key=True)
     state: str
-    spec_json: str = Field(description="ChangefeedSpecV2 as JSON, passwords redacted (secret "
+    spec_json: str = Field(description="ChangefeedSpec as JSON, passwords redacted (secret "
                                        "references are kept: they are names).")
     failed_checks_json: str = Field("[]", description="Checks that failed when it was accepted.")
     checkpoint_ts: int = 0

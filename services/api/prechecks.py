@@ -27,20 +27,20 @@ import nats
 import psycopg
 import pymysql
 
-from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpecV2
+from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpec
 from libs.codec.table_meta import TableInfo, load_table_info
 from libs.dburl import DatabaseUrl, DatabaseUrlError, parse_database_url
 from libs.foreign_keys import ForeignKey, cascade_warnings, load_foreign_keys
 from libs.routing import RouteRule, RoutingConfigError, TableFilter, TableRef, router_for
 from libs.table_rules import rule_column_problems
 from services.capture.source import check_source
+from services.sink_worker.sinks.factory import sink_kind
 from services.sink_worker.sinks.nats_stream import (
     StreamSinkUrl,
     StreamUrlError,
-    is_stream_sink,
     parse_stream_url,
 )
-from services.sink_worker.span import KeylessTableError, choose_key
+from services.sink_worker.span.target import KeylessTableError, choose_key
 
 CONNECT_TIMEOUT_S = 3
 # Each replication need, and the privilege names that grant it (MariaDB >= 10.5 shows
@@ -82,7 +82,7 @@ def missing_mysql_sink_grants(grants: Iterable[str]) -> list[str]:
     return [p for p in ("CREATE", "INSERT", "UPDATE", "DELETE") if p not in held]
 
 
-def unmatched_routes(spec: ChangefeedSpecV2, tables: dict[str, list[tuple[str, str]]]) -> list[str]:
+def unmatched_routes(spec: ChangefeedSpec, tables: dict[str, list[tuple[str, str]]]) -> list[str]:
     """Labels of the route rules no table of the listed sources matches."""
     refs = [TableRef(src, d, t) for src, ts in tables.items() for d, t in ts]
     out = []
@@ -195,7 +195,7 @@ def _check_stream_sink(url_text: str) -> list[ChangefeedCheckV1]:
 
 
 def _check_sink(url_text: str) -> list[ChangefeedCheckV1]:
-    if is_stream_sink(url_text):
+    if sink_kind(url_text).stream:
         return _check_stream_sink(url_text)
     try:
         url = parse_database_url(url_text)
@@ -248,7 +248,7 @@ class CheckResult:
     """Accepted, but the operator should know (cascading foreign keys)."""
 
 
-def unreplicable_warnings(spec: ChangefeedSpecV2, infos: dict[tuple[str, str, str], TableInfo]) -> list[str]:
+def unreplicable_warnings(spec: ChangefeedSpec, infos: dict[tuple[str, str, str], TableInfo]) -> list[str]:
     """Tables the changefeed selects that it will not replicate as they are: a column type
     capture does not carry (capture stops the table), no key under the changefeed's key_policy
     (the sink-worker stops the table). Accepted, since the rest of the changefeed works and the
@@ -268,11 +268,11 @@ def unreplicable_warnings(spec: ChangefeedSpecV2, infos: dict[tuple[str, str, st
     return out
 
 
-def table_rule_checks(spec: ChangefeedSpecV2, infos: dict[tuple[str, str, str], TableInfo]
+def table_rule_checks(spec: ChangefeedSpec, infos: dict[tuple[str, str, str], TableInfo]
                       ) -> list[ChangefeedCheckV1]:
     """The table rules against the columns of every table they match: an unknown column in an
     expression, keep_columns or drop_columns, or a key column left out, names the rule."""
-    rules = getattr(spec, "table_rules", [])
+    rules = spec.table_rules
     failed: list[ChangefeedCheckV1] = []
     seen: set[str] = set()
     for (source, database, table), info in sorted(infos.items()):
@@ -283,7 +283,7 @@ def table_rule_checks(spec: ChangefeedSpecV2, infos: dict[tuple[str, str, str], 
     return failed
 
 
-def run_checks_blocking(spec: ChangefeedSpecV2) -> CheckResult:
+def run_checks_blocking(spec: ChangefeedSpec) -> CheckResult:
     tables: dict[str, list[tuple[str, str]]] = {}
     fks: dict[str, list[ForeignKey]] = {}
     fk_problems: list[str] = []
@@ -307,12 +307,12 @@ def run_checks_blocking(spec: ChangefeedSpecV2) -> CheckResult:
         router = router_for(spec)
     except RoutingConfigError:
         return CheckResult(failed, fk_problems)  # the spec validation refuses it with the reason
-    cascades = cascade_warnings(router, fks, tables, stream_sink=is_stream_sink(spec.sink_url))
+    cascades = cascade_warnings(router, fks, tables, stream_sink=sink_kind(spec.sink_url).stream)
     warnings = fk_problems + filter_warnings(spec, tables) + unreplicable_warnings(spec, infos)
     return CheckResult(failed, warnings + [w.message for w in cascades])
 
 
-def filter_warnings(spec: ChangefeedSpecV2, tables: dict[str, list[tuple[str, str]]]) -> list[str]:
+def filter_warnings(spec: ChangefeedSpec, tables: dict[str, list[tuple[str, str]]]) -> list[str]:
     """A filter that selects no table of the sources: accepted (the tables may come later), but
     a changefeed that replicates nothing should not look like one that works. Judged only when
     every source was listed."""
@@ -338,6 +338,6 @@ async def source_checks(source_id: str, url: str) -> list[ChangefeedCheckV1]:
     return await asyncio.to_thread(source_checks_blocking, source_id, url)
 
 
-async def run_checks(spec: ChangefeedSpecV2) -> CheckResult:
+async def run_checks(spec: ChangefeedSpec) -> CheckResult:
     """The checks off the event loop (the drivers block)."""
     return await asyncio.to_thread(run_checks_blocking, spec)

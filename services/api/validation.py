@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from contracts.events.changefeeds import ChangefeedSpecV2
+from contracts.events.changefeeds import ChangefeedSpec, current_spec
 from libs.dburl import DatabaseUrlError, parse_database_url
 from libs.routing import OriginColumn, Router, RouteRule, RoutingConfigError, TableFilter
 from libs.secret_refs import binding_problem, is_reference, literal_password, reference_name
 from libs.table_rules import rule_problems
 from services.api.schemas import REDACTED
-from services.sink_worker.sinks.nats_stream import is_stream_sink, parse_stream_url, server_host_port
+from services.sink_worker.sinks.factory import check_sink_url, sink_kind
+from services.sink_worker.sinks.nats_stream import parse_stream_url, server_host_port
 
 
 def _error(loc: list[str | int], msg: str) -> dict[str, Any]:
@@ -30,7 +31,7 @@ def _literal_password(what: str) -> str:
             "user:secret:NAME@host in the URL instead")
 
 
-def password_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
+def password_problems(spec: ChangefeedSpec) -> list[dict[str, Any]]:
     """URLs holding a literal password (a secret reference or the api's ``***`` is fine)."""
     errors: list[dict[str, Any]] = []
     if literal_password(spec.sink_url) and urlsplit(spec.sink_url).password != REDACTED:
@@ -46,7 +47,7 @@ def url_binding_problem(url: str) -> str | None:
     before anything connects; None without a secret reference or an unparseable URL (refused
     for its form elsewhere)."""
     try:
-        if is_stream_sink(url):
+        if sink_kind(url).stream:
             stream = parse_stream_url(url, resolve_secrets=False)
             password, destinations = stream.password or "", [server_host_port(h) for h in stream.hosts]
         else:
@@ -59,7 +60,7 @@ def url_binding_problem(url: str) -> str | None:
         return None
 
 
-def binding_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
+def binding_problems(spec: ChangefeedSpec) -> list[dict[str, Any]]:
     """URLs sending a secret to a host it is not bound to: refused before the creation checks
     connect anywhere, so a changefeed cannot carry a stored secret to a host of its choosing."""
     errors: list[dict[str, Any]] = []
@@ -73,17 +74,14 @@ def binding_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
     return errors
 
 
-def spec_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
+def spec_problems(spec: ChangefeedSpec) -> list[dict[str, Any]]:
     try:
         spec.model_dump_json()
     except ValueError as exc:  # lone surrogates and the like cannot be stored as JSON text
         return [_error([], f"the spec holds text that is not valid Unicode: {exc}")]
     errors: list[dict[str, Any]] = []
     try:
-        if is_stream_sink(spec.sink_url):
-            parse_stream_url(spec.sink_url, resolve_secrets=False)
-        else:
-            parse_database_url(spec.sink_url, resolve_secrets=False)
+        check_sink_url(spec.sink_url)
     except (DatabaseUrlError, ValueError) as exc:
         errors.append(_error(["sink_url"], f"sink URL refused: {exc}"))
     seen: set[str] = set()
@@ -122,11 +120,10 @@ def spec_problems(spec: ChangefeedSpecV2) -> list[dict[str, Any]]:
         for problem in Router(rules, table_filter, origin).validate():
             errors.append(_error(["routes"], f"{problem.kind}: {problem.message}"))
     # Table rules (v4): patterns that compile, expressions that parse (``libs.table_rules``).
-    for text in rule_problems(getattr(spec, "table_rules", []), spec.initial_load):
+    for text in rule_problems(current_spec(spec).table_rules, spec.initial_load):
         errors.append(_error(["table_rules"], text))
     # Continuous validation (v5) reads the downstream's rows: a NATS sink has none.
-    validation = getattr(spec, "validation", None)
-    if validation is not None and validation.mode != "off" and is_stream_sink(spec.sink_url):
+    if current_spec(spec).validation.mode != "off" and not sink_kind(spec.sink_url).holds_rows:
         errors.append(_error(["validation", "mode"], "validation compares downstream rows; a NATS sink "
                                                      "holds none (set mode to off)"))
     for source_id in spec.start_position:

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from libs.mysql_statements import classify
 from services.capture.binlog_reader import Position
-from services.capture.statements import classify
 
 TableKey = tuple[str, str]
 

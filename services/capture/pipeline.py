@@ -45,6 +45,7 @@ from contracts.events.rows import (
 from libs.codec.encode import UnsupportedValue, encode_value
 from libs.codec.table_meta import BinlogColumn, TableInfo, agrees, describe, load_table_info
 from libs.foreign_keys import ForeignKey, ddl_may_change_keys, load_foreign_keys, referenced_tables
+from libs.mysql_statements import classify
 from libs.streams import ddl_subject, rejected_subject, rows_subject
 from services.capture import metrics
 from services.capture.binlog_reader import (
@@ -61,7 +62,6 @@ from services.capture.binlog_reader import (
 from services.capture.ddl_lookahead import DdlIndex, list_ddl
 from services.capture.publisher import MessageTooLarge, Publisher
 from services.capture.source import current_position
-from services.capture.statements import classify
 from services.capture.ts_clock import TsClock, wall_ms
 from services.capture.xa import PreparedXa, XaBook, XaResume, XaStatement, canonical_xid, parse_xa
 

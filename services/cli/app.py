@@ -493,7 +493,7 @@ def main() -> None:
     app()
 
 
-# --- validation: continuous validation status and on-demand compares
+# validation: continuous validation status and on-demand compares
 validation_app = typer.Typer(help="Validation: status of a changefeed's checks, full compares.",
                              no_args_is_help=True)
 app.add_typer(validation_app, name="validation")
@@ -552,4 +552,3 @@ def validation_compare(ctx: typer.Context, changefeed: str,
             render.console.print("timed out waiting for the compare")
             raise typer.Exit(1)
         time.sleep(1.0)
-# --- end validation

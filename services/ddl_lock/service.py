@@ -35,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 
 from contracts import REGISTRY, ContractError
 from contracts.events import shard_ddl as c
-from contracts.events.changefeeds import ChangefeedSpecV2
+from contracts.events.changefeeds import ChangefeedSpec
 from libs.changefeeds import Discovered, discover_spans
 from libs.config import Settings
 from libs.control.changefeeds_state import ChangefeedView, changefeeds_fold
@@ -180,7 +180,7 @@ class DdlLockService:
 
 
 Send = Callable[[str, bytes], Awaitable[None]]
-Discover = Callable[[list[ChangefeedSpecV2]], Awaitable[Discovered]]
+Discover = Callable[[list[ChangefeedSpec]], Awaitable[Discovered]]
 
 
 class DdlLockHandlers:

@@ -14,7 +14,7 @@ import logging
 from libs.service import ServiceRuntime, run_service
 from libs.spark import get_spark, stop_spark
 from services.sink_worker.agent import SinkAgent
-from services.sink_worker.shard_ddl import ShardDdl
+from services.sink_worker.ddl.shard import ShardDdl
 from services.sink_worker.worker import SinkWorker
 
 log = logging.getLogger(__name__)

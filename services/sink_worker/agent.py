@@ -71,9 +71,9 @@ from libs.streams import (
 )
 from libs.telemetry.tracing import inject_headers, process_span
 from services.sink_worker.fence import SelfFence
-from services.sink_worker.pipeline import Pipeline
 from services.sink_worker.prepare_progress import Phase
-from services.sink_worker.span_runtime import SpanConfig
+from services.sink_worker.round.pipeline import Pipeline
+from services.sink_worker.span.runtime import SpanConfig
 
 log = logging.getLogger(__name__)
 
@@ -263,9 +263,6 @@ class SinkAgent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_interval_s)
             self._beat_now.clear()
-
-    def beat_now(self) -> None:
-        self._beat_now.set()
 
     async def _subscribe_probe(self) -> None:
         async def answer(msg: Msg) -> None:

@@ -46,7 +46,7 @@ KEYLESS_REFUSED = Counter("sluice_sink_keyless_refusals",
                           "Times a span was refused because its table has no usable key.", ["changefeed"])
 
 
-# Initial load (services/sink_worker/snapshot.py).
+# Initial load (services/sink_worker/snapshot/initial_load.py).
 SNAPSHOT_ROWS = Counter("sluice_snapshot_rows_copied", "Rows an initial load copied downstream.",
                         ["changefeed"])
 SNAPSHOT_ROWS_COPIED = Gauge("sluice_snapshot_span_rows_copied",

@@ -49,17 +49,18 @@ from libs.streams import (
     table_incidents_subject,
 )
 from services.sink_worker.agent import SinkAgent
-from services.sink_worker.checkpoints import CheckpointStore
+from services.sink_worker.ddl.shard import ShardDdl
 from services.sink_worker.fence import Fenced
-from services.sink_worker.incidents import carry_out, record_incidents
-from services.sink_worker.pipeline import Pipeline
+from services.sink_worker.incidents.log import carry_out, record_incidents
 from services.sink_worker.prepare_progress import Phase, PrepareProgress
-from services.sink_worker.round_wakeup import RoundWakeup, pause_after
-from services.sink_worker.shard_ddl import ShardDdl
-from services.sink_worker.snapshot import InitialLoads, SnapshotOptions
-from services.sink_worker.span_runtime import PipelineOptions, RoundReport, SpanConfig
-from services.sink_worker.validation import ValidationOptions, Validator
-from services.sink_worker.warm_up import warm_up
+from services.sink_worker.round.pipeline import Pipeline
+from services.sink_worker.round.wakeup import RoundWakeup, pause_after
+from services.sink_worker.round.warm_up import warm_up
+from services.sink_worker.round.work import RoundReport
+from services.sink_worker.snapshot.initial_load import InitialLoads, SnapshotOptions
+from services.sink_worker.span.checkpoints import CheckpointStore
+from services.sink_worker.span.runtime import PipelineOptions, SpanConfig
+from services.sink_worker.validation.validator import ValidationOptions, Validator
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +413,7 @@ class SinkWorker:
             return
         states: dict[str, int] = {}
         for rt in self.pipeline.spans.values():
-            states[rt.state] = states.get(rt.state, 0) + 1
+            states[rt.state.value] = states.get(rt.state.value, 0) + 1
         log.info("sink progress", extra={
             "rounds": self.pipeline.rounds, "spans": states, "rows_written": self._rows_since_log,
             "last_round_s": round(report.duration_s, 3), "last_round_errors": report.errors[:3]})

@@ -38,7 +38,7 @@ from libs.eventstore import StoredEvent
 from libs.localservers.service_process import ServiceProcess
 from libs.localservers.system import LocalSystem
 from libs.streams import command_subject
-from services.sink_worker.verify import ShardRef, Verification, verify_target
+from services.sink_worker.validation.verify import ShardRef, Verification, verify_target
 
 TABLES = [f"t{i}" for i in range(8)]
 

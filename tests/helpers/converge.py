@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from libs.localservers.service_process import ServiceProcess
-from services.sink_worker.verify import Verification
+from services.sink_worker.validation.verify import Verification
 
 
 def wait_converged(verify: Callable[[], list[Verification]], procs: Sequence[ServiceProcess],

@@ -13,7 +13,7 @@ import signal
 
 from libs.shard_ddl.lock import Operation
 from services.sink_worker import __main__ as worker_main
-from services.sink_worker.shard_ddl import ShardDdl
+from services.sink_worker.ddl.shard import ShardDdl
 
 _original = ShardDdl.carried_out
 

@@ -11,3 +11,12 @@ SPARK_TEST_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 # failed ones) and the period it looks for new tables. The defaults (0.5 s, 2 s) are sized for
 # production; every wait of a process test for rows to arrive pays them.
 SINK_TEST_PACING = {"SLUICE_SINK_ROUND_INTERVAL_S": "0.2", "SLUICE_SINK_DISCOVERY_INTERVAL_S": "0.5"}
+
+# A test sink-worker's Spark: local, two shuffle partitions, a small driver. Process tests about
+# the data path run one standalone worker for every span (SPARK_WORKER_ENV plus
+# SLUICE_SINK_STANDALONE); the control plane's process tests run several members, one core each.
+SPARK_WORKER_ENV = {"SLUICE_SPARK_MASTER": "local[2]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
+                    "SLUICE_SPARK_DRIVER_MEMORY": "1g"}
+STANDALONE_WORKER_ENV = {**SPARK_WORKER_ENV, "SLUICE_SINK_STANDALONE": "true"}
+MEMBER_WORKER_ENV = {"SLUICE_SPARK_MASTER": "local[1]", "SLUICE_SPARK_SHUFFLE_PARTITIONS": "2",
+                     "SLUICE_SPARK_DRIVER_MEMORY": "512m", "SLUICE_SINK_APPLY_PARTITIONS": "2"}

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from sqlmodel import Session, select
 
-from contracts.events.changefeeds import ChangefeedSpecV2, ChangefeedSpecV5
+from contracts.events.changefeeds import ChangefeedSpec, ChangefeedSpecV5
 from libs.changefeeds import record_changefeed, record_state, record_update
 from libs.eventstore import AppendConflict
 from libs.routing import unique_conflict_warnings
@@ -94,7 +94,7 @@ SKIP_CHECKS = Query(False, description="Record the changefeed even when creation
                                       "the failures are shown as its failed_checks.")
 
 
-async def _prechecks(spec: ChangefeedSpecV2, skip: bool) -> CheckResult:
+async def _prechecks(spec: ChangefeedSpec, skip: bool) -> CheckResult:
     """Run the creation checks; refuse with 422 (each failure with its fix) unless skipped."""
     checks = await run_checks(spec)
     failed = checks.failed
@@ -105,7 +105,7 @@ async def _prechecks(spec: ChangefeedSpecV2, skip: bool) -> CheckResult:
     return checks
 
 
-def _validate(spec: ChangefeedSpecV2, password_checked: bool = False) -> None:
+def _validate(spec: ChangefeedSpec, password_checked: bool = False) -> None:
     problems = (([] if password_checked else password_problems(spec)) + spec_problems(spec)
                 + binding_problems(spec))
     if problems:

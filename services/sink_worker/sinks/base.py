@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from contracts.events.rows import TableMetaV1
 from services.sink_worker.sinks.unique_guard import ConflictGuard
@@ -59,6 +59,16 @@ class PartitionResult:
     conflicts_removed: int = 0
     overwritten: list[str] = field(default_factory=list)
     """Cross-shard conflicts removed under ``on_unique_conflict = overwrite`` (JSON reports)."""
+
+
+class StatementTarget(Protocol):
+    """A downstream that runs the source's DDL text itself (MySQL/MariaDB): shard DDL runs the
+    statement rewritten to the target, so what table metadata does not show (indexes, defaults,
+    comments) reaches it too, and checks a failed statement against the target's shape."""
+
+    def execute_ddl(self, sql: str) -> None: ...
+
+    def table_shape(self, table: TargetTable) -> tuple[list[tuple[str, str, bool]], dict[str, list[str]]]: ...
 
 
 class Sink(ABC):
@@ -104,6 +114,10 @@ class Sink(ABC):
         self.apply_partition(table, [Upsert(key=tuple(r[i] for i in index),
                                             row=dict(zip(columns, r, strict=True))) for r in rows])
         return len(rows)
+
+    def statement_target(self) -> StatementTarget | None:
+        """Itself when it runs the source's DDL text (MySQL/MariaDB), else None."""
+        return None
 
     def close(self) -> None:  # noqa: B027 (a hook: most sinks keep nothing open)
         """Release what the sink keeps open between bulk loads (nothing by default)."""

@@ -454,6 +454,9 @@ class MySQLSink(SqlSink):
 
         return self._run(work, f"reconcile {table.name!r}")
 
+    def statement_target(self) -> MySQLSink:
+        return self
+
     def execute_ddl(self, sql: str) -> None:
         """Run one DDL statement as written (a shard DDL already rewritten to this target)."""
         self._run(lambda cur: cur.execute(sql), "shard DDL")

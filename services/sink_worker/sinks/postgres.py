@@ -91,9 +91,6 @@ class PostgresSink(SqlSink):
         # 57P01-03: the server is shutting down / restarting; 08xxx: connection failures.
         return state.startswith(("40", "08")) or state in ("55P03", "57P01", "57P02", "57P03")
 
-    def _schema(self, table: TargetTable) -> str | None:
-        return table.schema
-
     def _table_ref(self, table: TargetTable, *, for_params: bool = False) -> str:
         q = self.pident if for_params else self.ident
         return f"{q(table.schema)}.{q(table.name)}" if table.schema else q(table.name)

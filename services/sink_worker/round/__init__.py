@@ -1,0 +1,1 @@
+"""A round of the sink-worker: pull, plan, cut, apply, write, checkpoint advance, pacing."""

@@ -1,0 +1,465 @@
+"""The table pipelines of one worker: rounds of pull, sort, apply, DDL and checkpoint.
+
+A round covers every span the worker runs, with one cut (on the driver) for all of them:
+
+1. read each source's resolved ts *before* pulling, so that every event at or below it is
+   already in the stream when the pull runs;
+2. pull each span's events after its checkpoint (bounded: each span's allowance from
+   ``round_size``, together within ``max_events_per_round``, which bounds the driver's memory;
+   mostly in memory already, read ahead while the previous round wrote: ``round_overlap``);
+3. in the driver, plan each span once (``round_plan``): its routes, target and key; a table
+   without a usable key is refused (clear error in the log, the health status and a metric)
+   and the span stops there; a DDL at its head is carried out or waited for (``ddl_barrier``);
+4. in a worker thread (never on the event loop): each span's cut (on the driver,
+   ``sort_job``), then per sink its writer (``writer``: the apply job, one Spark job, and the
+   DDL barriers the batches stopped at; the NATS sink publishes afterwards, on the loop);
+5. advance each span's checkpoint, only for batches that were written in full
+   (``checkpoint_advance``; the spans' stores side by side). A span without pending events
+   follows its source's resolved ts.
+
+A failed round advances nothing for the spans it failed; they are read again next round, and
+re-applying is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+from uuid import uuid4
+
+from nats.js import JetStreamContext
+from pyspark.sql import SparkSession
+
+from libs.gc_pause import gc_paused
+from libs.scheduling.model import Span
+from libs.spark import spark_gone
+from libs.streams import ROWS_STREAM
+from libs.telemetry.tracing import tracer
+from services.sink_worker import metrics as m
+from services.sink_worker.ddl.barrier import DdlBarrier
+from services.sink_worker.ddl.shard import ShardDdl, lock_ref
+from services.sink_worker.ddl.target_schemas import TargetSchemas
+from services.sink_worker.fence import Fenced, SelfFence
+from services.sink_worker.fk.barrier import ForeignKeyBarrier
+from services.sink_worker.incidents.poison import IncidentAction, TableIncident
+from services.sink_worker.round.checkpoint_advance import CheckpointAdvance
+from services.sink_worker.round.overlap import AheadSpan, read_ahead, settle
+from services.sink_worker.round.plan import RoundPlanner, count_shards
+from services.sink_worker.round.pull import SpanReader, latest_resolved
+from services.sink_worker.round.routes import SpanRoutes
+from services.sink_worker.round.size import RoundSize
+from services.sink_worker.round.sort_job import SpanCut
+from services.sink_worker.round.trace import batch_span
+from services.sink_worker.round.work import RoundAbandoned, RoundReport, SpanWork
+from services.sink_worker.round.writer import Outcomes, Writers
+from services.sink_worker.snapshot.initial_load import InitialLoads, snapshot_mode
+from services.sink_worker.span.checkpoints import Checkpoint, CheckpointStore
+from services.sink_worker.span.machine import SpanOutcome, SpanState
+from services.sink_worker.span.runtime import PipelineOptions, SpanConfig, SpanRuntime, copied_spans
+from services.sink_worker.span.start import SpanStarts
+from services.sink_worker.validation.validator import Validator
+
+log = logging.getLogger(__name__)
+
+
+class Pipeline:
+    def _reader(self, span: Span) -> SpanReader:
+        return SpanReader(self.js, span, self.rows_stream, max_bytes=self.options.pull_max_bytes)
+
+    def __init__(self, js: JetStreamContext, checkpoints: CheckpointStore,
+                 spark: Callable[[], SparkSession], options: PipelineOptions | None = None,
+                 rows_stream: str = ROWS_STREAM, initial_loads: InitialLoads | None = None) -> None:
+        self.js = js
+        self.checkpoints = checkpoints
+        self.initial_loads = initial_loads
+        """Runs the initial loads of spans in a snapshot mode (None: every span streams only)."""
+        self._spark = spark
+        self.options = options or PipelineOptions()
+        self.rows_stream = rows_stream
+        self.round_size = RoundSize(self.options.min_events_per_round, self.options.max_events_per_round,
+                                    self.options.round_max_bytes)
+        """Each span's events per round, adapted to whether it is behind (``round_size``)."""
+        self._ahead: asyncio.Future[None] | None = None
+        """The running round's read-ahead (``round_overlap``); None or done between rounds."""
+        self.spans: dict[Span, SpanRuntime] = {}
+        self.prepared: dict[Span, SpanRuntime] = {}
+        """Spans loaded by ``prepare`` that do not run (write) yet."""
+        self.fence: SelfFence | None = None
+        """Checked before every write of a round (``Fenced`` ends the round, nothing advances)."""
+        self.validation: Validator | None = None
+        """Continuous validation: told the keys of every written batch (``validation``)."""
+        self.rounds = 0
+        self.last_report: RoundReport | None = None
+        self.shard_ddl: ShardDdl | None = None
+        """Shard DDL coordination; without it a sharded target's DDL blocks its spans."""
+        self.known_skips: dict[Span, dict[str, int]] = {}
+        """Keys operators skipped, per span, from the changefeeds log (spans run here or not)."""
+        self.new_incidents: list[tuple[Span, TableIncident]] = []
+        """Spans stopped since the worker last recorded them in the changefeeds log."""
+        self.new_overwrites: list[tuple[str, str]] = []
+        """(changefeed, conflict JSON) of rows removed under ``on_unique_conflict = overwrite``."""
+        self.starts = SpanStarts(js, checkpoints, rows_stream, initial_loads)
+        self.planner = RoundPlanner(js, rows_stream, spark)
+        schemas = TargetSchemas()
+        self.barrier = DdlBarrier(schemas, initial_loads)
+        self.fk_barrier = ForeignKeyBarrier()
+        self.writers = Writers(self.options, schemas, self.barrier, self.new_overwrites)
+        self.advance = CheckpointAdvance(checkpoints, self.options, initial_loads, self.new_incidents)
+
+    def attach_shard_ddl(self, shard_ddl: ShardDdl) -> None:
+        self.shard_ddl = self.barrier.shard_ddl = shard_ddl
+
+        def passed(changefeed: str, ref: object) -> int | None:
+            for span, rt in self.spans.items():
+                if span.changefeed == changefeed and lock_ref(span) == ref and rt.checkpoint is not None:
+                    return rt.checkpoint.stream_seq
+            return None
+
+        shard_ddl.passed = passed
+
+    # ------------------------------------------------------------------ spans
+
+    async def set_spans(self, wanted: dict[Span, SpanConfig]) -> None:
+        """Run exactly ``wanted`` from the next round on (checkpoints stay in the bucket).
+
+        A wanted span that was prepared (``prepare``) starts with the prepared reader and its
+        read-ahead; its checkpoint is read from the bucket again at its first round, because
+        the previous owner went on writing while it prepared."""
+        await self._ahead_done()  # after a failed round: its read-ahead may still use the readers
+        for span in [s for s in self.spans if s not in wanted]:
+            await self.spans.pop(span).reader.close()
+            if self.initial_loads is not None:
+                await self.initial_loads.stop(span)
+            self.advance.forget_gauges(span)
+        for span, config in wanted.items():
+            rt = self.spans.get(span)
+            if rt is None and span in self.prepared:
+                rt = self.spans[span] = self.prepared.pop(span)
+                rt.checkpoint = rt.stored = None
+                rt.config = config
+            if rt is None:
+                self.spans[span] = SpanRuntime(span, config, self._reader(span))
+            elif rt.config != config:
+                rt.config = config
+                rt.config_changed()  # a new key policy may allow a refused table now
+        for span in wanted:
+            self.spans[span].skips.update(self.known_skips.get(span, {}))
+        # Several upstream shards in one target: their DDL needs the ddl-lock, not this path.
+        count_shards(self.spans, self.shard_ddl)
+
+    async def close(self) -> None:
+        await self._ahead_done()
+        if self.initial_loads is not None:
+            await self.initial_loads.close()
+        for rt in [*self.spans.values(), *self.prepared.values()]:
+            await rt.reader.close()
+        self.prepared.clear()
+        await self.writers.close()
+
+    # ------------------------------------------------------------------ two-phase scheduling
+
+    async def prepare(self, span: Span, config: SpanConfig) -> Checkpoint:
+        """First phase of taking a span over: load it without writing anything.
+
+        Reads the span's checkpoint (read-only: a span without one starts where its config
+        says, but nothing is stored until it runs), creates its consumer there and pulls the
+        first batch into the reader's read-ahead, so the span starts at once when it is
+        committed. Sorting waits for the span's first round: the previous owner keeps writing
+        meanwhile, so a batch sorted now would mostly be below the checkpoint by then. Safe to
+        run while a round is in progress (it touches only this span's reader). Returns the
+        checkpoint it prepared from."""
+        rt = self.prepared.get(span)
+        if rt is None:
+            rt = self.prepared[span] = SpanRuntime(span, config, self._reader(span))
+        rt.config = config
+        start = await self.checkpoints.get(span)
+        if start is None and span.members is not None:
+            start = await self.starts.inherit(rt)
+        if start is None and self.initial_loads is not None and snapshot_mode(config.initial_load):
+            # Its initial load runs once it is committed here; nothing to read ahead before.
+            rt.checkpoint = Checkpoint()
+            return rt.checkpoint
+        mark = await latest_resolved(self.js, span.source, self.rows_stream)
+        if start is None:
+            if config.start == "latest" and mark is not None:
+                start = Checkpoint(mark.stream_seq, mark.ts)
+            else:
+                start = Checkpoint()
+        limit = max(1, self.options.max_events_per_round // (len(self.spans) + 1))
+        await rt.reader.pull((start.stream_seq, start.ts), limit, mark.stream_seq if mark else None)
+        rt.resolved_ts = mark.ts if mark else None
+        rt.checkpoint = start
+        return start
+
+    async def load_checkpoints(self) -> dict[Span, Checkpoint]:
+        """Load the checkpoint of every span that has none yet (as the next round would):
+        where each newly started span begins. The worker records it for the hand-over audit."""
+        loaded: dict[Span, Checkpoint] = {}
+        for rt in self.spans.values():
+            if rt.checkpoint is None:
+                await self.starts.load(rt)
+                if rt.checkpoint is not None:
+                    loaded[rt.span] = rt.checkpoint
+        return loaded
+
+    async def drop_prepared(self, span: Span) -> None:
+        rt = self.prepared.pop(span, None)
+        if rt is not None:
+            await rt.reader.close()
+
+    async def stop_span(self, span: Span) -> Checkpoint | None:
+        """Stop running ``span`` (between rounds): store its latest checkpoint, which covers
+        written batches only, and let it go. Returns that checkpoint: the next owner starts
+        there. A checkpoint that cannot be stored is not returned (the next owner re-applies
+        from the stored one, which is idempotent)."""
+        await self._ahead_done()
+        rt = self.spans.pop(span, None)
+        if self.initial_loads is not None:
+            for copied in copied_spans(span):
+                await self.initial_loads.stop(copied)  # its finished chunks stay for the next owner
+        if rt is None:
+            return None
+        final = await self.advance.store_final(rt)
+        await rt.reader.close()
+        self.advance.forget_gauges(span)
+        return final
+
+    def status(self) -> list[dict[str, Any]]:
+        out = []
+        for rt in sorted(self.spans.values(), key=lambda r: r.span):
+            status = rt.status()
+            snapshot = self.initial_loads.status(rt.span) if self.initial_loads is not None else None
+            if snapshot is not None:
+                status["snapshot"] = snapshot
+            out.append(status)
+        return out
+
+    # ------------------------------------------------------------------ round
+
+    async def round(self, stopping: asyncio.Event | None = None) -> RoundReport:
+        started = time.monotonic()
+        report = RoundReport(spans=len(self.spans))
+        runtimes = list(self.spans.values())
+        if not runtimes:
+            return report
+        self.rounds += 1
+        await self._ahead_done()  # a round that failed may have left its read-ahead running
+        # A round holds its whole batch as live objects; collections in the middle of it only
+        # walk them again and again (libs.gc_pause). The collector runs between rounds.
+        with gc_paused(), tracer().start_as_current_span("sink round",
+                                                         attributes={"sluice.spans": len(runtimes)}):
+            works = await self._pull_all(runtimes, report)
+            report.pull_s = time.monotonic() - started
+            self._ahead = asyncio.ensure_future(self._read_ahead(works))  # while the batch is written
+            outcomes: Outcomes = {}
+            cuts: dict[str, SpanCut] = {}
+            table_works = [w for w in works if w.group is None]
+            if any(w.fresh and not w.refused for w in table_works):
+                try:
+                    with batch_span(table_works):
+                        cuts, outcomes = await self._in_thread(table_works, stopping)
+                        if self.fence is not None:
+                            self.fence.check()
+                        await self.writers.after(table_works, outcomes)
+                except Fenced:  # self-fence: the worker starts over
+                    raise
+                except RoundAbandoned:
+                    await self._ahead_done()
+                    report.abandoned = True
+                    report.duration_s = time.monotonic() - started
+                    self.last_report = report
+                    return report
+                except Exception as exc:
+                    m.ROUND_ERRORS.labels("sort").inc()
+                    log.exception("round failed before the apply")
+                    if spark_gone(exc) and not (stopping is not None and stopping.is_set()):
+                        # The driver's JVM died (e.g. out of memory): every later round would fail
+                        # the same way. Exit like a crash, so the supervisor starts a fresh process
+                        # and the control plane moves the spans meanwhile; nothing advanced.
+                        log.critical("the Spark JVM is gone; the worker exits to be restarted")
+                        logging.shutdown()
+                        os._exit(70)
+                    report.errors.append(f"sort: {exc!r}")
+                    for w in table_works:
+                        if w.fresh and not w.refused:
+                            outcomes[w.rt.span.kv_key] = SpanOutcome(error=f"sort job failed: {exc!r}")
+            for w in works:
+                if w.group is not None and not w.refused:
+                    if self.fence is not None:  # self-fence: before the group's write
+                        self.fence.check()
+                    key = w.rt.span.kv_key
+                    cuts[key], outcomes[key] = await asyncio.to_thread(
+                        self.writers.sql_for(w.rt.config.sink_url).write_group, w)
+            await settle([self.advance.finish(w, cuts.get(w.rt.span.kv_key), outcomes.get(w.rt.span.kv_key),
+                                              report, self.validation) for w in works])
+            await self._ahead_done()
+        report.duration_s = time.monotonic() - started
+        if report.batch_events or report.ddl_applied:
+            m.ROUND_SECONDS.observe(report.duration_s)
+        log.debug("round done", extra={"events": report.events, "batch_events": report.batch_events,
+                                       "rows": report.rows_written, "pull_s": round(report.pull_s, 3),
+                                       "duration_s": round(report.duration_s, 3)})
+        self._count_states()
+        self.last_report = report
+        return report
+
+    async def _ahead_done(self) -> None:
+        """Wait for the read-ahead (it never raises); a reader is read by one thing at a time."""
+        if self._ahead is not None:
+            await asyncio.shield(self._ahead)
+            self._ahead = None
+
+    async def _read_ahead(self, works: list[SpanWork]) -> None:
+        """The next round's reading, while this one writes (``round_overlap``)."""
+        if not any(w.fresh and not w.refused for w in works):
+            return  # nothing to write: no time to overlap
+        limits = self.round_size.limits(self.spans)
+        await read_ahead(self.js, self.rows_stream, [
+            AheadSpan(w.rt.reader, w.rt.span.source, limits.get(w.rt.span, 0))
+            for w in works if not w.refused and w.rt.incident is None])
+
+    async def _pull_all(self, runtimes: list[SpanRuntime], report: RoundReport) -> list[SpanWork]:
+        for rt in runtimes:
+            if rt.checkpoint is None:
+                await self.starts.load(rt)
+                continue
+            # One read per span and round: an operator's rewind (``CheckpointStore.reset``) or
+            # another process' write must be seen even by a span that has nothing to advance.
+            stored = await self.checkpoints.get(rt.span)
+            if stored != rt.stored:
+                log.warning("checkpoint changed outside this worker; reloading",
+                            extra={"span": rt.span.name, "found": str(stored), "had": str(rt.stored)})
+                await self.starts.load(rt)
+        if self.shard_ddl is not None:
+            try:
+                await self.shard_ddl.refresh_if_due()
+                if any(self.shard_ddl.group_size(rt.span) is None for rt in runtimes):
+                    await self.shard_ddl.refresh_if_due(force=True)  # a span newer than the groups
+            except Exception:
+                log.warning("shard group discovery failed", exc_info=True)
+            count_shards(self.spans, self.shard_ddl)
+        marks = {}
+        for source in sorted({rt.span.source for rt in runtimes}):
+            marks[source] = await latest_resolved(self.js, source, self.rows_stream)
+        limits = self.round_size.limits(rt.span for rt in runtimes)
+        works: list[SpanWork] = []
+        for rt in runtimes:
+            if rt.checkpoint is None or rt.state is SpanState.DONE:
+                continue  # copying its initial load (or copied, snapshot-only): nothing to stream
+            if rt.incident is not None:
+                continue  # stopped until an operator acts; its checkpoint stays where it is
+            start = rt.checkpoint
+            mark = marks.get(rt.span.source)
+            try:
+                limit = limits[rt.span]
+                pulled = await rt.reader.pull((start.stream_seq, start.ts), limit,
+                                              mark.stream_seq if mark else None)
+                self.round_size.observe(rt.span, limit, len(pulled.events), pulled.event_bytes,
+                                        behind=bool(pulled.ghosts) or not pulled.reached)
+            except Exception as exc:
+                log.warning("pull failed", exc_info=True, extra={"span": rt.span.name})
+                rt.pull_failed(f"pull failed: {exc!r}")
+                report.errors.append(f"{rt.span.name}: pull: {exc!r}")
+                m.ROUND_ERRORS.labels("pull").inc()
+                continue
+            rt.dead_lettered += pulled.dead_lettered
+            rt.resolved_ts = mark.ts if mark else None
+            work = SpanWork(rt, start, pulled, pulled.horizon(start.ts, rt.resolved_ts),
+                            [e for e in pulled.events if e.ts > start.ts], SpanRoutes(rt.span, rt.config))
+            if rt.span.members is not None:
+                await self.planner.plan_group(work)
+            else:
+                await self.planner.plan(work)
+                await self.barrier.at_head(work)
+            await self.fk_barrier.check(work)
+            report.events += len(work.fresh)
+            works.append(work)
+        return works
+
+    # ------------------------------------------------------------------ Spark, in a thread
+
+    async def _in_thread(self, works: list[SpanWork],
+                         stopping: asyncio.Event | None) -> tuple[dict[str, SpanCut], Outcomes]:
+        group = f"sluice-round-{uuid4().hex[:12]}"
+        abort = threading.Event()
+        job = asyncio.ensure_future(asyncio.to_thread(self._spark_round, group, works, abort))
+        if stopping is None:
+            return await job
+        stop_wait = asyncio.ensure_future(stopping.wait())
+        try:
+            await asyncio.wait({job, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+        if job.done():
+            return job.result()
+        # Stopping: let the round finish if it can (its batches are then checkpointed), else
+        # cancel its Spark jobs and advance nothing: the next owner re-applies from the
+        # checkpoints, which is idempotent.
+        try:
+            return await asyncio.wait_for(asyncio.shield(job), self.options.stop_grace_s)
+        except TimeoutError:
+            log.warning("stopping: abandoning the current round", extra={"group": group})
+            abort.set()  # no further stage starts (cancelJobGroup only reaches running jobs)
+            with contextlib.suppress(Exception):
+                self._spark().interruptTag(group)
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(job, 2.0)
+            raise RoundAbandoned() from None
+
+    def _spark_round(self, group: str, works: list[SpanWork],
+                     abort: threading.Event) -> tuple[dict[str, SpanCut], Outcomes]:
+        spark = self._spark()
+        # The tag marks this thread's jobs (a classic session and Spark Connect alike), so a
+        # stop interrupts exactly them.
+        spark.addTag(group)
+        try:
+            return self.writers.sort_and_write(spark, works, abort, self.fence)
+        finally:
+            spark.removeTag(group)
+
+    async def flush_checkpoints(self) -> None:
+        """Store every span's latest checkpoint (on a clean stop); each covers written batches only."""
+        await self.advance.flush_checkpoints(self.spans.values())
+
+    # ------------------------------------------------------------------ operator actions
+
+    def remember_skips(self, span: Span, skips: dict[str, int]) -> None:
+        """The keys skipped on ``span`` (whoever ran it then): left out whenever it runs here."""
+        self.known_skips[span] = dict(skips)
+        rt = self.spans.get(span)
+        if rt is not None:
+            rt.skips.update(skips)
+
+    def act(self, span: Span, incident: str, action: IncidentAction) -> bool:
+        """An operator's decision on the span's incident; False (and nothing changes) when the
+        span is not here or is not stopped by that incident, so a repeated, late or misrouted
+        decision is harmless.
+
+        ``skip`` leaves the refused key's changes up to the incident's batch out (they go to
+        the dead letters with the reason) and goes on; ``retry`` and ``resume`` run the span
+        again as it is (``resume`` after the downstream was fixed): a change refused again
+        stops it again, as a new incident."""
+        rt = self.spans.get(span)
+        decided = rt.operator_action(incident, action) if rt is not None else None
+        if decided is None or decided.incident is None:
+            return False
+        if decided.skip is not None:
+            self.known_skips.setdefault(span, {})[decided.skip[0]] = decided.skip[1]
+        with contextlib.suppress(KeyError):
+            m.TABLE_STOPPED.remove(span.changefeed, span.name)
+        log.warning("operator %s on a stopped span", action,
+                    extra={"span": span.name, **decided.incident.status()})
+        return True
+
+    def _count_states(self) -> None:
+        counts = dict.fromkeys(SpanState, 0)
+        for rt in self.spans.values():
+            counts[rt.state] += 1
+        for state, n in counts.items():
+            m.SPANS.labels(state.value).set(n)
