@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,7 @@ from libs.streams import ROWS_STREAM, rows_subject
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.validation.verify import ShardRef, verify_target
-from tests.helpers.e2e import _capture, _changefeed, _created
+from tests.helpers.e2e import _capture, _changefeed, _created, _delete_changefeeds_afterwards  # noqa: F401 - fixture
 from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 
 pytestmark = pytest.mark.integration
@@ -36,15 +36,6 @@ SCHEMA = (
     "CREATE TABLE blobs (id INT PRIMARY KEY, note VARCHAR(20), b LONGBLOB)",
     "CREATE TABLE docs (id INT PRIMARY KEY, note VARCHAR(20), j JSON, t LONGTEXT)",
 )
-
-
-@pytest.fixture(autouse=True)
-async def _delete_changefeeds_afterwards(js: JetStreamContext) -> AsyncIterator[None]:
-    from libs.changefeeds import record_state
-
-    yield
-    while _created:
-        await record_state(js, _created.pop(), "deleted", requested_by="test", reason="test over")
 
 
 @pytest.fixture

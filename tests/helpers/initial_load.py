@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +13,21 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
 from contracts.events.changefeeds import ChangefeedSpecV2, InitialLoad, SourceRefV1, TableFilterV1
-from libs.changefeeds import record_changefeed, record_state
+from libs.changefeeds import record_changefeed
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.service_process import ServiceProcess
 from libs.scheduling.model import Span
 from libs.streams import SNAPSHOT_BUCKET
 from services.sink_worker.snapshot.plan import SnapshotProgress
 from services.sink_worker.validation.verify import ShardRef, verify_target
+
+# One list of the changefeeds a test created and one fixture deleting them (shared nats-server).
+from tests.helpers.e2e import _created, _delete_changefeeds_afterwards  # noqa: F401 - fixture
 from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 from tests.helpers.workload import RandomWorkload
 
 _server_ids = itertools.count(4800)
 
-
-_created: list[str] = []
 
 
 def _capture(env: dict[str, str], logs: Path, source: MariaDB, source_id: str, db: str) -> ServiceProcess:
@@ -51,13 +51,6 @@ async def _changefeed(js: JetStreamContext, cf_id: str, source_id: str, source: 
                             initial_load=initial_load, **extra)
     await record_changefeed(js, spec, requested_by="test")
     _created.append(cf_id)
-
-
-@pytest.fixture(autouse=True)
-async def _delete_changefeeds_afterwards(js: JetStreamContext) -> AsyncIterator[None]:
-    yield
-    while _created:
-        await record_state(js, _created.pop(), "deleted", requested_by="test", reason="test over")
 
 
 async def _progress(js: JetStreamContext, span: Span) -> SnapshotProgress | None:
