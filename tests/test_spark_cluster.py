@@ -10,7 +10,6 @@ session is one per process. One module-scoped cluster, a few dozen rows.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -68,46 +67,31 @@ def test_a_spark_connect_server_writes_the_replayed_downstream(connect: SparkCon
     assert _run(connect.url, tmp_path / "connect.db", connect.logs()) == expected()
 
 
+def _connect_check(check: str, *args: str, logs: str = "") -> dict[str, Any]:
+    """One check of ``tests.helpers.spark_connect_checks`` in a child process: this pytest
+    worker may hold a classic session from an earlier module, beside which PySpark refuses a
+    Connect one."""
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.spark_connect_checks", check, *args],
+                          cwd=_ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"the {check} check failed:\n{done.stderr[-4000:]}\n{logs}"
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 def test_an_initial_load_copies_over_spark_connect(connect: SparkConnect, mariadb: MariaDB,
                                                     tmp_path: Path) -> None:
     """The copy's jobs (``CopyPool``) run over Spark Connect, which has no ``sparkContext``:
     there they are ``spark.range`` + ``mapInArrow``."""
     import sqlite3
 
-    from pyspark.sql import SparkSession
-
-    from libs.codec.table_meta import load_table_info
-    from services.sink_worker.sinks.base import TargetTable
-    from services.sink_worker.sinks.factory import open_sink
-    from services.sink_worker.snapshot.job import CopyJob, CopyPool, connect_source, plan_chunks
-
     db = "snap_connect"
     mariadb.execute(f"DROP DATABASE IF EXISTS {db}", f"CREATE DATABASE {db}",
                     f"CREATE TABLE {db}.t (id INT PRIMARY KEY, v VARCHAR(16))",
                     f"INSERT INTO {db}.t SELECT seq, CONCAT('v', seq) FROM {db}.seq_1_to_3000")
-    conn = connect_source(mariadb.url)
-    info = load_table_info(conn, db, "t")
-    assert info is not None
-    meta = info.meta()
-    chunks = plan_chunks(conn, db, "t", ("id",), meta, 1000, 3000)
-    conn.close()
-    sink = f"sqlite:///{tmp_path / 'copy.db'}"
-    target = TargetTable(schema=None, name="t", meta=meta, key=("id",))
-    open_sink(sink).ensure_table(target)
-    job = CopyJob(source_url=mariadb.url, database=db, table="t", chunk_key=("id",), target=target,
-                  sink_url=sink)
-    spark = SparkSession.builder.remote(connect.url).getOrCreate()
-    pool = CopyPool(lambda: spark, job, 2)
-    try:
-        futures = [pool.submit(chunks[:1]), pool.submit(chunks[1:])]
-        counts = {k: v for f in futures for k, v in f.result(timeout=180).items()}
-    finally:
-        pool.close()
-        spark.stop()
-        # PySpark leaves the process marked as a Connect client; the worker's next modules
-        # start classic sessions and sink-workers that would inherit the mark.
-        os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
-    assert counts == {c.id: n for c, n in zip(chunks, [1000, 1000, 1000], strict=True)}
+    result = _connect_check("copy", connect.url, mariadb.url, db, f"sqlite:///{tmp_path / 'copy.db'}",
+                            logs=connect.logs())
+    assert len(result["chunks"]) == 3
+    assert result["counts"] == {str(c): 1000 for c in result["chunks"]}
     with sqlite3.connect(tmp_path / "copy.db") as down:
         assert down.execute('SELECT COUNT(*), SUM(id), MAX(v) FROM "t"').fetchone() == (3000, 4501500, "v999")
 
@@ -115,12 +99,5 @@ def test_an_initial_load_copies_over_spark_connect(connect: SparkConnect, mariad
 def test_a_connect_session_gets_this_process_runtime_settings(connect: SparkConnect) -> None:
     """A Connect server's own defaults (its host's time zone, its shuffle partitions) must not
     decide what a local session would: the session sets them itself."""
-    from libs.config import Settings
-    from libs.spark import _build
-
-    session = _build(Settings(spark_master=connect.url, spark_shuffle_partitions=7))
-    try:
-        assert session.conf.get("spark.sql.session.timeZone") == "UTC"
-        assert session.conf.get("spark.sql.shuffle.partitions") == "7"
-    finally:
-        session.stop()
+    assert _connect_check("settings", connect.url, logs=connect.logs()) == {
+        "timeZone": "UTC", "shufflePartitions": "7"}

@@ -105,6 +105,12 @@ class DdlBarrier:
                     w.head = WaitsAtHead(f"shard DDL exec failed (retried): {exc!r}")
                     return
             await self.shard_ddl.carried_out(op)
+            if ddl.meta_after is None:
+                # Every span of the group, not only the owner: the lock has resolved, so each
+                # one's next rows carry the shape after the DDL, and a span that skipped it must
+                # not wait, failing, for the owner's next rows to bring the target's columns (the
+                # owner may be stopped at the group's next DDL, which waits for this span).
+                self.schemas.reconcile_next(span.kv_key)
             log.info("shard DDL carried out", extra={"span": span.name, "kind": op.kind, "ts": head.ts,
                                                      "statement": ddl.statement})
         w.head = CarriedOut(SpanCut(span.kv_key, limit_ts=head.ts, batch_events=0, batch_max_ts=None,
@@ -191,7 +197,6 @@ class DdlBarrier:
                         log.warning("shard DDL without table metadata failed on the target; its "
                                     "columns follow the next batch", extra={
                                         "span": w.rt.span.name, "statement": sql, "error": repr(exc)})
-            self.schemas.reconcile_next(w.rt.span.kv_key)
             log.info("shard DDL without table metadata: the target follows the next batch's rows",
                      extra={"span": w.rt.span.name, "statement": ddl.statement})
             return
