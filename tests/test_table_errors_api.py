@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from contracts import REGISTRY
 from contracts.events.changefeeds import ChangefeedStateChangedV1
-from contracts.events.table_incidents import TableActionRequestedV1, TableRefV1, TableStoppedV1
+from contracts.events.table_incidents import TableActionRequestedV1, TableRefV1, TableStoppedV2
 from libs.eventstore import EventStore
 from libs.localservers.common import wait_until
 from libs.nats_auth import SINK_WORKER
@@ -28,8 +28,8 @@ V1 = "/api/v1"
 TABLES = f"{V1}/changefeeds/{CF}/tables/src1/shop"
 
 
-def _stopped(table: str, incident: str, key: str | None = "[7]") -> TableStoppedV1:
-    return TableStoppedV1(
+def _stopped(table: str, incident: str, key: str | None = "[7]") -> TableStoppedV2:
+    return TableStoppedV2(
         table=TableRefV1(changefeed=CF, source="src1", database="shop", table=table), incident=incident,
         target=f"shop.{table}", statement="upsert" if key else "batch", key=key, key_columns=["id"],
         error="IntegrityError: CHECK constraint failed: age < 100", code=275, upto_ts=99, worker="w1")

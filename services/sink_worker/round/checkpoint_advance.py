@@ -56,9 +56,6 @@ class CheckpointAdvance:
             report.errors.append(f"{rt.span.name}: {decided.error}")
         if decided.incident is not None:
             self._stopped(rt, decided.incident)
-        if decided.newly_refused is not None:
-            log.error("span refused at DDL: %s", decided.newly_refused, extra={"span": rt.span.name})
-            m.KEYLESS_REFUSED.labels(rt.span.changefeed).inc()
         proposed = decided.checkpoint
         if proposed is None:
             return
@@ -93,7 +90,10 @@ class CheckpointAdvance:
         if incident.failure.error.startswith(UniqueConflictError.__name__):
             m.CROSS_SHARD_CONFLICTS.labels(rt.span.changefeed, "refused").inc()
         m.TABLE_STOPPED.labels(rt.span.changefeed, rt.span.name).set(1)
-        log.error("span stopped: the downstream refused a change for good",
+        if incident.kind == "unreplicable":
+            m.KEYLESS_REFUSED.labels(rt.span.changefeed).inc()
+        # Once per incident: a stopped span runs no round until an operator acts.
+        log.error("span stopped: %s", incident.failure.describe(),
                   extra={"span": rt.span.name, **incident.status()})
 
     async def _store(self, rt: SpanRuntime, checkpoint: Checkpoint) -> bool:

@@ -8,8 +8,9 @@ A round covers every span the worker runs, with one cut (on the driver) for all 
    ``round_size``, together within ``max_events_per_round``, which bounds the driver's memory;
    mostly in memory already, read ahead while the previous round wrote: ``round_overlap``);
 3. in the driver, plan each span once (``round_plan``): its routes, target and key; a table
-   without a usable key is refused (clear error in the log, the health status and a metric)
-   and the span stops there; a DDL at its head is carried out or waited for (``ddl_barrier``);
+   without a usable key stops with an incident (recorded in the changefeeds log, logged once,
+   in the health status and a metric) until an operator resumes it; a DDL at its head is
+   carried out or waited for (``ddl_barrier``);
 4. in a worker thread (never on the event loop): each span's cut (on the driver,
    ``sort_job``), then per sink its writer (``writer``: the apply job, one Spark job, and the
    DDL barriers the batches stopped at; the NATS sink publishes afterwards, on the loop);
@@ -147,7 +148,6 @@ class Pipeline:
                 self.spans[span] = SpanRuntime(span, config, self._reader(span))
             elif rt.config != config:
                 rt.config = config
-                rt.config_changed()  # a new key policy may allow a refused table now
         for span in wanted:
             self.spans[span].skips.update(self.known_skips.get(span, {}))
         # Several upstream shards in one target: their DDL needs the ddl-lock, not this path.
