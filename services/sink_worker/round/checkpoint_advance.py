@@ -55,7 +55,7 @@ class CheckpointAdvance:
         if decided.error is not None:
             report.errors.append(f"{rt.span.name}: {decided.error}")
         if decided.incident is not None:
-            self._stopped(rt, decided.incident)
+            self.stopped(rt, decided.incident)
         proposed = decided.checkpoint
         if proposed is None:
             return
@@ -84,7 +84,8 @@ class CheckpointAdvance:
             m.RESOLVED_LAG.labels(cf, name).set(
                 max(0.0, m.ts_seconds(rt.resolved_ts) - m.ts_seconds(proposed.ts)))
 
-    def _stopped(self, rt: SpanRuntime, incident: TableIncident) -> None:
+    def stopped(self, rt: SpanRuntime, incident: TableIncident) -> None:
+        """Record (in the next ``record_incidents``), count and log a new incident, once."""
         self.incidents.append((rt.span, incident))
         m.TABLE_INCIDENTS.labels(rt.span.changefeed).inc()
         if incident.failure.error.startswith(UniqueConflictError.__name__):

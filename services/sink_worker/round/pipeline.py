@@ -105,13 +105,13 @@ class Pipeline:
         """Spans stopped since the worker last recorded them in the changefeeds log."""
         self.new_overwrites: list[tuple[str, str]] = []
         """(changefeed, conflict JSON) of rows removed under ``on_unique_conflict = overwrite``."""
-        self.starts = SpanStarts(js, checkpoints, rows_stream, initial_loads)
+        self.advance = CheckpointAdvance(checkpoints, self.options, initial_loads, self.new_incidents)
+        self.starts = SpanStarts(js, checkpoints, rows_stream, initial_loads, self.advance.stopped)
         self.planner = RoundPlanner(js, rows_stream, spark)
         schemas = TargetSchemas()
         self.barrier = DdlBarrier(schemas, initial_loads)
         self.fk_barrier = ForeignKeyBarrier()
         self.writers = Writers(self.options, schemas, self.barrier, self.new_overwrites)
-        self.advance = CheckpointAdvance(checkpoints, self.options, initial_loads, self.new_incidents)
 
     def attach_shard_ddl(self, shard_ddl: ShardDdl) -> None:
         self.shard_ddl = self.barrier.shard_ddl = shard_ddl
@@ -326,6 +326,8 @@ class Pipeline:
 
     async def _pull_all(self, runtimes: list[SpanRuntime], report: RoundReport) -> list[SpanWork]:
         for rt in runtimes:
+            if rt.checkpoint is None and rt.incident is not None:
+                continue  # its copy was refused for good: nothing to start until an operator acts
             if rt.checkpoint is None:
                 await self.starts.load(rt)
                 continue

@@ -252,6 +252,14 @@ class SpanMachine:
                      "stream": SpanState.REPLICATING}[decision])
 
     @_step
+    def copy_refused(self, reason: str) -> TableIncident | None:
+        """Its initial load cannot copy the table as the changefeed says (no usable key, a column
+        type capture does not carry): stopped with an incident before any checkpoint (ts 0)."""
+        if self.incident is not None:
+            return None
+        return self._stop(unreplicable(reason, 0)).incident
+
+    @_step
     def pull_failed(self, reason: str) -> None:
         if self.incident is None:  # a stopped span shows its incident, not what came after
             self._enter(SpanState.ERROR, reason)
