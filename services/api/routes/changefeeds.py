@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from sqlmodel import Session, select
 
 from contracts.events.changefeeds import ChangefeedSpec, ChangefeedSpecV5
+from contracts.events.table_incidents import TableStoppedV2
 from libs.changefeeds import record_changefeed, record_state, record_update
 from libs.eventstore import AppendConflict
 from libs.routing import unique_conflict_warnings
@@ -63,9 +64,18 @@ async def with_stopped_tables(ctx: ApiContext, out: ChangefeedOut) -> Changefeed
     out.stopped_tables = [
         StoppedTableOut(source=span.source, database=span.database, table=span.table,
                         incident=event.incident, kind=event.kind, reason=stopped_text(event),
-                        checkpoint_ts=position[1] if position is not None else None)
+                        checkpoint_ts=stopped_at(event, position))
         for span, (_, event), position in zip(spans, stopped, positions, strict=True)]
     return out
+
+
+def stopped_at(event: TableStoppedV2, stored: tuple[int, int] | None) -> int | None:
+    """Where a stopped table stands: its stored checkpoint; before its first one, an
+    unreplicable table stopped where its first round started (``upto_ts``), a refused one is
+    unknown (None)."""
+    if stored is not None:
+        return stored[1]
+    return event.upto_ts if event.kind == "unreplicable" else None
 
 
 def list_changefeeds(ctx: ApiContext) -> list[ChangefeedOut]:
