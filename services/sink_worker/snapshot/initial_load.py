@@ -239,6 +239,7 @@ class InitialLoads:
         """Stop the span's copy (its running chunk jobs are interrupted and awaited); its
         finished chunks stay recorded for whoever runs the span next."""
         self._failed_at.pop(span, None)
+        self.unreplicable.pop(span, None)
         self.progress.pop(span, None)
         task = self._tasks.pop(span, None)
         if task is None:
