@@ -24,7 +24,7 @@ from contracts.events.changefeeds import (
     TableFilterV1,
     current_spec,
 )
-from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV1
+from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV2
 from libs.control.changefeeds_state import ChangefeedView, TableKey, changefeeds_fold
 from libs.eventstore import EventStore
 from libs.foreign_keys import cascade_groups, group_token
@@ -84,12 +84,12 @@ async def record_state(js: JetStreamContext, changefeed_id: str,
                               expected_last_subject_seq=expected_last_subject_seq)
 
 
-async def record_table_event(js: JetStreamContext, event: TableStoppedV1 | TableActionRequestedV1,
+async def record_table_event(js: JetStreamContext, event: TableStoppedV2 | TableActionRequestedV1,
                              producer: str, *, expected_last_subject_seq: int | None = None) -> int:
     """Append a stopped table's incident (on the incidents subject, where sink-workers record
     them) or an operator's action (a changefeed command, on the events subject)."""
     store = await _store(js, producer)
-    subject = (table_incidents_subject(DOMAIN) if isinstance(event, TableStoppedV1)
+    subject = (table_incidents_subject(DOMAIN) if isinstance(event, TableStoppedV2)
                else domain_events_subject(DOMAIN))
     return await store.append(subject, event,
                               expected_last_subject_seq=expected_last_subject_seq)

@@ -1,6 +1,11 @@
-"""Changefeed checkpoint: minimum over spans, never backwards, never with a span missing."""
+"""Changefeed checkpoint: minimum over the covered spans, never backwards, never with a span
+missing; a span stopped by an incident is not covered, and a resumed one holds the checkpoint
+until it has caught up."""
 
 from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from libs.scheduling import (
     ChangefeedCheckpoint,
@@ -92,3 +97,68 @@ def test_tracker_keeps_changefeeds_apart() -> None:
     updates = tracker.advance(spans_by_changefeed(sets), sets)
     assert {cf: u.checkpoint_ts for cf, u in updates.items()} == {"x": 100, "y": 20}
     assert tracker.changefeeds["y"].resolved_ts == 20
+
+
+# -- tables stopped by an incident ---------------------------------------------------------------
+
+def test_a_stopped_span_does_not_hold_the_checkpoint_and_rejoins_once_caught_up() -> None:
+    spans = [span(1), span(2)]
+    sets = {s: replicating(s, 100) for s in spans}
+    cp = ChangefeedCheckpoint("cf")
+    assert cp.advance(spans, sets).checkpoint_ts == 100
+    # t2 stops at 100 (no key): t1 goes on, and so does the checkpoint, over t1 alone.
+    stopped = {tuple(span(2))}
+    sets[span(1)].handle_member_status("a", T.REPLICATING, 300, 300)
+    update = cp.advance(spans, sets, stopped)
+    assert (update.checkpoint_ts, update.resolved_ts, update.advanced) == (300, 300, True)
+    # Resumed: t2 is at 100, behind the published 300. Nothing goes backwards, and the checkpoint
+    # waits for t2 (t1 at 400 does not move it) until t2 passes it.
+    sets[span(1)].handle_member_status("a", T.REPLICATING, 400, 400)
+    assert cp.advance(spans, sets).checkpoint_ts == 300
+    sets[span(2)].handle_member_status("a", T.REPLICATING, 250, 250)
+    assert cp.advance(spans, sets).checkpoint_ts == 300
+    sets[span(2)].handle_member_status("a", T.REPLICATING, 350, 350)
+    assert cp.advance(spans, sets).checkpoint_ts == 350
+
+
+def test_every_span_stopped_holds_the_checkpoint_with_that_reason() -> None:
+    sets = {span(1): replicating(span(1), 100)}
+    update = ChangefeedCheckpoint("cf", 50).advance(sets, sets, {tuple(span(1))})
+    assert (update.checkpoint_ts, update.advanced) == (50, False)
+    assert update.reason == "every table of the changefeed is stopped by an incident"
+
+
+# A step: ("report", span, how far it moves), ("stop", span, _) or ("resume", span, _).
+steps = st.lists(st.tuples(st.sampled_from(["report", "report", "report", "stop", "resume"]),
+                           st.integers(0, 3), st.integers(0, 50)), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=steps)
+def test_the_checkpoint_covers_exactly_the_spans_not_stopped(steps: list[tuple[str, int, int]]) -> None:
+    """Whatever spans stop, report and resume: the published checkpoint never goes backwards;
+    when it moves, every span not stopped is at least there (the promise); it is exactly the
+    higher of what it was and the minimum over the spans not stopped (stopped spans never hold
+    it, a resumed span behind it holds it until it catches up)."""
+    spans = [span(i) for i in range(4)]
+    sets = {s: replicating(s, 10) for s in spans}
+    own = dict.fromkeys(spans, 10)
+    stopped: set[tuple[str, str, str, str]] = set()
+    cp = ChangefeedCheckpoint("cf")
+    published = cp.advance(spans, sets).checkpoint_ts
+    for kind, i, delta in steps:
+        s = spans[i]
+        if kind == "stop":
+            stopped.add(tuple(s))
+        elif kind == "resume":
+            stopped.discard(tuple(s))
+        elif tuple(s) not in stopped:  # a stopped span runs no round: its checkpoint stays
+            own[s] += delta
+            sets[s].handle_member_status("a", T.REPLICATING, own[s], own[s])
+        update = cp.advance(spans, sets, stopped)
+        covered = [own[x] for x in spans if tuple(x) not in stopped]
+        assert update.checkpoint_ts >= published
+        if update.advanced:
+            assert all(c >= update.checkpoint_ts for c in covered)
+        assert update.checkpoint_ts == (max(published, min(covered)) if covered else published)
+        published = update.checkpoint_ts

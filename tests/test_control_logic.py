@@ -347,6 +347,27 @@ def test_replication_core_tasks_dispatches_and_checkpoints() -> None:
         CheckpointAdvancedV1(changefeed="cf", checkpoint_ts=60, resolved_ts=65)]
 
 
+def test_replication_core_leaves_tables_stopped_by_an_incident_out_of_the_checkpoint() -> None:
+    stopped: set[tuple[str, str, str, str]] = {tuple(SPANS[1])}  # as the changefeeds log folds it
+    core = _core({"w1": "i1"}, checkpoints={"cf": (50, 50)}, stopped=lambda: stopped)
+    core.on_heartbeat(hb("w1", "i1", tables=[TableStatus(SPANS[0], REPL, 90, 95),
+                                             TableStatus(SPANS[1], REPL, 40, 45)]), 0.0)
+    assert core.checkpoint_events() == [CheckpointAdvancedV1(changefeed="cf", checkpoint_ts=90,
+                                                             resolved_ts=95)]
+    assert core.blocked() == {}
+    stopped.add(tuple(SPANS[0]))
+    assert core.checkpoint_events() == []
+    assert core.blocked() == {"cf": "every table of the changefeed is stopped by an incident"}
+    stopped.clear()  # both resumed: t1 at 40 holds the published 90 until it passes it
+    core.on_heartbeat(hb("w1", "i1", seq=2, tables=[TableStatus(SPANS[0], REPL, 120, 125),
+                                                    TableStatus(SPANS[1], REPL, 80, 85)]), 0.1)
+    assert core.checkpoint_events() == []
+    core.on_heartbeat(hb("w1", "i1", seq=3, tables=[TableStatus(SPANS[0], REPL, 120, 125),
+                                                    TableStatus(SPANS[1], REPL, 100, 110)]), 0.2)
+    assert core.checkpoint_events() == [CheckpointAdvancedV1(changefeed="cf", checkpoint_ts=100,
+                                                             resolved_ts=110)]
+
+
 def test_replication_core_member_left_and_joined_again() -> None:
     core = _core({"w1": "i1"})
     core.on_heartbeat(hb("w1", "i1", tables=[TableStatus(SPANS[0], TableState.REPLICATING, 10, 10)]), 0.0)

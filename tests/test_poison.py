@@ -16,7 +16,7 @@ from pyspark.sql import SparkSession
 
 from contracts import REGISTRY
 from contracts.events.changefeeds import ChangefeedCreatedV2, ChangefeedSpecV2, SourceRefV1, TableFilterV1
-from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV1
+from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV2
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.service_process import ServiceProcess
 from libs.streams import DEADLETTER_STREAM, domain_events_subject, rows_subject, table_incidents_subject
@@ -179,12 +179,12 @@ async def test_worker_process_records_the_incident_and_carries_out_a_skip_from_t
         label = f'changefeed="{cf}",span="{cf}/{src.name}/shop.people"'
         assert f"sluice_sink_table_stopped{{{label}}} 1.0" in text
 
-        async def recorded() -> TableStoppedV1 | None:
+        async def recorded() -> TableStoppedV2 | None:
             last = (await rows_js.stream_info(store.stream)).state.last_seq
             for seq in range(1, last + 1):
                 msg = await rows_js.get_msg(store.stream, seq)
                 event = REGISTRY.decode(msg.data or b"").event
-                if isinstance(event, TableStoppedV1) and event.incident == incident["incident"]:
+                if isinstance(event, TableStoppedV2) and event.incident == incident["incident"]:
                     # On the incidents subject: the worker's role may not write changefeed events.
                     assert msg.subject == table_incidents_subject()
                     return event

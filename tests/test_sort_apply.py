@@ -245,7 +245,7 @@ async def test_ddl_is_a_barrier(h: Harness) -> None:
     assert h.rows("people", wider) == [{"id": 3, "name": "cy", "age": 3, "city": None}]
 
 
-async def test_keyless_table_is_refused_unless_the_key_policy_allows_it(
+async def test_keyless_table_stops_with_one_incident_until_resumed_under_a_key_policy_that_allows_it(
         rows_js: JetStreamContext, checkpoints: CheckpointStore, spark: SparkSession,
         sqlite_url: str) -> None:
     logs = TableMetaV1(columns=[col("code", "string", "varchar(8)", nullable=False), col("n")],
@@ -259,13 +259,22 @@ async def test_keyless_table_is_refused_unless_the_key_policy_allows_it(
     await src.resolve()
     report = await h.pipeline.round()
     [status] = h.pipeline.status()
-    assert status["state"] == "refused" and "no primary key" in status["error"]
-    assert "key_policy" in status["error"] and report.batch_events == 0
+    assert status["state"] == "error"
+    assert status["error"].startswith("stopped: the table cannot be replicated")
+    assert "no primary key" in status["error"] and "key_policy" in status["error"]
+    assert status["incident"]["kind"] == "unreplicable" and report.batch_events == 0
     assert await h.checkpoint("logs") is None  # nothing skipped past
+    [(span, stop)] = h.pipeline.new_incidents  # recorded (and logged) once ...
+    await h.round()
+    assert len(h.pipeline.new_incidents) == 1  # ... not every round
 
-    # The changefeed now allows a NOT NULL unique key: the same span goes on from where it was.
+    # The changefeed now allows a NOT NULL unique key: the table stays stopped until the
+    # operator resumes its incident, then goes on from where it was.
     h.key_policy = "unique"
     await h.run("logs")
+    await h.round()
+    assert h.pipeline.status()[0]["state"] == "error"
+    assert h.pipeline.act(span, stop.id, "resume")
     await h.round()
     assert h.pipeline.status()[0]["state"] == "replicating"
     assert h.rows("logs", logs) == [{"code": "a", "n": 2}]

@@ -1,8 +1,9 @@
 """The span state machine (``services.sink_worker.span.machine``), without servers.
 
 Property tests walk a span through random rounds over a simulated stream: pulls that fail,
-plans that refuse, heads that wait, fail, re-copy or are carried out, writes that fail, stop
-at a refused change (an incident), block, refuse or succeed, and operator actions with the
+tables that cannot be replicated (an incident), heads that wait, fail, re-copy or are carried
+out, writes that fail, stop at a refused change (an incident), block, stop at a DDL that leaves
+the table keyless (an incident) or succeed, and operator actions with the
 right and wrong incident ids. After every step (besides the invariants the machine checks
 itself):
 
@@ -105,14 +106,52 @@ def test_a_carried_out_head_moves_past_its_ddl_and_names_the_recopy_record() -> 
     assert decided.recopy_key == "recopy-11" and span.state is SpanState.REPLICATING
 
 
-def test_refusals_are_new_once_and_a_new_plan_lifts_them() -> None:
+def test_an_unreplicable_table_stops_with_one_incident_until_it_is_resumed() -> None:
     span = SpanMachine(state=SpanState.REPLICATING)
-    assert span.planned("no key") is True
-    assert span.planned("no key") is False
-    assert span.planned("other reason") is True
-    assert (span.state, span.error) == (SpanState.REFUSED, "other reason")
-    assert span.planned(None) is False
-    assert (span.state, span.error) == (SpanState.REPLICATING, None)
+    start = Checkpoint(10, 90)
+    no_key = Refused("no key", unreplicable=True)
+    decided = span.written(facts(start, Pulled([(11, 100)], 11), 100, head=no_key))
+    stop = decided.incident
+    assert stop is not None and stop.kind == "unreplicable" and stop.upto_ts == 90  # stopped where it stood
+    assert decided.checkpoint is None and stop.failure.key is None
+    assert (span.state, span.error) == (SpanState.ERROR, "stopped: the table cannot be replicated: no key")
+    # The next rounds (had any run) record, and so log, nothing more.
+    again = span.written(facts(start, Pulled([(11, 100)], 11), 100, head=no_key))
+    assert again.incident is None and span.incident is stop
+    assert span.operator_action(stop.id, "skip") is None  # no row to skip
+    assert span.operator_action(stop.id, "resume") is not None and span.state is SpanState.REPLICATING
+    # Resumed without a fix: stopped again, as a new incident.
+    third = span.written(facts(start, Pulled([(11, 100)], 11), 100, head=no_key))
+    assert third.incident is not None and third.incident.id != stop.id
+
+
+def test_a_refused_copy_stops_the_span_before_any_checkpoint() -> None:
+    span = SpanMachine()
+    span.started("copying")
+    stop = span.copy_refused("columns of types capture does not carry: ['g']")
+    assert stop is not None and stop.kind == "unreplicable" and stop.upto_ts == 0
+    assert span.state is SpanState.ERROR and span.copy_refused("again") is None  # recorded once
+    span.started("copying")
+    assert span.incident is stop  # stays stopped until its operator action
+    assert span.operator_action(stop.id, "resume") is not None and span.incident is None
+
+
+def test_a_source_that_cannot_tell_stops_nothing() -> None:
+    span = SpanMachine(state=SpanState.REPLICATING)
+    span.source_failed("cannot read the source's foreign keys")
+    decided = span.written(facts(Checkpoint(10, 90), Pulled([], 10), 100, head=Refused("fks unreadable")))
+    assert decided.incident is None and decided.checkpoint is None and span.incident is None
+    assert span.state is SpanState.ERROR
+
+
+def test_a_ddl_that_leaves_the_table_keyless_stops_it_after_the_rows_before_it() -> None:
+    span = SpanMachine(state=SpanState.REPLICATING)
+    cut = SpanCut("k", limit_ts=120, batch_events=1, batch_max_ts=120, ddl_ts=150, ddl_id="d")
+    decided = span.written(facts(Checkpoint(10, 90), Pulled([(11, 120), (12, 150)], 12), 200, cut=cut,
+                                 outcome=SpanOutcome(written=True, rows=1, refused="no key after it")))
+    assert decided.checkpoint == Checkpoint(11, 120) and decided.store_now  # the DDL stays ahead
+    assert decided.incident is not None and decided.incident.kind == "unreplicable"
+    assert span.incident is decided.incident and span.state is SpanState.ERROR
 
 
 def test_an_incident_stops_the_span_until_its_own_operator_action() -> None:
@@ -146,12 +185,12 @@ def test_a_state_without_its_error_is_refused_at_once() -> None:
 
 # -- properties: random rounds ----------------------------------------------------------------------
 
-HEADS = ["none", "refused", "waits", "failed", "recopying", "carried_out"]
+HEADS = ["none", "refused", "unreplicable", "waits", "failed", "recopying", "carried_out"]
 OUTCOMES = ["written", "ddl_applied", "unwritten", "error", "ddl_error", "incident", "blocked", "refused"]
 
 round_strategy = st.tuples(
-    st.sampled_from(["round", "round", "round", "pull_failed", "plan_refused", "config_changed",
-                     "operator_right", "operator_wrong", "started"]),
+    st.sampled_from(["round", "round", "round", "pull_failed", "operator_right", "operator_wrong",
+                     "started"]),
     st.sampled_from(HEADS), st.sampled_from(OUTCOMES),
     st.integers(0, 4),  # events pulled
     st.integers(0, 3),  # how many of them the batch takes
@@ -164,13 +203,14 @@ def expected_state(before: SpanState, head: str, outcome: str, fresh: bool) -> S
     """The state a round leaves (None: unchanged)."""
     if head == "refused":
         return None
-    table = {"waits": SpanState.BLOCKED, "failed": SpanState.ERROR, "recopying": SpanState.SNAPSHOT}
+    table = {"unreplicable": SpanState.ERROR, "waits": SpanState.BLOCKED, "failed": SpanState.ERROR,
+             "recopying": SpanState.SNAPSHOT}
     if head in table:
         return table[head]
     if head == "carried_out" or not fresh:
         return SpanState.REPLICATING
     return {"incident": SpanState.ERROR, "error": SpanState.ERROR, "ddl_error": SpanState.ERROR,
-            "unwritten": None, "blocked": SpanState.BLOCKED, "refused": SpanState.REFUSED,
+            "unwritten": None, "blocked": SpanState.BLOCKED, "refused": SpanState.ERROR,
             }.get(outcome, SpanState.REPLICATING)
 
 
@@ -196,15 +236,6 @@ def test_random_rounds_keep_the_span_consistent(
             assert span.error == ("pull failed: boom" if span.incident is None
                                   else f"stopped: {span.incident.failure.describe()}")
             continue
-        if kind == "plan_refused":
-            span.planned("no usable key")
-            assert span.state is (SpanState.REFUSED if span.incident is None else SpanState.ERROR)
-            continue
-        if kind == "config_changed":
-            before = span.state
-            span.config_changed()
-            assert span.state is (SpanState.REPLICATING if before is SpanState.REFUSED else before)
-            continue
         if kind in ("operator_right", "operator_wrong"):
             stopped = span.incident
             target = stopped.id if stopped is not None and kind == "operator_right" else "nobody"
@@ -228,7 +259,9 @@ def test_random_rounds_keep_the_span_consistent(
         head: Head | None = None
         cut = outcome = None
         if head_kind == "refused":
-            head = Refused("no key")
+            head = Refused("the source's foreign keys cannot be read")
+        elif head_kind == "unreplicable":
+            head = Refused("no usable key", unreplicable=True)
         elif head_kind == "waits":
             head = WaitsAtHead("waits for its shard DDL operation")
         elif head_kind == "failed":
@@ -263,6 +296,9 @@ def test_random_rounds_keep_the_span_consistent(
         decided = span.written(facts(checkpoint, pulled, horizon, head=head, cut=cut, outcome=outcome))
         want = expected_state(before, head_kind, outcome_kind, fresh)
         assert span.state is (want if want is not None else before), (head_kind, outcome_kind)
+        # A new incident is decided exactly when the span stops now, and it is the span's.
+        assert (decided.incident is not None) == (span.incident is not None)
+        assert decided.incident is None or decided.incident is span.incident
         if decided.checkpoint is None:
             continue
         new = decided.checkpoint

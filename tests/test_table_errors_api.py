@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from contracts import REGISTRY
 from contracts.events.changefeeds import ChangefeedStateChangedV1
-from contracts.events.table_incidents import TableActionRequestedV1, TableRefV1, TableStoppedV1
+from contracts.events.table_incidents import TableActionRequestedV1, TableRefV1, TableStoppedV2
 from libs.eventstore import EventStore
 from libs.localservers.common import wait_until
 from libs.nats_auth import SINK_WORKER
@@ -28,8 +28,8 @@ V1 = "/api/v1"
 TABLES = f"{V1}/changefeeds/{CF}/tables/src1/shop"
 
 
-def _stopped(table: str, incident: str, key: str | None = "[7]") -> TableStoppedV1:
-    return TableStoppedV1(
+def _stopped(table: str, incident: str, key: str | None = "[7]") -> TableStoppedV2:
+    return TableStoppedV2(
         table=TableRefV1(changefeed=CF, source="src1", database="shop", table=table), incident=incident,
         target=f"shop.{table}", statement="upsert" if key else "batch", key=key, key_columns=["id"],
         error="IntegrityError: CHECK constraint failed: age < 100", code=275, upto_ts=99, worker="w1")
@@ -50,7 +50,7 @@ def test_a_stopped_table_shows_its_incident_and_takes_one_decision(api_stack: Ap
 
         wait_until(shown, 30, "the api to show the incidents of tables b and c")
         b = c.get(f"{TABLES}/b").json()
-        assert b["state"] == "error" and b["incident"]["incident"] == "inc-1"
+        assert b["state"] == "stopped" and b["incident"]["incident"] == "inc-1"
         assert b["incident"]["key"] == "[7]" and "CHECK" in b["error"] and "[7]" in b["error"]
 
         code, out = _cli(api_stack, "changefeed", "tables", CF)
@@ -68,7 +68,7 @@ def test_a_stopped_table_shows_its_incident_and_takes_one_decision(api_stack: Ap
         code, out = _cli(api_stack, "changefeed", "table-error", CF, "src1", "shop", "b", "inc-1", "skip")
         assert code == 0, out
         b = c.get(f"{TABLES}/b").json()
-        assert b["incident"] is None and b["state"] != "error"
+        assert b["incident"] is None and b["state"] != "stopped"
         assert c.post(f"{TABLES}/b/errors/inc-1/skip").status_code == 409  # decided already
         accepted = c.post(f"{TABLES}/c/errors/inc-2/resume")
         assert accepted.status_code == 202, accepted.text
@@ -153,7 +153,7 @@ def test_a_sink_worker_records_incidents_but_cannot_forge_changefeed_events(api_
         assert all("not accepted on" in str(d["reason"]) for d in parked()), parked()
         a = c.get(f"{TABLES}/a").json()
         # Still stopped: the skip a worker slipped onto the incidents subject did nothing.
-        assert a["state"] == "error" and a["incident"]["incident"] == "inc-w", a
+        assert a["state"] == "stopped" and a["incident"]["incident"] == "inc-w", a
         assert c.get(f"{V1}/changefeeds/{CF}").json()["state"] == "running"
         # The event feed shows the incident and, for the other two, why they are not events.
         since = {"domain": "changefeeds", "since": f"changefeeds:{seqs[0] - 1}", "limit": 3}

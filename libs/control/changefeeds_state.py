@@ -23,7 +23,7 @@ from contracts.events.changefeeds import (
     spec_v5,
 )
 from contracts.events.sources import SourceRegisteredV1, SourceRemovedV1
-from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV1
+from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV2
 from libs.eventstore import StoredEvent
 
 TableKey = tuple[str, str, str, str]
@@ -39,17 +39,17 @@ class ChangefeedView:
     failed_checks: dict[str, list[ChangefeedCheckV1]] = field(default_factory=dict)
     """Checks that failed at the last create/update, accepted with skip_checks."""
 
-    stopped: dict[TableKey, TableStoppedV1] = field(default_factory=dict)
+    stopped: dict[TableKey, TableStoppedV2] = field(default_factory=dict)
     """Each table's open incident (none once an operator acted on it)."""
     skipped: dict[TableKey, dict[str, int]] = field(default_factory=dict)
     """Each table's skipped keys (key JSON -> the ts the skip covers up to)."""
     sources: dict[str, str] = field(default_factory=dict)
     """The sources registry (libs/sources.py): source id -> URL (passwords as references)."""
 
-    def _fold_incident(self, event: TableStoppedV1 | TableActionRequestedV1) -> None:
+    def _fold_incident(self, event: TableStoppedV2 | TableActionRequestedV1) -> None:
         ref = event.table
         key = (ref.changefeed, ref.source, ref.database, ref.table)
-        if isinstance(event, TableStoppedV1):
+        if isinstance(event, TableStoppedV2):
             self.stopped[key] = event
             return
         open_ = self.stopped.get(key)
@@ -62,7 +62,7 @@ class ChangefeedView:
 
     def apply(self, event: BaseModel) -> bool:
         """Fold one event; True when it changed anything the worker acts on."""
-        if isinstance(event, TableStoppedV1 | TableActionRequestedV1):
+        if isinstance(event, TableStoppedV2 | TableActionRequestedV1):
             self._fold_incident(event)
             return False
         # Changefeeds hold the URL they were recorded with, so the registry alone changes

@@ -1,14 +1,20 @@
-"""Changefeed checkpoint and resolved ts: the minimum over the changefeed's spans.
+"""Changefeed checkpoint and resolved ts: the minimum over the changefeed's covered spans.
 
-No Lost Table: the checkpoint says every change up to it is downstream for *every* span, so it
-cannot move while any span has no set, is Absent (nobody replicates it), or is in conflict.
-Published values never go backwards: a lower computed value (a span re-added from an older
-checkpoint, a new span) leaves them unchanged.
+The checkpoint is a promise about the spans it *covers*: every change up to it is downstream
+for each of them. Covered are all wanted spans except those stopped by an incident (a table
+that cannot be replicated, a change its downstream refused for good): the operator sees those
+listed with their reason and their own checkpoint, and the others go on.
+
+No Lost Table: a covered span without a set, Absent (nobody replicates it) or in conflict holds
+the checkpoint. Published values never go backwards: a lower computed value (a span re-added
+from an older checkpoint, a new span, a stopped span resumed behind the published value)
+leaves them unchanged, so a resumed span holds the published checkpoint until its own passes
+it, and only then counts as covered again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from libs.scheduling.model import ChangefeedId, Span
@@ -34,10 +40,17 @@ class CheckpointUpdate:
     reason: str | None = None
 
 
-def compute_checkpoint(spans: Iterable[Span], sets: Mapping[Span, SetLike]) -> CheckpointComputation:
+def compute_checkpoint(spans: Iterable[Span], sets: Mapping[Span, SetLike],
+                       stopped: Collection[tuple[str, str, str, str]] = ()) -> CheckpointComputation:
+    """The minimum over ``spans`` that are not in ``stopped`` (spans stopped by an incident,
+    as ``(changefeed, source, database, table)``, which a ``Span`` equals)."""
     checkpoint: int | None = None
     resolved: int | None = None
+    excluded = 0
     for span in spans:
+        if span in stopped:
+            excluded += 1
+            continue
         rs = sets.get(span)
         if rs is None:
             return CheckpointComputation(None, None, span, "span has no replication set")
@@ -50,7 +63,9 @@ def compute_checkpoint(spans: Iterable[Span], sets: Mapping[Span, SetLike]) -> C
         if resolved is None or rs.resolved_ts < resolved:
             resolved = rs.resolved_ts
     if checkpoint is None or resolved is None:
-        return CheckpointComputation(None, None, None, "changefeed has no spans")
+        reason = ("every table of the changefeed is stopped by an incident" if excluded
+                  else "changefeed has no spans")
+        return CheckpointComputation(None, None, None, reason)
     return CheckpointComputation(checkpoint, resolved)
 
 
@@ -62,8 +77,9 @@ class ChangefeedCheckpoint:
         self.checkpoint_ts = checkpoint_ts
         self.resolved_ts = max(resolved_ts, checkpoint_ts)
 
-    def advance(self, spans: Iterable[Span], sets: Mapping[Span, SetLike]) -> CheckpointUpdate:
-        computed = compute_checkpoint(spans, sets)
+    def advance(self, spans: Iterable[Span], sets: Mapping[Span, SetLike],
+                stopped: Collection[tuple[str, str, str, str]] = ()) -> CheckpointUpdate:
+        computed = compute_checkpoint(spans, sets, stopped)
         if computed.checkpoint_ts is None or computed.resolved_ts is None:
             return CheckpointUpdate(self.checkpoint_ts, self.resolved_ts, False,
                                     computed.blocked_by, computed.reason)
@@ -90,8 +106,9 @@ class CheckpointTracker:
 
     def advance(
         self, spans_by_changefeed: Mapping[ChangefeedId, Iterable[Span]], sets: Mapping[Span, SetLike],
+        stopped: Collection[tuple[str, str, str, str]] = (),
     ) -> dict[ChangefeedId, CheckpointUpdate]:
-        return {cf: self.get(cf).advance(spans, sets) for cf, spans in spans_by_changefeed.items()}
+        return {cf: self.get(cf).advance(spans, sets, stopped) for cf, spans in spans_by_changefeed.items()}
 
 
 def spans_by_changefeed(spans: Iterable[Span]) -> dict[ChangefeedId, list[Span]]:

@@ -9,6 +9,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from contracts.events.changefeeds import ChangefeedSpecV2
+from contracts.events.table_incidents import TableStoppedV2
 from libs.progress_text import rows_progress
 from libs.secret_refs import is_reference
 from libs.ts import behind_text, duration_text
@@ -107,15 +108,45 @@ class Accepted(BaseModel):
                                             "cascading foreign keys the binlog does not show).")
 
 
+def stopped_text(stopped: TableStoppedV2) -> str:
+    """A stopped table's error line: why it stopped (the api's ``error`` of the table)."""
+    if stopped.kind == "unreplicable":
+        return f"stopped: the table cannot be replicated: {stopped.error}"
+    return (f"stopped: the downstream refused the {stopped.statement} of key {stopped.key} in "
+            f"{stopped.target}: {stopped.error}")
+
+
+class StoppedTableOut(BaseModel):
+    """A table stopped by an incident: the changefeed's checkpoint does not cover it."""
+
+    source: str
+    database: str
+    table: str
+    incident: str
+    kind: str = Field(description="refused (its downstream refused a change) or unreplicable.")
+    reason: str
+    checkpoint_ts: int | None = Field(
+        description="Where it stopped: its own checkpoint (everything up to it is downstream).")
+
+    @computed_field(description="Its checkpoint as a UTC time.")  # type: ignore[prop-decorator]
+    @property
+    def checkpoint_time(self) -> str | None:
+        return behind_text(self.checkpoint_ts) if self.checkpoint_ts else None
+
+
 class ChangefeedOut(BaseModel):
     id: str
     state: str
     spec: dict[str, Any] = Field(description="The changefeed spec with passwords redacted.")
-    checkpoint_ts: int
+    checkpoint_ts: int = Field(description="Every change up to it is downstream for every table "
+                                           "it covers: all but the stopped_tables.")
     resolved_ts: int
     lag_s: float | None
     tables: int
     tables_by_state: dict[str, int]
+    stopped_tables: list[StoppedTableOut] = Field(
+        default_factory=list, description="Tables stopped by an incident, left out of the checkpoint "
+                                          "until an operator resumes them and they catch up.")
 
     @computed_field(description=_CHECKPOINT_TIME)  # type: ignore[prop-decorator]
     @property
@@ -152,7 +183,9 @@ class TableOut(BaseModel):
                           "worker's prepare waits for: its start, Spark warming up, the commit); "
                           "null once it streams.")
     incident: dict[str, Any] | None = Field(
-        None, description="The downstream refused a change for good: the table waits for an operator "
+        None, description="Why the table is stopped (state `stopped`): its downstream refused a change "
+                          "for good (kind refused) or it cannot be replicated as the changefeed says "
+                          "(kind unreplicable); it waits for an operator "
                           "(POST .../errors/{incident}/skip|retry|resume).")
 
     @computed_field(description=_CHECKPOINT_TIME)  # type: ignore[prop-decorator]

@@ -210,7 +210,8 @@ def changefeed_table_error(
         action: Annotated[str, typer.Argument(
             help="skip (dead-letter the refused change and go on), retry, or resume (after a fix).")],
 ) -> None:
-    """Decide on a table its downstream stopped (a change refused for good)."""
+    """Decide on a stopped table (a change its downstream refused for good, or a table that
+    cannot be replicated as the changefeed says)."""
     cli = _cli(ctx)
     cli.accepted(cli.run(
         "POST", f"/changefeeds/{changefeed}/tables/{source}/{database}/{table}/errors/{incident}/{action}"))

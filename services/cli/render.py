@@ -75,6 +75,12 @@ def changefeeds(items: list[dict[str, Any]]) -> None:
     table("changefeeds", ["id", "state", "checkpoint", "tables", "by state"],
           ([c["id"], _state(c), checkpoint(c), c["tables"],
             " ".join(f"{k}={v}" for k, v in c.get("tables_by_state", {}).items())] for c in items))
+    stopped = [(c["id"], s) for c in items for s in c.get("stopped_tables") or []]
+    if stopped:
+        table("stopped tables (not covered by their changefeed's checkpoint)",
+              ["changefeed", "source", "database", "table", "stopped at", "incident", "reason"],
+              ([cf, s["source"], s["database"], s["table"], s.get("checkpoint_time"), s["incident"],
+                s["reason"]] for cf, s in stopped))
 
 
 _EXPRESSIONS = (("ignore_insert_value_expr", "insert"), ("ignore_update_old_value_expr", "update old"),
@@ -153,6 +159,8 @@ def tables(items: list[dict[str, Any]]) -> None:
         stopped = t.get("incident")
         if not stopped:
             return None
+        if stopped.get("kind") == "unreplicable":
+            return f"{stopped['incident']}: cannot be replicated: {stopped['error']}"
         return (f"{stopped['incident']}: {stopped['statement']} of key {stopped.get('key')} refused: "
                 f"{stopped['error']}")
 

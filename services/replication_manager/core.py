@@ -15,12 +15,14 @@ dispatch, the rebuild) with what the service needs around it:
 - changefeed checkpoints: the minimum over *every wanted span* of the changefeed (the
   schedule stream's ``spans_changed``), never over the sets alone, so a span without a set
   holds the checkpoint (No Lost Table); the published values are seeded from the log and never
-  go backwards.
+  go backwards. Spans stopped by an incident (the changefeeds log's open ``table.stopped``,
+  ``stopped``) are left out: the checkpoint covers the other tables, and the api lists the
+  stopped ones (``libs.scheduling.checkpoint``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -82,8 +84,11 @@ class ReplicationCore:
                  checkpoints: Mapping[ChangefeedId, tuple[int, int]] | None = None,
                  wanted: Mapping[ChangefeedId, Iterable[Span]] | None = None,
                  max_task_concurrency: int = 10, started_at: float = 0.0,
-                 prepare_timeout_s: float | None = None) -> None:
+                 prepare_timeout_s: float | None = None,
+                 stopped: Callable[[], Collection[tuple[str, str, str, str]]] = tuple) -> None:
         self.epoch = epoch
+        self.stopped = stopped
+        """The spans an open incident stops, now (the changefeeds log, as the api shows them)."""
         self.incarnations: dict[MemberId, str] = dict(alive)
         self.manager = ReplicationManager(epoch, live_members=self.incarnations, known_spans=known_spans,
                                           max_task_concurrency=max_task_concurrency,
@@ -223,8 +228,9 @@ class ReplicationCore:
             return []
         out: list[CheckpointAdvancedV1] = []
         sets = self.manager.sets
+        stopped = self.stopped()
         for cf, spans in sorted(self.wanted.items()):
-            update = self.tracker.get(cf).advance(spans, sets)
+            update = self.tracker.get(cf).advance(spans, sets, stopped)
             if update.advanced:
                 out.append(CheckpointAdvancedV1(changefeed=cf, checkpoint_ts=update.checkpoint_ts,
                                                 resolved_ts=update.resolved_ts))
@@ -233,8 +239,9 @@ class ReplicationCore:
     def blocked(self) -> dict[ChangefeedId, str]:
         """Why each changefeed's checkpoint cannot move right now (for operators)."""
         out: dict[ChangefeedId, str] = {}
+        stopped = self.stopped()
         for cf, spans in self.wanted.items():
-            computed = compute_checkpoint(spans, self.manager.sets)
+            computed = compute_checkpoint(spans, self.manager.sets, stopped)
             if computed.reason is not None:
                 where = f" ({computed.blocked_by.key})" if computed.blocked_by is not None else ""
                 out[cf] = computed.reason + where

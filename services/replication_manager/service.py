@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -49,6 +49,7 @@ from contracts.events.scheduling import (
     SpansChangedV1,
 )
 from libs.config import Settings
+from libs.control.changefeeds_state import ChangefeedView, changefeeds_fold
 from libs.control.convert import dispatch_request, span_of
 from libs.control.members import MembersState, members_fold
 from libs.control.replication_state import ReplicationState, replication_fold
@@ -103,11 +104,15 @@ class ReplicationService:
                                   name="rm_members")
             schedule = loop.follow("schedule", schedule_fold, ScheduleState,
                                    restore=ScheduleState.restore, name="rm_schedule")
+            # Tables stopped by an incident are left out of their changefeed's checkpoint.
+            changefeeds = loop.follow("changefeeds", changefeeds_fold, ChangefeedView,
+                                      name="rm_changefeeds")
             await loop.load()
             sender = _Sender(self, leadership, loop)
             handlers = ReplicationHandlers(leadership, domain_log, self.settings, members.state,
                                            schedule.state, started=started, send=sender.send,
-                                           publish_status=loop.publish_status)
+                                           publish_status=loop.publish_status,
+                                           stopped=lambda: changefeeds.state.stopped)
             sender.core = handlers.core
             members.on_event = handlers.on_member
             schedule.on_event = handlers.on_schedule
@@ -150,7 +155,8 @@ class ReplicationHandlers:
     def __init__(self, leadership: LeaseView, domain_log: LeaderLog, settings: Settings,
                  members: MembersState, schedule: ScheduleState, *, started: float,
                  send: Callable[[Dispatch], None],
-                 publish_status: Callable[[dict[str, Any]], None]) -> None:
+                 publish_status: Callable[[dict[str, Any]], None],
+                 stopped: Callable[[], Collection[tuple[str, str, str, str]]] = tuple) -> None:
         recorded = domain_log.state
         assert isinstance(recorded, ReplicationState)
         self.epoch = leadership.epoch
@@ -167,7 +173,8 @@ class ReplicationHandlers:
                                     wanted=schedule.wanted,
                                     max_task_concurrency=settings.scheduler_max_task_concurrency,
                                     started_at=started,
-                                    prepare_timeout_s=settings.replication_prepare_timeout_s)
+                                    prepare_timeout_s=settings.replication_prepare_timeout_s,
+                                    stopped=stopped)
         log.info("replication-manager leading; waiting for the live members' reports", extra={
             "epoch": leadership.epoch, "awaiting": sorted(self.core.manager.awaiting),
             "known_spans": len(recorded.sets), "replay_s": round(time.monotonic() - started, 3)})

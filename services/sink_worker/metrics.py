@@ -43,7 +43,8 @@ CROSS_SHARD_CONFLICTS = Counter("sluice_sink_cross_shard_unique_conflicts",
                                 "happened (refused: the target stopped; overwritten: the row removed).",
                                 ["changefeed", "action"])
 KEYLESS_REFUSED = Counter("sluice_sink_keyless_refusals",
-                          "Times a span was refused because its table has no usable key.", ["changefeed"])
+                          "Spans stopped because their table cannot be replicated as the changefeed "
+                          "says (no usable key, table rules that do not fit).", ["changefeed"])
 
 
 # Initial load (services/sink_worker/snapshot/initial_load.py).

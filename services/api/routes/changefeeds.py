@@ -18,14 +18,24 @@ from fastapi.exceptions import RequestValidationError
 from sqlmodel import Session, select
 
 from contracts.events.changefeeds import ChangefeedSpec, ChangefeedSpecV5
+from contracts.events.table_incidents import TableStoppedV2
 from libs.changefeeds import record_changefeed, record_state, record_update
 from libs.eventstore import AppendConflict
 from libs.routing import unique_conflict_warnings
+from libs.scheduling.model import Span as WorkerSpan
 from services.api.auth import require_read, require_write
-from services.api.context import ApiContext, get_ctx, js_of, projections_of
+from services.api.context import ApiContext, get_ctx, js_of, projections_of, span_checkpoint
 from services.api.models import ChangefeedRow, SpanRow
 from services.api.prechecks import CheckResult, run_checks
-from services.api.schemas import Accepted, ChangefeedOut, lag_seconds, redact_spec, unredact_url
+from services.api.schemas import (
+    Accepted,
+    ChangefeedOut,
+    StoppedTableOut,
+    lag_seconds,
+    redact_spec,
+    stopped_text,
+    unredact_url,
+)
 from services.api.source_refs import ChangefeedSpecIn, resolve_spec
 from services.api.validation import binding_problems, password_problems, spec_problems
 
@@ -42,6 +52,30 @@ def changefeed_out(row: ChangefeedRow, spans: list[SpanRow]) -> ChangefeedOut:
                          lag_s=lag_seconds(row.checkpoint_ts), tables=len(spans),
                          tables_by_state=dict(sorted(by_state.items())),
                          failed_checks=json.loads(row.failed_checks_json))
+
+
+async def with_stopped_tables(ctx: ApiContext, out: ChangefeedOut) -> ChangefeedOut:
+    """``out`` with the tables an open incident stops (the changefeeds log) and where each
+    stopped (its stored checkpoint): the ones its checkpoint does not cover."""
+    stopped = sorted((key, event) for key, event in projections_of(ctx).changefeeds.state.stopped.items()
+                     if key[0] == out.id)
+    spans = [WorkerSpan(*key) for key, _ in stopped]
+    positions = await asyncio.gather(*(span_checkpoint(ctx, span) for span in spans))
+    out.stopped_tables = [
+        StoppedTableOut(source=span.source, database=span.database, table=span.table,
+                        incident=event.incident, kind=event.kind, reason=stopped_text(event),
+                        checkpoint_ts=stopped_at(event, position))
+        for span, (_, event), position in zip(spans, stopped, positions, strict=True)]
+    return out
+
+
+def stopped_at(event: TableStoppedV2, stored: tuple[int, int] | None) -> int | None:
+    """Where a stopped table stands: its stored checkpoint; before its first one, an
+    unreplicable table stopped where its first round started (``upto_ts``), a refused one is
+    unknown (None)."""
+    if stored is not None:
+        return stored[1]
+    return event.upto_ts if event.kind == "unreplicable" else None
 
 
 def list_changefeeds(ctx: ApiContext) -> list[ChangefeedOut]:
@@ -114,13 +148,13 @@ def _validate(spec: ChangefeedSpec, password_checked: bool = False) -> None:
 
 @router.get("", response_model=list[ChangefeedOut], dependencies=[Depends(require_read)])
 async def get_changefeeds(ctx: ApiContext = Depends(get_ctx)) -> list[ChangefeedOut]:
-    return list_changefeeds(ctx)
+    return list(await asyncio.gather(*(with_stopped_tables(ctx, out) for out in list_changefeeds(ctx))))
 
 
 @router.get("/{changefeed_id}", response_model=ChangefeedOut, dependencies=[Depends(require_read)],
             responses={404: {"description": "Unknown changefeed"}})
 async def get_changefeed(changefeed_id: str, ctx: ApiContext = Depends(get_ctx)) -> ChangefeedOut:
-    return load_changefeed(ctx, changefeed_id)
+    return await with_stopped_tables(ctx, load_changefeed(ctx, changefeed_id))
 
 
 @router.post("", status_code=202, response_model=Accepted, dependencies=[Depends(require_write)],

@@ -5,7 +5,6 @@ moves, drains and rebalances go to the scheduler leader."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections import Counter
@@ -13,8 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException
 from nats.errors import Error as NatsError
-from nats.js.errors import BucketNotFoundError, NotFoundError
-from nats.js.kv import KeyValue
+from nats.js.errors import NotFoundError
 from sqlmodel import Session, select
 
 from contracts.events.changefeeds import ChangefeedSpecV5
@@ -22,10 +20,8 @@ from contracts.events.rows import CaptureRejectedV2
 from contracts.events.scheduling import ScheduleRequestV1, SpanRefV1
 from contracts.events.shard_ddl import DdlCommandV1
 from contracts.registry import REGISTRY, ContractError
-from libs.nats_client import read_json
 from libs.scheduling.model import Span as WorkerSpan
 from libs.streams import (
-    CHECKPOINT_BUCKET,
     LEADER_BUCKET,
     PREPARE_BUCKET,
     ROWS_STREAM,
@@ -38,9 +34,9 @@ from libs.streams import (
 )
 from services.api.auth import require_read, require_write
 from services.api.commands import request_json, schedule_request
-from services.api.context import ApiContext, get_ctx, js_of, projections_of
+from services.api.context import ApiContext, get_ctx, js_of, kv_json, projections_of, span_checkpoint
 from services.api.models import ChangefeedRow, MemberRow, SpanRow
-from services.api.routes.changefeeds import list_changefeeds, load_changefeed
+from services.api.routes.changefeeds import list_changefeeds, load_changefeed, with_stopped_tables
 from services.api.schemas import (
     Accepted,
     CheckpointOut,
@@ -51,51 +47,29 @@ from services.api.schemas import (
     TableOut,
     lag_seconds,
     redact_url,
+    stopped_text,
     waiting_for,
 )
 
 router = APIRouter(tags=["cluster"])
 
 
-_buckets: dict[tuple[int, str], KeyValue] = {}
-
-
-async def _bucket(ctx: ApiContext, bucket: str) -> KeyValue:
-    # Bound once per connection (binding asks the server for the stream); a bucket that does
-    # not exist yet is asked for again next time.
-    key = (id(ctx.nc), bucket)
-    if key not in _buckets:
-        _buckets[key] = await js_of(ctx).key_value(bucket)
-    return _buckets[key]
-
-
-async def _kv_json(ctx: ApiContext, bucket: str, key: str) -> dict[str, Any] | None:
-    """A JSON value from a KV bucket; None when the bucket or key is absent or unreadable."""
-    try:
-        kv = await _bucket(ctx, bucket)
-    except BucketNotFoundError:
-        return None
-    return await read_json(kv, key)
-
-
 async def table_out(ctx: ApiContext, row: SpanRow) -> TableOut:
-    key = WorkerSpan(row.changefeed, row.source, row.database, row.table).kv_key
-    cp = await _kv_json(ctx, CHECKPOINT_BUCKET, key)
-    checkpoint = None
-    if cp is not None:
-        with contextlib.suppress(TypeError, ValueError):
-            checkpoint = CheckpointOut(stream_seq=int(cp.get("stream_seq", 0)), ts=int(cp.get("ts", 0)))
+    span = WorkerSpan(row.changefeed, row.source, row.database, row.table)
+    key = span.kv_key
+    stored = await span_checkpoint(ctx, span)
+    checkpoint = CheckpointOut(stream_seq=stored[0], ts=stored[1]) if stored is not None else None
     checkpoint_ts = max(row.checkpoint_ts, checkpoint.ts if checkpoint else 0)
-    # poison: a table its downstream stopped shows the incident until an operator acts on it
+    # A table stopped by an incident (refused by its downstream, or one that cannot be
+    # replicated) shows it until an operator acts on it, whatever its set's state.
     stopped = projections_of(ctx).changefeeds.state.stopped.get(
         (row.changefeed, row.source, row.database, row.table))
     state, error = row.state, row.error
     members = tuple(json.loads(row.members_json))
-    snapshot = await _kv_json(ctx, SNAPSHOT_BUCKET, key)
-    prepare = await _kv_json(ctx, PREPARE_BUCKET, key) if state in ("absent", "prepare", "commit") else None
+    snapshot = await kv_json(ctx, SNAPSHOT_BUCKET, key)
+    prepare = await kv_json(ctx, PREPARE_BUCKET, key) if state in ("absent", "prepare", "commit") else None
     if stopped is not None:
-        state, error = "error", (f"stopped: the downstream refused the {stopped.statement} of key "
-                                 f"{stopped.key} in {stopped.target}: {stopped.error}")
+        state, error = "stopped", stopped_text(stopped)
     return TableOut(changefeed=row.changefeed, source=row.source, database=row.database,
                     table=row.table, key=row.key, state=state, primary=row.primary,
                     secondary=row.secondary, members=json.loads(row.members_json), error=error,
@@ -258,12 +232,12 @@ async def list_sources(ctx: ApiContext) -> list[SourceOut]:
         problem = await _source_problem(ctx, source_id, resolved_seq)
         # The capture's own word while its sessions fail (it cannot connect, log in, ...) comes
         # first: a rejection event exists only for some of those kinds.
-        health = await _kv_json(ctx, SOURCE_HEALTH_BUCKET, token(source_id))
+        health = await kv_json(ctx, SOURCE_HEALTH_BUCKET, token(source_id))
         since = None
         if health and health.get("problem"):
             problem, since = (str(health.get("kind") or "source_error"), str(health["problem"])), \
                 str(health.get("since_utc") or "") or None
-        lease = await _kv_json(ctx, LEADER_BUCKET, f"capture.{token(source_id)}")
+        lease = await kv_json(ctx, LEADER_BUCKET, f"capture.{token(source_id)}")
         out.append(SourceOut(id=source_id, url=url, changefeeds=feeds, registered=source_id in registry,
                              resolved_ts=resolved, problem_kind=problem[0] if problem else None,
                              problem=problem[1] if problem else None, problem_since=since,
@@ -299,5 +273,6 @@ async def status(ctx: ApiContext = Depends(get_ctx)) -> StatusOut:
         locks = [lk for lk in raw if isinstance(lk, dict)] if isinstance(raw, list) else []
     except HTTPException as exc:
         error = str(exc.detail)
-    return StatusOut(changefeeds=list_changefeeds(ctx), members=list_members(ctx), ddl_locks=locks,
+    changefeeds = await asyncio.gather(*(with_stopped_tables(ctx, out) for out in list_changefeeds(ctx)))
+    return StatusOut(changefeeds=list(changefeeds), members=list_members(ctx), ddl_locks=locks,
                      ddl_locks_error=error)

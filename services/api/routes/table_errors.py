@@ -1,9 +1,12 @@
-"""/api/v1 operator decisions on a table stopped by its downstream (poison isolation).
+"""/api/v1 operator decisions on a table stopped by an incident (poison isolation, tables that
+cannot be replicated).
 
 A sink-worker records ``table.stopped`` in the changefeeds log when the downstream refuses one
-of a table's changes for good; the table's GET shows it (``state: error`` and ``incident``).
-The operator answers here with the incident's id: ``skip`` (the refused change goes to the dead
-letters and the table goes on), ``retry``, or ``resume`` after fixing the downstream. The
+of a table's changes for good (kind ``refused``) or the table cannot be replicated as the
+changefeed says (kind ``unreplicable``: no usable key, rules that do not fit); the table's GET
+shows it (``state: stopped`` and ``incident``). The operator answers here with the incident's
+id: ``skip`` (the refused change goes to the dead letters and the table goes on), ``retry``, or
+``resume`` after fixing the downstream or the table. The
 decision is appended to the changefeeds log, fenced like every changefeed command; the worker
 that runs the table folds it from there (so it reaches whichever worker runs it, also after a
 move or a restart) and acts only on the incident it names."""
@@ -37,10 +40,13 @@ async def act_on_table_error(changefeed_id: str, source: str, database: str, tab
     def check() -> None:
         stopped = view.state.stopped.get(key)
         if stopped is None:
-            raise HTTPException(409, f"table {source}/{database}.{table} is not stopped by its downstream")
+            raise HTTPException(409, f"table {source}/{database}.{table} is not stopped by an incident")
         if stopped.incident != incident:
             raise HTTPException(409, f"table {source}/{database}.{table} is stopped by incident "
                                      f"{stopped.incident!r}, not {incident!r}")
+        if action == "skip" and stopped.kind == "unreplicable":
+            raise HTTPException(422, "the table as a whole cannot be replicated, so there is no row to "
+                                     f"skip: fix it ({stopped.error}) and resume")
         if action == "skip" and stopped.key is None:
             raise HTTPException(422, "no single row reproduces this refusal, so there is nothing to skip: "
                                      "fix the downstream and resume")

@@ -36,6 +36,7 @@ from services.sink_worker.span.machine import (
     CarriedOut,
     HeadFailed,
     Recopying,
+    Refused,
     SpanOutcome,
     SpanState,
     WaitsAtHead,
@@ -168,6 +169,11 @@ class DdlBarrier:
         request = SnapshotRequest(span, rt.config.source_url, url, rt.config.key_policy, "snapshot",
                                   rt.shards, rt.config.router, recopy_of=head.stream_seq)
         decision, start = await self.initial_loads.decide(request)
+        if decision == "unreplicable":
+            # The re-copy cannot copy the table as the changefeed says: stopped at the DDL.
+            w.head = Refused(self.initial_loads.unreplicable.pop(span, "the re-copy was refused"),
+                             unreplicable=True)
+            return
         if decision == "copying" or start is None:
             if rt.state is not SpanState.SNAPSHOT:
                 log.info("DDL changes existing rows: copying the table again",

@@ -20,7 +20,7 @@ from nats.js import JetStreamContext
 from contracts.events.table_incidents import (
     TableActionRequestedV1,
     TableRefV1,
-    TableStoppedV1,
+    TableStoppedV2,
     UniqueConflictOverwrittenV1,
 )
 from libs.changefeeds import ChangefeedView
@@ -41,11 +41,12 @@ def span_of(ref: TableRefV1) -> Span:
     return Span(ref.changefeed, ref.source, ref.database, ref.table)
 
 
-def stopped_event(span: Span, incident: TableIncident, worker: str) -> TableStoppedV1:
+def stopped_event(span: Span, incident: TableIncident, worker: str) -> TableStoppedV2:
     f = incident.failure
-    return TableStoppedV1(table=table_ref(span), incident=incident.id, target=incident.target,
-                          statement=f.statement, key=f.key, key_columns=list(f.key_columns),
-                          error=f.error, code=f.code, upto_ts=incident.upto_ts, worker=worker)
+    return TableStoppedV2(table=table_ref(span), incident=incident.id, target=incident.target,
+                          kind=incident.kind, statement=f.statement, key=f.key,
+                          key_columns=list(f.key_columns), error=f.error, code=f.code,
+                          upto_ts=incident.upto_ts, worker=worker)
 
 
 def overwritten_event(changefeed: str, report: str) -> UniqueConflictOverwrittenV1:

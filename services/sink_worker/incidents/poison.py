@@ -88,19 +88,43 @@ def describe_error(exc: BaseException) -> tuple[str, int | str | None]:
 
 
 @dataclass(frozen=True)
+class Unreplicable:
+    """The table cannot be replicated as the changefeed says (no usable key under its key
+    policy, table rules that do not fit, a DDL that leaves it without a key): no row or
+    statement is refused, the table as a whole is. Read like a ``RowFailure``."""
+
+    error: str
+    statement: None = None
+    key: None = None
+    key_columns: tuple[str, ...] = ()
+    code: None = None
+
+    def describe(self) -> str:
+        return f"the table cannot be replicated: {self.error}"
+
+
+@dataclass(frozen=True)
 class TableIncident:
-    """A span stopped by a downstream's permanent refusal, until an operator acts on it.
+    """A span stopped until an operator acts on it: by a downstream's permanent refusal
+    (``RowFailure``) or because it cannot be replicated (``Unreplicable``).
 
     ``upto_ts`` is the end of the batch the refused change was in: a ``skip`` leaves out that
-    key's changes up to it, never a later change of the same row."""
+    key's changes up to it, never a later change of the same row (for ``Unreplicable``: the
+    ts the span stopped at)."""
 
     id: str
     target: str
-    """``schema.table`` downstream (without the sink URL, which may hold a password)."""
-    failure: RowFailure
+    """``schema.table`` downstream (without the sink URL, which may hold a password); empty
+    when the table has none."""
+    failure: RowFailure | Unreplicable
     upto_ts: int
 
+    @property
+    def kind(self) -> Literal["refused", "unreplicable"]:
+        return "unreplicable" if isinstance(self.failure, Unreplicable) else "refused"
+
     def status(self) -> dict[str, Any]:
-        return {"incident": self.id, "target": self.target, "statement": self.failure.statement,
-                "key": self.failure.key, "key_columns": list(self.failure.key_columns),
-                "error": self.failure.error, "code": self.failure.code, "upto_ts": self.upto_ts}
+        return {"incident": self.id, "kind": self.kind, "target": self.target,
+                "statement": self.failure.statement, "key": self.failure.key,
+                "key_columns": list(self.failure.key_columns), "error": self.failure.error,
+                "code": self.failure.code, "upto_ts": self.upto_ts}

@@ -55,10 +55,7 @@ class CheckpointAdvance:
         if decided.error is not None:
             report.errors.append(f"{rt.span.name}: {decided.error}")
         if decided.incident is not None:
-            self._stopped(rt, decided.incident)
-        if decided.newly_refused is not None:
-            log.error("span refused at DDL: %s", decided.newly_refused, extra={"span": rt.span.name})
-            m.KEYLESS_REFUSED.labels(rt.span.changefeed).inc()
+            self.stopped(rt, decided.incident)
         proposed = decided.checkpoint
         if proposed is None:
             return
@@ -87,13 +84,17 @@ class CheckpointAdvance:
             m.RESOLVED_LAG.labels(cf, name).set(
                 max(0.0, m.ts_seconds(rt.resolved_ts) - m.ts_seconds(proposed.ts)))
 
-    def _stopped(self, rt: SpanRuntime, incident: TableIncident) -> None:
+    def stopped(self, rt: SpanRuntime, incident: TableIncident) -> None:
+        """Record (in the next ``record_incidents``), count and log a new incident, once."""
         self.incidents.append((rt.span, incident))
         m.TABLE_INCIDENTS.labels(rt.span.changefeed).inc()
         if incident.failure.error.startswith(UniqueConflictError.__name__):
             m.CROSS_SHARD_CONFLICTS.labels(rt.span.changefeed, "refused").inc()
         m.TABLE_STOPPED.labels(rt.span.changefeed, rt.span.name).set(1)
-        log.error("span stopped: the downstream refused a change for good",
+        if incident.kind == "unreplicable":
+            m.KEYLESS_REFUSED.labels(rt.span.changefeed).inc()
+        # Once per incident: a stopped span runs no round until an operator acts.
+        log.error("span stopped: %s", incident.failure.describe(),
                   extra={"span": rt.span.name, **incident.status()})
 
     async def _store(self, rt: SpanRuntime, checkpoint: Checkpoint) -> bool:

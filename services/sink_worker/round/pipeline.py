@@ -8,8 +8,9 @@ A round covers every span the worker runs, with one cut (on the driver) for all 
    ``round_size``, together within ``max_events_per_round``, which bounds the driver's memory;
    mostly in memory already, read ahead while the previous round wrote: ``round_overlap``);
 3. in the driver, plan each span once (``round_plan``): its routes, target and key; a table
-   without a usable key is refused (clear error in the log, the health status and a metric)
-   and the span stops there; a DDL at its head is carried out or waited for (``ddl_barrier``);
+   without a usable key stops with an incident (recorded in the changefeeds log, logged once,
+   in the health status and a metric) until an operator resumes it; a DDL at its head is
+   carried out or waited for (``ddl_barrier``);
 4. in a worker thread (never on the event loop): each span's cut (on the driver,
    ``sort_job``), then per sink its writer (``writer``: the apply job, one Spark job, and the
    DDL barriers the batches stopped at; the NATS sink publishes afterwards, on the loop);
@@ -104,13 +105,13 @@ class Pipeline:
         """Spans stopped since the worker last recorded them in the changefeeds log."""
         self.new_overwrites: list[tuple[str, str]] = []
         """(changefeed, conflict JSON) of rows removed under ``on_unique_conflict = overwrite``."""
-        self.starts = SpanStarts(js, checkpoints, rows_stream, initial_loads)
+        self.advance = CheckpointAdvance(checkpoints, self.options, initial_loads, self.new_incidents)
+        self.starts = SpanStarts(js, checkpoints, rows_stream, initial_loads, self.advance.stopped)
         self.planner = RoundPlanner(js, rows_stream, spark)
         schemas = TargetSchemas()
         self.barrier = DdlBarrier(schemas, initial_loads)
         self.fk_barrier = ForeignKeyBarrier()
         self.writers = Writers(self.options, schemas, self.barrier, self.new_overwrites)
-        self.advance = CheckpointAdvance(checkpoints, self.options, initial_loads, self.new_incidents)
 
     def attach_shard_ddl(self, shard_ddl: ShardDdl) -> None:
         self.shard_ddl = self.barrier.shard_ddl = shard_ddl
@@ -147,7 +148,6 @@ class Pipeline:
                 self.spans[span] = SpanRuntime(span, config, self._reader(span))
             elif rt.config != config:
                 rt.config = config
-                rt.config_changed()  # a new key policy may allow a refused table now
         for span in wanted:
             self.spans[span].skips.update(self.known_skips.get(span, {}))
         # Several upstream shards in one target: their DDL needs the ddl-lock, not this path.
@@ -326,6 +326,8 @@ class Pipeline:
 
     async def _pull_all(self, runtimes: list[SpanRuntime], report: RoundReport) -> list[SpanWork]:
         for rt in runtimes:
+            if rt.checkpoint is None and rt.incident is not None:
+                continue  # its copy was refused for good: nothing to start until an operator acts
             if rt.checkpoint is None:
                 await self.starts.load(rt)
                 continue

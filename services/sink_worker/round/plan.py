@@ -4,8 +4,9 @@ once in the driver before anything is written.
 ``SpanRoutes`` keeps the routes and targets of the span's tables for the round, so the DDL
 barriers and the writers read the same target the plan chose instead of routing again.
 ``RoundPlanner`` plans each span: a table without a usable key (or with table rules Spark's
-analyser refuses) is refused, rows lacking key values are dead-lettered, and the changes of keys
-an operator skipped are parked in the dead letters.
+analyser refuses) cannot be replicated and stops with an incident (``span.machine``, at the
+round's end), rows lacking key values are dead-lettered, and the changes of keys an operator
+skipped are parked in the dead letters.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from libs.scheduling.model import Span
 from libs.source_tables import source_foreign_keys
 from libs.streams import token
 from libs.table_rules import NO_RULES, TableRules, TableRulesError, rules_for
-from services.sink_worker import metrics as m
 from services.sink_worker.ddl.shard import ShardDdl
 from services.sink_worker.fk.table_group import cut_group, source_metas
 from services.sink_worker.round.apply_job import TargetPlan, key_json
@@ -52,7 +52,7 @@ class RoundPlanner:
         self._rules_checked: dict[tuple[str, str], str | None] = {}
 
     async def plan(self, w: SpanWork) -> None:
-        """The span's target and key; refuse a keyless table, park rows without key values."""
+        """The span's target and key; stop a keyless table, park rows without key values."""
         last_meta: RowsChangedV2 | None = None
         kept: list[PulledEvent] = []
         barrier = False
@@ -96,7 +96,6 @@ class RoundPlanner:
             w.plan = TargetPlan(target_id=target_id(w.rt.config.sink_url, table),
                                 sink_url=w.rt.config.sink_url, table=table)
             w.source_meta = last_meta.meta
-        w.rt.planned(None)
 
     async def plan_group(self, w: SpanWork) -> None:
         """A table group's cut (``table_group.cut_group``), the cascading keys among its tables
@@ -134,8 +133,6 @@ class RoundPlanner:
             if ruled:
                 self.refuse(w, f"table rules on tables of a foreign-key group ({', '.join(ruled)}) "
                                 "are not carried out with its cascades")
-                return
-        rt.planned(None)
 
     async def _table_rules(self, router: Router | None, ev: RowsChangedV2) -> TableRules | None:
         """The table's rules, their expressions checked against its metadata by Spark's
@@ -156,11 +153,11 @@ class RoundPlanner:
         return rules
 
 
-    def refuse(self, w: SpanWork, reason: str) -> None:
-        w.head = Refused(reason)
-        if w.rt.planned(reason):
-            log.error("span refused: %s", reason, extra={"span": w.rt.span.name})
-            m.KEYLESS_REFUSED.labels(w.rt.span.changefeed).inc()
+    @staticmethod
+    def refuse(w: SpanWork, reason: str) -> None:
+        """The table cannot be replicated as the changefeed says: the round's end stops it with
+        an incident (recorded, logged and counted once, in ``CheckpointAdvance``)."""
+        w.head = Refused(reason, unreplicable=True)
 
 
     async def _park_skipped(self, w: SpanWork, key: tuple[str, ...]) -> None:

@@ -46,7 +46,7 @@ from libs.routing import Router
 from libs.scheduling.model import Span
 from libs.sql_ident import quote_ident
 from libs.streams import ROWS_STREAM, SNAPSHOT_BUCKET, token
-from libs.table_rules import rules_for
+from libs.table_rules import TableRulesError, rules_for
 from libs.ts import LOGICAL_BITS
 from services.sink_worker import metrics as m
 from services.sink_worker.round.pull import ResolvedMark, latest_resolved
@@ -65,9 +65,19 @@ from services.sink_worker.snapshot.job import (
 )
 from services.sink_worker.snapshot.plan import Chunk, SnapshotProgress
 from services.sink_worker.span.checkpoints import Checkpoint
-from services.sink_worker.span.target import route_of, shard_ref, target_for
+from services.sink_worker.span.target import KeylessTableError, route_of, shard_ref, target_for
 
 log = logging.getLogger(__name__)
+
+
+class UncopyableTable(ValueError):
+    """The table cannot be copied as the changefeed says (a column type capture does not carry,
+    computed columns): no retry fixes it."""
+
+
+UNREPLICABLE = (KeylessTableError, TableRulesError, UncopyableTable)
+"""A copy that failed with one of these stops its span with an incident instead of being tried
+again every ``retry_s``: the table cannot be replicated until the operator fixes it."""
 
 
 
@@ -170,7 +180,7 @@ class SnapshotRequest:
         return self.span.kv_key if self.recopy_of is None else f"{self.span.kv_key}.recopy.{self.recopy_of}"
 
 
-Decision = Literal["copying", "stream", "done"]
+Decision = Literal["copying", "stream", "done", "unreplicable"]
 
 
 class InitialLoads:
@@ -187,6 +197,8 @@ class InitialLoads:
         self.worker_id = worker_id
         self._tasks: dict[Span, asyncio.Task[None]] = {}
         self._failed_at: dict[Span, float] = {}
+        self.unreplicable: dict[Span, str] = {}
+        """Why a span's copy failed for good (``UNREPLICABLE``), with its ``unreplicable`` decision."""
         self.progress: dict[Span, SnapshotProgress] = {}
         """The latest progress this worker knows of each span it loads (status, metrics)."""
 
@@ -210,6 +222,9 @@ class InitialLoads:
             # that failed is already logged and recorded, and waits before it runs again.
             if task.cancelled() or task.exception() is not None:
                 self._failed_at[req.span] = time.monotonic()
+            if not task.cancelled() and isinstance(task.exception(), UNREPLICABLE):
+                self.unreplicable[req.span] = str(task.exception())
+                return "unreplicable", None
         failed = self._failed_at.get(req.span)
         if failed is None or time.monotonic() - failed >= self.options.retry_s:
             self._failed_at.pop(req.span, None)
@@ -224,6 +239,7 @@ class InitialLoads:
         """Stop the span's copy (its running chunk jobs are interrupted and awaited); its
         finished chunks stay recorded for whoever runs the span next."""
         self._failed_at.pop(span, None)
+        self.unreplicable.pop(span, None)
         self.progress.pop(span, None)
         task = self._tasks.pop(span, None)
         if task is None:
@@ -301,7 +317,8 @@ class InitialLoads:
             raise
         except Exception as exc:
             m.SNAPSHOT_FAILURES.labels(span.changefeed).inc()
-            log.exception("snapshot failed", extra={"span": span.name})
+            if not isinstance(exc, UNREPLICABLE):  # those are logged once, as the span's incident
+                log.exception("snapshot failed", extra={"span": span.name})
             progress.state, progress.error = "failed", f"{type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
                 await self.store.put(span, progress, revision, req.progress_key)
@@ -337,16 +354,18 @@ class InitialLoads:
                 info = resolve_members(info, partial(_present_values, conn, database, table))
             unsupported = info.unsupported()
             if unsupported:
-                raise ValueError(f"columns of types capture does not carry: {[c.name for c in unsupported]}")
+                raise UncopyableTable(f"columns of types capture does not carry: "
+                                      f"{[c.name for c in unsupported]}")
             meta = info.meta()
             target = target_for(span, database, table, meta, req.key_policy, req.router)
             computed = _computed_columns(req.router, database, table)
             if computed:
                 # A copy reads rows with SQL on the source: no Spark SQL runs on them, so the
                 # computed values would be missing. Stopped here rather than written without.
-                raise ValueError(f"table {database}.{table} has computed columns ({', '.join(computed)}) and "
-                                 "must be copied: copies do not compute them; use initial_load binlog-only "
-                                 "and avoid DDL that re-copies the table, or drop the computed columns")
+                raise UncopyableTable(
+                    f"table {database}.{table} has computed columns ({', '.join(computed)}) and "
+                    "must be copied: copies do not compute them; use initial_load binlog-only "
+                    "and avoid DDL that re-copies the table, or drop the computed columns")
             ref = shard_ref(span, database, table)
             found = req.router.origin_for(ref) if req.router is not None else None
             origin = (found.name, found.value(ref)) if found is not None else None

@@ -3,25 +3,30 @@ the I/O around it is to do (write nothing, log a refusal once, record an inciden
 checkpoint to X and store it now or when due).
 
 Events: ``started`` (where the span's first round starts: copying, done, streaming), ``pull_failed``,
-``planned`` (a refusal or none; ``source_failed`` when a group's foreign keys cannot be read),
-``config_changed``, ``written`` (the round's end for the span: the verdict at its head, its cut
-and what its write did; the DDL barrier's outcome is part of it) and ``operator_action``. The
-pipeline, ``CheckpointAdvance`` and ``DdlBarrier`` only carry out what a handler decides.
+``source_failed`` (a group's foreign keys cannot be read), ``written`` (the round's end for the
+span: the verdict at its head, its cut and what its write did; the DDL barrier's outcome is part
+of it) and ``operator_action``. The pipeline, ``CheckpointAdvance`` and ``DdlBarrier`` only carry
+out what a handler decides.
 
 Invariants, checked after every step (in production, as ``ReplicationSet``'s are):
 
-- a span is ``error``, ``refused`` or ``blocked`` exactly when it has an error to show;
-- a span stopped by an incident (a downstream's permanent refusal) is ``error`` with
-  ``stopped: ...`` and runs no round until an operator acts;
+- a span is ``error`` or ``blocked`` exactly when it has an error to show;
+- a span stopped by an incident (a downstream's permanent refusal, or a table that cannot be
+  replicated as the changefeed says) is ``error`` with ``stopped: ...`` and runs no round until
+  an operator acts;
 - a DDL the downstream cannot take (``ddl_error``) is shown only while the span stops
-  (``error``, ``blocked`` or ``refused``);
+  (``error`` or ``blocked``);
 - a decided checkpoint is never below the round's start, in ts and in stream sequence, and
   only a batch written in full (or nothing fresh, below the horizon) moves it.
 
 Deviations from the behaviour before this module: entering ``replicating``, ``snapshot`` or
 ``done`` clears ``ddl_error`` (before, a refused span planned again, or a span started again,
 kept showing the old DDL failure next to ``replicating`` until its round ended), and ``started``
-keeps a span stopped by an incident stopped.
+keeps a span stopped by an incident stopped. A table that cannot be replicated (no usable key,
+rules that do not fit, a DDL that leaves it keyless) was a ``refused`` state that lifted itself
+when a plan or a config allowed the table again; it is now an incident (``Unreplicable``) like a
+downstream's refusal: recorded and logged once, shown as stopped by the api, left out of the
+changefeed's checkpoint, and lifted by the operator's ``resume`` after the fix.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Concatenate, Literal, ParamSpec, Protocol, TypeVar
+from uuid import uuid4
 
-from services.sink_worker.incidents.poison import IncidentAction, TableIncident
+from services.sink_worker.incidents.poison import IncidentAction, TableIncident, Unreplicable
 from services.sink_worker.incidents.table_errors import DdlFailure
 from services.sink_worker.round.sort_job import SpanCut
 from services.sink_worker.sinks.nats_stream import StreamMessage
@@ -46,14 +52,12 @@ class SpanState(StrEnum):
     REPLICATING = "replicating"
     DONE = "done"
     """A snapshot-only span whose copy is done."""
-    REFUSED = "refused"
-    """Its table has no usable key (or table rules Spark refuses): it stops there."""
     BLOCKED = "blocked"
     """Waits at a DDL for shard DDL coordination or a foreign-key group to be formed again."""
     ERROR = "error"
 
 
-_SHOWS_ERROR = frozenset({SpanState.ERROR, SpanState.REFUSED, SpanState.BLOCKED})
+_SHOWS_ERROR = frozenset({SpanState.ERROR, SpanState.BLOCKED})
 STOPPED_PREFIX = "stopped: "
 
 
@@ -65,10 +69,12 @@ class SpanInvariantError(RuntimeError):
 
 @dataclass(frozen=True)
 class Refused:
-    """The span does not write this round (no usable key, rules that do not fit, a group's
-    foreign keys unreadable)."""
+    """The span does not write this round: it cannot be replicated as the changefeed says
+    (``unreplicable``: no usable key, rules that do not fit; it stops with an incident), or
+    the source cannot tell what it needs this round (a group's foreign keys unreadable)."""
 
     reason: str
+    unreplicable: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,7 @@ class SpanOutcome:
     blocked: str | None = None
     """Why the span stops at its DDL barrier: "blocked" (shard DDL) ..."""
     refused: str | None = None
-    """... or "refused" (the DDL leaves the table without a usable key)."""
+    """... or the DDL leaves the table without a usable key: it stops with an incident."""
     error: str | None = None
     ddl_failure: DdlFailure | None = None
     incident: TableIncident | None = None
@@ -168,9 +174,7 @@ class Advance:
     """Tell validation the batch's keys, applied up to this ts."""
     recopy_key: str | None = None
     incident: TableIncident | None = None
-    """A new incident stopped the span: record it."""
-    newly_refused: str | None = None
-    """A new refusal at a DDL: log it and count it, once."""
+    """A new incident stopped the span: record it (and log it, once)."""
     error: str | None = None
     """The round's error line for the span."""
 
@@ -248,6 +252,14 @@ class SpanMachine:
                      "stream": SpanState.REPLICATING}[decision])
 
     @_step
+    def copy_refused(self, reason: str) -> TableIncident | None:
+        """Its initial load cannot copy the table as the changefeed says (no usable key, a column
+        type capture does not carry): stopped with an incident before any checkpoint (ts 0)."""
+        if self.incident is not None:
+            return None
+        return self._stop(unreplicable(reason, 0)).incident
+
+    @_step
     def pull_failed(self, reason: str) -> None:
         if self.incident is None:  # a stopped span shows its incident, not what came after
             self._enter(SpanState.ERROR, reason)
@@ -259,26 +271,6 @@ class SpanMachine:
             self._enter(SpanState.ERROR, reason)
 
     @_step
-    def planned(self, refusal: str | None) -> bool:
-        """The round's plan: ``refusal`` says why the span does not write. True when the
-        refusal is new (the caller logs and counts it once)."""
-        if self.incident is not None:
-            return False  # stopped until an operator acts: no plan changes that
-        if refusal is None:
-            if self.state is SpanState.REFUSED:
-                self._enter(SpanState.REPLICATING)
-            return False
-        new = self.state is not SpanState.REFUSED or self.error != refusal
-        self.state, self.error = SpanState.REFUSED, refusal
-        return new
-
-    @_step
-    def config_changed(self) -> None:
-        """A new config (key policy, rules) may allow a refused table now."""
-        if self.state is SpanState.REFUSED and self.incident is None:
-            self._enter(SpanState.REPLICATING)
-
-    @_step
     def written(self, facts: RoundFacts) -> Advance:
         """The round's end for the span: its state, and the checkpoint it may move to (only
         past batches written in full; a span with nothing fresh follows its horizon). A span
@@ -287,6 +279,8 @@ class SpanMachine:
             return Advance()
         head, cut, outcome = facts.head, facts.cut, facts.outcome
         if isinstance(head, Refused):
+            if head.unreplicable:
+                return self._stop(unreplicable(head.reason, facts.start.ts))
             return Advance()
         if isinstance(head, WaitsAtHead):
             self.state, self.error = SpanState.BLOCKED, head.reason
@@ -300,10 +294,7 @@ class SpanMachine:
         if isinstance(head, CarriedOut):
             cut, outcome = head.cut, SpanOutcome(written=True, ddl_applied=True)
         if outcome is not None and outcome.incident is not None:
-            self.incident = outcome.incident
-            self.state = SpanState.ERROR
-            self.error = f"{STOPPED_PREFIX}{outcome.incident.failure.describe()}"
-            return Advance(incident=outcome.incident, error=self.error)
+            return self._stop(outcome.incident)
         if outcome is not None and outcome.error:
             self.state, self.error, self.ddl_error = SpanState.ERROR, outcome.error, outcome.ddl_failure
             return Advance(error=outcome.error)
@@ -332,9 +323,9 @@ class SpanMachine:
         if outcome is not None:
             decision.rows = outcome.rows
         if outcome is not None and outcome.refused:
-            if self.state is not SpanState.REFUSED:
-                decision.newly_refused = outcome.refused
-            self.state, self.error = SpanState.REFUSED, outcome.refused
+            # Written up to the DDL, which leaves the table without a usable key: stopped there.
+            stopped = self._stop(unreplicable(outcome.refused, decision.checkpoint.ts))
+            decision.incident, decision.error = stopped.incident, stopped.error
         elif outcome is not None and outcome.blocked:
             self.state, self.error = SpanState.BLOCKED, outcome.blocked
         else:
@@ -344,6 +335,11 @@ class SpanMachine:
         if decision.checkpoint.ts < start.ts or decision.checkpoint.stream_seq < start.stream_seq:
             raise SpanInvariantError(f"checkpoint {decision.checkpoint} below the round's start {start}")
         return decision
+
+    def _stop(self, incident: TableIncident) -> Advance:
+        self.incident = incident
+        self._enter(SpanState.ERROR, f"{STOPPED_PREFIX}{incident.failure.describe()}")
+        return Advance(incident=incident, error=self.error)
 
     @_step
     def operator_action(self, incident: str, action: IncidentAction) -> OperatorDecision | None:
@@ -362,3 +358,10 @@ class SpanMachine:
         self.incident = None
         self._enter(SpanState.REPLICATING)
         return OperatorDecision(skip=skip, incident=stopped)
+
+
+def unreplicable(reason: str, at_ts: int) -> TableIncident:
+    """The incident of a table that cannot be replicated as the changefeed says, stopped at
+    ``at_ts`` (its checkpoint: everything up to it is downstream). A fresh id each time: after a
+    resume that did not fix it, the table stops again as a new incident."""
+    return TableIncident(id=uuid4().hex, target="", failure=Unreplicable(reason), upto_ts=at_ts)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from nats.js import JetStreamContext
 
 from libs.scheduling.model import Span
+from services.sink_worker.incidents.poison import TableIncident
 from services.sink_worker.round.pull import latest_resolved
 from services.sink_worker.snapshot.initial_load import InitialLoads, SnapshotRequest, snapshot_mode
 from services.sink_worker.span.checkpoints import Checkpoint, CheckpointStore
@@ -23,8 +25,11 @@ log = logging.getLogger(__name__)
 
 class SpanStarts:
     def __init__(self, js: JetStreamContext, checkpoints: CheckpointStore, rows_stream: str,
-                 initial_loads: InitialLoads | None) -> None:
+                 initial_loads: InitialLoads | None,
+                 stopped: Callable[[SpanRuntime, TableIncident], None]) -> None:
         self.js = js
+        self.stopped = stopped
+        """Records (and logs, once) an incident that stops a span before its first round."""
         self.checkpoints = checkpoints
         self.rows_stream = rows_stream
         self.initial_loads = initial_loads
@@ -111,6 +116,15 @@ class SpanStarts:
             span, rt.config.source_url, rt.config.sink_url, rt.config.key_policy, mode, rt.shards,
             rt.config.router)) for span in copied_spans(rt.span)]
         decision, start = decisions[0]
+        refused = [self.initial_loads.unreplicable.pop(span, None) for span in copied_spans(rt.span)]
+        reasons = [r for r in refused if r is not None]
+        if reasons:
+            # The table cannot be copied as the changefeed says: stopped before any checkpoint.
+            rt.checkpoint = None
+            incident = rt.copy_refused("; ".join(reasons))
+            if incident is not None:
+                self.stopped(rt, incident)
+            return
         if len(decisions) > 1 and all(d != "copying" for d, _ in decisions):
             # A table group: each table is copied on its own (its own watermarks); the group
             # streams from the lowest low watermark, so the order of the copies does not matter
