@@ -108,6 +108,8 @@ class Rows:
     op: RowOp
     columns: tuple[BinlogColumn, ...]
     images: tuple[RowImage, ...]
+    event_size: int | None = None
+    """Bytes of the rows event in the binlog (None: not known): bounds its decoded values."""
 
 
 @dataclass(frozen=True)
@@ -428,7 +430,8 @@ def _convert(event: Any, current_file: str, maps: dict[int, TableMapExtras],
             op = "delete"
             images = tuple(RowImage(_fix_row(r["values"], repairs), None, r.get("none_sources", {}), {})
                            for r in event.rows)
-        return Rows(position, timestamp, str(event.schema), str(event.table), op, columns, images)
+        return Rows(position, timestamp, str(event.schema), str(event.table), op, columns, images,
+                    int(event.event_size))
     if isinstance(event, XidEvent):
         return Commit(position, timestamp)
     if isinstance(event, MariadbGtidEvent):
