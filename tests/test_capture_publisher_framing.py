@@ -50,7 +50,7 @@ async def test_framed_messages_are_stored_with_their_ids_and_deduplicated(js: Je
     decoded = REGISTRY.decode(first.data or b"")
     assert decoded.envelope.id == framed
     assert decoded.event == RowsChangedV2.model_validate(_event(1).model_dump())
-    second = await js.get_msg(ROWS_STREAM, subject=subject, seq=first.seq + 1, next=True)
+    second = await js.get_msg(ROWS_STREAM, subject=subject, seq=(first.seq or 0) + 1, next=True)
     assert second.headers is not None
     # As nats-py writes it (its path: the framed one would have kept the newline).
     assert second.headers == {"Nats-Msg-Id": odd.replace("\n", " "), "Nats-Expected-Stream": ROWS_STREAM}
