@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import pickle
 import shutil
@@ -41,13 +42,14 @@ sys.path.insert(0, str(ROOT))
 
 import nats  # noqa: E402
 import pymysql  # noqa: E402
+from nats.js.errors import NotFoundError  # noqa: E402
 
 from benchmarks import sysbench  # noqa: E402
 from benchmarks.bench_capture_drain import position  # noqa: E402
 from libs.config import Settings  # noqa: E402
 from libs.localservers.mariadb import MariaDB  # noqa: E402
 from libs.localservers.nats_server import NatsServer  # noqa: E402
-from libs.streams import ROWS_STREAM  # noqa: E402
+from libs.streams import ROWS_STREAM, resolved_subject  # noqa: E402
 from libs.streams_setup import ensure_rows_stream  # noqa: E402
 from services.capture.binlog_reader import BinlogReader, Commit, Heartbeat, Item, Position  # noqa: E402
 from services.capture.pipeline import MetaStore, SourcePipeline, StartState  # noqa: E402
@@ -103,6 +105,9 @@ async def pipeline_runs(nats_server: NatsServer, db: MariaDB, data: dict[str, An
             await js.purge_stream(ROWS_STREAM)
             publisher = Publisher(js, SOURCE, "capture/harness", is_valid=lambda: True,
                                   max_payload=lambda: nc.max_payload)
+            with contextlib.suppress(NotFoundError):  # a purge may leave the previous run's mark
+                last = await js.get_last_msg(ROWS_STREAM, resolved_subject(SOURCE))
+                publisher.resolved_stream_seq = int(last.seq or 0)
             meta = MetaStore(lambda: pymysql.connect(host="127.0.0.1", port=db.port, user="root",
                                                      password="", charset="utf8mb4"))
             pipeline = SourcePipeline(SOURCE, publisher, meta, StartState(start, 0, 1))
