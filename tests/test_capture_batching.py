@@ -134,3 +134,16 @@ def test_the_pipelines_models_are_what_model_construct_builds() -> None:
     assert fast.model_copy(update={"ordinal": 5}).ordinal == 5
     position = _construct(SourcePositionV1, {"binlog_file": "b.1", "binlog_pos": 4, "gtid": None})
     assert position.model_dump_json() == SourcePositionV1(binlog_file="b.1", binlog_pos=4).model_dump_json()
+
+
+def test_the_reader_queues_groups_and_counts_items() -> None:
+    reader = BinlogReader({}, 1, Position("binlog.000001", 4), max_items=10)
+    beats: list[Any] = [Heartbeat(Position("binlog.000001", p)) for p in range(10, 22)]
+    assert reader._put_group(beats[:6]) and reader._put_group(beats[6:9])
+    assert reader.pending() == 9 and not reader._queue.full()
+    assert reader._put(beats[9])
+    assert reader._queue.full()  # the bound counts items, not groups
+    # A group is not split: the batch passes max_items by less than a group.
+    assert reader.take(max_items=4, wait=0.1, linger=0) == beats[:6]
+    assert reader.take(max_items=100, wait=0.1, linger=0.001) == beats[6:10]
+    assert reader.pending() == 0

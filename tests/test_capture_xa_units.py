@@ -123,7 +123,8 @@ class Recorder:
         self.sent: list[Sent] = []
         self.marks: list[tuple[ResolvedAdvancedV1, int, XaResume | None]] = []
 
-    async def send(self, subject: str, event: BaseModel, msg_id: str, *, rows: int = 0) -> None:
+    async def send(self, subject: str, event: BaseModel, msg_id: str, *, rows: int = 0,
+                   size_bound: int | None = None) -> None:
         self.sent.append(Sent(subject, msg_id, event))
 
     async def resolved(self, event: ResolvedAdvancedV1, msg_id: str, next_seq: int, *,

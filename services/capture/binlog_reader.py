@@ -3,6 +3,9 @@
 pymysqlreplication is synchronous, so it runs on its own thread and hands over immutable
 items through a bounded queue; the asyncio side takes them in batches (one executor hop per
 batch, not per event). The bound is the back-pressure: a slow NATS slows the binlog read.
+Items go into the queue a group at a time (an event group's items, ``_GROUP_ITEMS`` at most):
+a put and a get per item, each taking the queue's lock and condition, were a tenth of the
+reader thread's time on transactions of a few rows.
 The thread checks its stop flag after every event, and the server's heartbeats (every
 ``heartbeat_s`` while idle) bound how long that can take.
 """
@@ -108,6 +111,8 @@ class Rows:
     op: RowOp
     columns: tuple[BinlogColumn, ...]
     images: tuple[RowImage, ...]
+    event_size: int | None = None
+    """Bytes of the rows event in the binlog (None: not known): bounds its decoded values."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,30 @@ _EVENTS = [WriteRowsEvent, UpdateRowsEvent, DeleteRowsEvent, QueryEvent, XidEven
            HeartbeatLogEvent, MariadbGtidEvent, MysqlGtidEvent, TableMapEvent,
            table_map_cache.CachedTableMapEvent, XAPrepareEvent]
 _FL_PREPARED_XA = 0x40
+# Items held back on the reader thread before they are queued: only inside an event group, whose
+# events the server sends together, so holding them adds no latency; a long group goes in pieces.
+_GROUP_ITEMS = 64
+
+
+class _ItemQueue(queue.Queue[list[Item]]):
+    """A queue of item groups whose bound and size count items, not groups (so ``max_items``
+    bounds memory as before, and ``qsize`` says how many items are waiting)."""
+
+    def _init(self, maxsize: int) -> None:
+        super()._init(maxsize)
+        self.items = 0
+
+    def _qsize(self) -> int:
+        return self.items
+
+    def _put(self, group: list[Item]) -> None:
+        self.queue.append(group)
+        self.items += len(group)
+
+    def _get(self) -> list[Item]:
+        group: list[Item] = self.queue.popleft()
+        self.items -= len(group)
+        return group
 
 
 @dataclass(frozen=True)
@@ -177,7 +206,7 @@ class BinlogReader:
         self._start = start
         self._heartbeat_s = heartbeat_s
         self._only_schemas = only_schemas
-        self._queue: queue.Queue[Item] = queue.Queue(maxsize=max_items)
+        self._queue = _ItemQueue(maxsize=max_items)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conns: list[Any] = []
@@ -235,9 +264,12 @@ class BinlogReader:
         return self._queue.qsize()
 
     def _put(self, item: Item) -> bool:
+        return self._put_group([item])
+
+    def _put_group(self, group: list[Item]) -> bool:
         while not self._stop.is_set():
             try:
-                self._queue.put(item, timeout=0.2)
+                self._queue.put(group, timeout=0.2)
                 return True
             except queue.Full:
                 continue
@@ -245,6 +277,7 @@ class BinlogReader:
 
     def _run(self) -> None:
         stream: BinLogStreamReader | None = None
+        held: list[Item] = []  # items of the open event group, not queued yet
         try:
             stream = BinLogStreamReader(
                 connection_settings=self._connection, server_id=self._server_id,
@@ -274,11 +307,15 @@ class BinlogReader:
                 if item is not None:
                     if not isinstance(item, Heartbeat):
                         self.position = _position_of(item)
-                    if not self._put(item):
+                    held.append(item)
+                    if isinstance(item, Begin | Rows) and len(held) < _GROUP_ITEMS:
+                        continue  # the group's next events are on their way
+                    group, held = held, []
+                    if not self._put_group(group):
                         break
         except BaseException as exc:  # handed to the asyncio side, which decides
             if not self._stop.is_set():
-                self._put(ReaderFailed(exc))
+                self._put_group([*held, ReaderFailed(exc)])
         finally:
             if stream is not None:
                 try:
@@ -288,25 +325,27 @@ class BinlogReader:
             _quiet.stopped_threads.discard(threading.get_ident())
 
 
-def take_batch(items_queue: queue.Queue[Item], max_items: int, wait: float, linger: float) -> list[Item]:
-    """Block up to ``wait`` for the first item, then take what comes within ``linger`` more.
+def take_batch(items_queue: queue.Queue[list[Item]], max_items: int, wait: float,
+               linger: float) -> list[Item]:
+    """Block up to ``wait`` for the first group of items, then take what comes within ``linger``
+    more, until ``max_items`` (a group is not split: a batch may pass it by less than a group).
     Each batch costs the event loop a fixed amount (an executor hop, the publish spans, a status
     update): while a backlog drains, batches of a few items would spend more on that than on the
     items; ``linger`` bounds what it adds to latency."""
     try:
-        items = [items_queue.get(timeout=wait)]
+        items = list(items_queue.get(timeout=wait))
     except queue.Empty:
         return []
     until = time.monotonic() + linger
     while len(items) < max_items:
         try:
-            items.append(items_queue.get_nowait())
+            items.extend(items_queue.get_nowait())
         except queue.Empty:
             left = until - time.monotonic()
             if left <= 0:
                 break
             try:
-                items.append(items_queue.get(timeout=left))
+                items.extend(items_queue.get(timeout=left))
             except queue.Empty:
                 break
     return items
@@ -428,7 +467,8 @@ def _convert(event: Any, current_file: str, maps: dict[int, TableMapExtras],
             op = "delete"
             images = tuple(RowImage(_fix_row(r["values"], repairs), None, r.get("none_sources", {}), {})
                            for r in event.rows)
-        return Rows(position, timestamp, str(event.schema), str(event.table), op, columns, images)
+        return Rows(position, timestamp, str(event.schema), str(event.table), op, columns, images,
+                    int(event.event_size))
     if isinstance(event, XidEvent):
         return Commit(position, timestamp)
     if isinstance(event, MariadbGtidEvent):

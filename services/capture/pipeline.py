@@ -271,6 +271,8 @@ class SourcePipeline:
         self._part_bytes = part_bytes
         self._resolve_every_s = resolve_every_s
         self._last_resolve = time.monotonic()
+        self._subjects: dict[TableKey, str] = {}  # rows_subject per table: a regex per call
+        self._xa_prepared = metrics.XA_PREPARED.labels(source)
         self.position = start.position  # newest position read, for /healthz
 
     # ------------------------------------------------------------------ items
@@ -394,7 +396,7 @@ class SourcePipeline:
             buffer = txn.tables[key] = _TableBuffer(info, item.position)
         buffer.position = item.position
         try:
-            if _raw_size(item.images) > _LARGE_RAW:
+            if _may_be_large(item) and _raw_size(item.images) > _LARGE_RAW:
                 # base64 of tens of MB takes seconds on a busy machine: not on the event loop,
                 # where it would hold up the lease renewals.
                 images = await asyncio.to_thread(self._images, item, buffer.info, first)
@@ -405,9 +407,9 @@ class SourcePipeline:
             await self.reject("unsupported_type", key, f"{exc}; capture stopped for this table",
                               item.position)
             return
-        for image in images:
+        for image, size in images:
             buffer.rows.append(image)
-            buffer.size += _approx_size(image)
+            buffer.size += size
             # Keep one row back: the commit must always have a row left for the last part.
             if len(buffer.rows) > 1 and (len(buffer.rows) > self._part_rows
                                          or buffer.size > self._part_bytes):
@@ -417,16 +419,22 @@ class SourcePipeline:
                     await self._too_large(txn, key, buffer, exc)
                     return
 
-    def _images(self, item: Rows, info: TableInfo, first: int) -> list[RowImageV2]:
+    def _images(self, item: Rows, info: TableInfo, first: int) -> list[tuple[RowImageV2, int]]:
+        """Each row image with its ``_approx_size``."""
         return [self._image(item.op, info, item.columns, image, first + i)
                 for i, image in enumerate(item.images)]
 
     def _image(self, op: RowOp, info: TableInfo, columns: tuple[BinlogColumn, ...], image: Any,
-               ordinal: int) -> RowImageV2:
-        before = None if image.before is None else _encode_row(info, columns, image.before,
-                                                                image.before_none)
-        after = None if image.after is None else _encode_row(info, columns, image.after, image.after_none)
-        return _construct(RowImageV2, {"op": op, "before": before, "after": after, "ordinal": ordinal})
+               ordinal: int) -> tuple[RowImageV2, int]:
+        size = 32
+        before = after = None
+        if image.before is not None:
+            before, more = _encode_row(info, columns, image.before, image.before_none)
+            size += more
+        if image.after is not None:
+            after, more = _encode_row(info, columns, image.after, image.after_none)
+            size += more
+        return _construct(RowImageV2, {"op": op, "before": before, "after": after, "ordinal": ordinal}), size
 
     async def _table_info(self, key: TableKey, columns: tuple[BinlogColumn, ...],
                           position: Position) -> TableInfo | None:
@@ -475,12 +483,13 @@ class SourcePipeline:
         if txn.ts is None:
             txn.ts = self.clock.commit(txn.timestamp * 1000)
         rows = buffer.rows[:len(buffer.rows) - keep] if keep else buffer.rows
-        await self._publish_rows(txn, key, buffer, rows, last)
+        # buffer.size bounds the part's size: the part is the buffer, or all of it but a row.
+        await self._publish_rows(txn, key, buffer, rows, last, size_bound=buffer.size)
         buffer.rows = buffer.rows[len(rows):]
         buffer.size = sum(_approx_size(r) for r in buffer.rows)
 
     async def _publish_rows(self, txn: _Txn, key: TableKey, buffer: _TableBuffer,
-                            rows: list[RowImageV2], last: bool) -> None:
+                            rows: list[RowImageV2], last: bool, *, size_bound: int | None = None) -> None:
         assert txn.ts is not None
         event = _construct(RowsChangedV2, {
             "source": self.source, "database": key[0], "table": key[1], "ts": txn.ts, "seq": self.next_seq,
@@ -489,8 +498,11 @@ class SourcePipeline:
                                                       "binlog_pos": txn.begin.pos, "gtid": txn.gtid}),
             "meta": buffer.info.meta(), "rows": rows})
         msg_id = f"{self.source}:{txn.begin.file}:{txn.begin.pos}:{key[0]}.{key[1]}:{buffer.part}"
+        subject = self._subjects.get(key)
+        if subject is None:
+            subject = self._subjects[key] = rows_subject(self.source, *key)
         try:
-            await self.publisher.send(rows_subject(self.source, *key), event, msg_id, rows=len(rows))
+            await self.publisher.send(subject, event, msg_id, rows=len(rows), size_bound=size_bound)
         except MessageTooLarge as exc:
             # Over the message limit (a message over max_payload goes in chunks, up to it): halve
             # the part. Same input, same split, so a re-read still publishes the same ids.
@@ -523,7 +535,7 @@ class SourcePipeline:
         self.committed_ts = self.clock.last
         self.committed_seq = self.next_seq
         self.committed_xa = self.xa.resume()
-        metrics.XA_PREPARED.labels(self.source).set(len(self.xa))
+        self._xa_prepared.set(len(self.xa))
 
     async def _commit(self, position: Position) -> None:
         txn, self._txn = self._txn, None
@@ -837,20 +849,23 @@ _AS_IS: dict[str | None, type] = {"int": int, "string": str}
 
 
 def _encode_row(info: TableInfo, columns: tuple[BinlogColumn, ...], values: dict[str, Any],
-                none_sources: dict[str, str]) -> dict[str, Any]:
+                none_sources: dict[str, str]) -> tuple[dict[str, Any], int]:
+    """The row's values encoded, and their part of ``_approx_size`` (made in the same pass)."""
     out: dict[str, Any] = {}
+    size = 0
     for spec, col in zip(info.columns, columns, strict=True):
-        value = values.get(spec.name)
-        if type(value) is _AS_IS.get(spec.kind):
-            out[spec.name] = value
-            continue
-        assert spec.kind is not None
-        try:
-            out[spec.name] = encode_value(spec.kind, value, none_source=none_sources.get(spec.name),
-                                          set_values=col.set_values)
-        except UnsupportedValue as exc:
-            raise UnsupportedValue(f"column {spec.name} ({spec.sql_type}): {exc}") from None
-    return out
+        name = spec.name
+        value = values.get(name)
+        if type(value) is not _AS_IS.get(spec.kind):
+            assert spec.kind is not None
+            try:
+                value = encode_value(spec.kind, value, none_source=none_sources.get(name),
+                                     set_values=col.set_values)
+            except UnsupportedValue as exc:
+                raise UnsupportedValue(f"column {name} ({spec.sql_type}): {exc}") from None
+        out[name] = value
+        size += len(name) + 6 + (len(value) if isinstance(value, str) else 8)
+    return out, size
 
 
 _LARGE_RAW = 1024 * 1024
@@ -866,6 +881,17 @@ def _with_last(parts: Iterator[list[RowImageV2]]) -> Iterator[tuple[list[RowImag
     if previous is not None:
         yield previous, True
 
+
+
+# A decoded value is at most this many times its bytes in the rows event: an ENUM's one byte
+# becomes its label (up to 255 characters), an empty BINARY(255) is padded to 255 bytes.
+_MAX_EXPANSION = 256
+
+
+def _may_be_large(item: Rows) -> bool:
+    """Whether the rows event's values may add up to ``_LARGE_RAW``: not for an event small
+    enough that even at ``_MAX_EXPANSION`` they cannot (most events), without a look at them."""
+    return item.event_size is None or item.event_size * _MAX_EXPANSION > _LARGE_RAW
 
 
 def _raw_size(images: Any) -> int:

@@ -11,9 +11,11 @@ Resolved marks are also the fence between two captures of one source: each carri
 capture that lost its lease and did not notice yet cannot publish a mark after its successor's.
 
 Acks come back to one subscription of the publisher (``AckInbox``), and messages published
-between two event-loop turns go out in one socket write. Tracing: one PRODUCER span per subject
-per batch the pipeline hands over (``end_spans``), its context in each message's headers, not a
-span per message.
+between two event-loop turns go out in one socket write. A row or DDL message is framed here
+(``AckInbox.publish_framed``): its header block is the batch's constant lines for its subject
+plus its id, not a dict validated and encoded header by header for every message. Tracing: one
+PRODUCER span per subject per batch the pipeline hands over (``end_spans``), its context in each
+message's headers, not a span per message. The message counters move once per batch too.
 
 A message larger than the server's max_payload (the client knows it from the server's INFO)
 is published as ordered chunks on the same subject (``libs/chunks.py``), each with its own
@@ -27,12 +29,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nats import errors as nats_errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -65,6 +69,8 @@ _WRONG_LAST_SEQ = frozenset({10071})
 _CHUNK_WINDOW_BYTES = 4 * 1024 * 1024
 _NO_RESPONDERS = "503"
 _ROWS_TYPE = REGISTRY.key_of(RowsChangedV2)[0]
+_MSG_ID_LINE = api.Header.MSG_ID.value.encode() + b": "
+_ERROR_KEY = b'"error"'
 
 
 class LeaseLost(Exception):
@@ -90,9 +96,28 @@ class PublishFailed(Exception):
 
 @dataclass
 class _InFlight:
-    future: asyncio.Future[api.PubAck]
+    future: asyncio.Future[Any]
     started: float
     subject: str
+
+
+@dataclass
+class _BatchSpan:
+    """A subject's publish span of the current batch: its trace headers, as a dict and as the
+    start of a NATS header block (with the expected stream) for ``publish_framed``."""
+
+    span: Span
+    headers: dict[str, str]
+    block: bytes
+
+
+_HEADER_KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # nats-py's check of a header key
+
+
+def _plain_header_value(value: str) -> bool:
+    """Whether nats-py would send ``value`` as it is (it strips it and turns CR/LF into spaces):
+    the framed path writes values unchanged, so anything else takes nats-py's own path."""
+    return "\r" not in value and "\n" not in value and value == value.strip()
 
 
 class AckInbox:
@@ -109,24 +134,61 @@ class AckInbox:
         self._nc = nc
         self._prefix = ""
         self._sub: Subscription | None = None
-        self._futures: dict[str, asyncio.Future[api.PubAck]] = {}
+        self._futures: dict[str, asyncio.Future[Any]] = {}
         self._next = 0
 
-    async def publish(self, subject: str, payload: bytes,
-                      headers: dict[str, str]) -> asyncio.Future[api.PubAck]:
+    async def _reply(self) -> tuple[str, asyncio.Future[Any]]:
         if self._sub is None:
             self._prefix = self._nc.new_inbox() + "."
             self._sub = await self._nc.subscribe(self._prefix + "*", cb=self._on_ack)
         self._next += 1
         token = str(self._next)
-        future: asyncio.Future[api.PubAck] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._futures[token] = future
-        try:
-            await self._nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
-        except BaseException:
-            self._futures.pop(token, None)
-            raise
         future.add_done_callback(lambda _f: self._futures.pop(token, None))
+        return self._prefix + token, future
+
+    async def publish(self, subject: str, payload: bytes, headers: dict[str, str]) -> asyncio.Future[Any]:
+        """Publish through nats-py (its header and subject checks); the ack's future."""
+        reply, future = await self._reply()
+        try:
+            await self._nc.publish(subject, payload, reply=reply, headers=headers)
+        except BaseException:
+            future.cancel()
+            raise
+        return future
+
+    def can_frame(self, payload: bytes) -> bool:
+        """Whether ``publish_framed`` may send now: connected (else nats-py's path decides about
+        its reconnect buffer) and within the server's max_payload (else nats-py's error)."""
+        nc = self._nc
+        return nc.is_connected and len(payload) <= nc.max_payload
+
+    async def publish_framed(self, subject: str, payload: bytes, header_block: bytes) -> asyncio.Future[Any]:
+        """Publish with a header block framed by the caller (``NATS/1.0`` line, header lines,
+        empty line), as nats-py 2.16's ``_send_publish`` frames it: nats-py validates each header
+        key with a regular expression and encodes it, per message, which cost more than the
+        rest of a one-row message. The caller checks ``can_frame`` first and builds the block
+        from keys and values nats-py would send unchanged (``_plain_header_value``)."""
+        nc = self._nc
+        if nc.is_closed:
+            raise nats_errors.ConnectionClosedError
+        if nc.is_draining_pubs:
+            raise nats_errors.ConnectionDrainingError
+        reply, future = await self._reply()
+        try:
+            size = len(payload)
+            hdr_len = len(header_block)
+            cmd = b"".join((f"HPUB {subject} {reply} {hdr_len} {hdr_len + size}\r\n".encode(),
+                            header_block, payload, b"\r\n"))
+            nc.stats["out_msgs"] += 1
+            nc.stats["out_bytes"] += size
+            await nc._send_command(cmd)
+            if nc._flush_queue is not None and nc._flush_queue.empty():
+                await nc._flush_pending()
+        except BaseException:
+            future.cancel()
+            raise
         return future
 
     async def _on_ack(self, msg: Msg) -> None:
@@ -136,8 +198,14 @@ class AckInbox:
         if msg.headers and msg.headers.get(api.Header.STATUS) == _NO_RESPONDERS:
             future.set_exception(NoStreamResponseError())
             return
+        data = msg.data
+        if _ERROR_KEY not in data:
+            # A stored message's ack: only its arrival matters (_settle_one), so it is not
+            # parsed into a PubAck (a dataclass built field by field, per message).
+            future.set_result(None)
+            return
         try:
-            resp = json.loads(msg.data)
+            resp = json.loads(data)
         except ValueError as exc:
             future.set_exception(exc)
             return
@@ -176,23 +244,42 @@ class Publisher:
         self._max_payload = max_payload or (lambda: 1024 * 1024)
         self.max_message_bytes = max_message_bytes
         self._acks = AckInbox(js._nc)
-        self._spans: dict[str, tuple[Span, dict[str, str]]] = {}
+        self._spans: dict[str, _BatchSpan] = {}
         self._messages: dict[str, Any] = {}  # event type -> its counter (labels() per message costs)
+        self._counts: dict[str, int] = {}  # event type -> messages published, not counted yet
+        self._rows_uncounted = 0
         self._rows = metrics.ROWS_PUBLISHED.labels(source)
+
+    def _batch_span(self, subject: str) -> _BatchSpan:
+        """``subject``'s publish span of this batch (opened on first use)."""
+        found = self._spans.get(subject)
+        if found is None:
+            span, headers = start_publish_span(subject)
+            lines = [*headers.items(), (api.Header.EXPECTED_STREAM.value, ROWS_STREAM)]
+            plain = all(_HEADER_KEY.fullmatch(k) and _plain_header_value(v) for k, v in lines)
+            block = b"NATS/1.0\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in lines) if plain else b""
+            found = self._spans[subject] = _BatchSpan(span, headers, block)
+        return found
 
     def _span_headers(self, subject: str) -> dict[str, str]:
         """The trace headers of ``subject``'s publish span of this batch (opened on first use)."""
-        found = self._spans.get(subject)
-        if found is None:
-            found = self._spans[subject] = start_publish_span(subject)
-        return found[1]
+        return self._batch_span(subject).headers
 
     def end_spans(self) -> None:
         """End the batch's publish spans: one per subject a batch published to, not one per
-        message (a span costs more than the publish of a small message)."""
+        message (a span costs more than the publish of a small message); count its messages."""
         spans, self._spans = self._spans, {}
-        for span, _headers in spans.values():
-            span.end()
+        for batch in spans.values():
+            batch.span.end()
+        self._count()
+
+    def _count(self) -> None:
+        counts, self._counts = self._counts, {}
+        for type_, n in counts.items():
+            self._counter(type_).inc(n)
+        if self._rows_uncounted:
+            self._rows.inc(self._rows_uncounted)
+            self._rows_uncounted = 0
 
     def _check_lease(self) -> None:
         if not self._is_valid():
@@ -202,12 +289,16 @@ class Publisher:
         data = REGISTRY.encode(event, producer=self.producer, epoch=self.epoch, event_id=msg_id)
         return data, REGISTRY.key_of(type(event))[0]
 
-    async def send(self, subject: str, event: BaseModel, msg_id: str, *, rows: int = 0) -> None:
+    async def send(self, subject: str, event: BaseModel, msg_id: str, *, rows: int = 0,
+                   size_bound: int | None = None) -> None:
         """Publish one row/DDL/rejection message; its ack is awaited by ``flush`` (or when the
-        window is full)."""
+        window is full). ``size_bound``: at least ``approx_size(event)`` (the pipeline's size
+        of the part), so a small message is known to be small without going over its values."""
         self._check_lease()
         max_payload = self._max_payload()
-        if isinstance(event, RowsChangedV2) and approx_size(event) > chunk_size_for(max_payload) // 2:
+        large = chunk_size_for(max_payload) // 2
+        if isinstance(event, RowsChangedV2) and (size_bound is None or size_bound > large) \
+                and approx_size(event) > large:
             # Likely to need chunks: the deterministic encoding, in a thread (large_encode.py).
             payload = await asyncio.to_thread(encode_rows_deterministic, event, event_id=msg_id)
             type_ = REGISTRY.key_of(RowsChangedV2)[0]
@@ -225,10 +316,9 @@ class Publisher:
                 raise MessageTooLarge(len(payload), self.max_message_bytes)
             await self._send_chunks(subject, payload, msg_id, getattr(event, "ts", 0), max_payload)
         else:
-            await self._publish_one(subject, payload, {api.Header.MSG_ID.value: msg_id})
-        self._counter(type_).inc()
-        if rows:
-            self._rows.inc(rows)
+            await self._publish_message(subject, payload, msg_id)
+        self._counts[type_] = self._counts.get(type_, 0) + 1
+        self._rows_uncounted += rows
 
     def _counter(self, type_: str) -> Any:
         found = self._messages.get(type_)
@@ -236,10 +326,23 @@ class Publisher:
             found = self._messages[type_] = metrics.MESSAGES_PUBLISHED.labels(self.source, type_)
         return found
 
+    async def _publish_message(self, subject: str, payload: bytes, msg_id: str) -> None:
+        """One message (not a chunk): framed here when nats-py would frame it the same way."""
+        batch = self._batch_span(subject)
+        if batch.block and _plain_header_value(msg_id) and self._acks.can_frame(payload):
+            block = b"".join((batch.block, _MSG_ID_LINE, msg_id.encode(), b"\r\n\r\n"))
+            future = await self._acks.publish_framed(subject, payload, block)
+            await self._in_flight_add(future, subject)
+        else:
+            await self._publish_one(subject, payload, {api.Header.MSG_ID.value: msg_id})
+
     async def _publish_one(self, subject: str, payload: bytes, headers: dict[str, str]) -> None:
         traced = {**self._span_headers(subject), **headers,
                   api.Header.EXPECTED_STREAM.value: ROWS_STREAM}
         future = await self._acks.publish(subject, payload, traced)
+        await self._in_flight_add(future, subject)
+
+    async def _in_flight_add(self, future: asyncio.Future[Any], subject: str) -> None:
         self._in_flight.append(_InFlight(future, time.perf_counter(), subject))
         while len(self._in_flight) > self._window:
             await self._settle_one()
@@ -281,6 +384,7 @@ class Publisher:
                 await self._settle_one()
         finally:
             self._in_flight.clear()
+            self._count()
 
     def discard(self) -> None:
         """Forget outstanding acks (the session is over; its re-read will publish them again)."""
