@@ -27,6 +27,7 @@ from libs.scheduling import (
     SetState,
     Span,
     TableState,
+    WantedSpans,
 )
 
 EPOCH = 7
@@ -40,10 +41,9 @@ class Cluster:
         self.manager = ReplicationManager(EPOCH, live_members=self.agents)
         for agent in self.agents.values():
             self.manager.handle_report(agent.collect_report())
-        self.wanted = {
-            Span(f"cf{i % changefeeds}", f"src{i % 4}", f"db{i % 16}", f"t{i}"): START_TS
-            for i in range(spans)
-        }
+        self.wanted = WantedSpans(
+            (Span(f"cf{i % changefeeds}", f"src{i % 4}", f"db{i % 16}", f"t{i}"), START_TS)
+            for i in range(spans))
         self.coordinator = Coordinator(rng=random.Random(seed))
         self.rounds = 0
         self.dispatches = 0

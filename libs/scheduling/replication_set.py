@@ -28,6 +28,8 @@ to keep that rule:
 from __future__ import annotations
 
 import functools
+import itertools
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from typing import Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
@@ -692,7 +694,14 @@ class SetIndex:
     ``absent``: sets in Absent (to be added). ``unstable``: sets mid-task or in conflict (no new
     task may start on them). ``lingering``: sets with an undetermined member (tick them).
     Dicts rather than sets: insertion order keeps seeded scheduling reproducible.
+
+    ``membership``: how many times a set appeared in or left the index; with
+    ``membership_since`` a reader that keeps something derived from *which spans have a set*
+    (the basic scheduler's spans to add) learns what changed instead of scanning every span.
     """
+
+    JOURNAL = 4096
+    """Membership changes kept for ``membership_since``; a reader further behind rescans."""
 
     def __init__(self) -> None:
         self.holders: dict[MemberId, dict[Span, None]] = {}
@@ -701,6 +710,8 @@ class SetIndex:
         self.unstable: dict[Span, None] = {}
         self.lingering: dict[Span, None] = {}
         self.replicating = 0
+        self.membership = 0
+        self._journal: deque[Span] = deque(maxlen=self.JOURNAL)
         self._snaps: dict[Span, _Snap] = {}
 
     @classmethod
@@ -725,8 +736,11 @@ class SetIndex:
             any(r is Role.UNDETERMINED for r in rs.members.values()),
             state is SetState.REPLICATING and not conflict,
         )
-        old = self._snaps.get(span, _GONE_SNAP)
-        if old == new:
+        old = self._snaps.get(span)
+        if old is None:
+            self._joined_or_left(span)
+            old = _GONE_SNAP
+        elif old == new:
             return
         self._apply(span, old, new)
         self._snaps[span] = new
@@ -734,7 +748,20 @@ class SetIndex:
     def discard(self, span: Span) -> None:
         old = self._snaps.pop(span, None)
         if old is not None:
+            self._joined_or_left(span)
             self._apply(span, old, _GONE_SNAP)
+
+    def _joined_or_left(self, span: Span) -> None:
+        self.membership += 1
+        self._journal.append(span)
+
+    def membership_since(self, mark: int) -> list[Span] | None:
+        """Spans whose set appeared or left since ``membership`` was ``mark`` (newest first, a
+        span may repeat), or None when the journal no longer reaches back that far."""
+        behind = self.membership - mark
+        if behind < 0 or behind > len(self._journal):
+            return None
+        return list(itertools.islice(reversed(self._journal), behind))
 
     def _apply(self, span: Span, old: _Snap, new: _Snap) -> None:
         if old.holders != new.holders:
