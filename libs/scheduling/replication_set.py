@@ -238,7 +238,7 @@ class ReplicationSet:
             self.secondary = None
 
     def _has_undetermined(self) -> bool:
-        return any(role is Role.UNDETERMINED for role in self.members.values())
+        return Role.UNDETERMINED in self.members.values()
 
     @property
     def owner(self) -> MemberId | None:
@@ -272,6 +272,29 @@ class ReplicationSet:
         return None
 
     def check_invariants(self) -> None:
+        # Runs after every step: one pass over the set's few members, and the message is only
+        # put together when something is wrong.
+        primary = secondary = None
+        primaries = secondaries = 0
+        for m, r in self.members.items():
+            if r is Role.PRIMARY:
+                primary = m
+                primaries += 1
+            elif r is Role.SECONDARY:
+                secondary = m
+                secondaries += 1
+        state = self.state
+        if (primaries > 1 or secondaries > 1 or primary != self.primary or secondary != self.secondary
+                or (self.error is not None and bool(self.primary or self.secondary))
+                or (self.error is None and (
+                    (state is SetState.ABSENT and bool(self.primary or self.secondary))
+                    or (state is SetState.REPLICATING and (self.primary is None or bool(self.secondary)))
+                    or (state is SetState.PREPARE and self.secondary is None)
+                    or (state is SetState.COMMIT and self.secondary is None and self.primary is None)))
+                or (self.removed and bool(self.members)) or self.resolved_ts < self.checkpoint_ts):
+            raise InconsistentSetError(f"span {self.span.key} ({self.state}): " + "; ".join(self._problems()))
+
+    def _problems(self) -> list[str]:
         primaries = [m for m, r in self.members.items() if r is Role.PRIMARY]
         secondaries = [m for m, r in self.members.items() if r is Role.SECONDARY]
         problems: list[str] = []
@@ -298,8 +321,7 @@ class ReplicationSet:
             problems.append("removed but members remain")
         if self.resolved_ts < self.checkpoint_ts:
             problems.append("resolved ts below checkpoint ts")
-        if problems:
-            raise InconsistentSetError(f"span {self.span.key} ({self.state}): " + "; ".join(problems))
+        return problems
 
     # -- scheduler inputs ---------------------------------------------------------------------
 
@@ -686,6 +708,13 @@ class _Snap(NamedTuple):
 _GONE_SNAP = _Snap((), None, False, False, False, False)
 
 
+def _flip(bucket: dict[Span, None], span: Span, now: bool) -> None:
+    if now:
+        bucket[span] = None
+    else:
+        del bucket[span]
+
+
 class SetIndex:
     """Incremental indexes over the sets, so no scheduling step scans every span.
 
@@ -733,7 +762,7 @@ class SetIndex:
             rs.owner,
             state is SetState.ABSENT and not conflict,
             conflict or state in _TRANSITIONAL,
-            any(r is Role.UNDETERMINED for r in rs.members.values()),
+            Role.UNDETERMINED in rs.members.values(),
             state is SetState.REPLICATING and not conflict,
         )
         old = self._snaps.get(span)
@@ -782,14 +811,15 @@ class SetIndex:
                     del self.assigned[old.owner]
             if new.owner is not None:
                 self.assigned.setdefault(new.owner, {})[span] = None
-        for flag, bucket in (("absent", self.absent), ("unstable", self.unstable),
-                             ("lingering", self.lingering)):
-            was, now = getattr(old, flag), getattr(new, flag)
-            if was and not now:
-                del bucket[span]
-            elif now and not was:
-                bucket[span] = None
-        self.replicating += int(new.replicating) - int(old.replicating)
+        # Spelled out rather than looped over by name: this runs after every step of every set.
+        if old.absent != new.absent:
+            _flip(self.absent, span, new.absent)
+        if old.unstable != new.unstable:
+            _flip(self.unstable, span, new.unstable)
+        if old.lingering != new.lingering:
+            _flip(self.lingering, span, new.lingering)
+        if old.replicating != new.replicating:
+            self.replicating += 1 if new.replicating else -1
 
     def load(self, member: MemberId) -> int:
         return len(self.assigned.get(member, ()))

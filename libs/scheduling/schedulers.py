@@ -151,6 +151,9 @@ class _Unset:
 
     Each round applies only the index's membership changes since the last (sets created or
     removed); a span that got a set stays in the heap until it comes up, and is dropped then.
+    The spans handed out as candidates are lent: the next round puts back the ones still
+    without a set (the add was not chosen or was rejected) rather than pushing every candidate
+    back at once, since nearly all of them have a set by then.
     A new ``WantedSpans``, other sets, or a journal that no longer reaches back mean a rescan.
     """
 
@@ -164,6 +167,8 @@ class _Unset:
         self.mark = 0
         self.heap: list[Span] = []
         self.queued: set[Span] = set()
+        """Spans in ``heap`` or ``lent``."""
+        self.lent: list[Span] = []
         self.unwanted: dict[Span, None] = {}
 
     def sync(self, view: SchedulingView) -> bool:
@@ -180,8 +185,10 @@ class _Unset:
             self.heap = list(wanted.keys() - sets.keys())
             heapq.heapify(self.heap)
             self.queued = set(self.heap)
+            self.lent = []
             self.unwanted = dict.fromkeys(sets.keys() - wanted.keys())
         else:
+            self._return_lent()
             for span in changed:
                 if span in sets:
                     if span not in wanted:
@@ -194,23 +201,32 @@ class _Unset:
         self.mark = index.membership
         return True
 
+    def _return_lent(self) -> None:
+        for span in self.lent:
+            if span in self.sets:
+                self.queued.discard(span)  # back on the heap (sync) if its set goes
+            else:
+                heapq.heappush(self.heap, span)
+        self.lent = []
+
     def smallest(self, n: int, taken: Collection[Span]) -> list[Span]:
-        """The ``n`` smallest wanted spans without a set that are not taken."""
+        """The ``n`` smallest wanted spans without a set that are not taken (lent until the
+        next ``sync``)."""
+        self._return_lent()
         heap, sets = self.heap, self.sets
-        out: list[Span] = []
-        popped: list[Span] = []
+        out = self.lent
+        skipped: list[Span] = []
         while heap and len(out) < n:
             span = heapq.heappop(heap)
             if span in sets:
                 self.queued.discard(span)  # added since; back on the heap if its set goes
-                continue
-            popped.append(span)
-            if span not in taken:
+            elif span in taken:
+                skipped.append(span)
+            else:
                 out.append(span)
-        # Every span popped is still without a set: an add that gets rejected must come again.
-        for span in popped:
+        for span in skipped:
             heapq.heappush(heap, span)
-        return out
+        return list(out)
 
 
 class BasicScheduler:
