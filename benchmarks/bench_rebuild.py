@@ -63,8 +63,8 @@ def set_changed(span: Span, state: str, primary: str | None, secondary: str | No
         members[primary] = "primary"
     if secondary:
         members[secondary] = "secondary"
-    return SetChangedV1(span=span_ref(span), state=state, primary=primary, secondary=secondary,  # type: ignore[arg-type]
-                        members=members, checkpoint_ts=ts, resolved_ts=ts)  # type: ignore[arg-type]
+    return SetChangedV1(span=span_ref(span), state=state, primary=primary, secondary=secondary,
+                        members=members, checkpoint_ts=ts, resolved_ts=ts)
 
 
 class Writer:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +56,7 @@ def _set_state(value: str) -> SetState:
     return _SET_STATES.get(value) or SetState(value)
 
 
-def _roles(members: dict[str, str]) -> dict[MemberId, Role]:
+def _roles(members: Mapping[str, str]) -> dict[MemberId, Role]:
     return {m: _ROLES.get(r) or Role(r) for m, r in members.items()}
 
 
