@@ -56,14 +56,15 @@ DOMAIN = "replication"
 PRODUCER = "replication-manager/bench"
 
 
-def _set(span: Span, state: str, primary: str | None, secondary: str | None, ts: int) -> SetChangedV1:
+def set_changed(span: Span, state: str, primary: str | None, secondary: str | None, ts: int) -> SetChangedV1:
+    """A ``replication.set_changed`` as the replication-manager records it."""
     members = {}
     if primary:
         members[primary] = "primary"
     if secondary:
         members[secondary] = "secondary"
-    return SetChangedV1(span=span_ref(span), state=state, primary=primary, secondary=secondary,  # type: ignore[arg-type]
-                        members=members, checkpoint_ts=ts, resolved_ts=ts)  # type: ignore[arg-type]
+    return SetChangedV1(span=span_ref(span), state=state, primary=primary, secondary=secondary,
+                        members=members, checkpoint_ts=ts, resolved_ts=ts)
 
 
 class Writer:
@@ -110,8 +111,8 @@ async def generate(js: nats.js.JetStreamContext, args: argparse.Namespace) -> tu
     ts = 1 << 40
     await w.event(LeaderElectedV1(service="replication-manager", candidate="r1", epoch=w.epoch))
     for s in spans:
-        await w.event(_set(s, "prepare", None, placement[s], ts))
-        await w.event(_set(s, "replicating", placement[s], None, ts))
+        await w.event(set_changed(s, "prepare", None, placement[s], ts))
+        await w.event(set_changed(s, "replicating", placement[s], None, ts))
     await w.event(RebuiltV1(members={m: "inc" for m in members}, sets=len(spans), waited_s=0.0))
     cfs = sorted({s.changefeed for s in spans})
     started = time.perf_counter()
@@ -125,9 +126,9 @@ async def generate(js: nats.js.JetStreamContext, args: argparse.Namespace) -> tu
             s = rng.choice(spans)
             old = placement[s]
             new = rng.choice([m for m in members if m != old])
-            await w.event(_set(s, "prepare", old, new, ts))
-            await w.event(_set(s, "commit", old, new, ts))
-            await w.event(_set(s, "replicating", new, None, ts))
+            await w.event(set_changed(s, "prepare", old, new, ts))
+            await w.event(set_changed(s, "commit", old, new, ts))
+            await w.event(set_changed(s, "replicating", new, None, ts))
             placement[s] = new
         elif roll < 0.9995:
             s = rng.choice(spans)

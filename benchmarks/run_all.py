@@ -75,9 +75,11 @@ BENCHES = (
           ("--rows", "1000000", "--skip", "naive", "--spark", "default", "tuned"),
           ("--rows", "50000", "--skip", "naive", "--spark", "default", "--warmup-rows", "10000")),
     Bench("bench_failover", "Worker and leader failover", ("--rounds", "3"), ("--rounds", "1")),
-    Bench("bench_scheduling", "Scheduling at scale", (), ("--spans", "1000")),
+    Bench("bench_scheduling", "Scheduling at scale (10,000 and 100,000 spans)", (), ("--spans", "1000")),
     Bench("bench_rebuild", "Replication-manager rebuild", (),
           ("--events", "50000", "--spans", "1000", "--snapshot-every", "1000")),
+    Bench("bench_rebuild_memory", "Replication-manager rebuild with 100,000 spans, in process", (),
+          ("--spans", "5000")),
     Bench("bench_shard_ddl", "Shard DDL coordination", (), ("--rounds", "1")),
     Bench("bench_snapshot", "Initial load against LOAD DATA and COPY", ("--rows", "500000"),
           ("--rows", "50000", "--chunk-rows", "10000")),
@@ -88,8 +90,8 @@ BENCHES = (
           ("--table-size", "10000", "--write-s", "20", "--rw-s", "10", "--dir", ".sluice/bench-quick/oltp")),
 )
 # Heavy multi-process benchmarks last: a failure there should not cost the quick ones.
-RUN_ORDER = ("bench_scheduling", "bench_rebuild", "bench_shard_ddl", "bench_snapshot", "bench_capture_drain",
-             "apply", "bench_failover", "bench_e2e", "bench_e2e_shared", "bench_oltp")
+RUN_ORDER = ("bench_scheduling", "bench_rebuild", "bench_rebuild_memory", "bench_shard_ddl", "bench_snapshot",
+             "bench_capture_drain", "apply", "bench_failover", "bench_e2e", "bench_e2e_shared", "bench_oltp")
 
 
 def _say(text: str) -> None:

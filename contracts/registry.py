@@ -44,6 +44,8 @@ class Registry:
         self._models: dict[tuple[str, int], type[BaseModel]] = {}
         self._keys: dict[type[BaseModel], tuple[str, int]] = {}
         self._upcasters: dict[tuple[str, int], Upcaster] = {}
+        # type -> newest registered version: every decode needs it, so not a scan of the models.
+        self._latest: dict[str, int] = {}
 
     def register(self, type_: str, version: int) -> Callable[[type[M]], type[M]]:
         def wrap(model: type[M]) -> type[M]:
@@ -52,6 +54,7 @@ class Registry:
                 raise ValueError(f"contract {type_} v{version} registered twice")
             self._models[key] = model
             self._keys[model] = key
+            self._latest[type_] = max(version, self._latest.get(type_, version))
             return model
 
         return wrap
@@ -70,10 +73,10 @@ class Registry:
             raise ContractError("unknown_type", f"{model.__name__} is not a registered contract") from None
 
     def latest_version(self, type_: str) -> int:
-        versions = [v for (t, v) in self._models if t == type_]
-        if not versions:
+        latest = self._latest.get(type_)
+        if latest is None:
             raise ContractError("unknown_type", f"unknown event type {type_!r}", type=type_)
-        return max(versions)
+        return latest
 
     def contracts(self) -> list[tuple[str, int, type[BaseModel]]]:
         return sorted((t, v, m) for (t, v), m in self._models.items())
@@ -101,7 +104,7 @@ class Registry:
         return self.decode_envelope(env)
 
     def decode_envelope(self, env: Envelope) -> Decoded:
-        if not any(t == env.type for (t, _) in self._models):
+        if env.type not in self._latest:
             raise ContractError("unknown_type", f"unknown event type {env.type!r}", type=env.type,
                                 version=env.version)
         if (env.type, env.version) not in self._models:

@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from contracts import REGISTRY, ContractError
 from contracts.events.members import MemberJoinedV1, MemberJoinedV2
 from contracts.events.rows import RowsChangedV2
 from contracts.generate import SCHEMA_DIR, render_schemas
+from contracts.registry import Registry
 
 FIXTURES = Path(__file__).parent / "fixtures" / "contracts"
 
@@ -101,3 +103,24 @@ def test_rows_changed_v1_upcasts_with_unknown_ordinals() -> None:
     assert isinstance(decoded.event, RowsChangedV2) and decoded.original_version == 1
     assert [r.ordinal for r in decoded.event.rows] == [None]
     assert decoded.envelope.data["rows"][0]["ordinal"] is None
+
+
+def test_latest_version_follows_registration_in_any_order() -> None:
+    """The newest version per type is kept as models register (every decode asks for it)."""
+    registry = Registry()
+
+    class V2(BaseModel):
+        n: int
+
+    class V1(BaseModel):
+        n: int
+
+    registry.register("t.x", 2)(V2)
+    registry.register("t.x", 1)(V1)
+    assert registry.latest_version("t.x") == 2
+    with pytest.raises(ContractError) as caught:
+        registry.latest_version("t.y")
+    assert caught.value.kind == "unknown_type"
+    assert registry.decode_envelope(registry.envelope(V2(n=1), producer="p")).event == V2(n=1)
+    assert REGISTRY.latest_version("member.joined") == max(
+        v for t, v, _m in REGISTRY.contracts() if t == "member.joined")

@@ -4,6 +4,9 @@ and the member agent's side of the dispatch protocol (epoch fencing, one task pe
 
 from __future__ import annotations
 
+import itertools
+import random
+import re
 from collections.abc import Callable
 
 import pytest
@@ -13,6 +16,7 @@ from libs.scheduling import (
     AgentVerdict,
     Dispatch,
     DispatchAction,
+    InconsistentSetError,
     InvalidTaskError,
     MemberAgentState,
     MemberReport,
@@ -21,6 +25,7 @@ from libs.scheduling import (
     RemoveTable,
     ReplicationManager,
     ReplicationSet,
+    Role,
     SetState,
     Span,
     TableState,
@@ -816,3 +821,29 @@ def test_leader_deposed_mid_rebuild_hands_on_what_it_replayed() -> None:
     assert m.span_checkpoints() == {S1: (70, 75)}
     m.handle_report(report("a", (S1, T.REPLICATING, 90)))
     assert m.span_checkpoints() == {S1: (90, 90)}
+
+
+def test_check_invariants_raises_exactly_when_a_problem_is_found() -> None:
+    """The one-pass check (run after every step) and the itemised problems agree on every
+    combination of fields, consistent or not."""
+    rng = random.Random(5)
+    span = Span("cf", "src", "db", "t")
+    roles = [None, Role.PRIMARY, Role.SECONDARY, Role.UNDETERMINED]
+    error = MultiplePrimaryError(span, ("a", "b"), "two writers")
+    checked = raised = 0
+    for state, primary, secondary, role_a, role_b, err, removed in itertools.product(
+            SetState, [None, "a", "b"], [None, "a", "b"], roles, roles, [None, error], [False, True]):
+        rs = ReplicationSet(span, epoch=1, checkpoint_ts=10, resolved_ts=10)
+        rs.state, rs.primary, rs.secondary, rs.error, rs.removed = state, primary, secondary, err, removed
+        rs.members = {m: r for m, r in (("a", role_a), ("b", role_b)) if r is not None}
+        if rng.random() < 0.1:
+            rs.resolved_ts = 5
+        problems = rs._problems()
+        if problems:
+            with pytest.raises(InconsistentSetError, match=re.escape("; ".join(problems))):
+                rs.check_invariants()
+            raised += 1
+        else:
+            rs.check_invariants()
+        checked += 1
+    assert 0 < raised < checked

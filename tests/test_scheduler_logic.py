@@ -23,10 +23,12 @@ from libs.scheduling import (
     ReplicationSet,
     ScheduleTask,
     SchedulingView,
+    SetIndex,
     SetState,
     Span,
     TableState,
     TableStatus,
+    WantedSpans,
     validate_move,
 )
 
@@ -311,3 +313,89 @@ def test_dead_member_spans_come_back_elsewhere() -> None:
     assert len(cluster.manager.index.absent) == 10
     cluster.run()
     assert sorted(cluster.loads().values()) == [15, 15]
+
+
+# -- WantedSpans: the spans still to add kept across rounds -------------------------------------
+
+
+def _twin_rounds(plain: Cluster, kept: Cluster, rounds: int = 1000) -> int:
+    """Run both clusters round by round; every round must plan exactly the same tasks."""
+    for n in range(rounds):
+        a, b = plain.round(), kept.round()
+        assert a == b, f"round {n}: {a} != {b}"
+        if not a:
+            return n
+    raise AssertionError("did not settle")
+
+
+def test_wanted_spans_schedule_exactly_like_a_plain_mapping_through_changes() -> None:
+    plain = Cluster(["a", "b", "c"], 300, seed=11, add_batch_size=7)
+    kept = Cluster(["a", "b", "c"], 300, seed=11, add_batch_size=7)
+    kept.wanted = WantedSpans(kept.wanted)  # type: ignore[assignment]
+    assert _twin_rounds(plain, kept) > 300 // 7
+    # The wanted spans change: some go (removed), new ones come (added).
+    changed = {s: 100 for s in list(plain.wanted)[50:]} | {span(1000 + i): 100 for i in range(30)}
+    plain.wanted, kept.wanted = dict(changed), WantedSpans(changed)  # type: ignore[assignment]
+    _twin_rounds(plain, kept)
+    # A member dies: its spans are Absent, then added elsewhere.
+    for cluster in (plain, kept):
+        del cluster.infos["c"], cluster.agents["c"]
+        cluster.deliver(cluster.manager.handle_member_shutdown("c"))
+    _twin_rounds(plain, kept)
+    for cluster in (plain, kept):
+        assert cluster.manager.index.replicating == len(changed) == len(cluster.manager.sets)
+    assert {s: rs.primary for s, rs in plain.manager.sets.items()} == \
+        {s: rs.primary for s, rs in kept.manager.sets.items()}
+
+
+def test_wanted_spans_without_a_set_come_back_until_they_have_one() -> None:
+    wanted = WantedSpans({span(i): 100 for i in range(5)})
+    sets: dict[Span, ReplicationSet] = {}
+    index = SetIndex()
+    coordinator = Coordinator(add_batch_size=2, rng=random.Random(1), balance_enabled=False)
+
+    def added() -> list[Span]:
+        view = SchedulingView(members("a"), wanted, sets, index=index)
+        return [t.span for t in coordinator.schedule(view)]
+
+    assert added() == [span(0), span(1)]
+    # Rejected (no set appeared): offered again, still smallest first.
+    assert added() == [span(0), span(1)]
+    for s in (span(0), span(1)):
+        sets[s] = replicating(s, "a")
+        index.update(sets[s])
+    assert added() == [span(2), span(3)]
+    for s in (span(2), span(3)):
+        sets[s] = replicating(s, "a")
+        index.update(sets[s])
+    # A set that goes while its span is still wanted: the span is to add again.
+    del sets[span(0)]
+    index.discard(span(0))
+    assert added() == [span(0), span(4)]
+    # A span with a task in flight is skipped, not lost.
+    view = SchedulingView(members("a"), wanted, sets, index=index,
+                          running={span(0): AddTable(span(0), "a", 100)})
+    assert [t.span for t in coordinator.schedule(view)] == [span(4)]
+    assert added() == [span(0), span(4)]
+    # A set nobody wants is removed.
+    stray = span(99)
+    sets[stray] = replicating(stray, "a")
+    index.update(sets[stray])
+    assert RemoveTable(stray) in coordinator.schedule(SchedulingView(members("a"), wanted, sets, index=index))
+
+
+def test_set_index_membership_journal() -> None:
+    index = SetIndex()
+    mark = index.membership
+    rs = replicating(span(1), "a")
+    index.update(rs)
+    index.update(rs)  # no change of membership
+    index.discard(span(2))  # never in the index
+    assert index.membership_since(mark) == [span(1)]
+    index.discard(span(1))
+    assert index.membership_since(mark) == [span(1), span(1)]
+    assert index.membership_since(index.membership) == []
+    for i in range(SetIndex.JOURNAL + 1):
+        index.update(replicating(span(i), "a"))
+    assert index.membership_since(mark) is None  # too far behind: the reader rescans
+    assert len(index.membership_since(index.membership - SetIndex.JOURNAL) or []) == SetIndex.JOURNAL

@@ -38,6 +38,7 @@ from libs.scheduling.schedulers import (
     OperatorMoveScheduler,
     RebalanceScheduler,
     SchedulingView,
+    WantedSpans,
     validate_move,
 )
 from libs.scheduling.tasks import AddTable, Dispatch, DispatchAction, MoveTable, RemoveTable, ScheduleTask
@@ -83,6 +84,7 @@ __all__ = [
     "TaskOutcome",
     "TaskRejection",
     "Transition",
+    "WantedSpans",
     "compute_checkpoint",
     "spans_by_changefeed",
     "validate_move",

@@ -28,6 +28,8 @@ to keep that rule:
 from __future__ import annotations
 
 import functools
+import itertools
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from typing import Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
@@ -236,7 +238,7 @@ class ReplicationSet:
             self.secondary = None
 
     def _has_undetermined(self) -> bool:
-        return any(role is Role.UNDETERMINED for role in self.members.values())
+        return Role.UNDETERMINED in self.members.values()
 
     @property
     def owner(self) -> MemberId | None:
@@ -270,6 +272,29 @@ class ReplicationSet:
         return None
 
     def check_invariants(self) -> None:
+        # Runs after every step: one pass over the set's few members, and the message is only
+        # put together when something is wrong.
+        primary = secondary = None
+        primaries = secondaries = 0
+        for m, r in self.members.items():
+            if r is Role.PRIMARY:
+                primary = m
+                primaries += 1
+            elif r is Role.SECONDARY:
+                secondary = m
+                secondaries += 1
+        state = self.state
+        if (primaries > 1 or secondaries > 1 or primary != self.primary or secondary != self.secondary
+                or (self.error is not None and bool(self.primary or self.secondary))
+                or (self.error is None and (
+                    (state is SetState.ABSENT and bool(self.primary or self.secondary))
+                    or (state is SetState.REPLICATING and (self.primary is None or bool(self.secondary)))
+                    or (state is SetState.PREPARE and self.secondary is None)
+                    or (state is SetState.COMMIT and self.secondary is None and self.primary is None)))
+                or (self.removed and bool(self.members)) or self.resolved_ts < self.checkpoint_ts):
+            raise InconsistentSetError(f"span {self.span.key} ({self.state}): " + "; ".join(self._problems()))
+
+    def _problems(self) -> list[str]:
         primaries = [m for m, r in self.members.items() if r is Role.PRIMARY]
         secondaries = [m for m, r in self.members.items() if r is Role.SECONDARY]
         problems: list[str] = []
@@ -296,8 +321,7 @@ class ReplicationSet:
             problems.append("removed but members remain")
         if self.resolved_ts < self.checkpoint_ts:
             problems.append("resolved ts below checkpoint ts")
-        if problems:
-            raise InconsistentSetError(f"span {self.span.key} ({self.state}): " + "; ".join(problems))
+        return problems
 
     # -- scheduler inputs ---------------------------------------------------------------------
 
@@ -684,6 +708,13 @@ class _Snap(NamedTuple):
 _GONE_SNAP = _Snap((), None, False, False, False, False)
 
 
+def _flip(bucket: dict[Span, None], span: Span, now: bool) -> None:
+    if now:
+        bucket[span] = None
+    else:
+        del bucket[span]
+
+
 class SetIndex:
     """Incremental indexes over the sets, so no scheduling step scans every span.
 
@@ -692,7 +723,14 @@ class SetIndex:
     ``absent``: sets in Absent (to be added). ``unstable``: sets mid-task or in conflict (no new
     task may start on them). ``lingering``: sets with an undetermined member (tick them).
     Dicts rather than sets: insertion order keeps seeded scheduling reproducible.
+
+    ``membership``: how many times a set appeared in or left the index; with
+    ``membership_since`` a reader that keeps something derived from *which spans have a set*
+    (the basic scheduler's spans to add) learns what changed instead of scanning every span.
     """
+
+    JOURNAL = 4096
+    """Membership changes kept for ``membership_since``; a reader further behind rescans."""
 
     def __init__(self) -> None:
         self.holders: dict[MemberId, dict[Span, None]] = {}
@@ -701,6 +739,8 @@ class SetIndex:
         self.unstable: dict[Span, None] = {}
         self.lingering: dict[Span, None] = {}
         self.replicating = 0
+        self.membership = 0
+        self._journal: deque[Span] = deque(maxlen=self.JOURNAL)
         self._snaps: dict[Span, _Snap] = {}
 
     @classmethod
@@ -722,11 +762,14 @@ class SetIndex:
             rs.owner,
             state is SetState.ABSENT and not conflict,
             conflict or state in _TRANSITIONAL,
-            any(r is Role.UNDETERMINED for r in rs.members.values()),
+            Role.UNDETERMINED in rs.members.values(),
             state is SetState.REPLICATING and not conflict,
         )
-        old = self._snaps.get(span, _GONE_SNAP)
-        if old == new:
+        old = self._snaps.get(span)
+        if old is None:
+            self._joined_or_left(span)
+            old = _GONE_SNAP
+        elif old == new:
             return
         self._apply(span, old, new)
         self._snaps[span] = new
@@ -734,7 +777,20 @@ class SetIndex:
     def discard(self, span: Span) -> None:
         old = self._snaps.pop(span, None)
         if old is not None:
+            self._joined_or_left(span)
             self._apply(span, old, _GONE_SNAP)
+
+    def _joined_or_left(self, span: Span) -> None:
+        self.membership += 1
+        self._journal.append(span)
+
+    def membership_since(self, mark: int) -> list[Span] | None:
+        """Spans whose set appeared or left since ``membership`` was ``mark`` (newest first, a
+        span may repeat), or None when the journal no longer reaches back that far."""
+        behind = self.membership - mark
+        if behind < 0 or behind > len(self._journal):
+            return None
+        return list(itertools.islice(reversed(self._journal), behind))
 
     def _apply(self, span: Span, old: _Snap, new: _Snap) -> None:
         if old.holders != new.holders:
@@ -755,14 +811,15 @@ class SetIndex:
                     del self.assigned[old.owner]
             if new.owner is not None:
                 self.assigned.setdefault(new.owner, {})[span] = None
-        for flag, bucket in (("absent", self.absent), ("unstable", self.unstable),
-                             ("lingering", self.lingering)):
-            was, now = getattr(old, flag), getattr(new, flag)
-            if was and not now:
-                del bucket[span]
-            elif now and not was:
-                bucket[span] = None
-        self.replicating += int(new.replicating) - int(old.replicating)
+        # Spelled out rather than looped over by name: this runs after every step of every set.
+        if old.absent != new.absent:
+            _flip(self.absent, span, new.absent)
+        if old.unstable != new.unstable:
+            _flip(self.unstable, span, new.unstable)
+        if old.lingering != new.lingering:
+            _flip(self.lingering, span, new.lingering)
+        if old.replicating != new.replicating:
+            self.replicating += 1 if new.replicating else -1
 
     def load(self, member: MemberId) -> int:
         return len(self.assigned.get(member, ()))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Iterator, KeysView, Mapping
 from dataclasses import dataclass, field
 
 from libs.scheduling.model import InvalidTaskError, MemberId, MemberInfo, Span
@@ -30,12 +30,45 @@ DEFAULT_MAX_TASK_CONCURRENCY = 10
 DEFAULT_BALANCE_INTERVAL_S = 60.0
 
 
+class WantedSpans(Mapping[Span, int]):
+    """Every span that should run, with the checkpoint an add starts it from; never changed
+    after construction.
+
+    A view whose ``wanted`` is one of these lets the basic scheduler keep the spans it still has
+    to add across rounds (while the view carries the same object) instead of comparing every
+    wanted span with the sets each round, which made scheduling 100,000 spans quadratic. A
+    caller whose wanted spans change builds a new one; a plain mapping is scanned every round.
+    """
+
+    __slots__ = ("_floors",)
+
+    def __init__(self, floors: Mapping[Span, int] | Iterable[tuple[Span, int]] = ()) -> None:
+        self._floors: dict[Span, int] = dict(floors)
+
+    def __getitem__(self, span: Span) -> int:
+        return self._floors[span]
+
+    def __iter__(self) -> Iterator[Span]:
+        return iter(self._floors)
+
+    def __len__(self) -> int:
+        return len(self._floors)
+
+    def __contains__(self, span: object) -> bool:
+        return span in self._floors
+
+    def keys(self) -> KeysView[Span]:
+        # The dict's own view: set algebra with it runs in C.
+        return self._floors.keys()
+
+
 class SchedulingView:
     """What the schedulers may look at.
 
     ``members``: live members that may receive work (the replication manager leaves out the
     ones that have not reported their tables yet). ``wanted``: every span that should run, with
-    the checkpoint to start it from. ``sets``: the replication sets. ``running``: tasks in
+    the checkpoint to start it from (a ``WantedSpans`` to schedule in time independent of the
+    number of spans). ``sets``: the replication sets. ``running``: tasks in
     flight. ``index``: incremental indexes over ``sets`` (built by scanning if not given).
     """
 
@@ -112,6 +145,90 @@ def _movable(view: SchedulingView, span: Span, member: MemberId, taken: Collecti
             and rs.primary == member)
 
 
+class _Unset:
+    """For one ``WantedSpans`` and one set index: the wanted spans without a set (a heap,
+    smallest first) and the sets of spans nobody wants, kept across rounds.
+
+    Each round applies only the index's membership changes since the last (sets created or
+    removed); a span that got a set stays in the heap until it comes up, and is dropped then.
+    The spans handed out as candidates are lent: the next round puts back the ones still
+    without a set (the add was not chosen or was rejected) rather than pushing every candidate
+    back at once, since nearly all of them have a set by then.
+    A new ``WantedSpans``, other sets, or a journal that no longer reaches back mean a rescan.
+    """
+
+    def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        self.wanted: WantedSpans | None = None
+        self.sets: Mapping[Span, SetLike] = {}
+        self.index: SetIndex | None = None
+        self.mark = 0
+        self.heap: list[Span] = []
+        self.queued: set[Span] = set()
+        """Spans in ``heap`` or ``lent``."""
+        self.lent: list[Span] = []
+        self.unwanted: dict[Span, None] = {}
+
+    def sync(self, view: SchedulingView) -> bool:
+        """Bring the spans up to date with ``view``; False when its wanted spans are a plain
+        mapping (the caller scans them)."""
+        wanted, sets, index = view.wanted, view.sets, view.index
+        if not isinstance(wanted, WantedSpans):
+            self.forget()  # let go of the last view's objects
+            return False
+        changed = (index.membership_since(self.mark)
+                   if wanted is self.wanted and sets is self.sets and index is self.index else None)
+        if changed is None:
+            self.wanted, self.sets, self.index = wanted, sets, index
+            self.heap = list(wanted.keys() - sets.keys())
+            heapq.heapify(self.heap)
+            self.queued = set(self.heap)
+            self.lent = []
+            self.unwanted = dict.fromkeys(sets.keys() - wanted.keys())
+        else:
+            self._return_lent()
+            for span in changed:
+                if span in sets:
+                    if span not in wanted:
+                        self.unwanted[span] = None
+                    continue
+                self.unwanted.pop(span, None)
+                if span in wanted and span not in self.queued:
+                    heapq.heappush(self.heap, span)
+                    self.queued.add(span)
+        self.mark = index.membership
+        return True
+
+    def _return_lent(self) -> None:
+        for span in self.lent:
+            if span in self.sets:
+                self.queued.discard(span)  # back on the heap (sync) if its set goes
+            else:
+                heapq.heappush(self.heap, span)
+        self.lent = []
+
+    def smallest(self, n: int, taken: Collection[Span]) -> list[Span]:
+        """The ``n`` smallest wanted spans without a set that are not taken (lent until the
+        next ``sync``)."""
+        self._return_lent()
+        heap, sets = self.heap, self.sets
+        out = self.lent
+        skipped: list[Span] = []
+        while heap and len(out) < n:
+            span = heapq.heappop(heap)
+            if span in sets:
+                self.queued.discard(span)  # added since; back on the heap if its set goes
+            elif span in taken:
+                skipped.append(span)
+            else:
+                out.append(span)
+        for span in skipped:
+            heapq.heappush(heap, span)
+        return list(out)
+
+
 class BasicScheduler:
     """Add wanted spans that nobody replicates; remove spans that are no longer wanted."""
 
@@ -119,12 +236,14 @@ class BasicScheduler:
         if add_batch_size < 1:
             raise ValueError("add_batch_size must be at least 1")
         self.add_batch_size = add_batch_size
+        self._unset = _Unset()
 
     def schedule(self, view: SchedulingView, ctx: ScheduleContext) -> list[ScheduleTask]:
         tasks: list[ScheduleTask] = []
         sets, wanted, taken = view.sets, view.wanted, ctx.taken
+        incremental = self._unset.sync(view)
         # Key-view set algebra runs in C; a Python loop over 10,000 spans every round would not.
-        unwanted = sets.keys() - wanted.keys()
+        unwanted: Collection[Span] = self._unset.unwanted if incremental else sets.keys() - wanted.keys()
         if unwanted:
             removable = (s for s in unwanted if s not in taken and sets[s].error is None)
             for span in heapq.nsmallest(self.add_batch_size, removable):
@@ -133,10 +252,15 @@ class BasicScheduler:
         eligible = view.eligible()
         if not eligible:
             return tasks
-        # Steady state (every wanted span has a set) costs one difference, not two.
-        with_sets = len(sets) - len(unwanted)
-        candidates = wanted.keys() - sets.keys() if len(wanted) > with_sets else set()
-        candidates.difference_update(taken)
+        candidates: set[Span]
+        if incremental:
+            candidates = set(self._unset.smallest(self.add_batch_size, taken))
+        else:
+            # Steady state (every wanted span has a set) costs one difference, not two.
+            with_sets = len(sets) - len(unwanted)
+            candidates = wanted.keys() - sets.keys() if len(wanted) > with_sets else set()
+            candidates.difference_update(taken)
+        # Absent sets have a set, so they are never among the above: the index keeps them.
         candidates.update(s for s in view.index.absent if s in wanted and s not in taken)
         if not candidates:
             return tasks
