@@ -238,9 +238,13 @@ async def test_rules_naming_an_unknown_column_stop_the_table_with_the_reason(
     await h.source.txn("shop", "users", [RowImageV2(op="insert", after=_user(1, "a@b.c", "live"))],
                        meta=USERS)
     await h.source.resolve()
-    await h.round()
+    report = await h.pipeline.round()  # the stop is the round's outcome for this span
     [status] = h.pipeline.status()
-    assert status["state"] == "refused" and "stauts" in status["error"], status
+    assert status["state"] == "error" and "stauts" in status["error"], status
+    assert status["error"].startswith("stopped: the table cannot be replicated"), status
+    assert status["incident"]["kind"] == "unreplicable" and report.batch_events == 0, status
+    await h.round()  # stopped: later rounds run nothing for it and report no error
+    assert len(h.pipeline.new_incidents) == 1
 
 
 @pytest.mark.integration
