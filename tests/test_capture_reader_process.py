@@ -42,7 +42,8 @@ def test_a_connection_error_crosses_with_its_code() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    reader = ReaderProcess({"host": "127.0.0.1", "port": port, "user": "u", "password": "s3cret-pw"}, 1, START)
+    reader = ReaderProcess({"host": "127.0.0.1", "port": port, "user": "u", "password": "s3cret-pw"},
+                           1, START)
     reader.start()
     try:
         failed = take_until_failed(reader, 30)
