@@ -85,7 +85,7 @@ def serve(data: Connection, ctl: Connection, config: dict[str, Any]) -> None:
     batch_items = int(config["batch_items"])
     batch_bytes = int(config["batch_bytes"])
     while True:
-        items = reader.take(max_items=batch_items, wait=0.5, linger=0.002)
+        items = reader.take(max_items=batch_items, wait=0.5, linger=float(config["linger_s"]))
         if not items:
             continue
         failed = isinstance(items[-1], ReaderFailed)

@@ -8,8 +8,11 @@ ready items.
 
 - Items cross in pickled batches ``(items, read position, items still pending in the child)``
   over a pipe: up to ``batch_items`` items (whole event groups) and about ``batch_bytes`` of
-  rows events. Back-pressure is the child's bounded queue (``max_items``) behind the pipe: a
-  capture that does not take stops the child's send, then its queue, then its binlog read.
+  rows events, gathered for up to ``linger_s`` (10 ms): with the parse in its own process the
+  event loop outruns it, and without the linger every batch would hold a transaction or two
+  and pay the pipeline's fixed cost per batch for it. Back-pressure is the child's bounded
+  queue (``max_items``) behind the pipe: a capture that does not take stops the child's send,
+  then its queue, then its binlog read.
 - The source's settings, password included, are the first message on a second pipe; the
   child exits at that pipe's end of file and the kernel kills it when capture dies.
 - A child that dies (or breaks the pipe) is a ``ReaderFailed`` at once: the session's retry
@@ -41,11 +44,11 @@ class ReaderProcess:
     def __init__(self, connection: dict[str, Any], server_id: int, start: Position, *,
                  heartbeat_s: float = 1.0, max_items: int = 2000,
                  only_schemas: list[str] | None = None, batch_items: int = 500,
-                 batch_bytes: int = 1024 * 1024) -> None:
+                 batch_bytes: int = 1024 * 1024, linger_s: float = 0.01) -> None:
         self._config = {"connection": dict(connection), "server_id": server_id, "file": start.file,
                         "pos": start.pos, "heartbeat_s": heartbeat_s, "max_items": max_items,
                         "only_schemas": only_schemas, "batch_items": batch_items,
-                        "batch_bytes": batch_bytes}
+                        "batch_bytes": batch_bytes, "linger_s": linger_s}
         self._proc: subprocess.Popen[bytes] | None = None
         self._data: Connection | None = None
         self._ctl: Connection | None = None
