@@ -1,7 +1,7 @@
 """Capture drain: a backlog of sysbench transactions read by capture into the ROWS stream.
 
     .venv/bin/python -m benchmarks.bench_capture_drain [--tables 4] [--table-size 100000]
-        [--threads 8] [--seconds 60] [--json PATH] [--profile PATH]
+        [--threads 8] [--seconds 60] [--reader process|thread] [--json PATH] [--profile PATH]
 
 One MariaDB source (``libs/localservers``, ROW binlog) and one nats-server with JetStream:
 
@@ -16,6 +16,11 @@ One MariaDB source (``libs/localservers``, ROW binlog) and one nats-server with 
    README's settings); from the moment it says it is reading until its resolved mark passes P1
    (every row of the backlog acknowledged in the stream). Rows/s = the backlog's row changes
    (from the parse) / that time. Capture's RSS (process tree) is sampled throughout.
+
+``--reader``: capture's binlog reader in its child process (``process``, the default, as
+``SLUICE_CAPTURE_READER_PROCESS`` defaults) or on a thread of capture (``thread``). Capture's
+CPU is reported per process (capture, and its reader child when there is one) per row change:
+on this shared machine CPU time moves less with the others' load than rows/s does.
 
 ``--profile PATH`` runs the drain in this process under cProfile instead (capture's own code,
 the same settings) and writes the stats to PATH: the "where the time goes" of BENCHMARKS.md.
@@ -61,6 +66,7 @@ from services.capture.binlog_reader import _EVENTS  # noqa: E402
 SOURCE = "src1"
 SERVER_ID = 4101
 TARGET_ROWS_S = 30_000
+READER_CHILD = b"services.capture.reader_child"  # its argv element: the reader child process
 
 
 def _say(text: str) -> None:
@@ -144,10 +150,12 @@ async def wait_resolved(nats_server: NatsServer, past: Pos, limit_s: float) -> f
         await nc.close()
 
 
-def capture_process(nats_server: NatsServer, db: MariaDB, log_dir: Path) -> ServiceProcess:
+def capture_process(nats_server: NatsServer, db: MariaDB, log_dir: Path,
+                    reader: str = "process") -> ServiceProcess:
     env = {"SLUICE_NATS_URL": nats_server.url, "SLUICE_SOURCE_ID": SOURCE,
            "SLUICE_SOURCE_URL": f"{db.url}?start=current", "SLUICE_SOURCE_SERVER_ID": str(SERVER_ID),
-           "SLUICE_STATE_DB_URL": f"sqlite:///{log_dir / 'state.db'}"}
+           "SLUICE_STATE_DB_URL": f"sqlite:///{log_dir / 'state.db'}",
+           "SLUICE_CAPTURE_READER_PROCESS": "true" if reader == "process" else "false"}
     return ServiceProcess("services.capture", env, log_dir, instance_id="capture-src1")
 
 
@@ -213,6 +221,7 @@ def main() -> None:
     parser.add_argument("--table-size", type=int, default=100_000)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--seconds", type=int, default=60)
+    parser.add_argument("--reader", choices=("process", "thread"), default="process")
     parser.add_argument("--dir", type=Path, default=ROOT / ".sluice" / "bench-capture-drain")
     parser.add_argument("--profile", type=Path, default=None,
                         help="drain in this process under cProfile; write the stats here")
@@ -247,9 +256,10 @@ def main() -> None:
             seconds, published = asyncio.run(drain_in_process(nats_server, db, end, args.profile))
             peak_mib = 0.0
         else:
-            proc = capture_process(nats_server, db, args.dir / "logs").start()
+            proc = capture_process(nats_server, db, args.dir / "logs", args.reader).start()
             sampler = MemorySampler(lambda: {"capture": proc.proc.pid} if proc and proc.proc else {},
-                                    lambda _pid, _root, _argv: "capture", interval=0.2)
+                                    lambda _pid, _root, argv: "reader" if READER_CHILD in argv else "capture",
+                                    interval=0.2)
             sampler.start()
             wait_reading(proc)
             sampler.start_clock()
@@ -260,12 +270,19 @@ def main() -> None:
             sampler.join()
             published = rows_published(proc)
             peak_mib = sampler.peaks.get("capture", 0) / 2**20
-            cpu_s = sampler.cpu_by_part().get("capture", 0.0)
-            _say(f"capture CPU during the drain: {cpu_s:.1f} s ({cpu_s / seconds:.0%} of one core)")
+            by_part = sampler.cpu_by_part()
+            cpu_s, reader_s = by_part.get("capture", 0.0), by_part.get("reader", 0.0)
+            _say(f"capture CPU during the drain ({args.reader} reader): capture process {cpu_s:.1f} s "
+                 f"({cpu_s / seconds:.0%} of one core, {cpu_s / parsed.rows * 1e6:.0f} us a row change), "
+                 f"reader child {reader_s:.1f} s ({reader_s / seconds:.0%}, "
+                 f"{reader_s / parsed.rows * 1e6:.0f} us a row change)")
             figures.extra["capture_cpu_s"] = cpu_s
+            figures.extra["reader_child_cpu_s"] = reader_s
         rate = parsed.rows / seconds
+        txn_rows = parsed.rows / max(parsed.transactions, 1)
         _say(f"drain: {published:,} rows published in {seconds:.2f} s = {rate:,.0f} rows/s "
-             f"({rate / parsed.rows_per_s:.2f}x parse-only); capture peak RSS {peak_mib:,.0f} MiB")
+             f"({rate / parsed.rows_per_s:.2f}x parse-only; {txn_rows:.1f} row changes a transaction); "
+             f"capture peak RSS {peak_mib:,.0f} MiB")
         shape = (f"sysbench oltp_write_only backlog ({args.threads} threads, {args.seconds} s, "
                  f"{args.tables} tables of {args.table_size:,} rows): {load.transactions:,} transactions, "
                  f"{parsed.rows:,} row changes")

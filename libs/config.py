@@ -185,6 +185,9 @@ class Settings(BaseSettings):
         description="capture: largest encoded row-change message (one row alone in it, JSON with "
                     "base64 for binary); larger ones are sent in chunks of the server's "
                     "max_payload up to this, beyond it the table is stopped with a rejection.")
+    capture_reader_process: bool = Field(
+        True, description="capture: parse the binlog in a child process (its own core, items "
+                          "sent in pickled batches); false: on a thread of capture (debugging).")
     capture_xa_memory_bytes: int = Field(
         64 * 1024 * 1024, ge=0,
         description="capture: row bytes the prepared, undecided XA transactions of a source keep in "

@@ -91,6 +91,32 @@ def source_table(db: MariaDB, database: str) -> dict[int, dict[str, Any]]:
             for r in db.execute("SELECT id, v, n FROM t", database=database)}
 
 
+def reader_children(parent: int) -> list[int]:
+    """The binlog reader child processes of ``parent``, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes()
+        except OSError:  # ended while we looked
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and b"services.capture.reader_child" in argv:
+            out.append(int(entry.name))
+    return out
+
+
+def running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a zombie holds no memory, socket or connection)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def check_exactly_once(messages: list[Any]) -> list[RowsChangedV2]:
     check_order(messages)
     ids = [m.id for m in messages]
@@ -101,7 +127,7 @@ def check_exactly_once(messages: list[Any]) -> list[RowsChangedV2]:
     return rows
 
 
-async def test_sigkill_mid_load_loses_and_duplicates_nothing(
+async def test_sigkill_mid_load_leaves_no_reader_and_loses_and_duplicates_nothing(
         mariadb: MariaDB, js: JetStreamContext, service_env: dict[str, str], tmp_path: Path,
         replica_server_id: int, processes: list[ServiceProcess]) -> None:
     source = database = "cap_kill"
@@ -124,8 +150,17 @@ async def test_sigkill_mid_load_loses_and_duplicates_nothing(
         return published[-1] >= 20
 
     await eventually(some_published, 30, "the first messages of the load", interval=0.02)
+    assert first.proc is not None
+    children = reader_children(first.proc.pid)
+    assert len(children) == 1 and running(children[0]), "capture reads through no child process"
     first.kill()
     assert published[-1] < txns, "the capture had published everything before the kill"
+
+    async def reader_gone() -> bool:
+        return not running(children[0])
+
+    # The kernel kills the child with capture (PR_SET_PDEATHSIG): no orphan keeps reading.
+    await eventually(reader_gone, 10, "the killed capture's reader child to end", interval=0.02)
     second = start_capture(processes, env, tmp_path / "logs", "cap-kill-2")
     await asyncio.to_thread(load.join, 60)
     assert load.error is None and load.done_txns == txns

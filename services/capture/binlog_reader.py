@@ -1,4 +1,5 @@
-"""The binlog reader: pymysqlreplication's blocking stream on a thread, as plain items.
+"""The binlog reader: pymysqlreplication's blocking stream on a thread, as plain items (in capture,
+that thread runs in a child process by default: ``reader_process``).
 
 pymysqlreplication is synchronous, so it runs on its own thread and hands over immutable
 items through a bounded queue; the asyncio side takes them in batches (one executor hop per

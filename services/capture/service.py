@@ -48,6 +48,7 @@ from services.capture.pipeline import (
     publish_rejection,
 )
 from services.capture.publisher import NEXT_SEQ_HEADER, XA_PREPARED_HEADER, Fenced, LeaseLost, Publisher
+from services.capture.reader_process import ReaderProcess
 from services.capture.source import SourceOptions, check_source, connect, current_position, earliest_position
 from services.capture.ts_clock import TsClock, wall_ms
 from services.capture.xa import XaResume
@@ -168,7 +169,7 @@ class Capture:
         """Ready while standing by or reading; not while refused, failing or starting."""
         return self.status.get("state") in ("standby", "reading")
 
-    def _show_progress(self, reader: BinlogReader, pipeline: SourcePipeline) -> None:
+    def _show_progress(self, reader: BinlogReader | ReaderProcess, pipeline: SourcePipeline) -> None:
         self._show(position=str(pipeline.position), read_position=str(reader.position),
                    last_ts=pipeline.clock.last, resolved_ts=pipeline.resolved_ts,
                    resolved_position=str(pipeline.resolved_position), next_seq=pipeline.next_seq,
@@ -356,7 +357,8 @@ class Capture:
         pipeline = SourcePipeline(self.source, publisher, meta, start, databases=options.databases,
                                   stopped=stopped,
                                   xa_memory_bytes=self.settings.capture_xa_memory_bytes)
-        reader = BinlogReader(options.connection_kwargs(), self.settings.source_server_id,
+        reader_class = ReaderProcess if self.settings.capture_reader_process else BinlogReader
+        reader = reader_class(options.connection_kwargs(), self.settings.source_server_id,
                               read_from, heartbeat_s=options.heartbeat_s,
                               only_schemas=sorted(options.databases) if options.databases else None)
         self._pipeline = pipeline
