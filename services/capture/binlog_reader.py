@@ -13,7 +13,6 @@ The thread checks its stop flag after every event, and the server's heartbeats (
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import queue
 import socket
@@ -38,7 +37,8 @@ from pymysqlreplication.row_event import DeleteRowsEvent, TableMapEvent, UpdateR
 
 from contracts.events.rows import RowOp
 from libs.codec.table_meta import BinlogColumn
-from services.capture import table_map_cache
+from services.capture import table_map_cache, value_repairs
+from services.capture.rows_decode import RowsDecoder, compile_decoder
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def table_map_extras(event: Any) -> TableMapExtras:
 class BinlogReader:
     def __init__(self, connection: dict[str, Any], server_id: int, start: Position, *,
                  heartbeat_s: float = 1.0, max_items: int = 2000,
-                 only_schemas: list[str] | None = None) -> None:
+                 only_schemas: list[str] | None = None, fast_rows: bool = True) -> None:
         self._connection = dict(connection)
         # A dead server must surface as an error, not a read that blocks forever.
         self._connection.setdefault("read_timeout", max(10.0, heartbeat_s * 4))
@@ -207,6 +207,8 @@ class BinlogReader:
         self._start = start
         self._heartbeat_s = heartbeat_s
         self._only_schemas = only_schemas
+        self._fast_rows = fast_rows
+        self.decoded = DecodeCounts()
         self._queue = _ItemQueue(maxsize=max_items)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -304,7 +306,7 @@ class BinlogReader:
                         seen = extras_of[event.table_id] = (event.optional_metadata, table_map_extras(event))
                     maps[event.table_id] = seen[1]
                     continue
-                item = _convert(event, current_file, maps, shapes)
+                item = _convert(event, current_file, maps, shapes, self._fast_rows, self.decoded)
                 if item is not None:
                     if not isinstance(item, Heartbeat):
                         self.position = _position_of(item)
@@ -357,38 +359,10 @@ def _position_of(item: Item) -> Position:
     return item.position
 
 
-def _fix_negative_time2(value: Any) -> Any:
-    """pymysqlreplication 1.0.x reads the fraction of a negative TIME(n>0) as a signed number
-    without MySQL's "intpart + 1, frac - 1" step, so -12:34:56.78 comes out as -12:34:56.22.
-    It returns -(I + f) with I = the next whole second up and f = -(true fraction); the true
-    magnitude is I - 1 + |f| = 2I - 1 - |r|. A whole number of seconds is decoded correctly."""
-    if not isinstance(value, dt.timedelta) or value >= dt.timedelta(0):
-        return value
-    magnitude = -value
-    if magnitude.microseconds == 0:
-        return value
-    whole_up = dt.timedelta(days=magnitude.days, seconds=magnitude.seconds + 1)
-    return -(2 * whole_up - dt.timedelta(seconds=1) - magnitude)
-
-
-def _fix_year(value: Any) -> Any:
-    """pymysqlreplication decodes YEAR as ``byte + 1900``, but the stored byte 0 is YEAR 0000
-    (valid years are 1901..2155 and 0000), which it turns into 1900: no target would take it
-    back as 0000 (MariaDB refuses 1900, others keep a wrong year)."""
-    return 0 if value == 1900 else value
-
-
-def _binary_padder(width: int) -> Any:
-    """BINARY(n) is fixed width, padded with 0x00; the binlog leaves the trailing zero bytes
-    out (as it does a CHAR's trailing spaces) and the reader does not put them back, so a value
-    ending in zero bytes would shrink on any target that keeps bytes as given."""
-    def pad(value: Any) -> Any:
-        if value == "":  # the reader's spelling of an empty binary string
-            value = b""
-        if isinstance(value, bytes | bytearray) and len(value) < width:
-            return bytes(value).ljust(width, b"\0")
-        return value
-    return pad
+# The library's path and the compiled decoder share these (``value_repairs``); the old names stay.
+_fix_negative_time2 = value_repairs.fix_negative_time2
+_fix_year = value_repairs.fix_year
+_binary_padder = value_repairs.binary_padder
 
 
 Repairs = tuple[tuple[str, Any], ...]
@@ -432,40 +406,79 @@ def _columns(event: Any, extras: TableMapExtras | None) -> tuple[BinlogColumn, .
     return tuple(out)
 
 
-_Shape = tuple[Any, TableMapExtras | None, tuple[BinlogColumn, ...], Repairs]
+@dataclass
+class DecodeCounts:
+    """Rows events decoded by the compiled decoder and by the library (per reader)."""
+
+    compiled: int = 0
+    library: int = 0
 
 
-def _shape(event: Any, maps: dict[int, TableMapExtras], shapes: dict[int, _Shape]) -> _Shape:
-    """The rows event's columns and repairs, made once per table map: the library hands every
-    rows event of a table the same column list until a new map of the table (the table-map
-    cache returns the same one for identical maps), so identity says whether it still holds."""
+_Shape = tuple[Any, TableMapExtras | None, tuple[BinlogColumn, ...], Repairs, RowsDecoder | None]
+
+
+def _shape(event: Any, maps: dict[int, TableMapExtras], shapes: dict[int, _Shape],
+           fast_rows: bool = False) -> _Shape:
+    """The rows event's columns, repairs and compiled decoder, made once per table map: the
+    library hands every rows event of a table the same column list until a new map of the table
+    (the table-map cache returns the same one for identical maps), so identity says whether it
+    still holds."""
     extras = maps.get(event.table_id)
     known = shapes.get(event.table_id)
     if known is not None and known[0] is event.columns and known[1] is extras:
         return known
-    shape = (event.columns, extras, _columns(event, extras), _repairs(event))
+    decoder = compile_decoder(event.columns) if fast_rows else None
+    shape = (event.columns, extras, _columns(event, extras), _repairs(event), decoder)
     shapes[event.table_id] = shape
     return shape
 
 
+def _compiled_images(event: Any, decoder: RowsDecoder, op: RowOp) -> tuple[RowImage, ...] | None:
+    """The event's images by the compiled decoder; None: the library must decode it (an
+    event not laid out as the decoder reads it, or one it cannot decode: the library then
+    decodes it, or raises what it raises)."""
+    body = decoder.body(event)
+    if body is None:
+        return None
+    try:
+        rows = decoder.decode(op, *body)
+    except Exception:
+        return None
+    if op == "update":
+        return tuple(RowImage(b, a, bn, an) for b, bn, a, an in rows)
+    if op == "insert":
+        return tuple(RowImage(None, v, {}, n) for v, n in rows)
+    return tuple(RowImage(v, None, n, {}) for v, n in rows)
+
+
 def _convert(event: Any, current_file: str, maps: dict[int, TableMapExtras],
-             shapes: dict[int, _Shape] | None = None) -> Item | None:
+             shapes: dict[int, _Shape] | None = None, fast_rows: bool = False,
+             counts: DecodeCounts | None = None) -> Item | None:
     position = Position(current_file, int(event.packet.log_pos))
     timestamp = int(event.timestamp)
     if isinstance(event, WriteRowsEvent | UpdateRowsEvent | DeleteRowsEvent):
-        _, _, columns, repairs = _shape(event, maps, {} if shapes is None else shapes)
+        _, _, columns, repairs, decoder = _shape(event, maps, {} if shapes is None else shapes,
+                                                 fast_rows)
+        op: RowOp = ("update" if isinstance(event, UpdateRowsEvent)
+                     else "insert" if isinstance(event, WriteRowsEvent) else "delete")
+        fast = _compiled_images(event, decoder, op) if decoder is not None else None
+        if counts is not None:
+            if fast is not None:
+                counts.compiled += 1
+            else:
+                counts.library += 1
+        if fast is not None:
+            return Rows(position, timestamp, str(event.schema), str(event.table), op, columns, fast,
+                        int(event.event_size))
         if isinstance(event, UpdateRowsEvent):
-            op: RowOp = "update"
             images = tuple(RowImage(_fix_row(r["before_values"], repairs),
                                     _fix_row(r["after_values"], repairs),
                                     r.get("before_none_sources", {}), r.get("after_none_sources", {}))
                            for r in event.rows)
         elif isinstance(event, WriteRowsEvent):
-            op = "insert"
             images = tuple(RowImage(None, _fix_row(r["values"], repairs), {}, r.get("none_sources", {}))
                            for r in event.rows)
         else:
-            op = "delete"
             images = tuple(RowImage(_fix_row(r["values"], repairs), None, r.get("none_sources", {}), {})
                            for r in event.rows)
         return Rows(position, timestamp, str(event.schema), str(event.table), op, columns, images,

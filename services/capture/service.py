@@ -360,7 +360,8 @@ class Capture:
         reader_class = ReaderProcess if self.settings.capture_reader_process else BinlogReader
         reader = reader_class(options.connection_kwargs(), self.settings.source_server_id,
                               read_from, heartbeat_s=options.heartbeat_s,
-                              only_schemas=sorted(options.databases) if options.databases else None)
+                              only_schemas=sorted(options.databases) if options.databases else None,
+                              fast_rows=self.settings.capture_fast_rows)
         self._pipeline = pipeline
         reader.start()
         self._show(state="reading", problem=None, problem_since=None, problem_since_utc=None)
