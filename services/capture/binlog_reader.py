@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pymysql
 from pymysqlreplication import BinLogStreamReader
@@ -61,25 +61,47 @@ class ReaderStopped(Exception):
     pass
 
 
-@dataclass(frozen=True)
-class Position:
+# The items of every transaction (Position, Begin, Rows, RowImage, Commit) are named tuples that
+# pickle as ``tuple.__new__(cls, values)``: the reader child sends them in pickled batches, and
+# capture unpickles them on its event loop's process. As frozen dataclasses each one was a
+# NEWOBJ plus a state dict set into its __dict__: unpickling a sysbench row change's items took
+# 20 us, as tuples 5 (BENCHMARKS.md, "Capture under many small transactions", fourth round).
+# Immutable as before; two items of different classes never hold the same number of fields
+# where they could meet (a Begin's four are a Begin's).
+_NEW_TUPLE = tuple.__new__
+
+
+def _reduce_as_tuple(self: tuple[Any, ...]) -> tuple[Any, ...]:
+    return _NEW_TUPLE, (type(self), tuple(self))
+
+
+class _PositionFields(NamedTuple):
     file: str
     pos: int
+
+
+class Position(_PositionFields):
+    __slots__ = ()
+    __reduce__ = _reduce_as_tuple
 
     def __str__(self) -> str:
         return f"{self.file}:{self.pos}"
 
 
-@dataclass(frozen=True)
-class Begin:
-    """A transaction starts (GTID event, or a BEGIN query without GTIDs)."""
-
+class _BeginFields(NamedTuple):
     position: Position
     timestamp: int
     gtid: str | None
     xa: bool = False
     """MariaDB's GTID flag FL_PREPARED_XA: the group is an XA transaction that ends at its
     XA PREPARE (MySQL says so with an ``XA START`` query instead)."""
+
+
+class Begin(_BeginFields):
+    """A transaction starts (GTID event, or a BEGIN query without GTIDs)."""
+
+    __slots__ = ()
+    __reduce__ = _reduce_as_tuple
 
 
 @dataclass(frozen=True)
@@ -95,16 +117,19 @@ class XaPrepare:
     one_phase: bool
 
 
-@dataclass(frozen=True)
-class RowImage:
+class _RowImageFields(NamedTuple):
     before: dict[str, Any] | None
     after: dict[str, Any] | None
     before_none: dict[str, str]
     after_none: dict[str, str]
 
 
-@dataclass(frozen=True)
-class Rows:
+class RowImage(_RowImageFields):
+    __slots__ = ()
+    __reduce__ = _reduce_as_tuple
+
+
+class _RowsFields(NamedTuple):
     position: Position
     timestamp: int
     database: str
@@ -116,10 +141,19 @@ class Rows:
     """Bytes of the rows event in the binlog (None: not known): bounds its decoded values."""
 
 
-@dataclass(frozen=True)
-class Commit:
+class Rows(_RowsFields):
+    __slots__ = ()
+    __reduce__ = _reduce_as_tuple
+
+
+class _CommitFields(NamedTuple):
     position: Position
     timestamp: int
+
+
+class Commit(_CommitFields):
+    __slots__ = ()
+    __reduce__ = _reduce_as_tuple
 
 
 @dataclass(frozen=True)
