@@ -70,7 +70,8 @@ def serve(data: Connection, ctl: Connection, config: dict[str, Any]) -> None:
     start = Position(config["file"], int(config["pos"]))
     reader = BinlogReader(config["connection"], int(config["server_id"]), start,
                           heartbeat_s=float(config["heartbeat_s"]), max_items=int(config["max_items"]),
-                          only_schemas=config["only_schemas"])
+                          only_schemas=config["only_schemas"],
+                          start_gtid=config.get("start_gtid"))
 
     def watch_parent() -> None:
         try:
