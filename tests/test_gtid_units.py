@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.events.changefeeds import ChangefeedCreatedV4, ChangefeedSpecV4, SourceRefV1
 from contracts.events.rows import RowsChangedV2
+from contracts.events.sources import SourceMovedV1, SourceRegisteredV1
+from libs.changefeeds import ChangefeedView
 from libs.gtid import Gtid, GtidError, GtidState, judge_move, move_refusal, parse_list
 from services.capture.binlog_reader import Begin, Commit, Position, RowImage, Rows
 from services.capture.pipeline import SourcePipeline, StartState
@@ -161,3 +164,24 @@ async def test_ids_by_position_turn_to_gtid_at_the_next_binlog_file_whatever_the
         start = StartState(at, mark.ts, next_seq, gtid=seen[-1].gtid if seen else "0-1-0", server="1")
         again = await _read(start, rest, "1")
         assert _messages(again) == [m for m in published if m[2] >= next_seq], mark
+
+
+# ------------------------------------------------------------------ source.moved
+
+
+def test_a_move_changes_the_registry_and_every_changefeed_reading_the_source() -> None:
+    old, new = "mysql://repl:secret:pw@db-a:3306/", "mysql://repl:secret:pw@db-b:3306/"
+    other = "mysql://repl:secret:pw@db-c:3306/"
+    view = ChangefeedView()
+    view.apply(SourceRegisteredV1(id="shop", url=old))
+    view.apply(ChangefeedCreatedV4(spec=ChangefeedSpecV4(
+        id="cf", sources=[SourceRefV1(id="shop", url=old), SourceRefV1(id="more", url=other)],
+        sink_url="sqlite:///x.db")))
+    view.apply(ChangefeedCreatedV4(spec=ChangefeedSpecV4(
+        id="elsewhere", sources=[SourceRefV1(id="more", url=other)], sink_url="sqlite:///y.db")))
+    untouched = view.specs["elsewhere"]
+    assert view.apply(SourceMovedV1(id="shop", url=new, reason="covers")) is True  # workers act on it
+    assert view.sources["shop"] == new
+    assert [(s.id, s.url) for s in view.specs["cf"].sources] == [("shop", new), ("more", other)]
+    assert view.specs["elsewhere"] is untouched
+    assert view.apply(SourceMovedV1(id="shop", url=new)) is False  # folded again: nothing changes
