@@ -277,8 +277,11 @@ class Capture:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
-                await asyncio.wait({stop, asyncio.create_task(self._watch.wait_change(left))},
-                                   return_when=asyncio.FIRST_COMPLETED)
+                change = asyncio.create_task(self._watch.wait_change(left))
+                try:
+                    await asyncio.wait({stop, change}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    change.cancel()
         finally:
             stop.cancel()
 
