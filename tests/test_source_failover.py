@@ -48,8 +48,15 @@ TABLES = ("acct", "moves")
 GTID_ARGS = ("--log-slave-updates=ON", "--gtid-strict-mode=ON")
 
 
+# The source's user logs in with a password that lives in a named secret: no response, CLI output
+# or log line may ever show it.
+CANARY = "fo-canary-5e71b0"
+SECRET_ENV = {"SLUICE_SECRET_FO_PW": CANARY, "SLUICE_SECRETS_HOSTS": "fo-pw=127.0.0.1"}
+VIEWER = "fo-viewer-token-31c9"
+
+
 def _url(server: MariaDB) -> str:
-    return f"{server.url}?heartbeat=0.5"
+    return f"mysql://repl:secret:fo-pw@127.0.0.1:{server.port}/?heartbeat=0.5"
 
 
 def _gtid_pos(server: MariaDB) -> str:
@@ -156,11 +163,15 @@ async def test_a_source_moves_to_its_promoted_replica_by_gtid_and_never_to_one_t
     primary = mariadb_factory(extra_args=GTID_ARGS)
     promoted = mariadb_factory(extra_args=GTID_ARGS)
     lagging = mariadb_factory(extra_args=GTID_ARGS)
+    primary.execute(f"CREATE USER 'repl'@'%' IDENTIFIED BY '{CANARY}'",  # replicated, like all below
+                    "GRANT REPLICATION SLAVE, REPLICATION CLIENT, SELECT ON *.* TO 'repl'@'%'")
     for replica in (promoted, lagging):
         replica.replicate_from(primary)
     logs = tmp_path / "logs"
     sink = f"sqlite:///{tmp_path / 'down.db'}"
-    api_proc = ServiceProcess("services.api", {**service_env, "SLUICE_API_TOKEN": TOKEN}, logs,
+    service_env = {**service_env, **SECRET_ENV}
+    api_proc = ServiceProcess("services.api", {**service_env, "SLUICE_API_TOKEN": TOKEN,
+                                               "SLUICE_API_TOKENS": f"vic:viewer:{VIEWER}"}, logs,
                               instance_id="api-fo").start()
     processes.append(api_proc)
     api_proc.wait_healthy(60)
@@ -209,12 +220,20 @@ async def test_a_source_moves_to_its_promoted_replica_by_gtid_and_never_to_one_t
     await asyncio.to_thread(promoted.execute, "STOP SLAVE", "RESET SLAVE ALL")
     await asyncio.to_thread(lagging.execute, "RESET SLAVE ALL")
 
+    # --- Only an operator moves a source.
+    path, move = f"/api/v1/sources/{SOURCE}/url", {"url": _url(promoted)}
+    async with httpx.AsyncClient(base_url=api_proc.base_url, timeout=30) as anonymous:
+        assert (await anonymous.put(path, json=move)).status_code == 401
+        viewer = await anonymous.put(path, json=move, headers={"Authorization": f"Bearer {VIEWER}"})
+        assert viewer.status_code == 403
+
     # --- The lagging replica: refused by the api, with the transactions it lacks.
-    refused = await client.put(f"/api/v1/sources/{SOURCE}/url", json={"url": _url(lagging)})
+    refused = await client.put(path, json={"url": _url(lagging)})
     assert refused.status_code == 409, refused.text
     assert "lacks" in refused.json()["detail"] and final in refused.json()["detail"]
     code, out = await asyncio.to_thread(_cli, api_proc, "source", "set-url", SOURCE, _url(lagging))
     assert code == 1 and "409" in out and "lacks" in out
+    said = [refused.text, out]
     # Recorded behind the api's back, capture refuses it itself and says why.
     await record_source_moved(js, SOURCE, _url(lagging), "test", reason="forced by the test")
 
@@ -227,6 +246,7 @@ async def test_a_source_moves_to_its_promoted_replica_by_gtid_and_never_to_one_t
     # --- The promoted replica: accepted; writes go on there; capture continues by GTID.
     code, out = await asyncio.to_thread(_cli, api_proc, "source", "set-url", SOURCE, _url(promoted))
     assert code == 0 and "moved" in out, out
+    said.append(out)
     writer = Writer(promoted, 100_000).start()
     await asyncio.to_thread(_wait, "writes on the promoted replica", lambda: writer.done >= 150, [capture])
     writer.stop()
@@ -239,6 +259,10 @@ async def test_a_source_moves_to_its_promoted_replica_by_gtid_and_never_to_one_t
     assert health.get("state") == "reading" and not health.get("problem"), health
     listed = (await client.get(f"/api/v1/changefeeds/{spec.id}")).json()
     assert f":{promoted.port}/" in str(listed["spec"]["sources"])
+    said.append(str(listed))
+    for proc in (api_proc, capture, worker):
+        said.append(proc.log_path.read_text(errors="replace"))
+    assert not [text for text in said if CANARY in text], "the source's password was shown"
     seqs = await _row_seqs(js)
     assert sorted(seqs) == list(range(min(seqs), min(seqs) + len(seqs))), "a message published twice or lost"
     await client.aclose()
