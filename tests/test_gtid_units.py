@@ -13,6 +13,7 @@ from libs.changefeeds import ChangefeedView
 from libs.gtid import Gtid, GtidError, GtidState, judge_move, move_refusal, parse_list
 from services.capture.binlog_reader import Begin, Commit, Position, RowImage, Rows
 from services.capture.pipeline import SourcePipeline, StartState
+from services.capture.service import placed_stops
 from tests.test_capture_xa_units import COLUMNS, Recorder, Tables
 
 # ------------------------------------------------------------------ arithmetic
@@ -185,3 +186,11 @@ def test_a_move_changes_the_registry_and_every_changefeed_reading_the_source() -
     assert [(s.id, s.url) for s in view.specs["cf"].sources] == [("shop", new), ("more", other)]
     assert view.specs["elsewhere"] is untouched
     assert view.apply(SourceMovedV1(id="shop", url=new)) is False  # folded again: nothing changes
+
+
+def test_after_a_move_tables_stopped_before_the_mark_stay_stopped_and_later_ones_are_read_again() -> None:
+    mark = Position("old-bin.000007", 5000)
+    stopped = {("d", "before"): Position("old-bin.000007", 100), ("d", "anywhere"): None,
+               ("d", "after"): Position("old-bin.000007", 9000), ("d", "at"): mark}
+    # The new server's positions are not the old one's: a kept stop holds from anywhere.
+    assert placed_stops(stopped, mark) == {("d", "before"): None, ("d", "anywhere"): None, ("d", "at"): None}
