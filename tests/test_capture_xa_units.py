@@ -128,7 +128,7 @@ class Recorder:
         self.sent.append(Sent(subject, msg_id, event))
 
     async def resolved(self, event: ResolvedAdvancedV1, msg_id: str, next_seq: int, *,
-                       xa: XaResume | None = None) -> None:
+                       xa: XaResume | None = None, server: str | None = None) -> None:
         self.marks.append((event, next_seq, xa))
 
 

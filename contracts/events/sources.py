@@ -27,3 +27,16 @@ class SourceRemovedV1(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str = Field(min_length=1, pattern=SOURCE_ID_PATTERN)
     requested_by: str = ""
+
+
+@register("source.moved", 1)
+class SourceMovedV1(BaseModel):
+    """The source now lives on another server of its replication topology (a promoted replica):
+    the registry and every changefeed reading it take ``url``. Recorded only after the api found
+    that the new server holds every transaction the stream holds (``reason`` says what it saw)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, pattern=SOURCE_ID_PATTERN)
+    url: str = Field(min_length=1, description="mysql://user:secret:NAME@host:port/ of the new server.")
+    requested_by: str = ""
+    reason: str = Field("", description="What the api checked: the stream's GTID position and the server's.")

@@ -22,7 +22,7 @@ from contracts.events.changefeeds import (
     ChangefeedUpdatedV5,
     spec_v5,
 )
-from contracts.events.sources import SourceRegisteredV1, SourceRemovedV1
+from contracts.events.sources import SourceMovedV1, SourceRegisteredV1, SourceRemovedV1
 from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV2
 from libs.eventstore import StoredEvent
 
@@ -73,6 +73,8 @@ class ChangefeedView:
         if isinstance(event, SourceRemovedV1):
             self.sources.pop(event.id, None)
             return False
+        if isinstance(event, SourceMovedV1):
+            return self._move_source(event)
         if isinstance(event, ChangefeedCreatedV2 | ChangefeedCreatedV3 | ChangefeedCreatedV4
                       | ChangefeedCreatedV5):
             cf = event.spec.id
@@ -99,6 +101,22 @@ class ChangefeedView:
                 self.failed_checks.pop(event.id, None)
             return changed
         return False  # leader.elected, snapshots and other housekeeping
+
+    def _move_source(self, event: SourceMovedV1) -> bool:
+        """The registry and every changefeed reading the source take the new server's URL at
+        this point of the log: whatever connects to the source (initial loads, validation)
+        goes to the new server from here on."""
+        if event.id in self.sources:
+            self.sources[event.id] = event.url
+        changed = False
+        for cf, spec in list(self.specs.items()):
+            if not any(ref.id == event.id and ref.url != event.url for ref in spec.sources):
+                continue
+            sources = [ref.model_copy(update={"url": event.url}) if ref.id == event.id else ref
+                       for ref in spec.sources]
+            self.specs[cf] = spec.model_copy(update={"sources": sources})
+            changed = True
+        return changed
 
     def _checks(self, cf: str, event: BaseModel) -> None:
         failed = getattr(event, "failed_checks", None) or []

@@ -33,7 +33,7 @@ from libs.dburl import DatabaseUrl, DatabaseUrlError, parse_database_url
 from libs.foreign_keys import ForeignKey, cascade_warnings, load_foreign_keys
 from libs.routing import RouteRule, RoutingConfigError, TableFilter, TableRef, router_for
 from libs.table_rules import rule_column_problems
-from services.capture.source import check_source
+from services.capture.source import check_source, server_gtids
 from services.sink_worker.sinks.factory import sink_kind
 from services.sink_worker.sinks.nats_stream import (
     StreamSinkUrl,
@@ -131,6 +131,8 @@ def _check_source(source_id: str, url_text: str, tables: dict[str, list[tuple[st
     try:
         for kind, message in check_source(conn):
             failed.append(_check(kind, source_id, f"source {source_id}: {message}"))
+        if not server_gtids(conn).mariadb:
+            fk_problems.append(no_gtid_warning(source_id))
         with conn.cursor() as cur:
             cur.execute("SHOW GRANTS")
             missing = missing_source_grants(str(row[0]) for row in cur.fetchall())
@@ -328,14 +330,23 @@ def filter_warnings(spec: ChangefeedSpec, tables: dict[str, list[tuple[str, str]
             "of the sources: nothing is replicated until a table it selects is created"]
 
 
-def source_checks_blocking(source_id: str, url: str) -> list[ChangefeedCheckV1]:
+def no_gtid_warning(source_id: str) -> str:
+    return (f"source {source_id}: not a MariaDB server, so capture follows no GTIDs here (MySQL GTID "
+            "sets are not supported yet): it resumes by binlog file and position only, and after a "
+            "failover to another server (`sluice source set-url`) a new initial load is needed")
+
+
+def source_checks_blocking(source_id: str, url: str,
+                           warnings: list[str] | None = None) -> list[ChangefeedCheckV1]:
     """A source's own creation checks (reachable, ROW/FULL/FULL binlog, replication grants):
-    what ``sluice source add`` is refused for, the same as a changefeed naming it."""
-    return _check_source(source_id, url, {}, {}, [])
+    what ``sluice source add`` is refused for, the same as a changefeed naming it; what is only
+    worth a warning (no GTIDs to fail over with) goes to ``warnings``."""
+    return _check_source(source_id, url, {}, {}, warnings if warnings is not None else [])
 
 
-async def source_checks(source_id: str, url: str) -> list[ChangefeedCheckV1]:
-    return await asyncio.to_thread(source_checks_blocking, source_id, url)
+async def source_checks(source_id: str, url: str,
+                        warnings: list[str] | None = None) -> list[ChangefeedCheckV1]:
+    return await asyncio.to_thread(source_checks_blocking, source_id, url, warnings)
 
 
 async def run_checks(spec: ChangefeedSpec) -> CheckResult:

@@ -232,13 +232,17 @@ def table_map_extras(event: Any) -> TableMapExtras:
 class BinlogReader:
     def __init__(self, connection: dict[str, Any], server_id: int, start: Position, *,
                  heartbeat_s: float = 1.0, max_items: int = 2000,
-                 only_schemas: list[str] | None = None, fast_rows: bool = True) -> None:
+                 only_schemas: list[str] | None = None, fast_rows: bool = True,
+                 start_gtid: str | None = None) -> None:
         self._connection = dict(connection)
         # A dead server must surface as an error, not a read that blocks forever.
         self._connection.setdefault("read_timeout", max(10.0, heartbeat_s * 4))
         self._connection.setdefault("charset", "utf8mb4")
         self._server_id = server_id
         self._start = start
+        # Read from a MariaDB GTID position instead of ``start`` (a source moved to another
+        # server of its topology): the server sends the groups after it, in its own files.
+        self._start_gtid = start_gtid
         self._heartbeat_s = heartbeat_s
         self._only_schemas = only_schemas
         self._fast_rows = fast_rows
@@ -316,12 +320,15 @@ class BinlogReader:
         stream: BinLogStreamReader | None = None
         held: list[Item] = []  # items of the open event group, not queued yet
         try:
+            by_gtid = self._start_gtid is not None
+            where: dict[str, Any] = ({"is_mariadb": True, "auto_position": self._start_gtid} if by_gtid
+                                     else {"log_file": self._start.file, "log_pos": self._start.pos})
             stream = BinLogStreamReader(
                 connection_settings=self._connection, server_id=self._server_id,
-                resume_stream=True, blocking=True, log_file=self._start.file,
-                log_pos=self._start.pos, only_events=_EVENTS, slave_heartbeat=self._heartbeat_s,
-                only_schemas=self._only_schemas, enable_logging=False, pymysql_wrapper=self._connect)
-            current_file = self._start.file
+                resume_stream=True, blocking=True, only_events=_EVENTS, slave_heartbeat=self._heartbeat_s,
+                only_schemas=self._only_schemas, enable_logging=False, pymysql_wrapper=self._connect,
+                **where)
+            current_file = "" if by_gtid else self._start.file
             maps: dict[int, TableMapExtras] = {}
             shapes: dict[int, _Shape] = {}
             extras_of: dict[int, tuple[Any, TableMapExtras]] = {}
@@ -341,6 +348,13 @@ class BinlogReader:
                     maps[event.table_id] = seen[1]
                     continue
                 item = _convert(event, current_file, maps, shapes, self._fast_rows, self.decoded)
+                if by_gtid and isinstance(item, Begin | Heartbeat):
+                    # The library reconnects by itself after a lost connection, from its
+                    # auto_position when it has one: that would read the groups since the start
+                    # again. From here on it knows the file and position, so it resumes there.
+                    stream.auto_position = None
+                    stream.is_mariadb = False
+                    by_gtid = False
                 if item is not None:
                     if not isinstance(item, Heartbeat):
                         self.position = _position_of(item)

@@ -45,6 +45,7 @@ from contracts.events.rows import (
 from libs.codec.encode import UnsupportedValue, encode_value
 from libs.codec.table_meta import BinlogColumn, TableInfo, agrees, describe, load_table_info
 from libs.foreign_keys import ForeignKey, ddl_may_change_keys, load_foreign_keys, referenced_tables
+from libs.gtid import Gtid, GtidState, is_mariadb_gtid
 from libs.mysql_statements import classify
 from libs.streams import ddl_subject, rejected_subject, rows_subject
 from services.capture import metrics
@@ -88,6 +89,15 @@ class StartState:
     next_seq: int
     xa: XaResume | None = None
     """XA transactions prepared before ``position`` and undecided there (from the mark)."""
+    gtid: str | None = None
+    """The source's MariaDB GTID position at ``position`` (``gtid_binlog_pos`` spelling); None
+    where it has none (MySQL, or a MariaDB position capture could not place)."""
+    server: str | None = None
+    """The server ``position`` is a position of (its @@server_id; None: a mark of an older capture)."""
+    ids_by_gtid: bool = False
+    """Messages are named by their transaction's GTID, not its binlog position (the mark said so,
+    or the source is new): the same on every server of the topology (DESIGN.md, "Source failover
+    by GTID")."""
 
 
 @dataclass(frozen=True)
@@ -229,6 +239,11 @@ class _Txn:
     rows_seen: int = 0
     # An XA transaction: its full parts go here, not to the stream, until its decision.
     xa: PreparedXa | None = None
+    # Its messages are named by its GTID (``SourcePipeline.ids_by_gtid``), else by ``begin``.
+    by_gtid: bool = False
+
+    def id_base(self) -> str:
+        return f"gtid:{self.gtid}" if self.by_gtid else f"{self.begin.file}:{self.begin.pos}"
 
 
 class SourcePipeline:
@@ -236,8 +251,18 @@ class SourcePipeline:
                  databases: frozenset[str] | None = None,
                  stopped: dict[TableKey, Position | None] | None = None,
                  part_rows: int = 500, part_bytes: int = 256 * 1024,
-                 resolve_every_s: float = 0.2, xa_memory_bytes: int = 64 * 1024 * 1024) -> None:
+                 resolve_every_s: float = 0.2, xa_memory_bytes: int = 64 * 1024 * 1024,
+                 server: str | None = None) -> None:
         self.source = source
+        # The server read (its @@server_id), recorded with each mark: a later session on another
+        # server knows the mark's file and position are not its own.
+        self.server = server
+        # The GTID position after each group, tracked from the binlog's GTID events (not asked of
+        # the server later, when it has moved on); None: the source has none capture can follow.
+        self.gtid = GtidState.parse(start.gtid) if start.gtid is not None else None
+        self.ids_by_gtid = start.ids_by_gtid and self.gtid is not None
+        self._start_file = start.position.file
+        self.committed_gtid = start.gtid if self.ids_by_gtid else None
         self.publisher = publisher
         self.meta = meta
         self.databases = databases
@@ -320,7 +345,9 @@ class SourcePipeline:
                 # rolled it back on recovery): its rows are not published (parts already sent
                 # carry no last part). Say so loudly.
                 self._drop_open("transaction without commit dropped (crash-truncated binlog)")
-            self._txn = _Txn(item.position, item.timestamp, item.gtid)
+            self._follow_gtid(item)
+            self._txn = _Txn(item.position, item.timestamp, item.gtid,
+                             by_gtid=self.ids_by_gtid and item.gtid is not None)
             if item.xa:
                 self._txn.xa = self.xa.open(self.committed)
         elif isinstance(item, Rows):
@@ -336,6 +363,17 @@ class SourcePipeline:
             await self._query(item)
         if self._recover is not None and item.position == self.resolved_position:
             self._end_recovery()
+
+    def _follow_gtid(self, item: Begin) -> None:
+        if self.gtid is None or self.recovering or not is_mariadb_gtid(item.gtid):
+            return  # recovery re-reads groups before the mark: the state there is the mark's
+        assert item.gtid is not None
+        self.gtid.advance(Gtid.parse(item.gtid))
+        if not self.ids_by_gtid and item.position.file != self._start_file:
+            # Started from a mark of an older capture (ids by position, no GTID position): the
+            # names change at the first group of the next binlog file, a point every re-read
+            # from such a mark meets at the same group, so a re-read names everything as before.
+            self.ids_by_gtid = True
 
     def _drop_open(self, message: str) -> None:
         txn, self._txn = self._txn, None
@@ -497,7 +535,7 @@ class SourcePipeline:
             "position": _construct(SourcePositionV1, {"binlog_file": txn.begin.file,
                                                       "binlog_pos": txn.begin.pos, "gtid": txn.gtid}),
             "meta": buffer.info.meta(), "rows": rows})
-        msg_id = f"{self.source}:{txn.begin.file}:{txn.begin.pos}:{key[0]}.{key[1]}:{buffer.part}"
+        msg_id = f"{self.source}:{txn.id_base()}:{key[0]}.{key[1]}:{buffer.part}"
         subject = self._subjects.get(key)
         if subject is None:
             subject = self._subjects[key] = rows_subject(self.source, *key)
@@ -535,6 +573,8 @@ class SourcePipeline:
         self.committed_ts = self.clock.last
         self.committed_seq = self.next_seq
         self.committed_xa = self.xa.resume()
+        if self.ids_by_gtid and self.gtid is not None:
+            self.committed_gtid = self.gtid.text()
         self._xa_prepared.set(len(self.xa))
 
     async def _commit(self, position: Position) -> None:
@@ -718,21 +758,24 @@ class SourcePipeline:
                 position=SourcePositionV1(binlog_file=item.position.file, binlog_pos=item.position.pos,
                                           gtid=txn.gtid if txn else None),
                 meta_after=info.meta() if info is not None else None)
-            msg_id = f"{self.source}:{item.position.file}:{item.position.pos}:{key[0]}.{key[1]}:ddl"
+            where = _id_base(txn, item.position)
+            msg_id = f"{self.source}:{where}:{key[0]}.{key[1]}:ddl"
             await self.publisher.send(ddl_subject(self.source, *key), event, msg_id)
             self.next_seq += 1
         if ts is not None and ddl_may_change_keys(item.query):
-            await self._announce_parents(item, tables, ts, txn.gtid if txn else None)
+            await self._announce_parents(item, tables, ts, txn)
         for database in sorted({key[0] for key in tables}):
             await self.follow_foreign_keys(database)
         self._group_end(item.position)
 
-    async def _announce_parents(self, item: Query, tables: list[TableKey], ts: int, gtid: str | None) -> None:
+    async def _announce_parents(self, item: Query, tables: list[TableKey], ts: int, txn: _Txn | None) -> None:
         """``foreign_keys.changed`` on the DDL subject of each table the statement names after
         REFERENCES: the spans reading a parent meet the key change in stream order, at its ts,
         and stop there until their foreign-key group is formed again (DESIGN.md, "Foreign-key
         cascades"). From the statement's text, so the messages are the binlog's alone."""
         child = tables[0]
+        gtid = txn.gtid if txn else None
+        where = _id_base(txn, item.position)
         for parent in referenced_tables(item.query, child[0]):
             if parent in tables or not self._wanted(parent[0]):
                 continue
@@ -742,7 +785,7 @@ class SourcePipeline:
                 position=SourcePositionV1(binlog_file=item.position.file, binlog_pos=item.position.pos,
                                           gtid=gtid),
                 by_database=child[0], by_table=child[1])
-            msg_id = f"{self.source}:{item.position.file}:{item.position.pos}:{parent[0]}.{parent[1]}:fk"
+            msg_id = f"{self.source}:{where}:{parent[0]}.{parent[1]}:fk"
             await self.publisher.send(ddl_subject(self.source, *parent), event, msg_id)
             self.next_seq += 1
 
@@ -791,10 +834,12 @@ class SourcePipeline:
         ts, position = self.committed_ts, self.committed
         if ts == self.resolved_ts and position == self.resolved_position:
             return
+        # The mark's gtid is the source's GTID position there (a list, one GTID per domain).
         event = ResolvedAdvancedV1(source=self.source, ts=ts, position=SourcePositionV1(
-            binlog_file=position.file, binlog_pos=position.pos))
+            binlog_file=position.file, binlog_pos=position.pos, gtid=self.committed_gtid))
         msg_id = f"{self.source}:resolved:{position.file}:{position.pos}:{ts}"
-        await self.publisher.resolved(event, msg_id, self.committed_seq, xa=self.committed_xa)
+        await self.publisher.resolved(event, msg_id, self.committed_seq, xa=self.committed_xa,
+                                      server=self.server)
         self.resolved_ts = ts
         self.resolved_position = position
 
@@ -837,6 +882,11 @@ def _construct(model: type[M], values: dict[str, Any]) -> M:
     object.__setattr__(obj, "__pydantic_extra__", None)
     object.__setattr__(obj, "__pydantic_private__", None)
     return obj
+
+
+def _id_base(txn: _Txn | None, position: Position) -> str:
+    """What names a statement's messages: its group's GTID, or its own binlog position."""
+    return txn.id_base() if txn is not None and txn.by_gtid else f"{position.file}:{position.pos}"
 
 
 def _before(a: Position, b: Position) -> bool:

@@ -65,6 +65,9 @@ NEXT_SEQ_HEADER = "Sluice-Next-Seq"
 # Header on resolved marks that pass prepared XA transactions still undecided: where the oldest
 # one's group starts and their XIDs (``xa.XaResume``), so a restart can find their rows again.
 XA_PREPARED_HEADER = "Sluice-Xa-Prepared"
+# Header on resolved marks: the server capture read (its @@server_id). A session on a server
+# with another id is on another server of the topology: it resumes by the mark's GTID position.
+SOURCE_SERVER_HEADER = "Sluice-Source-Server"
 _WRONG_LAST_SEQ = frozenset({10071})
 _CHUNK_WINDOW_BYTES = 4 * 1024 * 1024
 _NO_RESPONDERS = "503"
@@ -399,7 +402,7 @@ class Publisher:
         await self._acks.close()
 
     async def resolved(self, event: ResolvedAdvancedV1, msg_id: str, next_seq: int, *,
-                       xa: XaResume | None = None) -> None:
+                       xa: XaResume | None = None, server: str | None = None) -> None:
         """Publish a resolved mark once everything before it is acked; keeps one per source."""
         await self.flush()
         self._check_lease()
@@ -412,6 +415,8 @@ class Publisher:
         }
         if xa is not None:
             headers[XA_PREPARED_HEADER] = xa.header()
+        if server is not None:
+            headers[SOURCE_SERVER_HEADER] = server
         started = time.perf_counter()
         with publish_span(self._resolved_subject, headers) as (_span, traced):
             try:

@@ -71,7 +71,8 @@ def serve(data: Connection, ctl: Connection, config: dict[str, Any]) -> None:
     reader = BinlogReader(config["connection"], int(config["server_id"]), start,
                           heartbeat_s=float(config["heartbeat_s"]), max_items=int(config["max_items"]),
                           only_schemas=config["only_schemas"],
-                          fast_rows=bool(config.get("fast_rows", True)))
+                          fast_rows=bool(config.get("fast_rows", True)),
+                          start_gtid=config.get("start_gtid"))
 
     def watch_parent() -> None:
         try:

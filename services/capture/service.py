@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -31,9 +32,10 @@ from contracts.events.rows import CaptureRejectedV2, ResolvedAdvancedV1, SourceP
 from contracts.registry import REGISTRY, ContractError
 from libs.config import Settings
 from libs.election import Election, Leadership
+from libs.gtid import move_refusal
 from libs.service import ServiceRuntime
 from libs.source_health import SourceHealth, utc_text
-from libs.sources import registered_url
+from libs.sources import SourceUrlWatch, registered_url
 from libs.streams import ROWS_STREAM, rejected_subject, resolved_subject, token
 from libs.streams_setup import ensure_rows_stream
 from services.capture import metrics
@@ -47,9 +49,25 @@ from services.capture.pipeline import (
     TableKey,
     publish_rejection,
 )
-from services.capture.publisher import NEXT_SEQ_HEADER, XA_PREPARED_HEADER, Fenced, LeaseLost, Publisher
+from services.capture.publisher import (
+    NEXT_SEQ_HEADER,
+    SOURCE_SERVER_HEADER,
+    XA_PREPARED_HEADER,
+    Fenced,
+    LeaseLost,
+    Publisher,
+)
 from services.capture.reader_process import ReaderProcess
-from services.capture.source import SourceOptions, check_source, connect, current_position, earliest_position
+from services.capture.source import (
+    ServerGtids,
+    SourceOptions,
+    check_source,
+    connect,
+    current_position,
+    earliest_position,
+    gtid_at,
+    server_gtids,
+)
 from services.capture.ts_clock import TsClock, wall_ms
 from services.capture.xa import XaResume
 
@@ -103,13 +121,25 @@ async def load_start(js: JetStreamContext, source: str) -> tuple[StartState, int
     if next_seq is None:
         raise ContractError("invalid_data", f"resolved mark at seq {raw.seq} has no {NEXT_SEQ_HEADER}")
     position = Position(event.position.binlog_file, event.position.binlog_pos)
-    prepared = (raw.headers or {}).get(XA_PREPARED_HEADER)
+    headers = raw.headers or {}
+    prepared = headers.get(XA_PREPARED_HEADER)
     try:
         xa = XaResume.from_header(prepared) if prepared else None
     except (ValueError, KeyError, TypeError) as exc:
         raise ContractError("invalid_data", f"resolved mark at seq {raw.seq}: bad {XA_PREPARED_HEADER}: "
                                             f"{exc}") from None
-    return StartState(position, event.ts, int(next_seq), xa), int(raw.seq or 0)
+    gtid = event.position.gtid
+    return StartState(position, event.ts, int(next_seq), xa, gtid=gtid, ids_by_gtid=gtid is not None,
+                      server=headers.get(SOURCE_SERVER_HEADER)), int(raw.seq or 0)
+
+
+def placed_stops(stopped: dict[TableKey, Position | None], mark: Position) -> dict[TableKey, Position | None]:
+    """Stopped tables after a move to another server, whose positions the old ones are not: a
+    table stopped at or before the mark stays stopped from anywhere (everything read now is
+    after the mark); one stopped after it is read again, and what stopped it stops it again at
+    the same transaction."""
+    return {key: None for key, since in stopped.items()
+            if since is None or (since.file, since.pos) <= (mark.file, mark.pos)}
 
 
 async def load_stopped(js: JetStreamContext, source: str) -> dict[TableKey, Position | None]:
@@ -148,6 +178,7 @@ class Capture:
         self._purged_reported: set[Position] = set()
         self._pipeline: SourcePipeline | None = None
         self._url = settings.source_url
+        self._watch: SourceUrlWatch | None = None
         self.health = SourceHealth(js, self.source, settings.instance_id, replicas=settings.stream_replicas)
         self._show(state="starting", lease=False)
 
@@ -186,8 +217,13 @@ class Capture:
             # --- sources registry: started with only its source id ---
             self._show(state="starting",
                        problem=f"waiting for source {self.source!r} in the sources registry")
-            found = await registered_url(self.js, self.source, self.stopping, settings=self.settings)
+            # Followed for as long as capture runs: `sluice source set-url` moves it.
+            self._watch = SourceUrlWatch(self.js, self.source, settings=self.settings)
+            self._watch.start()
+            found = await registered_url(self.js, self.source, self.stopping, settings=self.settings,
+                                         watch=self._watch)
             if found is None:
+                await self._watch.close()
                 self._show(state="stopped", lease=False)
                 return
             url = found
@@ -223,11 +259,36 @@ class Capture:
             if leadership is None:
                 break
             await self._term(election, leadership)
+        if self._watch is not None:
+            await self._watch.close()
         self._show(state="stopped", lease=False)
 
     async def _sleep(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stopping.wait(), seconds)
+        """Sleep unless capture stops, or the registry moves the source (a retry then starts at
+        once with the new server)."""
+        if self._watch is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), seconds)
+            return
+        deadline = time.monotonic() + seconds
+        stop = asyncio.create_task(self.stopping.wait())
+        try:
+            while not self._moved() and not stop.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                change = asyncio.create_task(self._watch.wait_change(left))
+                try:
+                    await asyncio.wait({stop, change}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    change.cancel()
+        finally:
+            stop.cancel()
+
+    def _moved(self) -> bool:
+        """The registry names another URL for the source than the one this session reads."""
+        url = self._watch.url() if self._watch is not None else None
+        return url is not None and url != self._url
 
     async def _term(self, election: Election, leadership: Leadership) -> None:
         log.info("capture lease won", extra={"source": self.source, "epoch": leadership.epoch})
@@ -314,6 +375,8 @@ class Capture:
     async def _session(self, leadership: Leadership) -> None:
         # Parsed again for every session: its secret is read again, so a corrected password
         # file (or variable) is used at the next attempt, without a restart.
+        if self._watch is not None and self._watch.url():
+            self._url = self._watch.url() or self._url
         self.options = SourceOptions.parse(self._url)
         nc = self.js._nc
         publisher = Publisher(self.js, self.source, self.producer, is_valid=leadership.valid,
@@ -339,12 +402,17 @@ class Capture:
                 await publisher.flush()
                 raise SourceRefused("; ".join(m for _, m in problems))
             self._reported.clear()
+            gtids = await asyncio.to_thread(server_gtids, conn)
             restored = await load_start(self.js, self.source)
+            start_gtid: str | None = None
             if restored is None:
-                start = await self._first_start(conn, publisher)
+                start = await self._first_start(conn, publisher, gtids)
             else:
                 start, publisher.resolved_stream_seq = restored
+                start, start_gtid = await self._place(conn, start, gtids)
             stopped = await load_stopped(self.js, self.source)
+            if start_gtid is not None:
+                stopped = placed_stops(stopped, start.position)
         finally:
             await asyncio.to_thread(conn.close)
         # Prepared XA transactions still undecided at the mark: their groups are read again first.
@@ -355,13 +423,13 @@ class Capture:
                                            "xa_prepared": len(start.xa.xids) if start.xa else 0})
         meta = MetaStore(lambda: connect(options))
         pipeline = SourcePipeline(self.source, publisher, meta, start, databases=options.databases,
-                                  stopped=stopped,
+                                  stopped=stopped, server=gtids.server_id,
                                   xa_memory_bytes=self.settings.capture_xa_memory_bytes)
         reader_class = ReaderProcess if self.settings.capture_reader_process else BinlogReader
         reader = reader_class(options.connection_kwargs(), self.settings.source_server_id,
                               read_from, heartbeat_s=options.heartbeat_s,
                               only_schemas=sorted(options.databases) if options.databases else None,
-                              fast_rows=self.settings.capture_fast_rows)
+                              fast_rows=self.settings.capture_fast_rows, start_gtid=start_gtid)
         self._pipeline = pipeline
         reader.start()
         self._show(state="reading", problem=None, problem_since=None, problem_since_utc=None)
@@ -382,6 +450,10 @@ class Capture:
                 if items and self.status.get("unhealthy"):  # the binlog is readable again
                     self._show(unhealthy=None)
                 self._show_progress(reader, pipeline)
+                if self._moved():
+                    log.info("the source moved to another server: reading it from there",
+                             extra={"source": self.source})
+                    return
         finally:
             reader.stop()
             publisher.discard()
@@ -397,19 +469,47 @@ class Capture:
             await publisher.flush()
         raise BinlogPurged(message) from None
 
-    async def _first_start(self, conn: Any, publisher: Publisher) -> StartState:
+    async def _place(self, conn: Any, start: StartState, gtids: ServerGtids) -> tuple[StartState, str | None]:
+        """Where this session reads from: the mark's file and position on the server that wrote
+        it; on another server (a failover, ``sluice source set-url``), the GTID returned, once this
+        server holds everything the mark covers. Refused (``SourceRefused``) otherwise."""
+        if start.server is None or start.server == gtids.server_id:
+            if start.gtid is None and gtids.mariadb:
+                # A mark of an older capture: the GTID position there, from the binlog itself.
+                found = await asyncio.to_thread(gtid_at, conn, start.position)
+                start = dataclasses.replace(start, gtid=found)
+            return start, None
+        refusal = move_refusal(start.gtid, xa_prepared=start.xa is not None, mariadb=gtids.mariadb,
+                               server_pos=gtids.binlog_pos, server_state=gtids.binlog_state)
+        if refusal is not None:
+            raise SourceRefused(f"the source's server changed (server_id {start.server} wrote the "
+                                f"stream's last mark, this is {gtids.server_id}) and capture does not "
+                                f"continue here: {refusal}")
+        log.info("capture continues the stream on another server, by GTID", extra={
+            "source": self.source, "from_server": start.server, "server": gtids.server_id,
+            "gtid": start.gtid, "server_gtid": gtids.binlog_pos})
+        return start, start.gtid
+
+    async def _first_start(self, conn: Any, publisher: Publisher, gtids: ServerGtids) -> StartState:
         """Nothing in the stream for this source: pin the start with a first resolved mark, so
         a restart before any change cannot pick a later 'current' position and skip changes."""
         assert self.options is not None
         locate = earliest_position if self.options.start == "earliest" else current_position
         position = await asyncio.to_thread(locate, conn)
+        gtid = await asyncio.to_thread(gtid_at, conn, position) if gtids.mariadb else None
         ts = TsClock(0).resolve(wall_ms())
         mark = ResolvedAdvancedV1(source=self.source, ts=ts, position=SourcePositionV1(
-            binlog_file=position.file, binlog_pos=position.pos))
-        await publisher.resolved(mark, f"{self.source}:resolved:{position.file}:{position.pos}:{ts}", 0)
+            binlog_file=position.file, binlog_pos=position.pos, gtid=gtid))
+        await publisher.resolved(mark, f"{self.source}:resolved:{position.file}:{position.pos}:{ts}", 0,
+                                 server=gtids.server_id)
         log.info("capture starts a new source", extra={"source": self.source, "position": str(position),
-                                                       "start": self.options.start})
-        return StartState(position, ts, 0)
+                                                       "start": self.options.start, "gtid": gtid})
+        if gtid is None:
+            log.warning("the source has no GTID position capture can follow: it resumes by binlog "
+                        "file and position only, and cannot move to another server "
+                        "(`sluice source set-url`) without a new initial load",
+                        extra={"source": self.source})
+        return StartState(position, ts, 0, gtid=gtid, ids_by_gtid=gtid is not None, server=gtids.server_id)
 
 
 async def main(runtime: ServiceRuntime) -> None:

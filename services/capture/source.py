@@ -107,3 +107,38 @@ def earliest_position(conn: Any) -> Position:
     if not rows:
         raise RuntimeError("the source has no binary logs")
     return Position(str(rows[0][0]), 4)
+
+
+@dataclass(frozen=True)
+class ServerGtids:
+    """Who the server is and where its binlog's GTIDs stand (MariaDB; ``mariadb`` False: a MySQL
+    server, whose GTIDs capture does not follow yet)."""
+
+    server_id: str
+    mariadb: bool
+    binlog_pos: str = ""
+    binlog_state: str = ""
+
+
+def server_gtids(conn: Any) -> ServerGtids:
+    with conn.cursor() as cur:
+        cur.execute("SELECT @@GLOBAL.server_id, VERSION()")
+        server_id, version = cur.fetchone()
+        if "mariadb" not in str(version).lower():
+            return ServerGtids(str(server_id), False)
+        cur.execute("SELECT @@GLOBAL.gtid_binlog_pos, @@GLOBAL.gtid_binlog_state")
+        pos, state = cur.fetchone()
+    return ServerGtids(str(server_id), True, str(pos or ""), str(state or ""))
+
+
+def gtid_at(conn: Any, position: Position) -> str | None:
+    """The MariaDB GTID position at a binlog position of this server (``BINLOG_GTID_POS``: read
+    from the binlog itself, so exact whenever it is asked); None when the server cannot say
+    (the file is purged, or not a MariaDB server)."""
+    with conn.cursor() as cur:
+        try:
+            cur.execute("SELECT BINLOG_GTID_POS(%s, %s)", (position.file, position.pos))
+        except pymysql.err.MySQLError:
+            return None
+        row = cur.fetchone()
+    return None if row is None or row[0] is None else str(row[0])

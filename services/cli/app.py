@@ -444,7 +444,7 @@ def events(ctx: typer.Context,
 
 # -- sources registry -----------------------------------------------------------------------------
 
-source_app = typer.Typer(help="The sources registry: add, list, remove (changefeeds and captures "
+source_app = typer.Typer(help="The sources registry: add, list, set-url, remove (changefeeds and captures "
                               "read a source's URL from it by id).", no_args_is_help=True)
 app.add_typer(source_app, name="source")
 
@@ -481,6 +481,16 @@ def source_list(ctx: typer.Context) -> None:
                       for s in items))
 
     cli.show(cli.run("GET", "/sources"), human)
+
+
+@source_app.command("set-url")
+def source_set_url(ctx: typer.Context, source: str,
+                   url: Annotated[str, typer.Argument(help="mysql://user:secret:NAME@host:port/ of the "
+                                                           "server the source moves to.")]) -> None:
+    """Move a source to another server of its replication topology (a promoted replica): refused
+    when that server lacks transactions the stream holds, or has ones it cannot place."""
+    cli = _cli(ctx)
+    cli.accepted(cli.run("PUT", f"/sources/{source}/url", {"url": url}))
 
 
 @source_app.command("remove")

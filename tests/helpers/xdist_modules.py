@@ -39,7 +39,7 @@ LONGEST_FIRST = (
     "tests/test_e2e_replication.py", "tests/test_observability.py", "tests/test_table_rules_process.py",
     "tests/test_type_matrix.py", "tests/test_capture_faults.py", "tests/test_fk_cascades_process.py",
     "tests/test_schema_at_position_process.py",
-    "tests/test_xa_process.py", "tests/test_unreplicable_tables.py",
+    "tests/test_xa_process.py", "tests/test_unreplicable_tables.py", "tests/test_source_failover.py",
 )
 _EXCLUSIVE = "exclusive:"
 

@@ -17,12 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from contracts.events.sources import SOURCE_ID_PATTERN
 from libs.dburl import parse_database_url
 from libs.secret_refs import literal_password
-from libs.sources import readers, record_source, record_source_removed
+from libs.sources import readers, record_source, record_source_moved, record_source_removed
 from services.api.auth import require_write
 from services.api.context import ApiContext, get_ctx, js_of, projections_of
 from services.api.prechecks import source_checks
 from services.api.routes.changefeeds import _command
 from services.api.schemas import Accepted, redact_url
+from services.api.source_move import MoveRefused, judge, last_mark
 from services.api.validation import url_binding_problem
 
 router = APIRouter(prefix="/sources", tags=["sources"])
@@ -78,7 +79,8 @@ async def add_source(source: SourceIn, ctx: ApiContext = Depends(get_ctx),
     follow = f"/api/v1/sources/{source.id}"
     if view.state.sources.get(source.id) == source.url:
         return Accepted(detail=f"source {source.id!r} is registered with this URL already", follow=follow)
-    failed = await source_checks(source.id, source.url)
+    warnings: list[str] = []
+    failed = await source_checks(source.id, source.url, warnings)
     if failed and not skip_checks:
         raise RequestValidationError([
             {"loc": ["checks", f.check, f.target], "msg": f.message, "type": f"precheck.{f.check}"}
@@ -97,7 +99,7 @@ async def add_source(source: SourceIn, ctx: ApiContext = Depends(get_ctx),
     seq = await _command(ctx, check, lambda expected: record_source(
         js_of(ctx), source.id, source.url, ctx.requested_by, expected_last_subject_seq=expected))
     return Accepted(detail=f"source {source.id!r} registered", seq=seq, follow=follow,
-                    events=f"/api/v1/events?since=changefeeds:{seq - 1}")
+                    events=f"/api/v1/events?since=changefeeds:{seq - 1}", warnings=warnings)
 
 
 @router.delete("/{source_id}", status_code=202, response_model=Accepted,
@@ -119,3 +121,62 @@ async def remove_source(source_id: str, ctx: ApiContext = Depends(get_ctx)) -> A
         js_of(ctx), source_id, ctx.requested_by, expected_last_subject_seq=expected))
     return Accepted(detail=f"source {source_id!r} removed from the registry", seq=seq,
                     follow="/api/v1/sources", events=f"/api/v1/events?since=changefeeds:{seq - 1}")
+
+
+class SourceUrlIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(min_length=1, max_length=2048, description=(
+        "mysql://user:secret:NAME@host:port/ of the server the source moves to (a promoted "
+        "replica of its replication topology)."))
+
+
+_MOVE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    404: {"description": "Not registered"},
+    409: {"description": "The new server cannot continue the stream (lost transactions, a gap, "
+                         "no GTID position); the detail says which"},
+    422: {"description": "Invalid URL, or the new server fails the source checks"}}
+
+
+@router.put("/{source_id}/url", status_code=202, response_model=Accepted,
+            dependencies=[Depends(require_write)], responses=_MOVE_RESPONSES)
+async def set_source_url(source_id: str, body: SourceUrlIn, ctx: ApiContext = Depends(get_ctx)) -> Accepted:
+    """Move a source to another server of its replication topology (after a failover). The api
+    compares the GTID position of the stream's last resolved mark with the new server's: the
+    move is recorded only when the new server holds every transaction the stream holds and no
+    GTID domain the stream never saw, so nothing is skipped or published twice. The registry
+    and every changefeed reading the source then take the new URL, and its capture continues
+    there by GTID (it judges the server again before it reads)."""
+    problems = _url_problems(body.url)
+    binding = None if problems else url_binding_problem(body.url)
+    if binding:
+        problems = [{"loc": ["body", "url"], "msg": f"source URL refused: {binding}", "type": "value_error"}]
+    if problems:
+        raise RequestValidationError(problems)
+    view = projections_of(ctx).changefeeds
+    follow = f"/api/v1/sources/{source_id}"
+    registered = view.state.sources.get(source_id)
+    if registered is None:
+        raise HTTPException(404, f"source {source_id!r} is not registered")
+    if registered == body.url:
+        return Accepted(detail=f"source {source_id!r} is registered with this URL already", follow=follow)
+    failed = await source_checks(source_id, body.url)
+    if failed:
+        raise RequestValidationError([
+            {"loc": ["checks", f.check, f.target], "msg": f.message, "type": f"precheck.{f.check}"}
+            for f in failed])
+    try:
+        reason = await judge(body.url, await last_mark(js_of(ctx), source_id))
+    except MoveRefused as exc:
+        raise HTTPException(409, f"source {source_id!r} not moved to {redact_url(body.url)}: {exc}") from None
+
+    def check() -> None:
+        if view.state.sources.get(source_id) != registered:
+            raise HTTPException(409, f"source {source_id!r} changed while the move was checked: try again")
+
+    seq = await _command(ctx, check, lambda expected: record_source_moved(
+        js_of(ctx), source_id, body.url, ctx.requested_by, reason=reason,
+        expected_last_subject_seq=expected))
+    return Accepted(detail=f"source {source_id!r} moved to {redact_url(body.url)}: {reason}", seq=seq,
+                    follow=follow, events=f"/api/v1/events?since=changefeeds:{seq - 1}",
+                    warnings=[] if readers(view.state, source_id) else
+                    [f"no changefeed reads source {source_id!r}"])
