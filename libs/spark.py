@@ -35,6 +35,7 @@ from typing import Any
 from pyspark.sql import SparkSession
 
 from libs.config import Settings, get_settings
+from libs.spark_class_archive import archive_for
 
 _lock = threading.Lock()
 _session: SparkSession | None = None
@@ -93,9 +94,13 @@ def _build(settings: Settings) -> SparkSession:
     if not settings.spark_master.startswith("local"):
         # A cluster's executors start their Python workers with this environment.
         builder = builder.config("spark.executorEnv.PYTHONPATH", _PROJECT_ROOT)
-    if settings.spark_driver_java_options:
+    java_options = settings.spark_driver_java_options
+    archive = archive_for(settings.spark_class_archive) if settings.spark_master.startswith("local") else None
+    if archive is not None:
+        java_options = f"{java_options} -XX:SharedArchiveFile={archive}".strip()
+    if java_options:
         # Passed to spark-submit, which starts the local driver's JVM with them.
-        builder = builder.config("spark.driver.extraJavaOptions", settings.spark_driver_java_options)
+        builder = builder.config("spark.driver.extraJavaOptions", java_options)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
     return session

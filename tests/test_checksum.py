@@ -6,6 +6,7 @@ The cross-database check against real servers is in tests/test_sinks.py
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, date, datetime, timedelta, timezone
 from datetime import time as dtime
 from decimal import Decimal
@@ -90,3 +91,33 @@ def test_float32_extremes_normalise_without_overflow() -> None:
     assert top == normalize(3.402820018375656e38, column) == "#3402820" + "0" * 32
     assert normalize(-3.40282e38, column).startswith("#-34028")
     assert normalize(3.40282e38, column) != normalize(3.4028e38, column)
+
+
+def test_long_values_compare_by_digest_and_still_tell_one_byte_apart() -> None:
+    big = bytes(range(256)) * 1024  # 256 KiB
+    flipped = big[:-1] + b"\x00"
+    assert normalize(big) == normalize(memoryview(big)) == normalize(bytearray(big))
+    assert normalize(big) != normalize(flipped)
+    assert normalize(big).startswith("B#262144:")
+    text = "ü" * 70_000
+    assert normalize(text) == normalize(text.encode(), ColumnV1(name="t", sql_type="longtext", kind="string"))
+    assert normalize(text) != normalize(text[:-1] + "u")
+    doc = {"items": [{"i": i, "name": f"item-{i}"} for i in range(5000)], "id": 1}
+    reordered = '{"id": 1, "items": ' + json.dumps(doc["items"]) + "}"
+    json_col = ColumnV1(name="j", sql_type="json", kind="json")
+    assert normalize(json.dumps(doc), json_col) == normalize(reordered, json_col) == normalize(doc, json_col)
+    assert normalize(json.dumps(doc), json_col).startswith("J#")
+    # A short value keeps its readable text.
+    assert normalize(b"\x01\x02") == "B0102"
+
+
+def test_compare_tables_gives_the_digests_table_checksum_gives() -> None:
+    columns = ["id", "b"]
+    up = [{"id": 1, "b": b"x" * 100_000}, {"id": 2, "b": b"y"}]
+    down = [{"id": 2, "b": b"y"}, {"id": 1, "b": memoryview(b"x" * 100_000)}]
+    diff = compare_tables(up, down, ["id"], columns=columns)
+    assert diff.ok
+    assert diff.upstream_digest == table_checksum(up, columns, ["id"])[1] == diff.downstream_digest
+    changed = compare_tables(up, [{"id": 2, "b": b"y"}, {"id": 1, "b": b"x" * 99_999 + b"z"}], ["id"],
+                             columns=columns)
+    assert not changed.ok and changed.upstream_digest != changed.downstream_digest

@@ -12,6 +12,7 @@ from pyspark.sql import Row, SparkSession
 
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
+from libs.spark_class_archive import archive_for
 
 pytestmark = pytest.mark.integration
 
@@ -152,6 +153,15 @@ def test_spark_group_by_count(spark: SparkSession) -> None:
         1: (33, sum(range(1, 100, 3))),
         2: (33, sum(range(2, 100, 3))),
     }
+
+
+def test_the_driver_maps_the_venvs_class_archive_when_setup_built_it(spark: SparkSession) -> None:
+    archive = archive_for("auto")
+    if archive is None:
+        pytest.skip("no class archive in this venv (infra/dev.sh setup builds it)")
+    args = list(spark.sparkContext._jvm.java.lang.management.ManagementFactory  # type: ignore[union-attr]
+                .getRuntimeMXBean().getInputArguments())
+    assert f"-XX:SharedArchiveFile={archive}" in args, args
 
 
 def test_spark_executors_write_to_mariadb(

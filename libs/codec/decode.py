@@ -16,7 +16,6 @@ source never reaches DDL verbatim (no injection through ``enum('x'); DROP ...``)
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -26,6 +25,7 @@ from decimal import Decimal
 from typing import Any
 
 from contracts.events.rows import ColumnKind, ColumnV1, TableMetaV1
+from libs.codec.base64_sliced import b64decode_strict
 
 # --------------------------------------------------------------------------- source type parsing
 
@@ -180,7 +180,7 @@ def decode_value(kind: ColumnKind, sql_type: str, v: Any) -> Any:
     if kind in ("string", "set"):
         return str(v)
     if kind == "bytes":
-        return base64.b64decode(v, validate=True) if isinstance(v, str) else bytes(v)
+        return b64decode_strict(v) if isinstance(v, str) else bytes(v)
     if kind == "date":
         return date.fromisoformat(v)
     if kind in ("datetime", "timestamp"):

@@ -7,7 +7,6 @@ that turns them into the contract's JSON. A value that does not fit its column's
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 import json
 from collections.abc import Iterable, Sequence
@@ -17,6 +16,7 @@ from typing import Any
 from pymysqlreplication.constants import FIELD_TYPE, NONE_SOURCE
 
 from contracts.events.rows import ColumnKind
+from libs.codec.base64_sliced import b64encode_text
 
 
 class UnsupportedValue(ValueError):
@@ -158,7 +158,7 @@ def _bytes(value: Any, _: Sequence[str] | None) -> str:
         # pymysqlreplication hands an empty BLOB/VARBINARY value over as '' rather than b''.
         return ""
     _expect(value, (bytes, bytearray, memoryview), "bytes")
-    return base64.b64encode(bytes(value)).decode("ascii")
+    return b64encode_text(value)
 
 
 def _date(value: Any, _: Sequence[str] | None) -> str:
