@@ -29,18 +29,17 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from pyspark.sql import SparkSession
 
 from libs.config import Settings, get_settings
+from libs.project_path import PROJECT_ROOT, pythonpath_with_project
 from libs.spark_class_archive import archive_for
 
 _lock = threading.Lock()
 _session: SparkSession | None = None
 
-_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -55,9 +54,7 @@ def _prepare_environment() -> None:
     # Python workers must run the interpreter of this venv, not whatever `python3` is on PATH.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if _PROJECT_ROOT not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([_PROJECT_ROOT, *paths])
+    os.environ["PYTHONPATH"] = pythonpath_with_project(os.environ)
 
 
 def is_connect(master: str) -> bool:
@@ -93,7 +90,7 @@ def _build(settings: Settings) -> SparkSession:
     )
     if not settings.spark_master.startswith("local"):
         # A cluster's executors start their Python workers with this environment.
-        builder = builder.config("spark.executorEnv.PYTHONPATH", _PROJECT_ROOT)
+        builder = builder.config("spark.executorEnv.PYTHONPATH", PROJECT_ROOT)
     java_options = settings.spark_driver_java_options
     archive = archive_for(settings.spark_class_archive) if settings.spark_master.startswith("local") else None
     if archive is not None:

@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from libs.project_path import pythonpath_with_project
+
 ARCHIVE_NAME = "sluice-spark-classes.jsa"
 
 
@@ -71,9 +73,9 @@ def _exercise(dump_to: Path) -> None:
     import pyarrow as pa
     from pyspark.sql import SparkSession
 
-    from libs.spark import _prepare_environment
-
-    _prepare_environment()
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ["PYTHONPATH"] = pythonpath_with_project(os.environ)
     session = (
         SparkSession.builder.master("local[2]")
         .config("spark.ui.enabled", "false")

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from libs.localservers.common import free_port, port_open, wait_until
-
-_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+from libs.project_path import pythonpath_with_project
 
 
 def spark_home() -> Path:
@@ -34,12 +33,11 @@ def spark_home() -> Path:
 
 def _environment(daemon: bool) -> dict[str, str]:
     env = dict(os.environ)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env.update({
         "SPARK_HOME": str(spark_home()),
         "SPARK_LOCAL_IP": "127.0.0.1",
         "PYSPARK_PYTHON": sys.executable,
-        "PYTHONPATH": os.pathsep.join([_PROJECT_ROOT, *[p for p in paths if p != _PROJECT_ROOT]]),
+        "PYTHONPATH": pythonpath_with_project(env),
     })
     if daemon:
         # Small daemons: the master and workers only schedule; executors get their own memory.

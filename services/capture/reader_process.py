@@ -28,12 +28,10 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
+from libs.project_path import pythonpath_with_project
 from services.capture.binlog_reader import Item, Position, ReaderFailed
-
-_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 class ReaderDied(RuntimeError):
@@ -69,9 +67,9 @@ class ReaderProcess:
         data_r, data_w = os.pipe()
         ctl_r, ctl_w = os.pipe()
         try:
-            # cwd and PYTHONPATH: the child imports the same services package as capture.
+            # PYTHONPATH: the child imports the same services package as capture.
             env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
+            env["PYTHONPATH"] = pythonpath_with_project(env)
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "services.capture.reader_child", str(data_w), str(ctl_r),
                  str(os.getpid())], pass_fds=(data_w, ctl_r), stdin=subprocess.DEVNULL, env=env)
