@@ -611,7 +611,13 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         for proc in system.processes.values():
             wait_for(functools.partial(_healthy, proc), 120, f"{proc.instance_id} /healthz", stop)
         api = Api(system.processes["api-1"].base_url, system.api_token)
-        say(f"the api runs with auth on; its operator token is {system.api_token} "
+        # The token goes to a file only the user can read, never to the terminal or its scrollback.
+        token_file = args.dir / "api-token"
+        token_file.unlink(missing_ok=True)
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(system.api_token)
+        say(f"the api runs with auth on; its operator token is in {token_file} (0600) "
             "(Authorization: Bearer <token>, or SLUICE_API_TOKEN for the CLI)")
         a = api
         services = ("member", "scheduler", "replication-manager", "ddl-lock")
@@ -702,8 +708,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> int:
         assert system.nats is not None
         say(f"read the streams as the read-only NATS user: user 'reader', password from "
             f"{system.nats.data_dir / 'auth.json'}, server {system.nats.plain_url}")
-        say(f"    curl -H 'Authorization: Bearer {system.api_token}' {api.base_url}/api/v1/changefeeds")
-        say(f"CLI: SLUICE_API_URL={api.base_url} SLUICE_API_TOKEN={system.api_token} "
+        say(f"    curl -H \"Authorization: Bearer $(cat {token_file})\" {api.base_url}/api/v1/changefeeds")
+        say(f"CLI: SLUICE_API_URL={api.base_url} SLUICE_API_TOKEN=$(cat {token_file}) "
             ".venv/bin/sluice status   "
             f"(also: changefeed tables {CHANGEFEED}, member list, ddl list)")
         if not args.no_wait:
