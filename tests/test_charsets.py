@@ -45,7 +45,7 @@ def test_single_byte_charsets_are_mariadbs_tables_not_pythons_codecs() -> None:
 
 
 def test_multi_byte_charsets_follow_mariadb_where_python_differs() -> None:
-    assert charsets.decode(b"\x81\x5f", "sjis") == "\\"  # Python's shift_jis says '＼'
+    assert charsets.decode(b"\x81\x5f", "sjis") == "\\"  # Python's shift_jis says '＼'  # noqa: RUF003
     assert charsets.decode(b"a\xf5\xa1b", "ujis") == "a\ue000b"  # user-defined area
     assert charsets.decode("갂".encode("cp949"), "euckr") == "갂"  # MariaDB's euckr is UHC
     assert charsets.decode("中文ｱ".encode("cp932"), "cp932") == "中文ｱ"

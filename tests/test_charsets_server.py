@@ -15,8 +15,8 @@ pytestmark = pytest.mark.integration
 
 # Letters of many scripts, the characters Japanese and Chinese charsets map in more than one
 # way, the C1 bytes latin1 keeps, and supplementary-plane characters.
-CANDIDATES = ("a", "~", "\\", "'", "¥", "‾", "é", "ñ", "ÿ", "€", "Ø", "Ж", "α", "ש", "ع", "ก",
-              "Ա", "ა", "中", "한", "갂", "ア", "ｱ", "〜", "～", "−", "¬", "‖", "①", "髙", "碁",
+CANDIDATES = ("a", "~", "\\", "'", "¥", "‾", "é", "ñ", "ÿ", "€", "Ø", "Ж", "α", "ש", "ع", "ก",  # noqa: RUF001
+              "Ա", "ა", "中", "한", "갂", "ア", "ｱ", "〜", "～", "−", "¬", "‖", "①", "髙", "碁",  # noqa: RUF001
               "\ue000", "\x81", "Å", "ü", "ß", "č", "ą", "ğ", "ő", "ā", "ď", "😀", "𠀋", "\U0010ffff")
 
 
