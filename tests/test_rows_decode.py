@@ -19,6 +19,7 @@ from pymysqlreplication.constants import FIELD_TYPE
 from services.capture.binlog_reader import RowImage, Rows
 from services.capture.rows_decode import ColumnLayout, RowsDecoder, compile_decoder
 from tests.helpers.rows_events import typed
+from tests.helpers.type_cases import CHARSET_TEXTS
 
 FIXTURE = Path(__file__).parent / "fixtures" / "rows_events.json.gz"
 EVENTS: list[dict[str, Any]] = json.loads(gzip.decompress(FIXTURE.read_bytes()))
@@ -162,3 +163,34 @@ def test_items_cross_the_pipe_as_tuples_and_come_back_whole() -> None:
     assert back[0].xa is True and back[1].event_size == 40 and str(back[2].position) == "binlog.000001:99"
     with pytest.raises(AttributeError):
         back[0].gtid = "x"  # type: ignore[misc]
+
+
+def test_text_in_every_charset_decodes_to_what_was_written() -> None:
+    # Both paths agreeing is not enough (the library's utf16 was wrong on both): each charset's
+    # column holds exactly the text the statement wrote, in the recording and decoded again.
+    inserts = [e for e in EVENTS if e["table"] == "charsets" and e["op"] == "insert"]
+    assert len(inserts) == 4
+    for event in inserts:
+        for recorded in (event["expected"], _decode(event)):
+            after = recorded[0][1]
+            row = int(after["id"][1])
+            for name, text in CHARSET_TEXTS.items():
+                want = [text, "", text[0] + "  ", None][row]
+                assert after[f"c_cs_{name}"] == (None if want is None else ["str", want]), (name, row)
+            if row == 0:
+                assert after["c_char_ucs2"] == ["str", "aØ€"]
+                assert after["c_text_utf16"] == ["str", "Ø😀 x"]
+                assert after["c_tinytext_utf32"] == ["str", "añ😀"]
+                assert after["c_enum_utf16"] == ["str", "b c"]
+                assert after["c_set_ucs2"] == ["set", ["x", "y"]]
+                assert after["c_enum_swe7"] == ["str", "Å"]
+
+
+def test_a_charset_capture_cannot_decode_stays_bytes_on_both_paths() -> None:
+    # eucjpms (libs.codec.charset_tables.INEXACT): bytes, never misdecoded text; describe
+    # refuses the column, so capture stops the table (tests/test_charsets.py).
+    event = next(e for e in EVENTS if e["table"] == "extra" and e["op"] == "insert")
+    for recorded in (event["expected"], _decode(event)):
+        assert recorded[0][1]["c_eucjpms"] == ["bytes", "ア".encode("euc_jp").hex()]
+        assert recorded[0][1]["c_swe7"] == ["str", "abc"]
+        assert recorded[0][1]["c_utf16"] == ["str", "añ😀"]

@@ -38,7 +38,14 @@ from libs.localservers.service_process import ServiceProcess
 from libs.streams import ROWS_STREAM, rejected_subject
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
-from tests.helpers.type_cases import KEY_CASES, VALUE_CASES, KeyCase, ValueCase
+from tests.helpers.type_cases import (
+    CHARSET_CASES,
+    KEY_CASES,
+    REFUSED_CHARSETS,
+    VALUE_CASES,
+    KeyCase,
+    ValueCase,
+)
 from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 
 pytestmark = pytest.mark.integration
@@ -46,6 +53,7 @@ pytestmark = pytest.mark.integration
 DB = "type_matrix"
 SOURCE_ID = "typematrix"
 WIDE = "wide"
+CHARSETS = "charsets"
 
 
 # Types capture cannot hand over faithfully to every downstream: refused, never stored wrong.
@@ -57,6 +65,8 @@ REFUSED = {
     # The binlog reader decodes ENUM/SET names as UTF-8: a latin1 'é' would arrive as ''.
     "enum_latin1": "enum('é','a') character set latin1",
     "set_latin1": "set('é','a') character set latin1",
+    # Charsets capture cannot decode exactly: the table stops naming the column and charset.
+    **{f"charset_{name}": f"varchar(10) character set {name}" for name in REFUSED_CHARSETS},
 }
 _REFUSED_VALUE = {
     "point": "POINT(1, 2)", "linestring": "LINESTRING(POINT(0, 0), POINT(1, 1))",
@@ -67,6 +77,7 @@ _REFUSED_VALUE = {
     "geometrycollection": "GEOMETRYCOLLECTION(POINT(0, 0))",
     "uuid": "'123e4567-e89b-12d3-a456-426614174000'", "inet4": "'192.168.0.1'", "inet6": "'::1'",
     "enum_latin1": "'é'", "set_latin1": "'a,é'",
+    **{f"charset_{name}": value for name, value in REFUSED_CHARSETS.items()},
 }
 
 GENERATED = "generated"
@@ -77,6 +88,8 @@ def _setup_statements() -> list[str]:
     out = [f"DROP DATABASE IF EXISTS {DB}", f"CREATE DATABASE {DB}"]
     cols = ", ".join(f"c_{c.id} {c.sql_type}" for c in VALUE_CASES)
     out.append(f"CREATE TABLE {DB}.{WIDE} (id INT PRIMARY KEY, {cols})")
+    cols = ", ".join(f"c_{c.id} {c.sql_type}" for c in CHARSET_CASES)
+    out.append(f"CREATE TABLE {DB}.{CHARSETS} (id INT PRIMARY KEY, {cols})")
     for k in KEY_CASES:
         out.append(f"CREATE TABLE {DB}.{k.table} (k {k.sql_type} NOT NULL PRIMARY KEY, n INT)")
     out.append(f"CREATE TABLE {DB}.{GENERATED} (id INT PRIMARY KEY, a INT, s VARCHAR(10),"
@@ -102,6 +115,14 @@ def _change_statements() -> list[str]:
     out.append(f"UPDATE {DB}.{WIDE} SET {sets} WHERE id = {rows}")
     out.append(f"UPDATE {DB}.{WIDE} SET id = {rows + 2} WHERE id = {len(VALUE_CASES[0].values) - 1}")
     out.append(f"DELETE FROM {DB}.{WIDE} WHERE id = {rows + 1}")
+    # Every charset's text once as an insert, through an update's before and after images.
+    names = ", ".join(f"c_{c.id}" for c in CHARSET_CASES)
+    for i in range(_charset_rows()):
+        values = ", ".join(c.values[i] if i < len(c.values) else "NULL" for c in CHARSET_CASES)
+        out.append(f"INSERT INTO {DB}.{CHARSETS} (id, {names}) VALUES ({i}, {values})")
+    sets = ", ".join(f"c_{c.id} = {c.values[0]}" for c in CHARSET_CASES)
+    out.append(f"UPDATE {DB}.{CHARSETS} SET {sets} WHERE id = {_charset_rows() - 1}")
+    out.append(f"UPDATE {DB}.{CHARSETS} SET id = 100 WHERE id = 0")
     for k in KEY_CASES:
         for n, v in enumerate(k.values):
             out.append(f"INSERT INTO {DB}.{k.table} (k, n) VALUES ({v}, {n})")
@@ -114,6 +135,11 @@ def _change_statements() -> list[str]:
     for name in REFUSED:
         out.append(f"INSERT INTO {DB}.refused_{name} (id, v) VALUES (1, {_REFUSED_VALUE[name]})")
     return out
+
+
+def _charset_rows() -> int:
+    """Rows of the charset table: one per edge value, and one of NULLs."""
+    return max(len(c.values) for c in CHARSET_CASES) + 1
 
 
 @dataclass
@@ -153,7 +179,7 @@ def _diff(source: MariaDB, sink_url: str, table: str, columns: list[str] | None 
 
 
 def _tables() -> list[str]:
-    return [WIDE, GENERATED, *(k.table for k in KEY_CASES)]
+    return [WIDE, CHARSETS, GENERATED, *(k.table for k in KEY_CASES)]
 
 
 async def _record_feeds(nats_url: str, sink_urls: dict[str, str], source: MariaDB) -> list[str]:
@@ -294,6 +320,15 @@ def test_edge_values_arrive_unchanged(replicated: Replicated, case: ValueCase, s
 
 
 @pytest.mark.parametrize("sink", SINKS)
+@pytest.mark.parametrize("case", CHARSET_CASES, ids=lambda c: c.id)
+def test_every_charset_arrives_unchanged(replicated: Replicated, case: ValueCase, sink: str) -> None:
+    diff = _diff(replicated.source, replicated.sink_urls[sink], CHARSETS, [f"c_{case.id}"])
+    assert diff.ok, _report(replicated, sink, CHARSETS, diff)
+    assert diff.upstream_count == _charset_rows()
+    assert not [r for r in replicated.rejections if r.table == CHARSETS]
+
+
+@pytest.mark.parametrize("sink", SINKS)
 @pytest.mark.parametrize("case", KEY_CASES, ids=lambda c: c.id)
 def test_typed_keys_find_their_rows(replicated: Replicated, case: KeyCase, sink: str) -> None:
     diff = _diff(replicated.source, replicated.sink_urls[sink], case.table)
@@ -315,6 +350,8 @@ def test_unrepresentable_types_are_refused_visibly(replicated: Replicated, sql_t
     assert [r.kind for r in mine] == ["unsupported_type"], \
         f"expected one unsupported_type rejection for {table}, got {mine}"
     assert f"v {REFUSED[sql_type].split(' character set')[0]}" in mine[0].message, mine[0].message
+    if sql_type.startswith("charset_"):
+        assert f"character set {sql_type.removeprefix('charset_')}" in mine[0].message, mine[0].message
     for sink, url in replicated.sink_urls.items():
         meta = TableMetaV1(columns=[ColumnV1(name="id", kind="int", sql_type="int", nullable=False)],
                            primary_key=["id"])

@@ -172,12 +172,33 @@ def describe(database: str, table: str, columns: Sequence[BinlogColumn],
     (fixed binary) and the rows would otherwise go out as bytes in silence.
     """
     if catalog is None or not agrees(catalog, columns):
-        return _binlog_only(database, table, columns, catalog or later)
+        return refuse_charsets(_binlog_only(database, table, columns, catalog or later), columns)
     primary = binlog_primary_key(columns)
     uniques = [k for k in (catalog.primary_key, *catalog.unique_keys) if k and k != primary]
     declared = catalog.declared_primary_key and catalog.primary_key == primary
     info = TableInfo(database, table, catalog.columns, primary, tuple(uniques), declared)
-    return reconcile_members(info, columns)
+    return refuse_charsets(reconcile_members(info, columns), columns)
+
+
+def refuse_charsets(info: TableInfo, columns: Sequence[BinlogColumn]) -> TableInfo:
+    """Text, ENUM and SET columns in a character set capture cannot decode exactly
+    (``libs.codec.charsets``) marked unsupported: the table is stopped with an incident that
+    names the column and its charset, instead of its text going out as bytes or misdecoded."""
+    from libs.codec.charsets import decodable, mariadb_charset
+
+    by_name = {c.name: c for c in columns}
+    specs: list[ColumnSpec] = []
+    changed = False
+    for spec in info.columns:
+        col = by_name.get(spec.name)
+        if (col is not None and spec.kind in ("string", "set", "json")
+                and not decodable(col.charset)):
+            specs.append(replace(spec, kind=None, sql_type=f"{spec.sql_type} (character set "
+                                 f"{mariadb_charset(col.charset)}, which capture cannot decode exactly)"))
+            changed = True
+        else:
+            specs.append(spec)
+    return replace(info, columns=tuple(specs), _meta=None) if changed else info
 
 
 def agrees(catalog: TableInfo, columns: Sequence[BinlogColumn]) -> bool:

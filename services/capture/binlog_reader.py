@@ -36,6 +36,7 @@ from pymysqlreplication.event import (
 from pymysqlreplication.row_event import DeleteRowsEvent, TableMapEvent, UpdateRowsEvent, WriteRowsEvent
 
 from contracts.events.rows import RowOp
+from libs.codec import charsets
 from libs.codec.table_meta import BinlogColumn
 from services.capture import table_map_cache, value_repairs
 from services.capture.rows_decode import RowsDecoder, compile_decoder
@@ -424,7 +425,7 @@ def _repairs(event: Any) -> Repairs:
             out.append((str(c.name), _fix_negative_time2))
         elif c.type == FIELD_TYPE.YEAR:
             out.append((str(c.name), _fix_year))
-        elif (c.type == FIELD_TYPE.STRING and c.character_set_name == "binary"
+        elif (c.type == FIELD_TYPE.STRING and charsets.original_charset(c) == "binary"
               and int(getattr(c, "max_length", 0) or 0) > 0):
             out.append((str(c.name), _binary_padder(int(c.max_length))))
     return tuple(out)
@@ -445,7 +446,7 @@ def _columns(event: Any, extras: TableMapExtras | None) -> tuple[BinlogColumn, .
     for i, c in enumerate(event.columns):
         key_part = parts.get(i) if extras is not None else (i if c.is_primary else None)
         out.append(BinlogColumn(
-            name=str(c.name), type_code=int(c.type), charset=c.character_set_name,
+            name=str(c.name), type_code=int(c.type), charset=charsets.original_charset(c),
             unsigned=bool(c.unsigned), is_primary=key_part is not None,
             set_values=tuple(c.set_values) if c.set_values is not None else None,
             enum_values=tuple(c.enum_values) if c.enum_values is not None else None,
@@ -475,6 +476,8 @@ def _shape(event: Any, maps: dict[int, TableMapExtras], shapes: dict[int, _Shape
     known = shapes.get(event.table_id)
     if known is not None and known[0] is event.columns and known[1] is extras:
         return known
+    # Both decode paths read the charsets and members fixed here (libs.codec.charsets).
+    charsets.fix_library_columns(event.columns)
     decoder = compile_decoder(event.columns) if fast_rows else None
     shape = (event.columns, extras, _columns(event, extras), _repairs(event), decoder)
     shapes[event.table_id] = shape

@@ -11,14 +11,15 @@ per table that reads a row image straight from the event's bytes (fixed widths w
 integer, strings sliced and decoded with their charset's codec named once).
 
 The values are exactly the library's after capture's repairs (``value_repairs``): same types,
-same quirks (an empty binary string is ``''``, a SET is a Python set, BIT is a string of 0/1,
-a zero date is None with the library's "none source"). What it does not cover, it does not
-guess: a column type outside the list below makes ``compile_decoder`` return None and the
-table's rows go through the library as before; an event it cannot take as laid out (partial
-row images, ``binlog_row_image`` other than FULL, a library parse already started, a column
-count that differs from the map) and any error while decoding (a value the library would
-refuse too, bytes that do not end where the event does) send that event through the library,
-which then decodes it, or raises what it raises today.
+same quirks (an empty binary string is ``''``, text decoded in its charset exactly by
+``libs.codec.charsets``, as the library does once capture has fixed its columns, a SET is a
+Python set, BIT is a string of 0/1, a zero date is None with the library's "none source"). What
+it does not cover, it does not guess: a column type outside the list below makes
+``compile_decoder`` return None and the table's rows go through the library as before; an event
+it cannot take as laid out (partial row images, ``binlog_row_image`` other than FULL, a library
+parse already started, a column count that differs from the map) and any error while decoding
+(a value the library would refuse too, bytes that do not end where the event does) send that
+event through the library, which then decodes it, or raises what it raises today.
 
 Covered (MariaDB's binlog, v1 and v2 rows events): TINY/SHORT/INT24/LONG/LONGLONG signed and
 unsigned, FLOAT, DOUBLE, NEWDECIMAL, YEAR, DATE, DATETIME2, TIMESTAMP2, TIME2, VARCHAR, STRING
@@ -29,7 +30,6 @@ anything else.
 
 from __future__ import annotations
 
-import codecs
 import datetime as dt
 import struct
 from collections.abc import Callable, Sequence
@@ -39,6 +39,7 @@ from typing import Any
 
 from pymysqlreplication.constants import BINLOG, FIELD_TYPE, NONE_SOURCE
 
+from libs.codec.charsets import CODECS, codec_name, mariadb_charset
 from services.capture.value_repairs import fix_negative_time2
 
 T = FIELD_TYPE
@@ -219,18 +220,15 @@ def _bit(col: ColumnLayout) -> Callable[[bytes, int], tuple[Any, int]]:
 
 
 def _codec(charset: str | None) -> str | None:
-    """The codec the library decodes a string column with (pymysql's name for the charset);
-    None when Python has none (``binary``, ``swe7`` ...): the library keeps the bytes then."""
-    from pymysql.charset import charset_by_name
-
+    """The codec that decodes the charset exactly (``libs.codec.charsets``, the one the library
+    decodes with once capture has fixed its columns); None for ``binary`` and for a charset
+    capture cannot decode (the library keeps the bytes then, and ``describe`` refuses the
+    column)."""
     if charset is None:
         return "utf-8"
-    found = charset_by_name(charset)
-    name = found.encoding if found else charset
-    try:
-        codecs.lookup(name)
-    except LookupError:
-        return None
+    name = codec_name(charset)
+    if name is not None and CODECS[mariadb_charset(charset) or ""] == "utf-8":
+        return "utf-8"
     return name
 
 

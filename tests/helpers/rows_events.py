@@ -1,12 +1,13 @@
 """Rows events of the type matrix, for the compiled row decoder's tests.
 
 ``statements`` writes every column type of the type matrix (``type_cases``) with its edge values,
-plus what the matrix leaves out (zero dates, an invalid ENUM value, an empty SET, NULLs, rows
-events of many rows, a table map wider than one null-bitmap byte, a column type the compiled
-decoder does not cover). ``read_items`` reads them back through capture's ``BinlogReader``, with
-the compiled decoder or with the library's parse. ``record`` keeps each rows event's bytes with
-the library's values, and ``python -m tests.helpers.rows_events tests/fixtures/rows_events.json.gz``
-writes them to the fixture the fast lane decodes without a server.
+text in every character set capture decodes (``CHARSET_CASES``), plus what the matrix leaves out
+(zero dates, an invalid ENUM value, an empty SET, NULLs, rows events of many rows, a table map
+wider than one null-bitmap byte, a column type the compiled decoder does not cover).
+``read_items`` reads them back through capture's ``BinlogReader``, with the compiled decoder or
+with the library's parse. ``record`` keeps each rows event's bytes with the library's values, and
+``python -m tests.helpers.rows_events tests/fixtures/rows_events.json.gz`` writes them to the
+fixture the fast lane decodes without a server.
 
 ``typed`` spells a value with its exact type, so ``1``, ``1.0``, ``True`` and ``Decimal(1)``
 (equal in Python) never pass for each other in a comparison.
@@ -34,7 +35,7 @@ from services.capture.binlog_reader import (
     Rows,
     _convert,
 )
-from tests.helpers.type_cases import KEY_CASES, VALUE_CASES
+from tests.helpers.type_cases import CHARSET_CASES, KEY_CASES, VALUE_CASES
 
 DB = "rows_decode"
 
@@ -50,16 +51,17 @@ EXTRA_COLUMNS = (
     ("c_ucs2", "varchar(10) character set ucs2"), ("c_utf16", "varchar(10) character set utf16"),
     ("c_sjis", "varchar(10) character set sjis"), ("c_gbk", "varchar(10) character set gbk"),
     ("c_cp1251", "char(10) character set cp1251"), ("c_swe7", "varchar(10) character set swe7"),
+    ("c_eucjpms", "varchar(10) character set eucjpms"),
 )
 EXTRA_ROWS = (
     ("'0000-00-00'", "'0000-00-00 00:00:00'", "'2020-00-05 01:02:03.456'", "'0000-00-00 00:00:00'",
      "'0000-00-00 00:00:00.000000'", "'zz'", "''", "-9", "'0.999999999'", "'-123456789.123456789'",
      "'1234567890.0123456789'", "'-123456789012345678901234567890123456.78'", "'1e-30'",
      "'" + ",".join(f"m{i}" for i in range(64)) + "'", "'e299'", "x'00'", "'" + "ÿ" * 300 + "'",
-     "'añ😀'", "'añ😀'", "'ｱｲ'", "'中文'", "'Жж'", "'abc'"),
+     "'añ😀'", "'añ😀'", "'ｱｲ'", "'中文'", "'Жж'", "'abc'", "'ア'"),
     ("'2024-00-00'", "'2024-02-00 00:00:00'", "'0000-01-01 00:00:00.001'", "'1970-01-01 00:00:01'",
      "'2038-01-19 03:14:07.000001'", "'b'", "'x,y'", "0", "'-0.000000001'", "'0.000000000'",
-     "'0'", "'0.01'", "'-0.0'", "'m0,m63'", "'e0'", "''", "''", "''", "''", "''", "''", "''", "''"),
+     "'0'", "'0.01'", "'-0.0'", "'m0,m63'", "'e0'", "''", "''", "''", "''", "''", "''", "''", "''", "''"),
     tuple("NULL" for _ in EXTRA_COLUMNS),
 )
 
@@ -75,6 +77,8 @@ def statements() -> list[str]:
     out.append(f"CREATE TABLE {DB}.narrow (id INT PRIMARY KEY, k INT NOT NULL, c CHAR(120) NOT NULL,"
                " pad CHAR(60) NOT NULL)")
     out.append(f"CREATE TABLE {DB}.spatial (id INT PRIMARY KEY, p POINT, n INT)")
+    charsets = ", ".join(f"c_{c.id} {c.sql_type}" for c in CHARSET_CASES)
+    out.append(f"CREATE TABLE {DB}.charsets (id INT PRIMARY KEY, {charsets})")
     # The type matrix's rows, one insert each, then a multi-row update and delete.
     rows = max(len(c.values) for c in VALUE_CASES) + 1
     names = ", ".join(f"c_{c.id}" for c in VALUE_CASES)
@@ -103,6 +107,13 @@ def statements() -> list[str]:
     out.append(f"INSERT INTO {DB}.narrow VALUES {narrow}")
     out.append(f"UPDATE {DB}.narrow SET k = k + 1 WHERE id < 150")
     out.append(f"DELETE FROM {DB}.narrow WHERE id >= 50")
+    # Text in every charset capture decodes: inserts, an update of all rows, a delete.
+    names = ", ".join(f"c_{c.id}" for c in CHARSET_CASES)
+    for i in range(max(len(c.values) for c in CHARSET_CASES) + 1):
+        values = ", ".join(c.values[i] if i < len(c.values) else "NULL" for c in CHARSET_CASES)
+        out.append(f"INSERT INTO {DB}.charsets (id, {names}) VALUES ({i}, {values})")
+    out.append(f"UPDATE {DB}.charsets SET id = id + 10")
+    out.append(f"DELETE FROM {DB}.charsets WHERE id = 10")
     out.append(f"INSERT INTO {DB}.spatial VALUES (1, POINT(1, 2), 3), (2, NULL, NULL)")
     out.append(f"UPDATE {DB}.spatial SET n = 4")
     return out
@@ -191,6 +202,7 @@ def record(server: MariaDB) -> list[dict[str, Any]]:
     from pymysqlreplication.event import RotateEvent
     from pymysqlreplication.row_event import DeleteRowsEvent, TableMapEvent, UpdateRowsEvent, WriteRowsEvent
 
+    from libs.codec import charsets
     from services.capture.binlog_reader import TableMapExtras, table_map_extras
     from services.capture.rows_decode import RowsDecoder, layout_of
 
@@ -211,6 +223,8 @@ def record(server: MariaDB) -> list[dict[str, Any]]:
             if isinstance(event, TableMapEvent):
                 maps[event.table_id] = table_map_extras(event)
                 continue
+            # As capture's reader does before either decode path reads the table map.
+            charsets.fix_library_columns(event.columns)
             layouts = [layout_of(c) for c in event.columns]
             try:
                 decoder = RowsDecoder(layouts)

@@ -95,6 +95,81 @@ def _value_cases() -> list[ValueCase]:
 VALUE_CASES = _value_cases()
 
 
+def sql_text(text: str) -> str:
+    """``text`` as a SQL string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+# Per character set of MariaDB 10.11's SHOW CHARACTER SET (but binary, and those capture
+# refuses), the characters of a sample the charset holds (``tests/test_charsets_server.py``
+# round-trips the same sample): letters of many scripts, the characters Japanese charsets map in
+# more than one way, quote and backslash, C1 controls, supplementary-plane characters.
+CHARSET_TEXTS: dict[str, str] = {
+    'armscii8': "a~\\'Ա\x81",
+    'ascii': "a~\\'",
+    'big5': "a~\\'¥‾Жα中ア①",
+    'cp1250': "a~\\'é€¬üßčąőď",
+    'cp1251': "a~\\'€Ж¬",
+    'cp1256': "a~\\'¥é€ع¬ü",
+    'cp1257': "a~\\'é€Ø¬Åüßčąā",
+    'cp850': "a~\\'¥éñÿØ¬Åüßñ",
+    'cp852': "a~\\'é¬üßčąőď",
+    'cp866': "a~\\'Ж",
+    'cp932': "a~\\'Жα中アｱ～①髙",  # noqa: RUF001
+    'dec8': "a~\\'¥éñÿØ\x81Åüßñ",
+    'euckr': "a~\\'€ØЖα中한ア～①ß",  # noqa: RUF001
+    'gb2312': "a~\\'éЖα中ア～‖①üā",  # noqa: RUF001
+    'gbk': "a~\\'éЖα中ア～‖①髙üā",  # noqa: RUF001
+    'geostd8': "a~\\'¥€ა¬",
+    'greek': "a~\\'α¬\x81",  # noqa: RUF001
+    'hebrew': "a~\\'¥‾ש¬\x81",
+    'hp8': "a~\\'¥éñÿØ\x81Åüßñ",
+    'keybcs2': "a~\\'éαüßčď",
+    'koi8r': "a~\\'Ж",
+    'koi8u': "a~\\'Ж",
+    'latin1': "a~\\'¥éñÿ€Ø¬\x81Åüßñ",
+    'latin2': "a~\\'é\x81üßčąőď",
+    'latin5': "a~\\'¥éñÿØ¬\x81Åüßğñ",
+    'latin7': "a~\\'éØ¬\x81Åüßčąā",
+    'macce': "a~\\'é¬üßčąőāď",
+    'macroman': "a~\\'¥éñÿ€Ø¬Åüßñ",
+    'sjis': "a~\\'Жα中アｱ〜−¬‖",  # noqa: RUF001
+    'swe7': "a'éÅü",
+    'tis620': "a~\\'ก\x81",
+    'ucs2': "a~\\'¥‾éñÿ€ØЖαשعกԱა中한アｱ〜～−¬‖①髙\x81Åüßčąğőāďñ",  # noqa: RUF001
+    'ujis': "a~\\'éñÿØЖα中アｱ〜−¬‖Åüßčąğőāďñ",  # noqa: RUF001
+    'utf16': "a~\\'¥‾éñÿ€ØЖαשعกԱა中한アｱ〜～−¬‖①髙😀𠀋\U0010ffff\x81Åüßčąğőāďñ",  # noqa: RUF001
+    'utf16le': "a~\\'¥‾éñÿ€ØЖαשعกԱა中한アｱ〜～−¬‖①髙😀𠀋\U0010ffff\x81Åüßčąğőāďñ",  # noqa: RUF001
+    'utf32': "a~\\'¥‾éñÿ€ØЖαשعกԱა中한アｱ〜～−¬‖①髙😀𠀋\U0010ffff\x81Åüßčąğőāďñ",  # noqa: RUF001
+    'utf8mb3': "a~\\'¥‾éñÿ€ØЖαשعกԱა中한アｱ〜～−¬‖①髙\x81Åüßčąğőāďñ",  # noqa: RUF001
+    'utf8mb4': "a~\\'¥‾éñÿ€ØЖαשعกԱა中한アｱ〜～−¬‖①髙😀𠀋\U0010ffff\x81Åüßčąğőāďñ",  # noqa: RUF001
+}
+
+
+def _charset_cases() -> list[ValueCase]:
+    cases = [ValueCase(f"cs_{name}", f"varchar(80) character set {name}",
+                       (sql_text(text), "''", sql_text(text[0] + "  ")))
+             for name, text in CHARSET_TEXTS.items()]
+    # The other string types, and ENUM/SET members, in charsets the binlog library got wrong.
+    cases += [
+        ValueCase("char_ucs2", "char(5) character set ucs2", ("'aØ€'", "''")),
+        ValueCase("text_utf16", "text character set utf16", ("'Ø😀 x'", "''")),
+        ValueCase("tinytext_utf32", "tinytext character set utf32", ("'añ😀'", "''")),
+        ValueCase("enum_utf16", "enum('a','b c') character set utf16", ("'b c'", "'a'")),
+        ValueCase("set_ucs2", "set('x','y') character set ucs2", ("'x,y'", "''")),
+        ValueCase("enum_swe7", "enum('Å','ä') character set swe7", ("'Å'", "'ä'")),
+    ]
+    return cases
+
+
+CHARSET_CASES = _charset_cases()
+"""Text in every character set capture decodes: one table, one column per case."""
+
+REFUSED_CHARSETS = {"eucjpms": "'ア'"}
+"""Character sets capture cannot decode exactly (``libs.codec.charset_tables.INEXACT``), with a
+value: a table with such a column is stopped, never replicated wrong."""
+
+
 @dataclass(frozen=True)
 class KeyCase:
     """A table keyed by one column of this type: deletes and updates address rows by it."""
