@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import nats
-import psycopg
 import pymysql.cursors
 import pytest
 
@@ -31,13 +29,24 @@ from contracts.events.changefeeds import ChangefeedSpecV6, SourceRefV1, TableFil
 from libs.changefeeds import record_changefeed, record_state
 from libs.checksum import compare_tables
 from libs.codec.table_meta import load_table_info
-from libs.dburl import parse_database_url
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
+from tests.helpers.definitions import (
+    MYSQL_INDEXES,
+    mysql_checksum,
+    mysql_definition,
+    mysql_query,
+    pg_columns,
+    pg_indexes,
+    pg_query,
+    sqlite_columns,
+    sqlite_indexes,
+    sqlite_query,
+)
 from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 
 pytestmark = pytest.mark.integration
@@ -209,63 +218,16 @@ def stack(mariadb: MariaDB, postgres: PostgreSQL, nats_server: NatsServer,
         downstream.cleanup()
 
 
-# ---------------------------------------------------------------------------- catalog readers
-
-_COLUMNS = ("SELECT COLUMN_NAME, COLUMN_TYPE, IS_NULLABLE, COLUMN_DEFAULT, CHARACTER_SET_NAME,"
-            " COLLATION_NAME, COLUMN_COMMENT, EXTRA FROM information_schema.COLUMNS"
-            " WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s ORDER BY ORDINAL_POSITION")
-_INDEXES = ("SELECT INDEX_NAME, NON_UNIQUE, SEQ_IN_INDEX, COLUMN_NAME, SUB_PART, COLLATION, INDEX_TYPE"
-            " FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s"
-            " ORDER BY INDEX_NAME, SEQ_IN_INDEX")
-_TABLE = ("SELECT TABLE_COLLATION, TABLE_COMMENT FROM information_schema.TABLES"
-          " WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s")
-
-
 def _mysql_definition(server: MariaDB, table: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, sql in (("columns", _COLUMNS), ("indexes", _INDEXES), ("table", _TABLE)):
-        out[name] = _query(server, sql, (DB, table))
-    return out
-
-
-def _query(server: MariaDB, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-    conn = server.connect()
-    try:
-        with conn.cursor() as cur:
-            cur.execute(sql, params)
-            return [tuple(r) for r in cur.fetchall()]
-    finally:
-        conn.close()
+    return mysql_definition(server, DB, table)
 
 
 def _checksum(server: MariaDB, table: str) -> int:
-    [(_, value)] = _query(server, f"CHECKSUM TABLE {DB}.`{table}`", ())
-    return int(value)
-
-
-def _pg(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    db = parse_database_url(url)
-    with psycopg.connect(host=db.host, port=db.port, user=db.user or None, password=db.password or None,
-                         dbname=db.database or "postgres", autocommit=True) as conn:
-        return [tuple(r) for r in conn.execute(sql, params).fetchall()]  # type: ignore[arg-type]
-
-
-def _sqlite(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    conn = sqlite3.connect(parse_database_url(url).path)
-    try:
-        return [tuple(r) for r in conn.execute(sql, params).fetchall()]
-    finally:
-        conn.close()
+    return mysql_checksum(server, DB, table)
 
 
 def _pg_indexes(url: str, table: str) -> dict[str, str]:
-    return {str(n): str(d) for n, d in _pg(url, "SELECT indexname, indexdef FROM pg_indexes"
-                                                " WHERE schemaname = %s AND tablename = %s", (DB, table))}
-
-
-def _sqlite_indexes(url: str, table: str) -> dict[str, str]:
-    return {str(n): str(s) for n, s in _sqlite(url, "SELECT name, sql FROM sqlite_master WHERE type = 'index'"
-                                                    " AND tbl_name = ? AND sql IS NOT NULL", (table,))}
+    return pg_indexes(url, DB, table)
 
 
 # ---------------------------------------------------------------------------- the tests
@@ -283,9 +245,7 @@ def test_mariadb_target_has_the_source_definition_and_checksum(stack: Stack, tab
 
 def test_postgres_target_keeps_not_null_defaults_indexes_and_folds_case(stack: Stack) -> None:
     url = stack.sink_urls["postgres"]
-    columns = {str(r[0]): (r[1], r[2], r[3]) for r in _pg(
-        url, "SELECT column_name, is_nullable, column_default, collation_name FROM information_schema.columns"
-             " WHERE table_schema = %s AND table_name = %s", (DB, "shaped"))}
+    columns = pg_columns(url, DB, "shaped")
     assert columns["code"][0] == "NO" and columns["legacy"][0] == "YES" and columns["note"][0] == "YES"
     assert str(columns["name"][1]).startswith("'n/a'") and str(columns["qty"][1]) == "1"
     assert str(columns["price"][1]) == "0.00" and str(columns["note"][1]).startswith("'none'")
@@ -300,24 +260,24 @@ def test_postgres_target_keeps_not_null_defaults_indexes_and_folds_case(stack: S
     assert "qty DESC" in indexes["shaped__by_name_qty"]
     assert "k_1" in " ".join(_pg_indexes(url, "sbtest1"))
     # As upstream: 'ALICE' finds 'Alice' under a case-insensitive collation.
-    assert _pg(url, f'SELECT code FROM "{DB}"."shaped" WHERE name = %s', ("ALICE",)) == [("A1",)]
-    assert _query(stack.source, f"SELECT code FROM {DB}.shaped WHERE name = %s", ("ALICE",)) == [("A1",)]
+    assert pg_query(url, f'SELECT code FROM "{DB}"."shaped" WHERE name = %s', ("ALICE",)) == [("A1",)]
+    assert mysql_query(stack.source, f"SELECT code FROM {DB}.shaped WHERE name = %s", ("ALICE",)) == [("A1",)]
 
 
 def test_sqlite_target_keeps_not_null_defaults_indexes_and_nocase(stack: Stack) -> None:
     url = stack.sink_urls["sqlite"]
-    info = {str(r[1]): (int(r[3]), r[4]) for r in _sqlite(url, "PRAGMA table_info('shaped')")}
+    info = sqlite_columns(url, "shaped")
     assert info["code"][0] == 1 and info["legacy"][0] == 0
     assert info["name"][1] == "'n/a'" and info["qty"][1] == "1" and info["flags"][1] == "5"
     assert info["token"][1] is None and info["created"][1] is None
-    [(create,)] = _sqlite(url, "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'shaped'")
+    [(create,)] = sqlite_query(url, "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'shaped'")
     assert '"name" TEXT NOT NULL DEFAULT \'n/a\' COLLATE NOCASE' in create
     assert '"exact" TEXT,' in create or '"exact" TEXT\n' in create
-    indexes = _sqlite_indexes(url, "shaped")
+    indexes = sqlite_indexes(url, "shaped")
     assert "UNIQUE" in indexes["shaped__u_code"]
     assert 'substr("name", 1, 10)' in indexes["shaped__by_name_qty"]
-    assert "sbtest1__k_1" in _sqlite_indexes(url, "sbtest1")
-    assert _sqlite(url, "SELECT code FROM shaped WHERE name = ?", ("ALICE",)) == [("A1",)]
+    assert "sbtest1__k_1" in sqlite_indexes(url, "sbtest1")
+    assert sqlite_query(url, "SELECT code FROM shaped WHERE name = ?", ("ALICE",)) == [("A1",)]
 
 
 def test_index_ddl_reaches_every_downstream(stack: Stack) -> None:
@@ -325,7 +285,8 @@ def test_index_ddl_reaches_every_downstream(stack: Stack) -> None:
 
     def mariadb_indexes() -> dict[str, tuple[bool, list[tuple[str, int | None]]]]:
         found: dict[str, tuple[bool, list[tuple[str, int | None]]]] = {}
-        for name, non_unique, _, column, sub_part, _, _ in _query(stack.downstream, _INDEXES, (DB, "shaped")):
+        rows = mysql_query(stack.downstream, MYSQL_INDEXES, (DB, "shaped"))
+        for name, non_unique, _, column, sub_part, _, _ in rows:
             if name != "PRIMARY":
                 found.setdefault(str(name), (not int(non_unique), []))[1].append((str(column), sub_part))
         return found
@@ -337,7 +298,7 @@ def test_index_ddl_reaches_every_downstream(stack: Stack) -> None:
           lambda: {n for n in _pg_indexes(stack.sink_urls["postgres"], "shaped") if "__" in n},
           lambda f: f == wanted, stack)
     _wait("sqlite indexes after the index DDL",
-          lambda: set(_sqlite_indexes(stack.sink_urls["sqlite"], "shaped")), lambda f: f == wanted, stack)
+          lambda: set(sqlite_indexes(stack.sink_urls["sqlite"], "shaped")), lambda f: f == wanted, stack)
     for sink in stack.sink_urls:
         _wait(f"{sink} rows after the index DDL", lambda s=sink: _rows_equal(stack, s, "shaped"), bool, stack)
     assert _checksum(stack.downstream, "shaped") == _checksum(stack.source, "shaped")
