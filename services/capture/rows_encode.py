@@ -30,11 +30,13 @@ _metas: dict[int, tuple[TableMetaV1, dict[str, Any]]] = {}
 
 
 def _meta(meta: TableMetaV1) -> dict[str, Any]:
+    # Fields at their defaults are left out (a shape's empty comments, absent prefixes, ...):
+    # they decode to the same values, and every consumer parses the metadata of every message.
     found = _metas.get(id(meta))
     if found is None or found[0] is not meta:
         if len(_metas) >= _MAX_METAS:
             _metas.clear()
-        found = _metas[id(meta)] = (meta, meta.model_dump(mode="json"))
+        found = _metas[id(meta)] = (meta, meta.model_dump(mode="json", exclude_defaults=True))
     return found[1]
 
 
