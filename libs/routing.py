@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from contracts.events.changefeeds import ChangefeedSpec, TableRuleV1, current_spec
-from contracts.events.rows import ColumnV1, RowImageV2, TableMetaV1
+from contracts.events.rows import ColumnV1, IndexPartV1, RowImageV2, TableMetaV1, meta_with, shape_of
 from libs.table_filter import NamePattern, RoutingConfigError, TableFilter
 from libs.table_rules import rule_problems, rules_for, table_problems
 
@@ -189,7 +189,14 @@ def rewrite_meta(meta: TableMetaV1, origin: OriginColumn) -> TableMetaV1:
     """
     if any(c.name.casefold() == origin.name.casefold() for c in meta.columns):
         raise RoutingConfigError(f"origin column {origin.name!r} collides with a column of the table")
-    return TableMetaV1(
+    shape = shape_of(meta)
+    if shape is not None:
+        # Each unique index gains the origin too: shards may hold the same values there.
+        shape = shape.model_copy(update={"indexes": [
+            i.model_copy(update={"parts": [IndexPartV1(column=origin.name), *i.parts]}) if i.unique else i
+            for i in shape.indexes]})
+    return meta_with(
+        shape,
         columns=[origin.column(), *meta.columns],
         primary_key=[origin.name, *meta.primary_key] if meta.primary_key else [],
         unique_keys=[[origin.name, *uk] for uk in meta.unique_keys],

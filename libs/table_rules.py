@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from contracts.events.changefeeds import ComputedType, TableRuleV1
-from contracts.events.rows import ColumnKind, ColumnV1, TableMetaV1
+from contracts.events.rows import ColumnKind, ColumnV1, TableMetaV1, meta_with, shape_of
 from libs.table_filter import RoutingConfigError, TableFilter
 
 ROW_EVENTS = ("insert", "update", "delete")
@@ -99,7 +99,9 @@ class TableRules:
         columns = [c for c in meta.columns if self.kept(c.name)]
         columns += [c.column() for c in self.computed]
         uniques = [uk for uk in meta.unique_keys if all(self.kept(c) for c in uk)]
-        return TableMetaV1(columns=columns, primary_key=list(meta.primary_key), unique_keys=uniques)
+        # The shape stays whole: an index over a column left out is not created downstream.
+        return meta_with(shape_of(meta), columns=columns, primary_key=list(meta.primary_key),
+                         unique_keys=uniques)
 
 
 NO_RULES = TableRules()

@@ -13,7 +13,7 @@ from typing import Any
 import pymysql
 import pytest
 
-from contracts.events.changefeeds import ChangefeedSpecV3
+from contracts.events.changefeeds import ChangefeedSpec
 from libs.localservers.mariadb import MariaDB
 from libs.routing import TableRef, Target, router_for, validate_spec
 from services.api.prechecks import missing_source_grants
@@ -24,10 +24,10 @@ from services.cli.app import spec_from_text
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def _spec(name: str) -> ChangefeedSpecV3:
+def _spec(name: str) -> ChangefeedSpec:
     text = (EXAMPLES / "changefeeds" / name).read_text()
     assert sum(line.lstrip().startswith("//") for line in text.splitlines()) >= 5, "explain the fields"
-    return ChangefeedSpecV3.model_validate(spec_from_text(text))
+    return ChangefeedSpec.model_validate(spec_from_text(text))
 
 
 def _refs(sources: list[str], databases: list[str], tables: list[str]) -> list[TableRef]:

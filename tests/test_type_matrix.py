@@ -38,6 +38,7 @@ from libs.localservers.service_process import ServiceProcess
 from libs.streams import ROWS_STREAM, rejected_subject
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
+from tests.helpers.definitions import mysql_checksum, mysql_definition, pg_columns, sqlite_columns
 from tests.helpers.type_cases import (
     CHARSET_CASES,
     KEY_CASES,
@@ -146,6 +147,7 @@ def _charset_rows() -> int:
 class Replicated:
     source: MariaDB
     sink_urls: dict[str, str]
+    downstream: MariaDB | None = None
     rejections: list[CaptureRejectedV2] = field(default_factory=list)
     converged: dict[tuple[str, str], TableDiff] = field(default_factory=dict)
     logs: str = ""
@@ -265,7 +267,7 @@ def replicated(mariadb: MariaDB, postgres: PostgreSQL, nats_server: NatsServer,
             conn.commit()
         finally:
             conn.close()
-        result = Replicated(mariadb, sink_urls)
+        result = Replicated(mariadb, sink_urls, downstream)
         _wait_converged(result, procs, timeout=180)
         # Capture reads the refused tables' rows last: wait for their rejections too.
         deadline = time.monotonic() + 60
@@ -361,3 +363,37 @@ def test_unrepresentable_types_are_refused_visibly(replicated: Replicated, sql_t
         except Exception:  # no such table downstream: nothing was stored
             continue
         assert rows == [], f"{sink} holds rows of a refused {sql_type} table: {rows}"
+
+
+def test_mariadb_targets_keep_each_columns_definition_and_checksum(replicated: Replicated) -> None:
+    """NOT NULL, default, charset and collation of every column as upstream; ``CHECKSUM TABLE``
+    equal for every table whose columns all keep their type downstream (a TIMESTAMP is a UTC
+    DATETIME there, a text key column a VARCHAR; generated columns are plain)."""
+    assert replicated.downstream is not None
+    compared = []
+    for table in _tables():
+        source = mysql_definition(replicated.source, DB, table)
+        target = mysql_definition(replicated.downstream, DB, table)
+        def columns(d: dict[str, list[tuple[Any, ...]]]) -> list[tuple[Any, ...]]:
+            return [(name, nullable, default, charset, collation)
+                    for name, _, nullable, default, charset, collation, _, _ in d["columns"]]
+        assert columns(target) == columns(source), table
+        same_types = [c[:2] for c in target["columns"]] == [c[:2] for c in source["columns"]]
+        if same_types and not any("GENERATED" in str(c[7]) for c in source["columns"]):
+            down_sum = mysql_checksum(replicated.downstream, DB, table)
+            assert down_sum == mysql_checksum(replicated.source, DB, table), table
+            compared.append(table)
+    assert len(compared) >= len(_tables()) // 2, f"checksums compared only for {compared}"
+
+
+@pytest.mark.parametrize("sink", ["postgres", "sqlite"])
+def test_postgres_and_sqlite_targets_keep_not_null(replicated: Replicated, sink: str) -> None:
+    url = replicated.sink_urls[sink]
+    for table in _tables():
+        source = mysql_definition(replicated.source, DB, table)
+        upstream = {str(c[0]) for c in source["columns"] if c[2] == "NO"}
+        if sink == "postgres":
+            down = {n for n, c in pg_columns(url, DB, table).items() if c[0] == "NO"}
+        else:
+            down = {n for n, c in sqlite_columns(url, table).items() if c[0] == 1}
+        assert down == upstream, table

@@ -385,7 +385,61 @@ def _updated_v4_to_v5(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v4_to_v5(data["spec"])}
 
 
-ChangefeedSpec = ChangefeedSpecV5
+# v6 of changefeed.created / changefeed.updated: how PostgreSQL and SQLite targets compare
+# text whose source collation is case-insensitive (``text_comparison``).
+
+TextComparison = Literal["exact", "case_insensitive"]
+
+
+class ChangefeedSpecV6(ChangefeedSpecV5):
+    """v6 adds ``text_comparison`` (``exact`` by default, as before)."""
+
+    text_comparison: TextComparison = Field(
+        "exact", description="How PostgreSQL and SQLite targets compare text columns whose source "
+                             "collation is case-insensitive (*_ci): exact (byte/code point order, "
+                             "the default) or case_insensitive (PostgreSQL: a nondeterministic ICU "
+                             "collation; SQLite: COLLATE NOCASE). MySQL/MariaDB targets always take "
+                             "the source's own collation.")
+
+
+def _spec_v5_to_v6(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, "text_comparison": "exact"}
+
+
+def spec_v6(spec: ChangefeedSpecV2) -> ChangefeedSpecV6:
+    """A spec as v6 (older ones compare text exactly)."""
+    if isinstance(spec, ChangefeedSpecV6):
+        return spec
+    return ChangefeedSpecV6.model_validate(_spec_v5_to_v6(spec_v5(spec).model_dump()))
+
+
+_V6_DOC = _V5_DOC + " v6: the spec gains ``text_comparison`` (case-insensitive collations downstream)."
+
+
+@register("changefeed.created", 6)
+class ChangefeedCreatedV6(ChangefeedCreatedV5):
+    __doc__ = _V6_DOC
+    spec: ChangefeedSpecV6
+
+
+@register("changefeed.updated", 6)
+class ChangefeedUpdatedV6(ChangefeedUpdatedV5):
+    __doc__ = _V6_DOC
+    spec: ChangefeedSpecV6
+
+
+# A v5 changefeed compared text exactly on every target.
+@upcaster("changefeed.created", 5)
+def _created_v5_to_v6(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v5_to_v6(data["spec"])}
+
+
+@upcaster("changefeed.updated", 5)
+def _updated_v5_to_v6(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v5_to_v6(data["spec"])}
+
+
+ChangefeedSpec = ChangefeedSpecV6
 """The current spec, the one type every reader of a changefeed holds: events are upcast when
 they are read (the upcasters above), and ``current_spec`` upcasts a spec built in code from an
 older version the same way, so no reader asks whether a field exists."""
@@ -393,5 +447,5 @@ older version the same way, so no reader asks whether a field exists."""
 
 def current_spec(spec: ChangefeedSpecV2) -> ChangefeedSpec:
     """``spec`` as the current version (itself when it is one)."""
-    return spec_v5(spec)
+    return spec_v6(spec)
 

@@ -52,6 +52,72 @@ class TableMetaV1(BaseModel):
     unique_keys: list[list[str]] = Field(default_factory=list, description="Other unique keys.")
 
 
+class IndexPartV1(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    column: str = Field(min_length=1)
+    prefix: int | None = Field(None, ge=1, description="Length of a prefix index part (characters "
+                               "of a text column, bytes of a binary one); null: the whole column.")
+    descending: bool = False
+
+
+class IndexV1(BaseModel):
+    """A secondary index of the source table (the primary key is ``TableMetaV1.primary_key``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    unique: bool = False
+    kind: Literal["btree", "hash", "fulltext", "spatial"] = "btree"
+    parts: list[IndexPartV1] = Field(min_length=1)
+    comment: str = ""
+
+
+class ColumnShapeV1(BaseModel):
+    """What the source declares about a column beyond its kind and nullability."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    default: str | None = Field(None, description="The default: a literal's value (unquoted text; "
+                                "bits as their integer) or an expression's SQL as the source spells "
+                                "it; null: no default (or DEFAULT NULL).")
+    default_expression: bool = False
+    charset: str | None = None
+    collation: str | None = None
+    comment: str = ""
+    auto_increment: bool = False
+
+
+class TableShapeV1(BaseModel):
+    """The source table's definition as far as a downstream may rebuild it: per column default,
+    charset, collation, comment and AUTO_INCREMENT; the secondary and unique indexes; the
+    table's own charset, collation and comment. Read from information_schema only where it holds
+    at the event's binlog position (as the rest of the metadata)."""
+
+    model_config = ConfigDict(extra="forbid")
+    columns: list[ColumnShapeV1] = Field(default_factory=list)
+    indexes: list[IndexV1] = Field(default_factory=list)
+    charset: str | None = None
+    collation: str | None = None
+    comment: str = ""
+
+
+class TableMetaV2(TableMetaV1):
+    """``TableMetaV1`` and, when capture knows it at the event's position, the table's shape."""
+
+    shape: TableShapeV1 | None = Field(None, description="The source's definition beyond the "
+                                       "columns' kinds; null when not known at the position.")
+
+
+def meta_with(shape: TableShapeV1 | None, **fields: Any) -> TableMetaV1:
+    """Table metadata of ``fields``, a ``TableMetaV2`` when there is a shape to carry (else the
+    plain v1, so metadata without a shape compares equal to what it always was)."""
+    return TableMetaV2(**fields, shape=shape) if shape is not None else TableMetaV1(**fields)
+
+
+def shape_of(meta: TableMetaV1) -> TableShapeV1 | None:
+    """The table shape ``meta`` carries, None for metadata without one."""
+    return meta.shape if isinstance(meta, TableMetaV2) else None
+
+
 class SourcePositionV1(BaseModel):
     model_config = ConfigDict(extra="forbid")
     binlog_file: str
@@ -131,6 +197,31 @@ class DdlExecutedV1(BaseModel):
     statement: str = Field(min_length=1)
     position: SourcePositionV1
     meta_after: TableMetaV1 | None = Field(None, description="Table metadata after the change.")
+
+
+@register("rows.changed", 3)
+class RowsChangedV3(RowsChangedV2):
+    """As v2; the metadata may carry the table's shape (``TableMetaV2.shape``)."""
+
+    meta: TableMetaV2
+
+
+# v2's metadata is v3's without a shape: the body carries over as it is.
+@upcaster("rows.changed", 2)
+def _rows_changed_v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
+    return dict(data)
+
+
+@register("ddl.executed", 2)
+class DdlExecutedV2(DdlExecutedV1):
+    """As v1; ``meta_after`` may carry the table's shape right after the change."""
+
+    meta_after: TableMetaV2 | None = Field(None, description="Table metadata after the change.")
+
+
+@upcaster("ddl.executed", 1)
+def _ddl_executed_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    return dict(data)
 
 
 @register("foreign_keys.changed", 1)

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from contracts.events.rows import ColumnKind, ColumnV1, TableMetaV1
+from contracts.events.rows import ColumnKind, ColumnV1, TableMetaV2, TableShapeV1
 from libs.codec.encode import kind_for_binlog_type, kind_for_data_type
+from libs.codec.table_shape import is_mariadb, load_table_shape
 
 _JSON_CHECK = re.compile(r"json_valid\(\s*`?([^`)]+)`?\s*\)", re.IGNORECASE)
 
@@ -43,7 +44,9 @@ class TableInfo:
     unique_keys: tuple[tuple[str, ...], ...] = ()
     declared_primary_key: bool = False
     from_binlog: bool = False
-    _meta: TableMetaV1 | None = field(default=None, compare=False, repr=False)
+    shape: TableShapeV1 | None = None
+    """Defaults, charsets, collations, comments, indexes (None: not known, e.g. from the binlog)."""
+    _meta: TableMetaV2 | None = field(default=None, compare=False, repr=False)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -52,13 +55,14 @@ class TableInfo:
     def unsupported(self) -> list[ColumnSpec]:
         return [c for c in self.columns if c.kind is None]
 
-    def meta(self) -> TableMetaV1:
+    def meta(self) -> TableMetaV2:
         if self._meta is None:
-            meta = TableMetaV1(
+            meta = TableMetaV2(
                 columns=[ColumnV1(name=c.name, kind=c.kind or "bytes", sql_type=c.sql_type,
                                   nullable=c.nullable) for c in self.columns],
                 primary_key=list(self.primary_key),
                 unique_keys=[list(k) for k in self.unique_keys],
+                shape=self.shape,
             )
             object.__setattr__(self, "_meta", meta)
         assert self._meta is not None
@@ -82,12 +86,13 @@ def load_table_info(conn: Any, database: str, table: str) -> TableInfo | None:
             (database, table))
         index_rows = [tuple(r) for r in cur.fetchall()]
         json_columns = _json_columns(cur, database, table)
+        shape = load_table_shape(cur, database, table, mariadb=is_mariadb(conn))
     specs = []
     for name, data_type, column_type, is_nullable in columns:
         kind = kind_for_data_type(str(data_type), is_json=name in json_columns)
         sql_type = "json" if kind == "json" and str(data_type).lower() != "json" else str(column_type)
         specs.append(ColumnSpec(str(name), kind, sql_type, str(is_nullable).upper() == "YES"))
-    return _with_keys(database, table, specs, index_rows)
+    return replace(_with_keys(database, table, specs, index_rows), shape=shape)
 
 
 def _json_columns(cur: Any, database: str, table: str) -> set[str]:
@@ -176,7 +181,8 @@ def describe(database: str, table: str, columns: Sequence[BinlogColumn],
     primary = binlog_primary_key(columns)
     uniques = [k for k in (catalog.primary_key, *catalog.unique_keys) if k and k != primary]
     declared = catalog.declared_primary_key and catalog.primary_key == primary
-    info = TableInfo(database, table, catalog.columns, primary, tuple(uniques), declared)
+    info = TableInfo(database, table, catalog.columns, primary, tuple(uniques), declared,
+                     shape=catalog.shape)
     return refuse_charsets(reconcile_members(info, columns), columns)
 
 

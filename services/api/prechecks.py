@@ -8,6 +8,9 @@ instead of showing "running" with no tables.
   (REPLICATION SLAVE, REPLICATION CLIENT, SELECT);
 - the sink: reachable and writable;
 - every route rule: matches at least one table of the sources;
+- a target table that exists already: used as it is when it can hold the source's rows, refused
+  with the column and the reason when not (``libs.target_fit``: a missing column, a narrower
+  type, a unique key the source's rows, or a merge's shards, would break);
 - cascading foreign keys of the tables it replicates (``libs.foreign_keys``): not a failure, a
   warning in the answer, since the binlog never shows the child rows a cascade changes.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +35,10 @@ from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpec
 from libs.codec.table_meta import TableInfo, load_table_info
 from libs.dburl import DatabaseUrl, DatabaseUrlError, parse_database_url
 from libs.foreign_keys import ForeignKey, cascade_warnings, load_foreign_keys
-from libs.routing import RouteRule, RoutingConfigError, TableFilter, TableRef, router_for
+from libs.routing import Router, RouteRule, RoutingConfigError, TableFilter, TableRef, router_for
 from libs.table_rules import rule_column_problems
+from libs.target_fit import TargetDefinition, fit_problems
+from services.api.target_definitions import read_target
 from services.capture.source import check_source, server_gtids
 from services.sink_worker.sinks.factory import sink_kind
 from services.sink_worker.sinks.nats_stream import (
@@ -309,9 +315,54 @@ def run_checks_blocking(spec: ChangefeedSpec) -> CheckResult:
         router = router_for(spec)
     except RoutingConfigError:
         return CheckResult(failed, fk_problems)  # the spec validation refuses it with the reason
+    failed += target_fit_checks(spec, infos, router)
     cascades = cascade_warnings(router, fks, tables, stream_sink=sink_kind(spec.sink_url).stream)
     warnings = fk_problems + filter_warnings(spec, tables) + unreplicable_warnings(spec, infos)
     return CheckResult(failed, warnings + [w.message for w in cascades])
+
+
+def target_fit_checks(spec: ChangefeedSpec, infos: dict[tuple[str, str, str], TableInfo],
+                      router: Router) -> list[ChangefeedCheckV1]:
+    """Each target that exists already and cannot hold its source tables' rows, with the column
+    and the reason (``libs.target_fit``). A target that cannot be read is left to the sink's
+    own check (reachable, writable)."""
+    if sink_kind(spec.sink_url).stream:
+        return []
+    try:
+        url = parse_database_url(spec.sink_url)
+    except DatabaseUrlError:
+        return []  # the sink check says why
+    failed: list[ChangefeedCheckV1] = []
+    seen: set[str] = set()
+    read: dict[tuple[str, str], TargetDefinition | None] = {}
+    for (source, database, table), info in sorted(infos.items()):
+        if info.unsupported():
+            continue
+        try:
+            target = router.route(source, database, table)
+            if target is None:
+                continue
+            meta = router.rewrite_meta_for(info.meta(), TableRef(source, database, table))
+            key = choose_key(meta, spec.key_policy, database=database, table=table)
+        except (RoutingConfigError, KeylessTableError, ValueError):
+            continue  # reported by the routing, table rules or unreplicable checks
+        where = (target.schema, target.table)
+        if where not in read:
+            try:
+                read[where] = read_target(url, target.schema, target.table)
+            except (pymysql.err.MySQLError, psycopg.Error, sqlite3.Error, OSError):
+                read[where] = None
+        existing = read[where]
+        if existing is None:
+            continue
+        for problem in fit_problems(meta, key, existing, url.dialect):
+            message = (f"target {target.schema}.{target.table} exists and cannot hold the rows of "
+                       f"{database}.{table} (source {source}): {problem}; alter or drop the target, "
+                       "or route the table elsewhere")
+            if message not in seen:
+                seen.add(message)
+                failed.append(_check("target_fit", f"{target.schema}.{target.table}", message))
+    return failed
 
 
 def filter_warnings(spec: ChangefeedSpec, tables: dict[str, list[tuple[str, str]]]) -> list[str]:

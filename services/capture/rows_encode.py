@@ -19,10 +19,10 @@ from typing import Any
 
 import orjson
 
-from contracts.events.rows import RowsChangedV2, TableMetaV1
+from contracts.events.rows import RowsChangedV2, RowsChangedV3, TableMetaV1
 from contracts.registry import REGISTRY
 
-_TYPE, _VERSION = REGISTRY.key_of(RowsChangedV2)
+_TYPE, _VERSION = REGISTRY.key_of(RowsChangedV3)
 _MAX_METAS = 1024
 
 # id(meta) -> (meta, its JSON-ready dump); the meta is kept so its id cannot be reused.
@@ -30,11 +30,13 @@ _metas: dict[int, tuple[TableMetaV1, dict[str, Any]]] = {}
 
 
 def _meta(meta: TableMetaV1) -> dict[str, Any]:
+    # Fields at their defaults are left out (a shape's empty comments, absent prefixes, ...):
+    # they decode to the same values, and every consumer parses the metadata of every message.
     found = _metas.get(id(meta))
     if found is None or found[0] is not meta:
         if len(_metas) >= _MAX_METAS:
             _metas.clear()
-        found = _metas[id(meta)] = (meta, meta.model_dump(mode="json"))
+        found = _metas[id(meta)] = (meta, meta.model_dump(mode="json", exclude_defaults=True))
     return found[1]
 
 

@@ -167,7 +167,8 @@ class DdlBarrier:
                    "this worker has no initial-load runner or no source URL for it")
             return
         request = SnapshotRequest(span, rt.config.source_url, url, rt.config.key_policy, "snapshot",
-                                  rt.shards, rt.config.router, recopy_of=head.stream_seq)
+                                  rt.shards, rt.config.router, recopy_of=head.stream_seq,
+                                  case_insensitive=rt.config.case_insensitive)
         decision, start = await self.initial_loads.decide(request)
         if decision == "unreplicable":
             # The re-copy cannot copy the table as the changefeed says: stopped at the DDL.

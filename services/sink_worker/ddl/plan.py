@@ -111,7 +111,9 @@ def ddl_action(ddl: DdlExecutedV1) -> DdlAction:
     if form in ("create_or_replace_table", "create_unique_index", "drop_index"):
         return "recopy"
     if form == "create_index":
-        return "reconcile"
+        # Without metadata (capture read the table behind a later DDL) the rows that follow
+        # bring the index, as they bring columns.
+        return "reconcile" if ddl.meta_after is not None else "ignore"
     if form == "create_table":
         return "reconcile" if ddl.meta_after is not None else "ignore"
     clauses = alter_clauses(statement)

@@ -184,7 +184,7 @@ def source_metas(url: str, tables: Sequence[tuple[str, str]]) -> dict[tuple[str,
     does not exist is left out (a cascade cannot reach it)."""
     conn = connect_source(url)
     try:
-        out = {}
+        out: dict[tuple[str, str], TableMetaV1] = {}
         for database, table in tables:
             info = load_table_info(conn, database, table)
             if info is not None:

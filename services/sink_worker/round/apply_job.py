@@ -163,8 +163,9 @@ Skips = dict[str, dict[str, int]]
 _LATEST: dict[str, int] = {}
 # Older versions whose rows this job reads as they are: rows.changed v2 only added the row's
 # ordinal, which the Spark path does not use (its order is (ts, seq, part, row)), so a v1 body
-# still in the stream after an upgrade keeps the fast path.
-_PARSE_ONLY = frozenset({("rows.changed", 1)})
+# still in the stream after an upgrade keeps the fast path; v3 only added the table's shape to
+# the metadata, so a v2 body has v3's rows too.
+_PARSE_ONLY = frozenset({("rows.changed", 1), ("rows.changed", 2)})
 
 
 def event_rows(body: bytes | str) -> list[dict[str, Any]]:

@@ -48,7 +48,13 @@ from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ValidationError
 
 from contracts import REGISTRY, ContractError, Envelope
-from contracts.events.rows import DdlExecutedV1, ForeignKeysChangedV1, ResolvedAdvancedV1, RowsChangedV2
+from contracts.events.rows import (
+    DdlExecutedV1,
+    ForeignKeysChangedV1,
+    ResolvedAdvancedV1,
+    RowsChangedV2,
+    RowsChangedV3,
+)
 from libs.chunks import ChunkError, ChunkInfo, ChunkJoiner, Joined, chunk_info
 from libs.eventstore.deadletter import dead_letter
 from libs.gc_pause import gc_paused
@@ -158,10 +164,10 @@ def validate_rows(event: RowsChangedV2) -> None:
 class _RowsEnvelope(Envelope):
     """The envelope of a ``rows.changed`` event in its newest version, validated in one pass."""
 
-    data: RowsChangedV2  # type: ignore[assignment]
+    data: RowsChangedV3  # type: ignore[assignment]
 
 
-_ROWS_TYPE, _ROWS_VERSION = REGISTRY.key_of(RowsChangedV2)
+_ROWS_TYPE, _ROWS_VERSION = REGISTRY.key_of(RowsChangedV3)
 
 
 def _rows_fast(raw: bytes) -> tuple[str, RowsChangedV2] | None:

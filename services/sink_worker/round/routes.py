@@ -36,7 +36,8 @@ class SpanRoutes:
         for d, t, known, target in self._targets:
             if (d, t) == (database, table) and (known is meta or known == meta):
                 return target
-        target = target_for(self.span, database, table, meta, self.config.key_policy, self.config.router)
+        target = target_for(self.span, database, table, meta, self.config.key_policy, self.config.router,
+                            case_insensitive=self.config.case_insensitive)
         self._targets.append((database, table, meta, target))
         return target
 

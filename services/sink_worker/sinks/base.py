@@ -34,6 +34,9 @@ class TargetTable:
     meta: TableMetaV1
     key: tuple[str, ...]  # primary key, or the unique key / all columns the changefeed chose
     unique_keys: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
+    case_insensitive: bool = False
+    """Text columns with a case-insensitive source collation compare so on PostgreSQL (a
+    nondeterministic ICU collation) and SQLite (NOCASE): the changefeed's ``text_comparison``."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import pymysql.connections
 import pymysql.converters
 from pymysql.constants import SERVER_STATUS
 
-from contracts.events.rows import ColumnV1
+from contracts.events.rows import ColumnV1, IndexV1
 from libs.codec.decode import (
     MYSQL_MAX_KEY_BYTES,
     SqlTypeError,
@@ -43,7 +43,16 @@ from libs.codec.decode import (
     mysql_key_type,
     parse_sql_type,
 )
+from libs.codec.table_shape import shape_from_rows
 from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.shape_ddl import (
+    index_changes,
+    mysql_column_clauses,
+    mysql_index_clause,
+    mysql_table_options,
+    table_shape,
+    target_indexes,
+)
 from services.sink_worker.sinks.sql_common import ByteEncoder, LiteralUpsert, SqlSink, source_text_files
 
 _SESSION_INIT = (
@@ -379,14 +388,18 @@ class MySQLSink(SqlSink):
             raise ValueError(f"key with column {column.name!r} of {table.name!r} is too wide for InnoDB")
         return mysql_key_type(column, budget)
 
+    def _column_clauses(self, table: TargetTable, column: ColumnV1, sql_type: str) -> tuple[str, str]:
+        return mysql_column_clauses(table, column, sql_type)
+
     def create_statements(self, table: TargetTable) -> list[str]:
         self._validate(table)
-        body = ",\n  ".join([*self._column_defs(table), *self._constraints(table)])
+        indexes = [mysql_index_clause(self.ident, i) for i in target_indexes(table)]
+        body = ",\n  ".join([*self._column_defs(table), *self._constraints(table), *indexes])
         return [
             f"CREATE DATABASE IF NOT EXISTS {self.ident(self._database(table))}"
             " CHARACTER SET utf8mb4 COLLATE utf8mb4_bin",
             f"CREATE TABLE IF NOT EXISTS {self._table_ref(table)} (\n  {body}\n)"
-            " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
+            + mysql_table_options(table),
         ]
 
     def ensure_table(self, table: TargetTable) -> None:
@@ -443,16 +456,40 @@ class MySQLSink(SqlSink):
                 actions += [f"DROP COLUMN {self.ident(c)}" for c in drop]
             for column in table.meta.columns:
                 if column.name.casefold() not in have:
-                    actions.append(f"ADD COLUMN {self.ident(column.name)} "
-                                   f"{self.column_type(table, column)} NULL")
-            if not actions:
-                return []
-            # One ALTER: one table rebuild, and MySQL applies it all or nothing.
-            sql = f"ALTER TABLE {self._table_ref(table)} " + ", ".join(actions)
-            cur.execute(sql)
-            return [sql]
+                    sql_type = self.column_type(table, column)
+                    # Added to a table that has rows: no AUTO_INCREMENT (it would need a key).
+                    before, after = mysql_column_clauses(table, column, sql_type, added=True)
+                    actions.append(f"ADD COLUMN {self.ident(column.name)} {sql_type}{before} NULL{after}")
+            done: list[str] = []
+            if actions:
+                # One ALTER: one table rebuild, and MySQL applies it all or nothing.
+                sql = f"ALTER TABLE {self._table_ref(table)} " + ", ".join(actions)
+                cur.execute(sql)
+                done.append(sql)
+            return done + self._sync_indexes(cur, table)
 
         return self._run(work, f"reconcile {table.name!r}")
+
+    def _existing_indexes(self, cur: Any, table: TargetTable) -> list[IndexV1]:
+        cur.execute(
+            "SELECT INDEX_NAME, NON_UNIQUE, COLUMN_NAME, SUB_PART, INDEX_TYPE, COLLATION, INDEX_COMMENT"
+            " FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s"
+            " ORDER BY INDEX_NAME, SEQ_IN_INDEX", (self._database(table), table.name))
+        return shape_from_rows([], [tuple(r) for r in cur.fetchall()], None, mariadb=True).indexes
+
+    def _sync_indexes(self, cur: Any, table: TargetTable) -> list[str]:
+        """The source's secondary indexes on the target (CREATE INDEX, ADD/DROP/RENAME INDEX
+        upstream), when the metadata carries its shape."""
+        if table_shape(table) is None:
+            return []
+        drop, create = index_changes(target_indexes(table), self._existing_indexes(cur, table))
+        actions = [f"DROP INDEX {self.ident(n)}" for n in drop]
+        actions += [f"ADD {mysql_index_clause(self.ident, i)}" for i in create]
+        if not actions:
+            return []
+        sql = f"ALTER TABLE {self._table_ref(table)} " + ", ".join(actions)
+        cur.execute(sql)
+        return [sql]
 
     def statement_target(self) -> MySQLSink:
         return self

@@ -23,6 +23,18 @@ from psycopg.types.string import TextLoader
 
 from contracts.events.rows import ColumnV1
 from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.shape_ddl import (
+    column_shapes,
+    folds_case,
+    missing_derived,
+    owned_index_drops,
+    pg_collation_ref,
+    pg_collation_statement,
+    pg_default,
+    pg_index_statement,
+    table_shape,
+    target_indexes,
+)
 from services.sink_worker.sinks.sql_common import ByteEncoder, SqlSink, source_text_files
 
 # Kinds whose values the source's text protocol spells as COPY's text format reads them:
@@ -97,20 +109,52 @@ class PostgresSink(SqlSink):
 
     # ------------------------------------------------------------------ DDL
 
+    def _column_clauses(self, table: TargetTable, column: ColumnV1, sql_type: str) -> tuple[str, str]:
+        before = f" COLLATE {pg_collation_ref(self.ident, table.schema)}" if folds_case(table, column) else ""
+        shape = column_shapes(table).get(column.name)
+        default = pg_default(column, shape) if shape is not None else None
+        return before, f" DEFAULT {default}" if default is not None else ""
+
+    def _collation_statements(self, table: TargetTable) -> list[str]:
+        if any(folds_case(table, c) for c in table.meta.columns):
+            return [pg_collation_statement(self.ident, table.schema)]
+        return []
+
     def create_statements(self, table: TargetTable) -> list[str]:
         self._validate(table)
         body = ",\n  ".join([*self._column_defs(table), *self._constraints(table)])
         out = []
         if table.schema:
             out.append(f"CREATE SCHEMA IF NOT EXISTS {self.ident(table.schema)}")
+        out += self._collation_statements(table)
         out.append(f"CREATE TABLE IF NOT EXISTS {self._table_ref(table)} (\n  {body}\n)")
-        return out
+        return out + self.index_statements(table)
+
+    def index_statements(self, table: TargetTable) -> list[str]:
+        ref = self._table_ref(table)
+        found = (pg_index_statement(self.ident, ref, table, i) for i in target_indexes(table))
+        return [sql for sql in found if sql is not None]
 
     def _create(self, cur: Any, table: TargetTable) -> list[str]:
         statements = self.create_statements(table)
         for sql in statements:
             cur.execute(sql)
         return statements
+
+    def _index_sync(self, cur: Any, table: TargetTable) -> list[str]:
+        """Statements bringing the target's secondary indexes to the source's (when the
+        metadata carries its shape): the ones Sluice made for indexes the source no longer has
+        are dropped, missing ones created."""
+        if table_shape(table) is None:
+            return []
+        cur.execute("SELECT indexrelid::regclass::text, c.relname FROM pg_index i"
+                    " JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass(%s)",
+                    (self._table_ref(table),))
+        found = {str(name): str(qualified) for qualified, name in cur.fetchall()}
+        drops = [f"DROP INDEX IF EXISTS {found[n]}" for n in owned_index_drops(table, list(found))]
+        ref = self._table_ref(table)
+        creates = (pg_index_statement(self.ident, ref, table, i) for i in missing_derived(table, list(found)))
+        return drops + [sql for sql in creates if sql is not None]
 
     def _retryable_ddl(self, exc: BaseException) -> bool:
         # Two callers creating the same table/schema at once: IF NOT EXISTS is not atomic in
@@ -148,13 +192,19 @@ class PostgresSink(SqlSink):
             # DROP COLUMN also drops the unique constraints that use it, as the source did.
             actions = [f"DROP COLUMN {self.ident(c)}" for c in current if c not in want and c not in keep]
             have = set(current)
-            actions += [f"ADD COLUMN {self.ident(c.name)} {self.column_type(table, c)}"
-                        for c in table.meta.columns if c.name not in have]
-            if not actions:
-                return []
-            sql = f"ALTER TABLE {self._table_ref(table)} " + ", ".join(actions)
-            cur.execute(sql)
-            return [sql]
+            added = [c for c in table.meta.columns if c.name not in have]
+            for c in added:
+                sql_type = self.column_type(table, c)
+                clauses = "".join(self._column_clauses(table, c, sql_type))
+                actions.append(f"ADD COLUMN {self.ident(c.name)} {sql_type}{clauses}")
+            statements: list[str] = []
+            if actions:
+                sql = f"ALTER TABLE {self._table_ref(table)} " + ", ".join(actions)
+                statements = [*self._collation_statements(table), sql] if added else [sql]
+            statements += self._index_sync(cur, table)
+            for statement in statements:
+                cur.execute(statement)
+            return statements
 
         return self._run(work, f"reconcile {table.name!r}", self._retryable_ddl)
 

@@ -44,6 +44,7 @@ from libs.codec.decode import normalize_fetched, sql_type_for
 from libs.dburl import DatabaseUrl, parse_database_url
 from libs.sql_ident import quote_ident
 from services.sink_worker.sinks.base import Change, Delete, PartitionResult, Sink, TargetTable, Upsert
+from services.sink_worker.sinks.shape_ddl import not_null, unnamed_unique_keys
 from services.sink_worker.sinks.unique_guard import ConflictGuard, UniqueConflict, UniqueConflictError
 
 log = logging.getLogger("sluice.sink")
@@ -598,23 +599,31 @@ class SqlSink(Sink):
     # ------------------------------------------------------------------ DDL helpers
 
     def _column_defs(self, table: TargetTable, types: Mapping[str, str] | None = None) -> list[str]:
-        key = set(table.key)
         defs = []
         for column in table.meta.columns:
             sql_type = (types or {}).get(column.name) or self.column_type(table, column)
-            # Only key columns are NOT NULL: shards may reach a new NOT NULL column at different
-            # times, and the source already enforced it for the rows that arrive.
-            null = " NOT NULL" if column.name in key else (" NULL" if self.dialect == "mysql" else "")
-            defs.append(f"{self.ident(column.name)} {sql_type}{null}")
+            # Key columns are NOT NULL, and the others as the source declares them when its
+            # shape is known (``shape_ddl.not_null``).
+            null = " NOT NULL" if not_null(table, column) else (" NULL" if self.dialect == "mysql" else "")
+            before, after = self._column_clauses(table, column, sql_type)
+            defs.append(f"{self.ident(column.name)} {sql_type}{before}{null}{after}")
         return defs
 
+    def _column_clauses(self, table: TargetTable, column: ColumnV1, sql_type: str) -> tuple[str, str]:
+        """(clauses before NULL/NOT NULL, clauses after it) the dialect gives the column from
+        the source's shape (charset, collation, default, ...)."""
+        return "", ""
+
     def _constraints(self, table: TargetTable) -> list[str]:
-        existing = {c.name for c in table.meta.columns}
         out = [f"PRIMARY KEY ({', '.join(self.ident(k) for k in table.key)})"]
-        for unique in table.unique_keys:
-            if unique and set(unique) != set(table.key) and set(unique) <= existing:
-                out.append(f"UNIQUE ({', '.join(self.ident(c) for c in unique)})")
+        out += [f"UNIQUE ({', '.join(self.ident(c) for c in unique)})"
+                for unique in unnamed_unique_keys(table)]
         return out
+
+    def index_statements(self, table: TargetTable) -> list[str]:
+        """CREATE INDEX statements of the source's secondary indexes (dialects that cannot put
+        them in CREATE TABLE)."""
+        return []
 
     @staticmethod
     def _validate(table: TargetTable) -> None:

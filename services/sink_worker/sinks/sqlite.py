@@ -37,6 +37,16 @@ from libs.codec.decode import (
     sql_type_for,
 )
 from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.shape_ddl import (
+    column_shapes,
+    folds_case,
+    missing_derived,
+    owned_index_drops,
+    sqlite_default,
+    sqlite_index_statement,
+    table_shape,
+    target_indexes,
+)
 from services.sink_worker.sinks.sql_common import SqlSink
 
 _BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
@@ -134,11 +144,24 @@ class SQLiteSink(SqlSink):
 
     # ------------------------------------------------------------------ DDL
 
+    def _column_clauses(self, table: TargetTable, column: ColumnV1, sql_type: str) -> tuple[str, str]:
+        shape = column_shapes(table).get(column.name)
+        default = sqlite_default(column, shape) if shape is not None else None
+        after = f" DEFAULT {default}" if default is not None else ""
+        return "", after + (" COLLATE NOCASE" if folds_case(table, column) else "")
+
     def create_statements(self, table: TargetTable, name: str | None = None) -> list[str]:
+        """The table and its indexes; under another ``name`` (a rebuild's copy) the table alone:
+        index names are the target's, created once the copy has its name."""
         self._validate(table)
         body = ",\n  ".join([*self._column_defs(table), *self._constraints(table)])
         ref = self.ident(name) if name else self._table_ref(table)
-        return [f"CREATE TABLE IF NOT EXISTS {ref} (\n  {body}\n)"]
+        create = f"CREATE TABLE IF NOT EXISTS {ref} (\n  {body}\n)"
+        return [create] if name else [create, *self.index_statements(table)]
+
+    def index_statements(self, table: TargetTable) -> list[str]:
+        found = (sqlite_index_statement(self.ident, table, i) for i in target_indexes(table))
+        return [sql for sql in found if sql is not None]
 
     def ensure_table(self, table: TargetTable) -> None:
         statements = self.create_statements(table)
@@ -172,13 +195,26 @@ class SQLiteSink(SqlSink):
             if drop:
                 return self._rebuild(cur, table, current)
             statements = [f"ALTER TABLE {self._table_ref(table)} ADD COLUMN {self.ident(c.name)} "
-                          f"{self.column_type(table, c)}"
-                          for c in table.meta.columns if c.name.casefold() not in have]
+                          f"{sql_type}{''.join(self._column_clauses(table, c, sql_type))}"
+                          for c in table.meta.columns if c.name.casefold() not in have
+                          for sql_type in (self.column_type(table, c),)]
+            statements += self._index_sync(cur, table)
             for sql in statements:
                 cur.execute(sql)
             return statements
 
         return self._run(work, f"reconcile {table.name!r}")
+
+    def _index_sync(self, cur: Any, table: TargetTable) -> list[str]:
+        """Statements bringing the target's secondary indexes to the source's (when the
+        metadata carries its shape), as the PostgreSQL sink does."""
+        if table_shape(table) is None:
+            return []
+        cur.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?", (table.name,))
+        found = [str(r[0]) for r in cur.fetchall()]
+        drops = [f"DROP INDEX IF EXISTS {self.ident(n)}" for n in owned_index_drops(table, found)]
+        creates = (sqlite_index_statement(self.ident, table, i) for i in missing_derived(table, found))
+        return drops + [sql for sql in creates if sql is not None]
 
     def _rebuild(self, cur: Any, table: TargetTable, current: Sequence[str]) -> list[str]:
         """Drop columns by copying into a new table: SQLite's DROP COLUMN refuses columns that an
@@ -192,6 +228,7 @@ class SQLiteSink(SqlSink):
             f"INSERT INTO {self.ident(temp)} ({common}) SELECT {common} FROM {self._table_ref(table)}",
             f"DROP TABLE {self._table_ref(table)}",
             f"ALTER TABLE {self.ident(temp)} RENAME TO {self._table_ref(table)}",
+            *self.index_statements(table),
         ]
         for sql in statements:
             cur.execute(sql)

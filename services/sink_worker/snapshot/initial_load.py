@@ -174,6 +174,8 @@ class SnapshotRequest:
     """A re-copy after a DDL (``ddl_plan``): the DDL's stream sequence. The progress is kept
     under its own key (the span's first load keeps its record), the target is emptied before
     the first chunk, and a table the source no longer has leaves no target."""
+    case_insensitive: bool = False
+    """The changefeed's ``text_comparison`` is ``case_insensitive`` (``span.target_for``)."""
 
     @property
     def progress_key(self) -> str:
@@ -357,7 +359,8 @@ class InitialLoads:
                 raise UncopyableTable(f"columns of types capture does not carry: "
                                       f"{[c.name for c in unsupported]}")
             meta = info.meta()
-            target = target_for(span, database, table, meta, req.key_policy, req.router)
+            target = target_for(span, database, table, meta, req.key_policy, req.router,
+                                case_insensitive=req.case_insensitive)
             computed = _computed_columns(req.router, database, table)
             if computed:
                 # A copy reads rows with SQL on the source: no Spark SQL runs on them, so the

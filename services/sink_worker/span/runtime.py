@@ -78,6 +78,8 @@ class SpanConfig:
     """A merged target's unique value held by another shard's row (``sinks.unique_guard``)."""
     validation: str = "off"
     """Continuous validation: off, fast or full (``services.sink_worker.validation.validator``)."""
+    case_insensitive: bool = False
+    """``text_comparison = case_insensitive``: *_ci source columns compare so on PostgreSQL/SQLite."""
 
     @classmethod
     def of(cls, spec: ChangefeedSpec, source: str) -> SpanConfig:
@@ -88,7 +90,8 @@ class SpanConfig:
                    router=router_for(spec), initial_load=spec.initial_load,
                    source_url=ref.url if ref is not None else "", start_time=spec.start_time,
                    start_position=spec.start_position.get(ref.id) if ref is not None else None,
-                   on_unique_conflict=spec.on_unique_conflict, validation=spec.validation.mode)
+                   on_unique_conflict=spec.on_unique_conflict, validation=spec.validation.mode,
+                   case_insensitive=spec.text_comparison == "case_insensitive")
 
 
 @dataclass

@@ -114,7 +114,7 @@ class SpanStarts:
         assert self.initial_loads is not None
         decisions = [await self.initial_loads.decide(SnapshotRequest(
             span, rt.config.source_url, rt.config.sink_url, rt.config.key_policy, mode, rt.shards,
-            rt.config.router)) for span in copied_spans(rt.span)]
+            rt.config.router, case_insensitive=rt.config.case_insensitive)) for span in copied_spans(rt.span)]
         decision, start = decisions[0]
         refused = [self.initial_loads.unreplicable.pop(span, None) for span in copied_spans(rt.span)]
         reasons = [r for r in refused if r is not None]

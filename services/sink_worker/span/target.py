@@ -67,13 +67,14 @@ def route_of(span: Span, database: str, table: str, router: Router | None) -> Ta
 
 
 def target_for(span: Span, database: str, table: str, meta: TableMetaV1, policy: KeyPolicy,
-               router: Router | None = None) -> TargetTable:
+               router: Router | None = None, *, case_insensitive: bool = False) -> TargetTable:
     """The downstream table of a span: the changefeed's route for it (``libs.routing``), the
     same database/table name without one. Several spans (the shard group) may share a target.
 
     With an origin column, a rule-routed span's metadata gains it, first and in every key, so
     shards whose keys collide keep separate rows (``Router.origin_for``). The sink decides what
     ``schema`` means (MySQL database, PostgreSQL schema; SQLite has one namespace and ignores it).
+    ``case_insensitive``: the changefeed's ``text_comparison`` is ``case_insensitive``.
     """
     ref = shard_ref(span, database, table)
     target = route_of(span, database, table, router)
@@ -81,4 +82,5 @@ def target_for(span: Span, database: str, table: str, meta: TableMetaV1, policy:
         meta = router.rewrite_meta_for(meta, ref)
     key = choose_key(meta, policy, database=database, table=table)
     unique = tuple(tuple(uk) for uk in meta.unique_keys if tuple(uk) != key)
-    return TargetTable(schema=target.schema, name=target.table, meta=meta, key=key, unique_keys=unique)
+    return TargetTable(schema=target.schema, name=target.table, meta=meta, key=key, unique_keys=unique,
+                       case_insensitive=case_insensitive)

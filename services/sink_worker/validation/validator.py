@@ -430,7 +430,8 @@ def _table_from_source(rt: SpanRuntime) -> _Table:
         raise LookupError(f"no table {database}.{name} on source {rt.span.source}")
     meta = info.meta()
     router: Router | None = rt.config.router
-    target = target_for(rt.span, database, name, meta, rt.config.key_policy, router)
+    target = target_for(rt.span, database, name, meta, rt.config.key_policy, router,
+                        case_insensitive=rt.config.case_insensitive)
     rules = rules_for(router.table_rules, database, name) if router is not None else NO_RULES
     origin = None
     if router is not None:
