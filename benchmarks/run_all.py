@@ -81,6 +81,8 @@ BENCHES = (
     Bench("bench_rebuild_memory", "Replication-manager rebuild with 100,000 spans, in process", (),
           ("--spans", "5000")),
     Bench("bench_shard_ddl", "Shard DDL coordination", (), ("--rounds", "1")),
+    Bench("bench_spark_start", "A local Spark driver's start with and without the class archive", (),
+          ("--pairs", "1")),
     Bench("bench_snapshot", "Initial load against LOAD DATA and COPY", ("--rows", "500000"),
           ("--rows", "50000", "--chunk-rows", "10000")),
     Bench("bench_capture_drain", "Capture drain of a sysbench backlog beside the binlog library's parse-only "
@@ -90,8 +92,9 @@ BENCHES = (
           ("--table-size", "10000", "--write-s", "20", "--rw-s", "10", "--dir", ".sluice/bench-quick/oltp")),
 )
 # Heavy multi-process benchmarks last: a failure there should not cost the quick ones.
-RUN_ORDER = ("bench_scheduling", "bench_rebuild", "bench_rebuild_memory", "bench_shard_ddl", "bench_snapshot",
-             "bench_capture_drain", "apply", "bench_failover", "bench_e2e", "bench_e2e_shared", "bench_oltp")
+RUN_ORDER = ("bench_scheduling", "bench_rebuild", "bench_rebuild_memory", "bench_shard_ddl",
+             "bench_spark_start", "bench_snapshot", "bench_capture_drain", "apply", "bench_failover",
+             "bench_e2e", "bench_e2e_shared", "bench_oltp")
 
 
 def _say(text: str) -> None:
