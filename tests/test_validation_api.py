@@ -55,7 +55,14 @@ def test_validation_status_and_an_on_demand_compare(api_stack: ApiStack) -> None
                                rows_estimate=40, chunks_done=1, candidates=1)
         api_stack.kv_put(VALIDATION_BUCKET, WorkerSpan(CF, "src1", "shop", "a").kv_key,
                          json.loads(status.model_copy(update={"compare": done}).model_dump_json()))
-        compare = op.get(f"{V1}/changefeeds/{CF}/validation").json()["compare"]
+        # The api reads the bucket through a watcher of its own connection: wait until the
+        # report is among what it reads, with a deadline.
+        deadline = time.monotonic() + 15
+        while True:
+            compare = op.get(f"{V1}/changefeeds/{CF}/validation").json()["compare"]
+            if compare["tables_done"] == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert compare["tables_done"] == 1 and compare["rows_checked"] == 40, compare
 
     code, out = sluice(api_stack, "validation", "status", CF)
