@@ -60,6 +60,16 @@ _ADD_RESPONSES: dict[int | str, dict[str, Any]] = {
     422: {"description": "Invalid id or URL"}}
 
 
+def _refuse_bad_url(url: str) -> None:
+    """422 for a source URL the api would not record (malformed, or bound to a secret it cannot use)."""
+    problems = _url_problems(url)
+    binding = None if problems else url_binding_problem(url)
+    if binding:
+        problems = [{"loc": ["body", "url"], "msg": f"source URL refused: {binding}", "type": "value_error"}]
+    if problems:
+        raise RequestValidationError(problems)
+
+
 @router.post("", status_code=202, response_model=Accepted, dependencies=[Depends(require_write)],
              responses=_ADD_RESPONSES)
 async def add_source(source: SourceIn, ctx: ApiContext = Depends(get_ctx),
@@ -69,12 +79,7 @@ async def add_source(source: SourceIn, ctx: ApiContext = Depends(get_ctx),
     SLUICE_SOURCE_ID. Registering the same URL again changes nothing. Before it is recorded, the
     api connects with the URL's own credentials and runs the source checks of changefeed
     creation (reachable, ROW/FULL/FULL binlog, replication grants): 422 with each fix."""
-    problems = _url_problems(source.url)
-    binding = None if problems else url_binding_problem(source.url)
-    if binding:
-        problems = [{"loc": ["body", "url"], "msg": f"source URL refused: {binding}", "type": "value_error"}]
-    if problems:
-        raise RequestValidationError(problems)
+    _refuse_bad_url(source.url)
     view = projections_of(ctx).changefeeds
     follow = f"/api/v1/sources/{source.id}"
     if view.state.sources.get(source.id) == source.url:
@@ -146,12 +151,7 @@ async def set_source_url(source_id: str, body: SourceUrlIn, ctx: ApiContext = De
     GTID domain the stream never saw, so nothing is skipped or published twice. The registry
     and every changefeed reading the source then take the new URL, and its capture continues
     there by GTID (it judges the server again before it reads)."""
-    problems = _url_problems(body.url)
-    binding = None if problems else url_binding_problem(body.url)
-    if binding:
-        problems = [{"loc": ["body", "url"], "msg": f"source URL refused: {binding}", "type": "value_error"}]
-    if problems:
-        raise RequestValidationError(problems)
+    _refuse_bad_url(body.url)
     view = projections_of(ctx).changefeeds
     follow = f"/api/v1/sources/{source_id}"
     registered = view.state.sources.get(source_id)
