@@ -59,6 +59,7 @@ from services.sink_worker.round.sort_job import SpanCut
 from services.sink_worker.round.trace import batch_span
 from services.sink_worker.round.work import RoundAbandoned, RoundReport, SpanWork
 from services.sink_worker.round.writer import Outcomes, Writers
+from services.sink_worker.sinks.write_fence import WriteFences
 from services.sink_worker.snapshot.initial_load import InitialLoads, snapshot_mode
 from services.sink_worker.span.checkpoints import Checkpoint, CheckpointStore
 from services.sink_worker.span.machine import SpanOutcome, SpanState
@@ -111,7 +112,9 @@ class Pipeline:
         schemas = TargetSchemas()
         self.barrier = DdlBarrier(schemas, initial_loads)
         self.fk_barrier = ForeignKeyBarrier()
-        self.writers = Writers(self.options, schemas, self.barrier, self.new_overwrites)
+        self.fences = initial_loads.fences if initial_loads is not None else WriteFences()
+        """Write tokens of the spans this worker writes (``write_fence``), shared with the copies."""
+        self.writers = Writers(self.options, schemas, self.barrier, self.new_overwrites, self.fences)
 
     def attach_shard_ddl(self, shard_ddl: ShardDdl) -> None:
         self.shard_ddl = self.barrier.shard_ddl = shard_ddl
@@ -138,6 +141,7 @@ class Pipeline:
             if self.initial_loads is not None:
                 await self.initial_loads.stop(span)
             self.advance.forget_gauges(span)
+            self._forget_fences(span)
         for span, config in wanted.items():
             rt = self.spans.get(span)
             if rt is None and span in self.prepared:
@@ -228,7 +232,13 @@ class Pipeline:
         final = await self.advance.store_final(rt)
         await rt.reader.close()
         self.advance.forget_gauges(span)
+        self._forget_fences(span)
         return final
+
+    def _forget_fences(self, span: Span) -> None:
+        # Taken again (bumped) if the span comes back: another owner may have written meanwhile.
+        for key in {span.kv_key, *(s.kv_key for s in copied_spans(span))}:
+            self.fences.forget(key)
 
     def status(self) -> list[dict[str, Any]]:
         out = []

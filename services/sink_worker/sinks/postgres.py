@@ -107,6 +107,8 @@ class PostgresSink(SqlSink):
         q = self.pident if for_params else self.ident
         return f"{q(table.schema)}.{q(table.name)}" if table.schema else q(table.name)
 
+    fence_lock_clause = " FOR SHARE"
+
     # ------------------------------------------------------------------ DDL
 
     def _column_clauses(self, table: TargetTable, column: ColumnV1, sql_type: str) -> tuple[str, str]:
@@ -304,7 +306,7 @@ class PostgresSink(SqlSink):
             for sql in statements:
                 cur.execute(sql)
 
-        self._run(work, f"load into {table.name!r}", keep=True)
+        self._run(work, f"load into {table.name!r}", keep=True, fence=table.fence)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
         cols = ", ".join(self.pident(c) for c in columns)

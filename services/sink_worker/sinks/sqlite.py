@@ -48,6 +48,7 @@ from services.sink_worker.sinks.shape_ddl import (
     target_indexes,
 )
 from services.sink_worker.sinks.sql_common import SqlSink
+from services.sink_worker.sinks.write_fence import FENCE_TABLE
 
 _BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
@@ -136,6 +137,9 @@ class SQLiteSink(SqlSink):
 
     def _table_ref(self, table: TargetTable, *, for_params: bool = False) -> str:
         return self.ident(table.name)
+
+    def _fence_ref(self, schema: str | None, *, for_params: bool = False) -> str:
+        return self.ident(FENCE_TABLE)  # one database: the schema is not a namespace here
 
     def _adapt(self, column: ColumnV1 | None, value: Any) -> Any:
         if value is None or column is None:
@@ -260,7 +264,7 @@ class SQLiteSink(SqlSink):
         sql = (f"INSERT OR REPLACE INTO {self._table_ref(table)}"
                f" ({', '.join(self.ident(c) for c in columns)}) VALUES ({marks})")
         self._run(lambda cur: cur.executemany(sql, bound), f"load into {table.name!r}",
-                  connect=self._connect_load, keep=True)
+                  connect=self._connect_load, keep=True, fence=table.fence)
         return len(rows)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
