@@ -9,6 +9,10 @@ while no copied row meets one already there (a unique violation proves it did no
 into a temporary staging table (dropped at commit), then the same two steps set-wise: delete
 the rows holding a staged row's unique values under another key, and ``INSERT ... SELECT ...
 ON CONFLICT DO UPDATE``.
+
+Spatial columns: PostGIS ``geometry`` (subtype and declared SRID as typmod, a SPATIAL index as
+GiST) when the target database has the ``postgis`` extension, else ``bytea``; the value is
+EWKB either way (``libs.codec.geometry``), so the SRID of every value is kept.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import psycopg.errors
 from psycopg.types.string import TextLoader
 
 from contracts.events.rows import ColumnV1
+from libs.codec.decode import postgis_type_for
+from libs.codec.geometry import internal_to_ewkb
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.shape_ddl import (
     column_shapes,
@@ -120,6 +126,40 @@ class PostgresSink(SqlSink):
             return [pg_collation_statement(self.ident, table.schema)]
         return []
 
+    _postgis: bool | None = None
+    """Whether the target database has the postgis extension (asked once, when a geometry
+    column first needs a type or a value)."""
+
+    def has_postgis(self) -> bool:
+        if self._postgis is None:
+            # A connection of its own: this is asked from inside other statements' work.
+            conn = self._connect()
+            try:
+                with conn.cursor() as cur:
+                    cur.execute("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'postgis')")
+                    row = cur.fetchone()
+                self._postgis = bool(row and row[0])
+            finally:
+                conn.close()
+        return self._postgis
+
+    def column_type(self, table: TargetTable, column: ColumnV1) -> str:
+        if column.kind == "geometry" and self.has_postgis():
+            return postgis_type_for(column)
+        return super().column_type(table, column)
+
+    def _adapt(self, column: ColumnV1 | None, value: Any) -> Any:
+        if value is None or column is None or column.kind != "geometry":
+            return value
+        ewkb = internal_to_ewkb(value)
+        # PostGIS reads EWKB as hex text (in a bound parameter and in COPY alike).
+        return ewkb.hex() if self.has_postgis() else ewkb
+
+    def _adapter(self, column: ColumnV1) -> Callable[[Any], Any] | None:
+        if column.kind != "geometry":
+            return None
+        return lambda value: self._adapt(column, value)
+
     def create_statements(self, table: TargetTable) -> list[str]:
         self._validate(table)
         body = ",\n  ".join([*self._column_defs(table), *self._constraints(table)])
@@ -130,9 +170,13 @@ class PostgresSink(SqlSink):
         out.append(f"CREATE TABLE IF NOT EXISTS {self._table_ref(table)} (\n  {body}\n)")
         return out + self.index_statements(table)
 
+    def _spatial_indexes(self, table: TargetTable) -> bool:
+        return any(i.kind == "spatial" for i in target_indexes(table)) and self.has_postgis()
+
     def index_statements(self, table: TargetTable) -> list[str]:
         ref = self._table_ref(table)
-        found = (pg_index_statement(self.ident, ref, table, i) for i in target_indexes(table))
+        gist = self._spatial_indexes(table)
+        found = (pg_index_statement(self.ident, ref, table, i, gist=gist) for i in target_indexes(table))
         return [sql for sql in found if sql is not None]
 
     def _create(self, cur: Any, table: TargetTable) -> list[str]:
@@ -153,7 +197,9 @@ class PostgresSink(SqlSink):
         found = {str(name): str(qualified) for qualified, name in cur.fetchall()}
         drops = [f"DROP INDEX IF EXISTS {found[n]}" for n in owned_index_drops(table, list(found))]
         ref = self._table_ref(table)
-        creates = (pg_index_statement(self.ident, ref, table, i) for i in missing_derived(table, list(found)))
+        gist = self._spatial_indexes(table)
+        creates = (pg_index_statement(self.ident, ref, table, i, gist=gist)
+                   for i in missing_derived(table, list(found)))
         return drops + [sql for sql in creates if sql is not None]
 
     def _retryable_ddl(self, exc: BaseException) -> bool:
@@ -220,6 +266,11 @@ class PostgresSink(SqlSink):
         if not rows:
             return 0
         rows = self._last_per_key(table, columns, rows, keys_unique)
+        colmap = self._columns(table)
+        adapters = [self._adapter(colmap[c]) for c in columns]
+        if any(adapters):
+            rows = [tuple(v if adapt is None or v is None else adapt(v)
+                          for v, adapt in zip(row, adapters, strict=True)) for row in rows]
 
         def feed(copy: Any) -> None:
             for row in rows:
