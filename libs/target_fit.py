@@ -74,7 +74,8 @@ def capacity(sql_type: str) -> Capacity:
     spatial = _SPATIAL.match(text)
     if spatial:
         # A GEOMETRY column (MySQL, or PostGIS without a subtype) takes every subtype.
-        base = _SPATIAL_ALIASES.get(spatial.group(2) or spatial.group(1), spatial.group(2) or spatial.group(1))
+        named = spatial.group(2) or spatial.group(1)
+        base = _SPATIAL_ALIASES.get(named, named)
         return Capacity("geometry", members=None if base == "geometry" else frozenset({base}))
     varying = re.fullmatch(r"(character varying|varchar|character|char|bit varying)\s*(\((\d+)\))?", text)
     if varying:
