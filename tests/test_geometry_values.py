@@ -117,7 +117,8 @@ def test_the_declared_srid_travels_in_the_sql_type() -> None:
     assert sql_type_for("sqlite", _column("point srid 4326")) == "BLOB"
     assert postgis_type_for(_column("point srid 4326")) == "geometry(Point,4326)"
     assert postgis_type_for(_column("geometrycollection")) == "geometry(GeometryCollection)"
-    assert postgis_type_for(_column("geometry")) == "geometry(Geometry)"
+    assert postgis_type_for(_column("geometry")) == "geometry"
+    assert postgis_type_for(_column("geometry srid 3857")) == "geometry(Geometry,3857)"
 
 
 def test_each_downstream_reads_back_the_internal_format() -> None:

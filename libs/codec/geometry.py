@@ -106,7 +106,9 @@ def pg_geometry_type(base: str, srid: int | None) -> str:
     """The PostGIS column type of a MySQL spatial type: ``geometry(Point,4326)``; the subtype
     is kept (MariaDB enforces it too), the SRID only where the source declares one."""
     subtype = _PG_SUBTYPES.get(base, "Geometry")
-    return f"geometry({subtype},{srid})" if srid else f"geometry({subtype})"
+    if srid:
+        return f"geometry({subtype},{srid})"
+    return "geometry" if subtype == "Geometry" else f"geometry({subtype})"
 
 
 def mysql_srid_clause(srid: int | None) -> str:
