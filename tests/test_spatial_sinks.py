@@ -12,12 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pymysql
 import pymysql.cursors
 import pytest
 
 from libs.codec.geometry import internal_from, split_internal
 from libs.codec.table_meta import load_table_info
+from libs.dburl import parse_database_url
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from services.sink_worker.sinks.base import Delete, TargetTable, Upsert
@@ -31,8 +33,9 @@ pytestmark = pytest.mark.integration
 SRC = "spatial_src"
 TABLE = "places"
 GIS_DB = "spatial_gis"
+DOWN = "spatial_down"
 
-_DDL = (f"CREATE TABLE {SRC}.{TABLE} (id INT PRIMARY KEY, p POINT NOT NULL REF_SYSTEM_ID=4326,"
+_DDL = (f"CREATE TABLE {SRC}.{TABLE} (id INT PRIMARY KEY, p POINT REF_SYSTEM_ID=4326 NOT NULL,"
         " g GEOMETRY, c GEOMETRYCOLLECTION, SPATIAL KEY sp (p))")
 _ROWS = [
     "(1, ST_GeomFromText('POINT(13.4 52.5)', 4326), ST_GeomFromText('POINT(1 2)', 0),"
@@ -49,7 +52,7 @@ def _postgis_available(postgres: PostgreSQL) -> bool:
     return bool(pg_query(postgres.url, "SELECT 1 FROM pg_available_extensions WHERE name = 'postgis'"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def source(mariadb: MariaDB) -> Iterator[MariaDB]:
     mariadb.execute(f"DROP DATABASE IF EXISTS {SRC}", f"CREATE DATABASE {SRC}", _DDL,
                     f"INSERT INTO {SRC}.{TABLE} VALUES {', '.join(_ROWS)}")
@@ -59,24 +62,31 @@ def source(mariadb: MariaDB) -> Iterator[MariaDB]:
 
 def _sink_url(name: str, mariadb: MariaDB, postgres: PostgreSQL, tmp: Path) -> str:
     if name == "mariadb":
-        mariadb.execute("DROP DATABASE IF EXISTS spatial_down", "CREATE DATABASE spatial_down")
-        return mariadb.url_for("spatial_down")
+        mariadb.execute(f"DROP DATABASE IF EXISTS {DOWN}", f"CREATE DATABASE {DOWN}")
+        return mariadb.url_for(DOWN)
     if name == "postgres-bytea":
-        pg_query(postgres.url, f'DROP SCHEMA IF EXISTS "{SRC}" CASCADE')
+        _pg_exec(postgres.url, f'DROP SCHEMA IF EXISTS "{SRC}" CASCADE')
         return postgres.url
     if name == "postgres-postgis":
         if not _postgis_available(postgres):
             pytest.skip("PostGIS is not installed for this machine's PostgreSQL (no 'postgis' in "
                         "pg_available_extensions; e.g. apt package postgresql-15-postgis-3): the "
                         "geometry-column path is not tested here, the bytea fallback is")
-        pg_query(postgres.url, f"DROP DATABASE IF EXISTS {GIS_DB}")
-        pg_query(postgres.url, f"CREATE DATABASE {GIS_DB}")
-        pg_query(postgres.url_for(GIS_DB), "CREATE EXTENSION postgis")
+        _pg_exec(postgres.url, f"DROP DATABASE IF EXISTS {GIS_DB}")
+        _pg_exec(postgres.url, f"CREATE DATABASE {GIS_DB}")
+        _pg_exec(postgres.url_for(GIS_DB), "CREATE EXTENSION postgis")
         return postgres.url_for(GIS_DB)
     return f"sqlite:///{tmp / 'spatial.db'}"
 
 
-def _source_rows(source: MariaDB) -> tuple[list[tuple[Any, ...]], TargetTable]:
+def _pg_exec(url: str, sql: str) -> None:
+    db = parse_database_url(url)
+    with psycopg.connect(host=db.host, port=db.port, user=db.user or None,
+                         dbname=db.database or "postgres", autocommit=True) as conn:
+        conn.execute(sql.encode())
+
+
+def _source_rows(source: MariaDB, schema: str) -> tuple[list[tuple[Any, ...]], TargetTable]:
     conn = source.connect()
     try:
         info = load_table_info(conn, SRC, TABLE)
@@ -87,14 +97,16 @@ def _source_rows(source: MariaDB) -> tuple[list[tuple[Any, ...]], TargetTable]:
     finally:
         conn.close()
     meta = info.meta()
-    return rows, TargetTable(schema=SRC, name=TABLE, meta=meta, key=tuple(meta.primary_key))
+    return rows, TargetTable(schema=schema, name=TABLE, meta=meta, key=tuple(meta.primary_key))
 
 
 @pytest.mark.parametrize("sink_name", ["mariadb", "postgres-bytea", "postgres-postgis", "sqlite"])
 def test_spatial_rows_load_stream_and_verify(source: MariaDB, postgres: PostgreSQL, sink_name: str,
                                               tmp_path: Path) -> None:
     url = _sink_url(sink_name, source, postgres, tmp_path)
-    rows, target = _source_rows(source)
+    # A MariaDB target in a database of its own on the same server; a schema of that name elsewhere.
+    schema = DOWN if sink_name == "mariadb" else SRC
+    rows, target = _source_rows(source, schema)
     kinds = {c.name: (c.kind, c.sql_type) for c in target.meta.columns}
     assert kinds["p"] == ("geometry", "point srid 4326") and kinds["c"] == ("geometry", "geometrycollection")
     sink = open_sink(url)
@@ -111,7 +123,7 @@ def test_spatial_rows_load_stream_and_verify(source: MariaDB, postgres: PostgreS
     sink.apply_partition(target, [Upsert(key=(2,), row={"id": 2, "p": moved, "g": regrid, "c": rows[1][3]}),
                                   Delete(key=(3,))])
 
-    result = verify_target([ShardRef(source.url, SRC, TABLE)], url, SRC, TABLE)
+    result = verify_target([ShardRef(source.url, SRC, TABLE)], url, schema, TABLE)
     assert result.ok, result.diff
     assert result.diff.upstream_count == 3
     down = {r["id"]: r for r in sink.fetch_rows(target)}
@@ -124,11 +136,11 @@ def test_spatial_rows_load_stream_and_verify(source: MariaDB, postgres: PostgreS
             with conn.cursor(pymysql.cursors.DictCursor) as cur:
                 cur.execute("SELECT G_GEOMETRY_COLUMN AS c, SRID AS s"
                             " FROM information_schema.GEOMETRY_COLUMNS"
-                            " WHERE G_TABLE_SCHEMA = 'spatial_down' AND G_TABLE_NAME = %s", (TABLE,))
+                            " WHERE G_TABLE_SCHEMA = %s AND G_TABLE_NAME = %s", (DOWN, TABLE))
                 assert {r["c"]: r["s"] for r in cur.fetchall()} == {"p": 4326, "g": 0, "c": 0}
                 cur.execute("SELECT INDEX_TYPE FROM information_schema.STATISTICS"
-                            " WHERE TABLE_SCHEMA = 'spatial_down' AND TABLE_NAME = %s AND INDEX_NAME = 'sp'",
-                            (TABLE,))
+                            " WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s AND INDEX_NAME = 'sp'",
+                            (DOWN, TABLE))
                 assert [r["INDEX_TYPE"] for r in cur.fetchall()] == ["SPATIAL"]
         finally:
             conn.close()

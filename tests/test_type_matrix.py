@@ -85,7 +85,7 @@ GENERATED = "generated"
 # Spatial columns beside a SPATIAL index (NOT NULL, as the index needs) and declared SRIDs; the
 # edge values themselves are in the wide table (``type_cases._spatial_cases``).
 SPATIAL = "spatial"
-SPATIAL_DDL = (f"CREATE TABLE {DB}.{SPATIAL} (id INT PRIMARY KEY, p POINT NOT NULL REF_SYSTEM_ID=4326,"
+SPATIAL_DDL = (f"CREATE TABLE {DB}.{SPATIAL} (id INT PRIMARY KEY, p POINT REF_SYSTEM_ID=4326 NOT NULL,"
                " g GEOMETRY REF_SYSTEM_ID=3857, c GEOMETRYCOLLECTION, SPATIAL KEY sp (p))")
 SPATIAL_ROWS = (f"INSERT INTO {DB}.{SPATIAL} VALUES"
                 " (1, ST_GeomFromText('POINT(13.4 52.5)', 4326), ST_GeomFromText('POINT(1 1)', 3857),"
