@@ -171,3 +171,14 @@ def test_a_user_made_target_must_hold_every_subtype_the_source_may_send() -> Non
     assert narrower("polygon", "multipolygon") is not None
     assert narrower("longtext", "point") == "longtext cannot hold point values"
     assert IndexV1(name="x", kind="spatial", parts=[IndexPartV1(column="p")]).kind == "spatial"
+
+
+def test_the_initial_loads_postgres_copy_spells_ewkb() -> None:
+    from services.sink_worker.sinks.postgres import _source_bytes_encoder
+
+    column = _column("point srid 4326")
+    bytea = _source_bytes_encoder(column)
+    postgis = _source_bytes_encoder(column, postgis=True)
+    assert bytea is not None and postgis is not None
+    assert bytea(POINT_4326) == b"\\\\x" + POINT_EWKB.hex().encode()  # bytea hex, backslash escaped
+    assert postgis(POINT_4326) == POINT_EWKB.hex().encode()

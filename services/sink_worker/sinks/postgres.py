@@ -45,9 +45,10 @@ from services.sink_worker.sinks.sql_common import ByteEncoder, SqlSink, source_t
 
 # Kinds whose values the source's text protocol spells as COPY's text format reads them:
 # numbers, text, dates and times of day (a zero or invalid date fails the COPY, as its decoded
-# value fails the upsert). BIT, SET, TIME (an interval here) and JSON take the decoded path.
+# value fails the upsert), and bytes and geometries through their encoders. BIT, SET, TIME (an
+# interval here) and JSON take the decoded path.
 _SOURCE_TEXT_KINDS = frozenset({"int", "float", "decimal", "string", "bytes", "date", "datetime",
-                                "timestamp"})
+                                "timestamp", "geometry"})
 
 
 def _escape_text(value: bytes) -> bytes:
@@ -60,7 +61,17 @@ def _bytea_text(value: bytes) -> bytes:
     return b"\\\\x" + binascii.hexlify(value)  # bytea's hex input, its backslash escaped for COPY
 
 
-def _source_bytes_encoder(column: ColumnV1) -> ByteEncoder:
+def _ewkb_bytea_text(value: bytes) -> bytes:
+    return _bytea_text(internal_to_ewkb(value))
+
+
+def _ewkb_hex_text(value: bytes) -> bytes:
+    return binascii.hexlify(internal_to_ewkb(value))  # PostGIS's geometry input reads hex EWKB
+
+
+def _source_bytes_encoder(column: ColumnV1, postgis: bool = False) -> ByteEncoder:
+    if column.kind == "geometry":
+        return _ewkb_hex_text if postgis else _ewkb_bytea_text
     if column.kind == "bytes":
         return _bytea_text
     if column.kind == "string":
@@ -289,7 +300,8 @@ class PostgresSink(SqlSink):
             return 0
         rows = self._last_per_key(table, columns, rows, keys_unique)
         colmap = self._columns(table)
-        encoders = [_source_bytes_encoder(colmap[c]) for c in columns]
+        postgis = any(colmap[c].kind == "geometry" for c in columns) and self.has_postgis()
+        encoders = [_source_bytes_encoder(colmap[c], postgis) for c in columns]
 
         def feed(copy: Any) -> None:
             for data in source_text_files(rows, encoders, self.load_file_bytes):
