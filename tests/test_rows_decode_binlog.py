@@ -41,4 +41,3 @@ def test_the_compiled_decoder_gives_the_librarys_items(mariadb: MariaDB) -> None
     assert spatial > 0
     assert compiled_reader.decoded.library == 0
     assert compiled_reader.decoded.compiled == sum(1 for i in library if isinstance(i, Rows))
-    assert compiled_reader.decoded.compiled == sum(1 for i in library if isinstance(i, Rows)) - spatial
