@@ -12,7 +12,9 @@ ON CONFLICT DO UPDATE``.
 
 Spatial columns: PostGIS ``geometry`` (subtype and declared SRID as typmod, a SPATIAL index as
 GiST) when the target database has the ``postgis`` extension, else ``bytea``; the value is
-EWKB either way (``libs.codec.geometry``), so the SRID of every value is kept.
+EWKB either way (``libs.codec.geometry``), so the SRID of every value is kept. Values are bound
+as bytea (PostGIS casts it); COPY spells them per the target column's actual type (hex EWKB
+text for geometry, bytea's hex input otherwise).
 """
 
 from __future__ import annotations
@@ -162,14 +164,29 @@ class PostgresSink(SqlSink):
     def _adapt(self, column: ColumnV1 | None, value: Any) -> Any:
         if value is None or column is None or column.kind != "geometry":
             return value
-        ewkb = internal_to_ewkb(value)
-        # PostGIS reads EWKB as hex text (in a bound parameter and in COPY alike).
-        return ewkb.hex() if self.has_postgis() else ewkb
+        # EWKB as bytea, whatever the column: a bytea column keeps it, a PostGIS geometry column
+        # takes it through PostGIS's implicit bytea -> geometry cast.
+        return internal_to_ewkb(value)
 
     def _adapter(self, column: ColumnV1) -> Callable[[Any], Any] | None:
         if column.kind != "geometry":
             return None
         return lambda value: self._adapt(column, value)
+
+    def _postgis_columns(self, table: TargetTable, columns: Sequence[str]) -> frozenset[str]:
+        """Which of ``columns`` are PostGIS geometry columns in the target as it is (a bytea
+        target made before the extension came stays bytea): COPY's text input differs."""
+        colmap = self._columns(table)
+        if not any(colmap[c].kind == "geometry" for c in columns) or not self.has_postgis():
+            return frozenset()
+
+        def work(cur: Any) -> frozenset[str]:
+            cur.execute("SELECT a.attname FROM pg_attribute a WHERE a.attrelid = to_regclass(%s)"
+                        " AND a.attnum > 0 AND NOT a.attisdropped AND a.atttypid = 'geometry'::regtype",
+                        (self._table_ref(table),))
+            return frozenset(str(r[0]) for r in cur.fetchall())
+
+        return self._run(work, f"geometry columns of {table.name!r}")
 
     def create_statements(self, table: TargetTable) -> list[str]:
         self._validate(table)
@@ -278,7 +295,9 @@ class PostgresSink(SqlSink):
             return 0
         rows = self._last_per_key(table, columns, rows, keys_unique)
         colmap = self._columns(table)
-        adapters = [self._adapter(colmap[c]) for c in columns]
+        gis = self._postgis_columns(table, columns)
+        adapters: list[Callable[[Any], Any] | None] = [
+            (lambda v: internal_to_ewkb(v).hex()) if c in gis else self._adapter(colmap[c]) for c in columns]
         if any(adapters):
             rows = [tuple(v if adapt is None or v is None else adapt(v)
                           for v, adapt in zip(row, adapters, strict=True)) for row in rows]
@@ -300,8 +319,8 @@ class PostgresSink(SqlSink):
             return 0
         rows = self._last_per_key(table, columns, rows, keys_unique)
         colmap = self._columns(table)
-        postgis = any(colmap[c].kind == "geometry" for c in columns) and self.has_postgis()
-        encoders = [_source_bytes_encoder(colmap[c], postgis) for c in columns]
+        gis = self._postgis_columns(table, columns)
+        encoders = [_source_bytes_encoder(colmap[c], c in gis) for c in columns]
 
         def feed(copy: Any) -> None:
             for data in source_text_files(rows, encoders, self.load_file_bytes):
