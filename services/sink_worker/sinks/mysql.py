@@ -235,7 +235,7 @@ def _load_encoder(column: ColumnV1) -> tuple[Callable[[Any], str], str | None]:
         base = parse_sql_type(column.sql_type).base
     except SqlTypeError:
         base = ""
-    if kind == "bytes":
+    if kind in ("bytes", "geometry"):  # a geometry: MariaDB's internal format, as stored
         return (lambda v: bytes(v).hex()), "UNHEX({})"
     if kind == "bit" or base == "year":
         return (lambda v: str(int(v))), "CAST({} AS UNSIGNED)"
@@ -274,7 +274,7 @@ def _source_bytes_encoder(column: ColumnV1) -> tuple[ByteEncoder, str | None]:
         base = parse_sql_type(column.sql_type).base
     except SqlTypeError:
         base = ""
-    if kind == "bytes":
+    if kind in ("bytes", "geometry"):
         return binascii.hexlify, "UNHEX({})"
     if kind == "bit":
         return _bit_bytes, "CAST({} AS UNSIGNED)"

@@ -561,7 +561,8 @@ class SqlSink(Sink):
         cols = ", ".join(self.pident(c) for c in wanted)
         cur.execute(f"SELECT {cols} FROM {self._table_ref(table, for_params=True)} WHERE {cond}", params)
         for raw in cur.fetchall():
-            found = {c: normalize_fetched(colmap[c], v) for c, v in zip(wanted, raw, strict=True)}
+            found = {c: normalize_fetched(colmap[c], v, self.dialect)
+                     for c, v in zip(wanted, raw, strict=True)}
             holder_key = tuple(found[c] for c in key)
             value = tuple(found[c] for c in unique)
             # The upserted row that wants the value (compared as the downstream returned it).
@@ -639,7 +640,7 @@ class SqlSink(Sink):
 
         def work(cur: Any) -> list[dict[str, Any]]:
             cur.execute(sql)
-            return [{c.name: normalize_fetched(c, v) for c, v in zip(columns, raw, strict=True)}
+            return [{c.name: normalize_fetched(c, v, self.dialect) for c, v in zip(columns, raw, strict=True)}
                     for raw in cur.fetchall()]
 
         rows = self._run(work, f"fetch {table.name!r}")

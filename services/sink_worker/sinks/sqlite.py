@@ -8,7 +8,8 @@ upgrading at once fail with SQLITE_BUSY immediately (the busy handler cannot res
 SQLite has no exact wide number types, so some values are stored as canonical text, one
 spelling per value so that key lookups by equality still match (see ``values._sqlite_type``):
 decimals with exactly the column's scale, bigint unsigned / bit(64) as decimal digits, datetimes
-with the column's fractional digits, TIME as ``[-]HH:MM:SS[.f]``.
+with the column's fractional digits, TIME as ``[-]HH:MM:SS[.f]``. A geometry is a BLOB of
+EWKB (``libs.codec.geometry``): plain WKB for SRID 0, the SRID in the header otherwise.
 
 ``TargetTable.schema`` is ignored: one SQLite file is one namespace.
 
@@ -36,6 +37,7 @@ from libs.codec.decode import (
     parse_time,
     sql_type_for,
 )
+from libs.codec.geometry import internal_to_ewkb
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.shape_ddl import (
     column_shapes,
@@ -65,6 +67,8 @@ def _adapter(kind: str, sql_type: str) -> Callable[[Any], Any]:
         args = parse_sql_type(sql_type).args
     except SqlTypeError:
         args = ()
+    if kind == "geometry":
+        return internal_to_ewkb  # EWKB: the WKB with its SRID (libs.codec.geometry)
     if kind in ("int", "bit"):
         if sql_type_for("sqlite", column) == "TEXT":
             return lambda v: str(int(v))
