@@ -20,6 +20,7 @@ from contracts.events.changefeeds import (
     TableFilterV1,
 )
 from libs.changefeeds import record_changefeed
+from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsCluster, NatsServer
 from libs.localservers.postgres import PostgreSQL
@@ -190,7 +191,10 @@ class LocalSystem:
         assert self.nats is not None
         nc = await nats.connect(**self.nats.client_options(API))
         try:
-            return await record_changefeed(nc.jetstream(), spec, requested_by)
+            # The system's stream settings, not this process' defaults: ensuring the changefeeds
+            # log with another replica count would rescale it.
+            return await record_changefeed(nc.jetstream(), spec, requested_by,
+                                           settings=Settings(stream_replicas=self.nats_nodes))
         finally:
             await nc.close()
 
