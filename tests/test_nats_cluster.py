@@ -118,8 +118,9 @@ async def test_cluster_loses_a_node_then_restarts_another_and_every_table_stays_
             for _ in range(3):
                 w.transaction()
             w.start(per_second=TXNS_PER_SECOND)
-        await replicating_past(int(time.time() * 1000), 150, f"{SPANS} spans replicating")
-        assert recorder.all_replicating(SPANS)
+        created_at = int(time.time() * 1000)
+        await wait(lambda: recorder.all_replicating(SPANS) and checkpoint_ms() > created_at, 150,
+                   f"{SPANS} spans replicating and the checkpoint past the changefeed's creation")
         note("replicating on the cluster")
 
         assert recorder.nc is not None
