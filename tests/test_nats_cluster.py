@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
+import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,8 +32,10 @@ from typing import Any
 import pytest
 from nats.js import JetStreamContext
 
+from libs.localservers.common import find_binary, free_port, wait_until
 from libs.localservers.nats_server import NatsCluster, NatsServer
 from libs.localservers.system import LocalSystem
+from libs.nats_auth import ROUTE_USER
 from libs.streams import ROWS_STREAM
 from libs.ts import ts_seconds
 from services.sink_worker.validation.verify import ShardRef, Verification, verify_target
@@ -216,3 +221,41 @@ async def _stream_infos(js: JetStreamContext) -> Any:
         for info in page:
             yield info
         offset += len(page)
+
+
+def _routes(node: NatsServer) -> set[str]:
+    """Names of the servers ``node`` has a route to (its monitoring port's ``/routez``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/routez", timeout=2) as resp:
+        return {r.get("remote_name", "") for r in json.loads(resp.read()).get("routes") or []}
+
+
+def test_a_route_without_the_route_password_is_refused(tmp_path: Path) -> None:
+    cluster = NatsCluster(tmp_path / "cluster").start()
+    intruder: subprocess.Popen[bytes] | None = None
+    try:
+        first = cluster.nodes[0]
+        names = {n.server_name for n in cluster.nodes}
+        wait_until(lambda: _routes(first) == names - {first.server_name}, 30, "the cluster's own routes")
+        # A server that knows the addresses but not the password: the route user with a wrong
+        # one, and no user at all.
+        config = tmp_path / "intruder.conf"
+        config.write_text(json.dumps({
+            "host": "127.0.0.1", "port": free_port(), "server_name": "intruder",
+            "cluster": {"name": cluster.name, "host": "127.0.0.1", "port": free_port(), "routes": [
+                f"nats://{ROUTE_USER}:wrong@127.0.0.1:{first.cluster_port}",
+                f"nats://127.0.0.1:{cluster.nodes[1].cluster_port}"]}}))
+        with open(tmp_path / "intruder.log", "wb") as out:
+            intruder = subprocess.Popen([find_binary("nats-server"), "-c", str(config)], stdout=out,
+                                        stderr=subprocess.STDOUT)
+        logs = [n.log_path for n in cluster.nodes[:2]]
+        wait_until(lambda: all(b"Router connection closed: Authentication Failure" in p.read_bytes()
+                               for p in logs), 30,
+                   "both nodes refusing the intruder's routes")
+        assert intruder.poll() is None
+        for node in cluster.nodes:
+            assert "intruder" not in _routes(node)
+    finally:
+        if intruder is not None:
+            intruder.kill()
+            intruder.wait()
+        cluster.stop()
