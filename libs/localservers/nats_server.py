@@ -262,14 +262,13 @@ class NatsServer:
         return self.start()
 
 
-
 @dataclass
 class NatsCluster:
     """``size`` nats-servers routed into one JetStream cluster (streams up to R``size``).
 
     Every node has its own data directory, client port, route port and monitoring port; the
     routes log in as ``ROUTE_USER`` with a password of their own (no client role can open a
-    route, and the route user has no client permissions). The users and passwords of the stack
+    route, and the route user cannot log in as a client). The users and passwords of the stack
     are one ``StackAuth`` kept in ``<base_dir>/auth.json`` and written into every node's config;
     a role added on one node (a capture's, on first use) is added to all and every running node
     reloads. Nodes do not advertise each other to clients: a client keeps to the list of URLs it
