@@ -402,12 +402,13 @@ class SpanReader:
                 await self._refill(limit)
                 reached, scanned_dead = await self._scan(limit, checkpoint_ts, until_seq)
                 await self._refill(limit)
-            except APIError as exc:
-                if not consumer_lost(exc):
+            except (APIError, TimeoutError, NatsTimeoutError) as exc:
+                if isinstance(exc, APIError) and not consumer_lost(exc):
                     raise
-                # The consumer is gone (server restart, inactivity) or offline (the node of a
-                # cluster that holds it is down; it is R1): read again from the checkpoint with
-                # a new one, which a live node holds.
+                # The consumer is gone (server restart, inactivity), offline, or does not answer
+                # at all (the node of a cluster that holds it, R1, is down or was killed): read
+                # again from the checkpoint with a new one, which a live node holds. Reading
+                # again is always correct; a consumer that was only slow costs a re-read.
                 await self._reset(checkpoint_seq)
                 reached, scanned_dead = await self._scan(limit, checkpoint_ts, until_seq)
                 await self._refill(limit)
