@@ -221,7 +221,8 @@ class SyncpointDriver:
             log.warning("syncpoint abandoned: %s", step.reason, extra={"changefeed": cf, "ts": step.ts})
             await self._end(cf, step.ts, "abandoned", step.reason, now)
 
-    async def _end(self, cf: str, ts: int, outcome: Literal["released", "abandoned"], reason: str, now: float) -> None:
+    async def _end(self, cf: str, ts: int, outcome: Literal["released", "abandoned"], reason: str,
+                   now: float) -> None:
         await self._append(SyncpointEndedV1(changefeed=cf, ts=ts, outcome=outcome,
                                             reason=reason, ended_at=now))
         await self._put(cf)
