@@ -1,0 +1,274 @@
+"""Syncpoints end to end with real processes: MariaDB -> capture -> two sink-workers under the
+control plane -> SQLite, PostgreSQL and MariaDB, one changefeed each (interval 3 s, hold 1.5 s).
+
+Money moves at full speed between two tables (``bank.acct_a`` -> ``bank.acct_b``) and between
+two shards merged into one target (``shop_1.wallet`` + ``shop_2.wallet`` -> ``merged.wallet``),
+in the same source transactions. A reader that sums while a syncpoint holds always sees the
+totals; one that reads between holds may see a transfer half applied (counted and shown, not
+asserted: it depends on timing). Then a sink-worker and the replication-manager leader are
+killed with SIGKILL: syncpoints go on, each downstream row is written once per T."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.js.kv import KeyValue
+
+from contracts.events.changefeeds import ChangefeedSpecV7, RouteRuleV1, SourceRefV1, TableFilterV1
+from contracts.events.rows import ColumnV1, TableMetaV1
+from libs.localservers.mariadb import MariaDB
+from libs.localservers.system import LocalSystem
+from libs.syncpoints import SyncpointRecord, read_record, syncpoint_bucket
+from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.factory import open_sink
+from services.sink_worker.sinks.sql_common import SqlSink
+from services.sink_worker.sinks.syncpoint_table import syncpoint_table_ref
+from tests.helpers.control_plane import leader_of
+from tests.helpers.worker_env import MEMBER_WORKER_ENV, SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
+
+pytestmark = pytest.mark.integration
+
+ACCOUNTS = 20
+START = 1000
+TOTAL = ACCOUNTS * START * 2
+INTERVAL_S, HOLD_S = 3.0, 1.5
+META = TableMetaV1(columns=[ColumnV1(name="id", kind="int", sql_type="bigint"),
+                            ColumnV1(name="bal", kind="int", sql_type="bigint")], primary_key=["id"])
+
+
+def _balances(url: str, schema: str, table: str) -> int:
+    try:
+        rows = open_sink(url).fetch_rows(TargetTable(schema=schema, name=table, meta=META, key=("id",)))
+    except Exception:
+        return 0  # the target appears with its first batch
+    return sum(int(r["bal"]) for r in rows)
+
+
+def sums(url: str) -> tuple[int, int]:
+    """(acct_a + acct_b, merged wallet), each table read on its own, as a reader would."""
+    return (_balances(url, "bank", "acct_a") + _balances(url, "bank", "acct_b"),
+            _balances(url, "merged", "wallet"))
+
+
+def syncpoint_rows(url: str, changefeed: str) -> list[int]:
+    sink = open_sink(url)
+    assert isinstance(sink, SqlSink)
+    sql = f"SELECT syncpoint_ts FROM {syncpoint_table_ref(sink)} WHERE changefeed = {sink.placeholder}"
+    try:
+        return sorted(sink._run(lambda cur: (cur.execute(sql, (changefeed,)), cur.fetchall())[1],
+                                "read syncpoints"), key=lambda r: r[0])  # type: ignore[no-any-return]
+    except Exception:
+        return []
+
+
+class Transfers:
+    """Money moved at full speed: each transaction moves between the two tables and between the
+    two shards; the totals never change upstream."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.rng = random.Random(7)
+        self.txns = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        rng = self.rng
+        with self.conn.cursor() as cur:
+            while not self._stop.is_set():
+                x, y = rng.randint(-50, 50), rng.randint(-50, 50)
+                cur.execute("UPDATE bank.acct_a SET bal = bal - %s WHERE id = %s", (x, rng.randint(1, ACCOUNTS)))
+                cur.execute("UPDATE bank.acct_b SET bal = bal + %s WHERE id = %s", (x, rng.randint(1, ACCOUNTS)))
+                cur.execute("UPDATE shop_1.wallet SET bal = bal - %s WHERE id = %s", (y, rng.randint(1, ACCOUNTS)))
+                cur.execute("UPDATE shop_2.wallet SET bal = bal + %s WHERE id = %s",
+                            (y, 100 + rng.randint(1, ACCOUNTS)))
+                self.conn.commit()
+                self.txns += 1
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@dataclass
+class Readers:
+    kv: KeyValue
+    feeds: dict[str, str]
+    held: dict[str, list[tuple[int, tuple[int, int]]]] = field(default_factory=dict)
+    free_right: dict[str, int] = field(default_factory=dict)
+    free_wrong: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for cf in self.feeds:
+            self.held[cf], self.free_right[cf], self.free_wrong[cf] = [], 0, 0
+
+    async def _record(self, cf: str) -> SyncpointRecord | None:
+        return await read_record(self.kv, cf)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            for cf, url in self.feeds.items():
+                before = await self._record(cf)
+                held = before is not None and before.holding and before.cap_ts is not None
+                if held and before is not None and any(t == before.cap_ts for t, _ in self.held[cf]):
+                    continue  # this hold is read already
+                got = await asyncio.to_thread(sums, url)
+                after = await self._record(cf)
+                if held and before is not None:
+                    # Counted only when the hold was on from before the read to after it: the
+                    # workers read the cap every round, so nothing passed T meanwhile.
+                    if after is not None and after.holding and after.cap_ts == before.cap_ts:
+                        self.held[cf].append((before.cap_ts or 0, got))
+                elif after is None or not after.holding:
+                    if got in ((TOTAL, TOTAL), (0, 0)):
+                        self.free_right[cf] += 1
+                    else:
+                        self.free_wrong[cf] += 1
+            await asyncio.sleep(0.02)
+
+    def full_holds(self, cf: str) -> int:
+        return sum(1 for _, s in self.held[cf] if s != (0, 0))
+
+
+@dataclass
+class Feeds:
+    system: LocalSystem
+    urls: dict[str, str]
+    readers: Readers
+    transfers: Transfers
+    kv: KeyValue
+
+    async def wait_full_holds(self, more: int, within: float, what: str) -> None:
+        want = {cf: self.readers.full_holds(cf) + more for cf in self.urls}
+
+        async def enough() -> bool:
+            return all(self.readers.full_holds(cf) >= n for cf, n in want.items())
+
+        deadline = time.monotonic() + within
+        while not await enough():
+            if time.monotonic() > deadline:
+                records = {cf: await read_record(self.kv, cf) for cf in self.urls}
+                raise AssertionError(f"{what}: held reads {self.readers.held}\nrecords {records}\n"
+                                     + "\n".join(f"--- {n}\n{p.tail_log(8)}"
+                                                 for n, p in self.system.processes.items()))
+            await asyncio.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+async def feeds(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Feeds]:
+    base = tmp_path_factory.mktemp("syncpoints")
+    system = LocalSystem(
+        base_dir=base, sources=1, downstream="postgres", control_replicas=2, workers=2, lease_ttl_s=2.0,
+        with_api=False, control_services=("member", "scheduler", "replication_manager"),
+        standalone_workers=False, initial_load="binlog-only",
+        control_env={"SLUICE_REPLICATION_TICK_S": "1"},
+        worker_env={**MEMBER_WORKER_ENV, "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS,
+                    **SINK_TEST_PACING})
+    down_mariadb: MariaDB | None = None
+    transfers: Transfers | None = None
+    stop = asyncio.Event()
+    reading: asyncio.Task[None] | None = None
+    nc = None
+    try:
+        system.start_infra()
+        assert system.nats is not None and system.downstream_db is not None
+        down_mariadb = MariaDB(data_dir=base / "downstream-mariadb", server_id=90).start()
+        source = system.source_dbs[0]
+        conn = source.connect()
+        with conn.cursor() as cur:
+            for db, table in (("bank", "acct_a"), ("bank", "acct_b"), ("shop_1", "wallet"), ("shop_2", "wallet")):
+                cur.execute(f"CREATE DATABASE IF NOT EXISTS {db}")
+                cur.execute(f"CREATE TABLE {db}.{table} (id BIGINT PRIMARY KEY, bal BIGINT NOT NULL)")
+        system.start_services()
+        await asyncio.to_thread(system.wait_healthy, 120)
+        urls = {"sp-sqlite": f"sqlite:///{base / 'down.db'}", "sp-pg": system.downstream_db.url,
+                "sp-mariadb": down_mariadb.url}
+        for cf, url in urls.items():
+            spec = ChangefeedSpecV7(
+                id=cf, sources=[SourceRefV1(id=system.source_id(0), url=source.url)],
+                filter=TableFilterV1(include=["bank.*", "shop_*.wallet"]), sink_url=url,
+                routes=[RouteRuleV1(database="shop_*", table="wallet", target_schema="merged",
+                                    target_table="wallet")],
+                initial_load="binlog-only", syncpoint_interval=INTERVAL_S, syncpoint_hold_s=HOLD_S)
+            await system.create_changefeed(spec, requested_by="test")
+        # Every account in one transaction: any consistent downstream state holds all or none.
+        with conn.cursor() as cur:
+            for i in range(1, ACCOUNTS + 1):
+                cur.execute("INSERT INTO bank.acct_a VALUES (%s, %s)", (i, START))
+                cur.execute("INSERT INTO bank.acct_b VALUES (%s, %s)", (i, START))
+                cur.execute("INSERT INTO shop_1.wallet VALUES (%s, %s)", (i, START))
+                cur.execute("INSERT INTO shop_2.wallet VALUES (%s, %s)", (100 + i, START))
+        conn.commit()
+        transfers = Transfers(source.connect())
+        transfers.start()
+        nc = await nats.connect(**system.nats.client_options())
+        kv = await syncpoint_bucket(nc.jetstream())
+        assert kv is not None
+        readers = Readers(kv, urls)
+        reading = asyncio.ensure_future(readers.run(stop))
+        yield Feeds(system, urls, readers, transfers, kv)
+    finally:
+        stop.set()
+        if reading is not None:
+            await asyncio.wait_for(reading, 30)
+        if transfers is not None:
+            transfers.stop()
+        if nc is not None:
+            await nc.close()
+        for name, proc in system.processes.items():
+            if name.startswith("sink-worker"):
+                proc.kill()
+        system.stop()
+        if down_mariadb is not None:
+            down_mariadb.stop()
+
+
+async def test_reads_during_holds_see_the_totals_on_three_downstreams(feeds: Feeds) -> None:
+    # Three JVMs' worth of first rounds on two cores, then three full holds per changefeed.
+    await feeds.wait_full_holds(3, 150, "three held reads of the full totals per changefeed")
+    r = feeds.readers
+    for cf in feeds.urls:
+        assert r.held[cf] and all(s in ((TOTAL, TOTAL), (0, 0)) for _, s in r.held[cf]), (cf, r.held[cf])
+    print(f"\ntransfers: {feeds.transfers.txns}; held reads: "
+          f"{ {cf: len(v) for cf, v in r.held.items()} }; reads between holds right/wrong: "
+          f"{ {cf: (r.free_right[cf], r.free_wrong[cf]) for cf in feeds.urls} }")
+    for cf, url in feeds.urls.items():
+        rows = await asyncio.to_thread(syncpoint_rows, url, cf)
+        ts = [t for (t,) in rows]
+        assert len(ts) == len(set(ts))
+        assert {t for t, _ in r.held[cf]} <= set(ts), (cf, ts, r.held[cf])
+        record = await read_record(feeds.kv, cf)
+        assert record is not None and record.released >= 3 and record.last_ts in ts
+
+
+async def test_syncpoints_go_on_after_a_worker_and_the_leader_are_killed(feeds: Feeds) -> None:
+    system = feeds.system
+    victim = system.processes["sink-worker-1"]
+    victim.kill()
+    await feeds.wait_full_holds(1, 120, "a full hold per changefeed after a worker's SIGKILL")
+    leader = await leader_of(system, "replication-manager")
+    assert leader is not None
+    leader.kill()
+    await feeds.wait_full_holds(2, 120, "two full holds per changefeed after the leader's SIGKILL")
+    r = feeds.readers
+    for cf, url in feeds.urls.items():
+        assert all(s in ((TOTAL, TOTAL), (0, 0)) for _, s in r.held[cf]), (cf, r.held[cf])
+        rows = await asyncio.to_thread(syncpoint_rows, url, cf)
+        ts = [t for (t,) in rows]
+        assert len(ts) == len(set(ts))
+        assert {t for t, _ in r.held[cf]} <= set(ts)
+    print(f"\ntransfers: {feeds.transfers.txns}; held reads: "
+          f"{ {cf: len(v) for cf, v in r.held.items()} }; reads between holds right/wrong: "
+          f"{ {cf: (r.free_right[cf], r.free_wrong[cf]) for cf in feeds.urls} }")
