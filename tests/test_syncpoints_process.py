@@ -11,7 +11,10 @@ killed with SIGKILL: syncpoints go on, each downstream row is written once per T
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -38,6 +41,8 @@ from tests.helpers.worker_env import MEMBER_WORKER_ENV, SINK_TEST_PACING, SPARK_
 pytestmark = pytest.mark.integration
 
 ACCOUNTS = 20
+PACE_S = 0.005
+"""Between two transfers: about 150 a second on a shared two-core machine (0: full speed)."""
 START = 1000
 TOTAL = ACCOUNTS * START * 2
 INTERVAL_S, HOLD_S = 3.0, 1.5
@@ -86,13 +91,15 @@ class Transfers:
         with self.conn.cursor() as cur:
             while not self._stop.is_set():
                 x, y = rng.randint(-50, 50), rng.randint(-50, 50)
-                cur.execute("UPDATE bank.acct_a SET bal = bal - %s WHERE id = %s", (x, rng.randint(1, ACCOUNTS)))
-                cur.execute("UPDATE bank.acct_b SET bal = bal + %s WHERE id = %s", (x, rng.randint(1, ACCOUNTS)))
-                cur.execute("UPDATE shop_1.wallet SET bal = bal - %s WHERE id = %s", (y, rng.randint(1, ACCOUNTS)))
-                cur.execute("UPDATE shop_2.wallet SET bal = bal + %s WHERE id = %s",
-                            (y, 100 + rng.randint(1, ACCOUNTS)))
+                a, b, c, d = (rng.randint(1, ACCOUNTS) for _ in range(4))
+                cur.execute("UPDATE bank.acct_a SET bal = bal - %s WHERE id = %s", (x, a))
+                cur.execute("UPDATE bank.acct_b SET bal = bal + %s WHERE id = %s", (x, b))
+                cur.execute("UPDATE shop_1.wallet SET bal = bal - %s WHERE id = %s", (y, c))
+                cur.execute("UPDATE shop_2.wallet SET bal = bal + %s WHERE id = %s", (y, 100 + d))
                 self.conn.commit()
                 self.txns += 1
+                if PACE_S:
+                    self._stop.wait(PACE_S)
 
     def start(self) -> None:
         self._thread.start()
@@ -160,17 +167,22 @@ class Feeds:
         while not await enough():
             if time.monotonic() > deadline:
                 records = {cf: await read_record(self.kv, cf) for cf in self.urls}
+                leader = await leader_of(self.system, "replication-manager")
+                status = await asyncio.to_thread(leader.health) if leader is not None else None
                 raise AssertionError(f"{what}: held reads {self.readers.held}\nrecords {records}\n"
+                                     f"leader status {status}\n"
                                      + "\n".join(f"--- {n}\n{p.tail_log(8)}"
                                                  for n, p in self.system.processes.items()))
             await asyncio.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
-async def feeds(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Feeds]:
-    base = tmp_path_factory.mktemp("syncpoints")
+async def feeds(request: pytest.FixtureRequest) -> AsyncIterator[Feeds]:
+    # Not pytest's tmp_path: PostgreSQL's OS user must traverse every directory above its data.
+    base = Path(tempfile.mkdtemp(prefix="sluice-syncpoints-"))
+    os.chmod(base, 0o755)
     system = LocalSystem(
-        base_dir=base, sources=1, downstream="postgres", control_replicas=2, workers=2, lease_ttl_s=2.0,
+        base_dir=base, sources=1, downstream="postgres", control_replicas=1, workers=2, lease_ttl_s=2.0,
         with_api=False, control_services=("member", "scheduler", "replication_manager"),
         standalone_workers=False, initial_load="binlog-only",
         control_env={"SLUICE_REPLICATION_TICK_S": "1"},
@@ -188,10 +200,12 @@ async def feeds(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Feeds
         source = system.source_dbs[0]
         conn = source.connect()
         with conn.cursor() as cur:
-            for db, table in (("bank", "acct_a"), ("bank", "acct_b"), ("shop_1", "wallet"), ("shop_2", "wallet")):
+            for db, table in (("bank", "acct_a"), ("bank", "acct_b"), ("shop_1", "wallet"),
+                              ("shop_2", "wallet")):
                 cur.execute(f"CREATE DATABASE IF NOT EXISTS {db}")
                 cur.execute(f"CREATE TABLE {db}.{table} (id BIGINT PRIMARY KEY, bal BIGINT NOT NULL)")
         system.start_services()
+        system.start_control("replication_manager", 2)  # the one whose leader change is tested
         await asyncio.to_thread(system.wait_healthy, 120)
         urls = {"sp-sqlite": f"sqlite:///{base / 'down.db'}", "sp-pg": system.downstream_db.url,
                 "sp-mariadb": down_mariadb.url}
@@ -233,6 +247,10 @@ async def feeds(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Feeds
         system.stop()
         if down_mariadb is not None:
             down_mariadb.stop()
+        if request.session.testsfailed:
+            print(f"logs kept in {base / 'logs'}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 async def test_reads_during_holds_see_the_totals_on_three_downstreams(feeds: Feeds) -> None:
