@@ -28,9 +28,13 @@ from nats.js.kv import KeyValue
 
 from contracts.events.changefeeds import ChangefeedSpecV7, RouteRuleV1, SourceRefV1, TableFilterV1
 from contracts.events.rows import ColumnV1, TableMetaV1
+from contracts.events.syncpoints import SyncpointEndedV1, SyncpointPlannedV1, SyncpointReachedV1
+from libs.eventstore import EventStore
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.system import LocalSystem
+from libs.streams import domain_events_subject, domain_stream
 from libs.syncpoints import SyncpointRecord, read_record, syncpoint_bucket
+from libs.ts import ts_seconds
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.sinks.sql_common import SqlSink
@@ -73,6 +77,35 @@ def syncpoint_rows(url: str, changefeed: str) -> list[int]:
                                 "read syncpoints"), key=lambda r: r[0])  # type: ignore[no-any-return]
     except Exception:
         return []
+
+
+async def syncpoint_figures(js: Any) -> dict[str, dict[str, float]]:
+    """Per changefeed, from the replication stream: how far behind its commit time each released
+    T was reached (every span at T, row written) and released (after the hold): what a
+    syncpoint adds to the changefeed's lag."""
+    store = EventStore(js, domain_stream("replication"), producer="test")
+    planned: dict[tuple[str, int], float] = {}
+    reached: dict[tuple[str, int], float] = {}
+    out: dict[str, dict[str, list[float]]] = {}
+    async for stored in store.replay(domain_events_subject("replication")):
+        ev = stored.event
+        if isinstance(ev, SyncpointPlannedV1):
+            planned[(ev.changefeed, ev.ts)] = ev.planned_at
+        elif isinstance(ev, SyncpointReachedV1):
+            reached[(ev.changefeed, ev.ts)] = ev.hold_until - HOLD_S
+        elif isinstance(ev, SyncpointEndedV1):
+            figures = out.setdefault(ev.changefeed, {"reached_behind_s": [], "released_behind_s": [],
+                                                     "plan_to_reached_s": [], "abandoned": []})
+            key = (ev.changefeed, ev.ts)
+            if ev.outcome == "abandoned" or key not in reached:
+                figures["abandoned"].append(1.0)
+                continue
+            figures["reached_behind_s"].append(reached[key] - ts_seconds(ev.ts))
+            figures["released_behind_s"].append(ev.ended_at - ts_seconds(ev.ts))
+            figures["plan_to_reached_s"].append(reached[key] - planned.get(key, reached[key]))
+    return {cf: {name: (len(v) if name == "abandoned" else round(sum(v) / len(v), 2) if v else 0.0)
+                 for name, v in f.items()} | {"released": len(f["released_behind_s"])}
+            for cf, f in out.items()}
 
 
 class Transfers:
@@ -156,6 +189,7 @@ class Feeds:
     readers: Readers
     transfers: Transfers
     kv: KeyValue
+    js: Any
 
     async def wait_full_holds(self, more: int, within: float, what: str) -> None:
         want = {cf: self.readers.full_holds(cf) + more for cf in self.urls}
@@ -232,7 +266,7 @@ async def feeds(request: pytest.FixtureRequest) -> AsyncIterator[Feeds]:
         assert kv is not None
         readers = Readers(kv, urls)
         reading = asyncio.ensure_future(readers.run(stop))
-        yield Feeds(system, urls, readers, transfers, kv)
+        yield Feeds(system, urls, readers, transfers, kv, nc.jetstream())
     finally:
         stop.set()
         if reading is not None:
@@ -262,6 +296,7 @@ async def test_reads_during_holds_see_the_totals_on_three_downstreams(feeds: Fee
     print(f"\ntransfers: {feeds.transfers.txns}; held reads: "
           f"{ {cf: len(v) for cf, v in r.held.items()} }; reads between holds right/wrong: "
           f"{ {cf: (r.free_right[cf], r.free_wrong[cf]) for cf in feeds.urls} }")
+    print(f"syncpoint figures: {await syncpoint_figures(feeds.js)}")
     for cf, url in feeds.urls.items():
         rows = await asyncio.to_thread(syncpoint_rows, url, cf)
         ts = [t for (t,) in rows]
@@ -290,3 +325,4 @@ async def test_syncpoints_go_on_after_a_worker_and_the_leader_are_killed(feeds: 
     print(f"\ntransfers: {feeds.transfers.txns}; held reads: "
           f"{ {cf: len(v) for cf, v in r.held.items()} }; reads between holds right/wrong: "
           f"{ {cf: (r.free_right[cf], r.free_wrong[cf]) for cf in feeds.urls} }")
+    print(f"syncpoint figures: {await syncpoint_figures(feeds.js)}")
