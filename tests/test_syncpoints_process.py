@@ -1,4 +1,4 @@
-"""Syncpoints end to end with real processes: MariaDB -> capture -> two sink-workers under the
+"""Syncpoints end to end with real processes: MariaDB -> capture -> a sink-worker under the
 control plane -> SQLite, PostgreSQL and MariaDB, one changefeed each (interval 3 s, hold 1.5 s).
 
 Money moves at full speed between two tables (``bank.acct_a`` -> ``bank.acct_b``) and between
@@ -216,7 +216,7 @@ async def feeds(request: pytest.FixtureRequest) -> AsyncIterator[Feeds]:
     base = Path(tempfile.mkdtemp(prefix="sluice-syncpoints-"))
     os.chmod(base, 0o755)
     system = LocalSystem(
-        base_dir=base, sources=1, downstream="postgres", control_replicas=1, workers=2, lease_ttl_s=2.0,
+        base_dir=base, sources=1, downstream="postgres", control_replicas=1, workers=1, lease_ttl_s=2.0,
         with_api=False, control_services=("member", "scheduler", "replication_manager"),
         standalone_workers=False, initial_load="binlog-only",
         control_env={"SLUICE_REPLICATION_TICK_S": "1"},
@@ -289,7 +289,7 @@ async def feeds(request: pytest.FixtureRequest) -> AsyncIterator[Feeds]:
 
 async def test_reads_during_holds_see_the_totals_on_three_downstreams(feeds: Feeds) -> None:
     # Three JVMs' worth of first rounds on two cores, then three full holds per changefeed.
-    await feeds.wait_full_holds(3, 150, "three held reads of the full totals per changefeed")
+    await feeds.wait_full_holds(3, 300, "three held reads of the full totals per changefeed")
     r = feeds.readers
     for cf in feeds.urls:
         assert r.held[cf] and all(s in ((TOTAL, TOTAL), (0, 0)) for _, s in r.held[cf]), (cf, r.held[cf])
@@ -308,13 +308,14 @@ async def test_reads_during_holds_see_the_totals_on_three_downstreams(feeds: Fee
 
 async def test_syncpoints_go_on_after_a_worker_and_the_leader_are_killed(feeds: Feeds) -> None:
     system = feeds.system
-    victim = system.processes["sink-worker-1"]
-    victim.kill()
-    await feeds.wait_full_holds(1, 120, "a full hold per changefeed after a worker's SIGKILL")
+    system.processes["sink-worker-1"].kill()
+    # Its spans go to the next member with their stored checkpoints (never past a cap).
+    await asyncio.to_thread(system.start_worker(2).wait_healthy, 120)
+    await feeds.wait_full_holds(1, 240, "a full hold per changefeed after a worker's SIGKILL")
     leader = await leader_of(system, "replication-manager")
     assert leader is not None
     leader.kill()
-    await feeds.wait_full_holds(2, 120, "two full holds per changefeed after the leader's SIGKILL")
+    await feeds.wait_full_holds(2, 180, "two full holds per changefeed after the leader's SIGKILL")
     r = feeds.readers
     for cf, url in feeds.urls.items():
         assert all(s in ((TOTAL, TOTAL), (0, 0)) for _, s in r.held[cf]), (cf, r.held[cf])
