@@ -63,6 +63,9 @@ SYNCPOINT_TIME = Gauge("sluice_syncpoint_timestamp_seconds",
                        "Upstream commit time (Unix seconds) of the changefeed's last released syncpoint.",
                        ["changefeed"])
 
+RESYNC_S = 5.0
+"""How often a leader writes every changefeed's record to the bucket again."""
+
 RowWriter = Callable[[str, str, int], str]
 """(sink URL, changefeed, T) -> the row's commit time; runs in a thread."""
 
@@ -110,6 +113,7 @@ class SyncpointDriver:
         self.clock = clock
         self._kv: Any = None
         self._started = False
+        self._synced = 0.0
         self.errors: dict[str, str] = {}
 
     @property
@@ -131,7 +135,10 @@ class SyncpointDriver:
     async def _append(self, event: BaseModel) -> None:
         await self.domain_log.append(event)
 
-    def _marks_of(self, spans: list[Span]) -> list[str]:
+    def _sources(self, spec: ChangefeedSpec | None, spans: list[Span]) -> list[str]:
+        """The changefeed's sources (subject tokens): its spec's, else those of its spans."""
+        if spec is not None:
+            return sorted({token(s.id) for s in spec.sources})
         return sorted({s.source for s in spans})
 
     async def _marks(self, sources: list[str]) -> dict[str, int | None]:
@@ -140,21 +147,35 @@ class SyncpointDriver:
     async def start(self) -> None:
         """A new term: the bucket says what the log says; a pending T no mark passed stays."""
         now = self.clock()
+        specs = self.specs()
         for cf, sp in sorted(self.state.items()):
             pending = sp.pending
             if pending is not None and not pending.reached:
-                spans = self.core.wanted.get(cf, [])
-                passed = marks_passed(pending.ts, await self._marks(self._marks_of(spans)))
+                sources = self._sources(specs.get(cf), self.core.wanted.get(cf, []))
+                passed = marks_passed(pending.ts, await self._marks(sources))
                 if passed is not None:
                     await self._end(cf, pending.ts, "abandoned",
                                     f"the leader changed and the mark of {passed} passed T meanwhile", now)
                     continue
             await self._put(cf)
         self._started = True
+        self._synced = self.clock()
 
     async def tick(self) -> None:
-        if not self._started:
-            await self.start()
+        try:
+            if not self._started:
+                await self.start()
+            elif self.clock() - self._synced >= RESYNC_S:
+                # A deposed leader's last bucket write can land after this term's: write every
+                # record again now and then, so the bucket never keeps a cap the log has ended.
+                self._synced = self.clock()
+                for cf in sorted(self.state):
+                    await self._put(cf)
+        except Fenced:
+            raise
+        except Exception:
+            log.warning("syncpoint records not written; next tick again", exc_info=True)
+            return
         if not self.core.ready:
             return  # the checkpoints are not the members' yet
         specs = self.specs()
@@ -187,7 +208,7 @@ class SyncpointDriver:
             usable = rs is not None and rs.error is None and rs.primary is not None
             progress[span.name] = SpanProgress(rs.checkpoint_ts if usable and rs is not None else None,
                                                stopped=span in stopped)
-        sources = self._marks_of(spans)
+        sources = self._sources(spec, spans)
         marks = await self._marks(sources)
         now = self.clock()
         step = decide(sp, interval_s=interval, hold_s=spec.syncpoint_hold_s if spec else 0.0, now=now,
