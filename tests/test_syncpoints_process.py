@@ -42,7 +42,9 @@ from services.sink_worker.sinks.syncpoint_table import syncpoint_table_ref
 from tests.helpers.control_plane import leader_of
 from tests.helpers.worker_env import MEMBER_WORKER_ENV, SINK_TEST_PACING, SPARK_TEST_JAVA_OPTIONS
 
-pytestmark = pytest.mark.integration
+# The first test pays the system's start (four servers, six services, a JVM) besides its holds.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+MEMBER_TTL_S = "15"  # a worker busy starting its JVM on a loaded machine is not taken for dead
 
 ACCOUNTS = 20
 PACE_S = 0.005
@@ -219,9 +221,9 @@ async def feeds(request: pytest.FixtureRequest) -> AsyncIterator[Feeds]:
         base_dir=base, sources=1, downstream="postgres", control_replicas=1, workers=1, lease_ttl_s=2.0,
         with_api=False, control_services=("member", "scheduler", "replication_manager"),
         standalone_workers=False, initial_load="binlog-only",
-        control_env={"SLUICE_REPLICATION_TICK_S": "1"},
+        control_env={"SLUICE_REPLICATION_TICK_S": "1", "SLUICE_MEMBER_TTL_S": MEMBER_TTL_S},
         worker_env={**MEMBER_WORKER_ENV, "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS,
-                    **SINK_TEST_PACING})
+                    **SINK_TEST_PACING, "SLUICE_MEMBER_TTL_S": MEMBER_TTL_S})
     down_mariadb: MariaDB | None = None
     transfers: Transfers | None = None
     stop = asyncio.Event()
