@@ -44,7 +44,8 @@ from tests.helpers.worker_env import MEMBER_WORKER_ENV, SINK_TEST_PACING, SPARK_
 
 # The first test pays the system's start (four servers, six services, a JVM) besides its holds.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-MEMBER_TTL_S = "15"  # a worker busy starting its JVM on a loaded machine is not taken for dead
+# A worker busy starting its JVM on a loaded machine is neither taken for dead nor fences itself.
+MEMBER_TTL_S = "15"
 
 ACCOUNTS = 20
 PACE_S = 0.005
@@ -223,7 +224,7 @@ async def feeds(request: pytest.FixtureRequest) -> AsyncIterator[Feeds]:
         standalone_workers=False, initial_load="binlog-only",
         control_env={"SLUICE_REPLICATION_TICK_S": "1", "SLUICE_MEMBER_TTL_S": MEMBER_TTL_S},
         worker_env={**MEMBER_WORKER_ENV, "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS,
-                    **SINK_TEST_PACING, "SLUICE_MEMBER_TTL_S": MEMBER_TTL_S})
+                    **SINK_TEST_PACING, "SLUICE_MEMBER_TTL_S": MEMBER_TTL_S, "SLUICE_MEMBER_FENCE_S": "5"})
     down_mariadb: MariaDB | None = None
     transfers: Transfers | None = None
     stop = asyncio.Event()
