@@ -237,7 +237,7 @@ async def feeds(request: pytest.FixtureRequest) -> AsyncIterator[Feeds]:
         assert system.nats is not None and system.downstream_db is not None
         down_mariadb = MariaDB(data_dir=base / "downstream-mariadb", server_id=90).start()
         source = system.source_dbs[0]
-        conn = source.connect()
+        conn = source.connect(autocommit=False)  # a transfer is one transaction upstream
         with conn.cursor() as cur:
             for db, table in (("bank", "acct_a"), ("bank", "acct_b"), ("shop_1", "wallet"),
                               ("shop_2", "wallet")):
@@ -264,7 +264,7 @@ async def feeds(request: pytest.FixtureRequest) -> AsyncIterator[Feeds]:
                 cur.execute("INSERT INTO shop_1.wallet VALUES (%s, %s)", (i, START))
                 cur.execute("INSERT INTO shop_2.wallet VALUES (%s, %s)", (100 + i, START))
         conn.commit()
-        transfers = Transfers(source.connect())
+        transfers = Transfers(source.connect(autocommit=False))
         transfers.start()
         nc = await nats.connect(**system.nats.client_options())
         kv = await syncpoint_bucket(nc.jetstream())
