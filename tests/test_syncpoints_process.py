@@ -308,7 +308,8 @@ async def test_reads_during_holds_see_the_totals_on_three_downstreams(feeds: Fee
         assert len(ts) == len(set(ts))
         assert {t for t, _ in r.held[cf]} <= set(ts), (cf, ts, r.held[cf])
         record = await read_record(feeds.kv, cf)
-        assert record is not None and record.released >= 3 and record.last_ts in ts
+        # The third hold read may still be on: released or holding, each has its row.
+        assert record is not None and record.released + record.holding >= 3 and record.last_ts in ts
 
 
 async def test_syncpoints_go_on_after_a_worker_and_the_leader_are_killed(feeds: Feeds) -> None:
