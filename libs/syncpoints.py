@@ -308,10 +308,14 @@ class SyncpointCaps:
     caps: dict[str, int | None] = field(default_factory=dict)
 
     async def read(self, changefeeds: Iterable[str]) -> dict[str, int | None]:
+        wanted = sorted(set(changefeeds))
+        if not wanted:
+            self.caps = {}
+            return {}  # no changefeed here has syncpoints: no NATS request per round
         if self._kv is None:
             self._kv = await syncpoint_bucket(self.js, create=False)
         out: dict[str, int | None] = {}
-        for cf in sorted(set(changefeeds)):
+        for cf in wanted:
             record = await read_record(self._kv, cf) if self._kv is not None else None
             out[cf] = record.cap_ts if record is not None else None
         self.caps = out
