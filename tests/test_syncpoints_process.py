@@ -1,7 +1,7 @@
 """Syncpoints end to end with real processes: MariaDB -> capture -> a sink-worker under the
 control plane -> SQLite, PostgreSQL and MariaDB, one changefeed each (interval 3 s, hold 1.5 s).
 
-Money moves at full speed between two tables (``bank.acct_a`` -> ``bank.acct_b``) and between
+Money moves (paced: see PACE_S) between two tables (``bank.acct_a`` -> ``bank.acct_b``) and between
 two shards merged into one target (``shop_1.wallet`` + ``shop_2.wallet`` -> ``merged.wallet``),
 in the same source transactions. A reader that sums while a syncpoint holds always sees the
 totals; one that reads between holds may see a transfer half applied (counted and shown, not
