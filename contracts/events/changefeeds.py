@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from contracts.events.rows import SourcePositionV1
 from contracts.registry import register, upcaster
@@ -439,7 +439,74 @@ def _updated_v5_to_v6(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v5_to_v6(data["spec"])}
 
 
-ChangefeedSpec = ChangefeedSpecV6
+
+
+
+# v7 of changefeed.created / changefeed.updated: consistent points across tables (syncpoints).
+
+class ChangefeedSpecV7(ChangefeedSpecV6):
+    """v7 adds syncpoints: ``syncpoint_interval`` (off when unset) and ``syncpoint_hold_s``."""
+
+    syncpoint_interval: float | None = Field(
+        None, ge=1.0, le=86400.0,
+        description="Seconds between syncpoints; unset: none. At each one every span of the "
+                    "changefeed stops at one upstream ts T, and once all have applied exactly up "
+                    "to T a row (changefeed, T, commit time) is written to the downstream's "
+                    "sluice_syncpoint table (SQL downstreams only).")
+    syncpoint_hold_s: float = Field(
+        0.0, ge=0.0, le=3600.0,
+        description="Seconds the spans wait at T once its row is written, so a reader sees the "
+                    "downstream as it was upstream at T; less than syncpoint_interval.")
+
+    @model_validator(mode="after")
+    def _hold_below_interval(self) -> ChangefeedSpecV7:
+        if self.syncpoint_hold_s and self.syncpoint_interval is None:
+            raise ValueError("syncpoint_hold_s needs syncpoint_interval")
+        if self.syncpoint_interval is not None and self.syncpoint_hold_s >= self.syncpoint_interval:
+            raise ValueError(f"syncpoint_hold_s ({self.syncpoint_hold_s:g}) must be less than "
+                             f"syncpoint_interval ({self.syncpoint_interval:g}): the spans would "
+                             "never move between two holds")
+        return self
+
+
+def _spec_v6_to_v7(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, "syncpoint_interval": None, "syncpoint_hold_s": 0.0}
+
+
+def spec_v7(spec: ChangefeedSpecV2) -> ChangefeedSpecV7:
+    """A spec as v7 (older ones write no syncpoints)."""
+    if isinstance(spec, ChangefeedSpecV7):
+        return spec
+    return ChangefeedSpecV7.model_validate(_spec_v6_to_v7(spec_v6(spec).model_dump()))
+
+
+_V7_DOC = _V6_DOC + " v7: the spec gains ``syncpoint_interval`` and ``syncpoint_hold_s`` (syncpoints)."
+
+
+@register("changefeed.created", 7)
+class ChangefeedCreatedV7(ChangefeedCreatedV6):
+    __doc__ = _V7_DOC
+    spec: ChangefeedSpecV7
+
+
+@register("changefeed.updated", 7)
+class ChangefeedUpdatedV7(ChangefeedUpdatedV6):
+    __doc__ = _V7_DOC
+    spec: ChangefeedSpecV7
+
+
+# A v6 changefeed wrote no syncpoints.
+@upcaster("changefeed.created", 6)
+def _created_v6_to_v7(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v6_to_v7(data["spec"])}
+
+
+@upcaster("changefeed.updated", 6)
+def _updated_v6_to_v7(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v6_to_v7(data["spec"])}
+
+
+ChangefeedSpec = ChangefeedSpecV7
 """The current spec, the one type every reader of a changefeed holds: events are upcast when
 they are read (the upcasters above), and ``current_spec`` upcasts a spec built in code from an
 older version the same way, so no reader asks whether a field exists."""
@@ -447,5 +514,4 @@ older version the same way, so no reader asks whether a field exists."""
 
 def current_spec(spec: ChangefeedSpecV2) -> ChangefeedSpec:
     """``spec`` as the current version (itself when it is one)."""
-    return spec_v6(spec)
-
+    return spec_v7(spec)

@@ -15,6 +15,7 @@ from contracts.events.changefeeds import (
     ChangefeedCreatedV4,
     ChangefeedCreatedV5,
     ChangefeedCreatedV6,
+    ChangefeedCreatedV7,
     ChangefeedSpec,
     ChangefeedStateChangedV1,
     ChangefeedUpdatedV2,
@@ -22,7 +23,8 @@ from contracts.events.changefeeds import (
     ChangefeedUpdatedV4,
     ChangefeedUpdatedV5,
     ChangefeedUpdatedV6,
-    spec_v6,
+    ChangefeedUpdatedV7,
+    spec_v7,
 )
 from contracts.events.sources import SourceMovedV1, SourceRegisteredV1, SourceRemovedV1
 from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV2
@@ -78,18 +80,18 @@ class ChangefeedView:
         if isinstance(event, SourceMovedV1):
             return self._move_source(event)
         if isinstance(event, ChangefeedCreatedV2 | ChangefeedCreatedV3 | ChangefeedCreatedV4
-                      | ChangefeedCreatedV5 | ChangefeedCreatedV6):
+                      | ChangefeedCreatedV5 | ChangefeedCreatedV6 | ChangefeedCreatedV7):
             cf = event.spec.id
-            spec = spec_v6(event.spec)
+            spec = spec_v7(event.spec)
             changed = self.specs.get(cf) != spec or self.states.get(cf) != "running"
             self.specs[cf] = spec
             self.states[cf] = "running"
             self._checks(cf, event)
             return changed
         if isinstance(event, ChangefeedUpdatedV2 | ChangefeedUpdatedV3 | ChangefeedUpdatedV4
-                      | ChangefeedUpdatedV5 | ChangefeedUpdatedV6):
+                      | ChangefeedUpdatedV5 | ChangefeedUpdatedV6 | ChangefeedUpdatedV7):
             cf = event.spec.id
-            spec = spec_v6(event.spec)
+            spec = spec_v7(event.spec)
             changed = self.specs.get(cf) != spec
             self.specs[cf] = spec
             self.states.setdefault(cf, "running")  # an update does not resume a paused feed

@@ -84,6 +84,9 @@ def spec_problems(spec: ChangefeedSpec) -> list[dict[str, Any]]:
         check_sink_url(spec.sink_url)
     except (DatabaseUrlError, ValueError) as exc:
         errors.append(_error(["sink_url"], f"sink URL refused: {exc}"))
+    if current_spec(spec).syncpoint_interval is not None and sink_kind(spec.sink_url).stream:
+        errors.append(_error(["syncpoint_interval"], "syncpoints are written to a sluice_syncpoint "
+                                                     "table: they need a SQL downstream, not a NATS stream"))
     seen: set[str] = set()
     for i, source in enumerate(spec.sources):
         if source.id in seen:

@@ -41,6 +41,7 @@ LONGEST_FIRST = (
     "tests/test_type_matrix.py", "tests/test_capture_faults.py", "tests/test_fk_cascades_process.py",
     "tests/test_schema_at_position_process.py",
     "tests/test_xa_process.py", "tests/test_unreplicable_tables.py", "tests/test_source_failover.py",
+    "tests/test_syncpoints_process.py",
 )
 _EXCLUSIVE = "exclusive:"
 

@@ -80,6 +80,8 @@ class SpanConfig:
     """Continuous validation: off, fast or full (``services.sink_worker.validation.validator``)."""
     case_insensitive: bool = False
     """``text_comparison = case_insensitive``: *_ci source columns compare so on PostgreSQL/SQLite."""
+    syncpoints: bool = False
+    """``syncpoint_interval`` is set: each round reads the changefeed's cap (``libs.syncpoints``)."""
 
     @classmethod
     def of(cls, spec: ChangefeedSpec, source: str) -> SpanConfig:
@@ -91,7 +93,8 @@ class SpanConfig:
                    source_url=ref.url if ref is not None else "", start_time=spec.start_time,
                    start_position=spec.start_position.get(ref.id) if ref is not None else None,
                    on_unique_conflict=spec.on_unique_conflict, validation=spec.validation.mode,
-                   case_insensitive=spec.text_comparison == "case_insensitive")
+                   case_insensitive=spec.text_comparison == "case_insensitive",
+                   syncpoints=spec.syncpoint_interval is not None)
 
 
 @dataclass
