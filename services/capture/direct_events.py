@@ -130,6 +130,13 @@ _V2 = frozenset((BINLOG.WRITE_ROWS_EVENT_V2, BINLOG.UPDATE_ROWS_EVENT_V2, BINLOG
 _BEGIN_OR_COMMIT = frozenset((b"BEGIN", b"COMMIT"))
 
 
+# The library's private state read here (mysql-replication 1.0.x); without any of it the
+# stream is the library's alone.
+_PRIVATE = ("allowed_events", "freeze_schema", "verify_checksum", "only_tables", "ignored_tables",
+            "only_schemas", "ignored_schemas", "connected_stream", "connected_ctl", "use_checksum",
+            "post_header_lengths")
+
+
 class _Library(Exception):
     """This packet is the library's to read."""
 
@@ -147,6 +154,12 @@ class DirectStream(BinLogStreamReader):
         """``direct_rows``: rows events too (their images are only read by capture's compiled
         decoder: without it they are the library's)."""
         super().__init__(*args, **kwargs)
+        self.direct = 0
+        """Events read here (the rest went to the library)."""
+        self._handlers: dict[int, Any] = {}
+        self._enabled = all(hasattr(self, f"_BinLogStreamReader__{name}") for name in _PRIVATE)
+        if not self._enabled:  # another version of the library: all of it is the library's
+            return
         allowed = self._BinLogStreamReader__allowed_events
         handlers: dict[int, Any] = {}
         if MariadbGtidEvent in allowed:
@@ -162,7 +175,7 @@ class DirectStream(BinLogStreamReader):
         for kind, op in _ROWS_OPS.items():
             if direct_rows and _ROWS_CLASSES[op] in allowed:
                 handlers[kind] = self._rows
-        # A verified checksum, or a start or end by timestamp or position, is the library's.
+        # A verified checksum, an end position or a skip to a timestamp: the library's alone.
         self._enabled = not (self._BinLogStreamReader__verify_checksum or self.end_log_pos
                              or self.skip_to_timestamp)
         self._handlers = handlers
@@ -170,8 +183,6 @@ class DirectStream(BinLogStreamReader):
         self._ignored_tables = self._BinLogStreamReader__ignored_tables
         self._only_schemas = self._BinLogStreamReader__only_schemas
         self._ignored_schemas = self._BinLogStreamReader__ignored_schemas
-        self.direct = 0
-        """Events read here (the rest went to the library)."""
 
     def fetchone(self) -> Any:
         while True:
