@@ -14,7 +14,11 @@ One MariaDB source (``libs/localservers``, ROW binlog) and one nats-server with 
    which capture could go if Sluice cost nothing; then the same with capture's table-map
    cache, and with the cache and capture's compiled row decoder (``rows_decode.py``; what
    capture's reader does by default, ``SLUICE_CAPTURE_FAST_ROWS``).
-4. **Drain:** capture started again as its own process (``python -m services.capture``, the
+4. **Capture's reader alone** (``BinlogReader`` on a thread of this process: the parse, the
+   table-map cache, the compiled decoder and the conversion into items, nothing published),
+   once with every event read by the library and once with the hot events read from the
+   packets' bytes (``SLUICE_CAPTURE_DIRECT_EVENTS``, the default): its CPU a row change.
+5. **Drain:** capture started again as its own process (``python -m services.capture``, the
    README's settings); from the moment it says it is reading until its resolved mark passes P1
    (every row of the backlog acknowledged in the stream). Rows/s = the backlog's row changes
    (from the parse) / that time. Capture's RSS (process tree) is sampled throughout.
