@@ -205,7 +205,7 @@ class DirectStream(BinLogStreamReader):
                 if body < 0 or 20 + body > len(data):
                     raise _LIBRARY
                 event = handler(pkt, data, kind, timestamp, server_id, log_pos, body)
-            except _Library:
+            except (_Library, IndexError, struct.error):  # short or odd bytes: the library's to judge
                 conn.push_back(pkt)
                 return super().fetchone()
             if log_pos:  # as the library does: a reconnect resumes from here
