@@ -14,7 +14,11 @@ One MariaDB source (``libs/localservers``, ROW binlog) and one nats-server with 
    which capture could go if Sluice cost nothing; then the same with capture's table-map
    cache, and with the cache and capture's compiled row decoder (``rows_decode.py``; what
    capture's reader does by default, ``SLUICE_CAPTURE_FAST_ROWS``).
-4. **Drain:** capture started again as its own process (``python -m services.capture``, the
+4. **Capture's reader alone** (``BinlogReader`` on a thread of this process: the parse, the
+   table-map cache, the compiled decoder and the conversion into items, nothing published),
+   once with every event read by the library and once with the hot events read from the
+   packets' bytes (``SLUICE_CAPTURE_DIRECT_EVENTS``, the default): its CPU a row change.
+5. **Drain:** capture started again as its own process (``python -m services.capture``, the
    README's settings); from the moment it says it is reading until its resolved mark passes P1
    (every row of the backlog acknowledged in the stream). Rows/s = the backlog's row changes
    (from the parse) / that time. Capture's RSS (process tree) is sampled throughout.
@@ -64,7 +68,7 @@ from libs.localservers.service_process import ServiceProcess  # noqa: E402
 from libs.nats_auth import capture_role  # noqa: E402
 from libs.streams import ROWS_STREAM, resolved_subject  # noqa: E402
 from services.capture import table_map_cache  # noqa: E402
-from services.capture.binlog_reader import _EVENTS  # noqa: E402
+from services.capture.binlog_reader import _EVENTS, BinlogReader, Position, ReaderFailed, Rows  # noqa: E402
 from services.capture.rows_decode import RowsDecoder, compile_decoder  # noqa: E402
 
 SOURCE = "src1"
@@ -143,6 +147,51 @@ def _count_rows(event: Any, decoders: dict[int, tuple[Any, RowsDecoder | None]])
         return len(event.rows)
     op = "update" if type(event).__name__ == "UpdateRowsEvent" else "insert"
     return len(decoder.decode(op, *body))
+
+
+@dataclass(frozen=True)
+class ReaderRun:
+    rows: int
+    seconds: float
+    cpu_s: float
+    direct_events: int
+
+    @property
+    def cpu_us_a_row(self) -> float:
+        return self.cpu_s / self.rows * 1e6 if self.rows else 0.0
+
+
+def reader_only(db: MariaDB, start: Pos, end: Pos, *, direct: bool) -> ReaderRun:
+    """Capture's whole reader (``BinlogReader``: the parse, the table-map cache, the compiled
+    decoder and the conversion into items) over ``start``..``end`` on its thread in this
+    process, the items taken and dropped; ``direct``: the hot events read from the packets'
+    bytes (``SLUICE_CAPTURE_DIRECT_EVENTS``), else every event by the library. CPU is this
+    process's (the reader thread, and the taking thread that mostly waits)."""
+    reader = BinlogReader({"host": "127.0.0.1", "port": db.port, "user": "root", "password": "",
+                           "charset": "utf8mb4"}, SERVER_ID + 200, Position(*start), heartbeat_s=0.5,
+                          direct=direct)
+    rows = 0
+    cpu0, started = time.process_time(), time.perf_counter()
+    reader.start()
+    try:
+        deadline = time.monotonic() + 1800
+        while time.monotonic() < deadline:
+            items = reader.take(max_items=2000, wait=0.5, linger=0.002)
+            for item in items:
+                if isinstance(item, ReaderFailed):
+                    raise RuntimeError(f"the reader failed: {item.error!r}")
+                if isinstance(item, Rows):
+                    rows += len(item.images)
+            last = items[-1] if items else None
+            if last is not None and not isinstance(last, ReaderFailed) and tuple(last.position) >= end:
+                break
+        else:
+            raise TimeoutError(f"the reader did not reach {end}")
+        return ReaderRun(rows, time.perf_counter() - started, time.process_time() - cpu0,
+                         reader.decoded.direct)
+    finally:
+        reader.stop()
+        reader.join(5)
 
 
 async def _resolved(js: JetStreamContext) -> Pos | None:
@@ -276,6 +325,12 @@ def main() -> None:
         compiled = parse_only(db, start, end, compiled=True)
         _say(f"parse with capture's table-map cache and compiled row decoder: "
              f"{compiled.rows_per_s:,.0f} rows/s")
+        by_library = reader_only(db, start, end, direct=False)
+        direct = reader_only(db, start, end, direct=True)
+        for name, run in (("every event by the library", by_library), ("hot events direct", direct)):
+            _say(f"capture's reader alone, {name}: {run.rows:,} rows in {run.seconds:.2f} s = "
+                 f"{run.rows / run.seconds:,.0f} rows/s, CPU {run.cpu_s:.1f} s = {run.cpu_us_a_row:.0f} us "
+                 f"a row change ({run.direct_events:,} events read direct)")
         if args.profile is not None:
             seconds, published = asyncio.run(drain_in_process(nats_server, db, end, args.profile))
             peak_mib = 0.0
@@ -318,6 +373,9 @@ def main() -> None:
         figures.add(f"parse-only with capture's table-map cache, {shape}", cached.rows_per_s, "rows/s")
         figures.add(f"parse with the table-map cache and the compiled row decoder, {shape}",
                     compiled.rows_per_s, "rows/s")
+        for name, run in (("every event by the library", by_library), ("hot events direct", direct)):
+            figures.add(f"capture's reader alone ({name}), CPU a row change, {shape}",
+                        run.cpu_us_a_row, "us")
         figures.add(f"sysbench oltp_write_only upstream, capture stopped ({args.threads} threads)",
                     load.tps, "transactions/s")
         if args.profile is None:

@@ -199,6 +199,10 @@ class Settings(BaseSettings):
         True, description="capture: decode rows events with a decoder compiled per table map "
                           "(the library's values, several times faster); false: the binlog "
                           "library's own per-column parse for every table.")
+    capture_direct_events: bool = Field(
+        True, description="capture: read the hot binlog events (GTID, XID, BEGIN/COMMIT, a table "
+                          "map seen before, rows events) from the packets' bytes without the "
+                          "binlog library's event objects; false: every event by the library.")
     capture_xa_memory_bytes: int = Field(
         64 * 1024 * 1024, ge=0,
         description="capture: row bytes the prepared, undecided XA transactions of a source keep in "

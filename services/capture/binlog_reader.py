@@ -39,6 +39,15 @@ from contracts.events.rows import RowOp
 from libs.codec import charsets
 from libs.codec.table_meta import BinlogColumn
 from services.capture import table_map_cache, value_repairs
+from services.capture.direct_events import (
+    DirectBegin,
+    DirectCommit,
+    DirectQuery,
+    DirectRows,
+    DirectStream,
+    DirectTableMap,
+    PushBackConnection,
+)
 from services.capture.rows_decode import RowsDecoder, compile_decoder
 
 log = logging.getLogger(__name__)
@@ -234,7 +243,7 @@ class BinlogReader:
     def __init__(self, connection: dict[str, Any], server_id: int, start: Position, *,
                  heartbeat_s: float = 1.0, max_items: int = 2000,
                  only_schemas: list[str] | None = None, fast_rows: bool = True,
-                 start_gtid: str | None = None) -> None:
+                 start_gtid: str | None = None, direct: bool = True) -> None:
         self._connection = dict(connection)
         # A dead server must surface as an error, not a read that blocks forever.
         self._connection.setdefault("read_timeout", max(10.0, heartbeat_s * 4))
@@ -247,6 +256,9 @@ class BinlogReader:
         self._heartbeat_s = heartbeat_s
         self._only_schemas = only_schemas
         self._fast_rows = fast_rows
+        # The hot events read from the packets' bytes (``direct_events``); rows events so only
+        # with the compiled decoder, which is what reads their images.
+        self._direct = direct
         self.decoded = DecodeCounts()
         self._queue = _ItemQueue(maxsize=max_items)
         self._stop = threading.Event()
@@ -282,7 +294,7 @@ class BinlogReader:
             raise ReaderStopped("binlog reader stopped")
         if "db" in kwargs:  # pymysqlreplication still passes pymysql's deprecated spelling
             kwargs["database"] = kwargs.pop("db")
-        conn = pymysql.connect(**kwargs)
+        conn = PushBackConnection(**kwargs) if self._direct else pymysql.connect(**kwargs)
         with self._conns_lock:
             self._conns = [c for c in self._conns if c.open] + [conn]
         return conn
@@ -324,7 +336,9 @@ class BinlogReader:
             by_gtid = self._start_gtid is not None
             where: dict[str, Any] = ({"is_mariadb": True, "auto_position": self._start_gtid} if by_gtid
                                      else {"log_file": self._start.file, "log_pos": self._start.pos})
-            stream = BinLogStreamReader(
+            if self._direct:
+                where["direct_rows"] = self._fast_rows
+            stream = (DirectStream if self._direct else BinLogStreamReader)(
                 connection_settings=self._connection, server_id=self._server_id,
                 resume_stream=True, blocking=True, only_events=_EVENTS, slave_heartbeat=self._heartbeat_s,
                 only_schemas=self._only_schemas, enable_logging=False, pymysql_wrapper=self._connect,
@@ -336,10 +350,10 @@ class BinlogReader:
             for event in stream:
                 if self._stop.is_set():
                     break
-                if isinstance(event, RotateEvent):
-                    current_file = event.next_binlog
-                    continue
-                if isinstance(event, TableMapEvent):
+                kind = type(event)
+                if kind in _DIRECT:
+                    self.decoded.direct += 1
+                if kind is DirectTableMap or isinstance(event, TableMapEvent):
                     # Table ids are reused only after a table leaves the server's cache; the
                     # newest map of an id is the one its rows events refer to.
                     # The same parse (table-map cache) gives the same extras: not read again.
@@ -348,7 +362,19 @@ class BinlogReader:
                         seen = extras_of[event.table_id] = (event.optional_metadata, table_map_extras(event))
                     maps[event.table_id] = seen[1]
                     continue
-                item = _convert(event, current_file, maps, shapes, self._fast_rows, self.decoded)
+                if kind in _DIRECT:
+                    item = _direct_item(event, current_file, maps, shapes, self._fast_rows, self.decoded)
+                    if item is None:  # a rows event the compiled decoder does not take
+                        self.decoded.direct -= 1
+                        event = stream.by_library(event)
+                        if not isinstance(event, WriteRowsEvent | UpdateRowsEvent | DeleteRowsEvent):
+                            raise RuntimeError(f"the binlog library read {event!r} for a rows event")
+                        item = _convert(event, current_file, maps, shapes, self._fast_rows, self.decoded)
+                elif isinstance(event, RotateEvent):
+                    current_file = event.next_binlog
+                    continue
+                else:
+                    item = _convert(event, current_file, maps, shapes, self._fast_rows, self.decoded)
                 if by_gtid and isinstance(item, Begin | Heartbeat):
                     # The library reconnects by itself after a lost connection, from its
                     # auto_position when it has one: that would read the groups since the start
@@ -457,10 +483,12 @@ def _columns(event: Any, extras: TableMapExtras | None) -> tuple[BinlogColumn, .
 
 @dataclass
 class DecodeCounts:
-    """Rows events decoded by the compiled decoder and by the library (per reader)."""
+    """Rows events decoded by the compiled decoder and by the library (per reader), and events
+    read from the packets' bytes without the library's event objects (``direct_events``)."""
 
     compiled: int = 0
     library: int = 0
+    direct: int = 0
 
 
 _Shape = tuple[Any, TableMapExtras | None, tuple[BinlogColumn, ...], Repairs, RowsDecoder | None]
@@ -491,8 +519,45 @@ def _compiled_images(event: Any, decoder: RowsDecoder, op: RowOp) -> tuple[RowIm
     body = decoder.body(event)
     if body is None:
         return None
+    return _decoded_images(decoder, op, *body)
+
+
+_DIRECT = frozenset((DirectBegin, DirectCommit, DirectQuery, DirectTableMap, DirectRows))
+
+
+def _direct_item(event: Any, current_file: str, maps: dict[int, TableMapExtras],
+                 shapes: dict[int, _Shape], fast_rows: bool, counts: DecodeCounts) -> Item | None:
+    """The item ``_convert`` makes of the library's event for the same packet (None: a rows
+    event the compiled decoder does not take, which the library must read)."""
+    kind = type(event)
+    position = Position(current_file, event.log_pos)
+    if kind is DirectRows:
+        shape = _shape(event, maps, shapes, fast_rows)
+        decoder = shape[4]
+        if decoder is None or event.number_of_columns != len(decoder.columns):
+            return None
+        present = (1 << event.number_of_columns) - 1
+        for bitmap in event.bitmaps:
+            if int.from_bytes(bitmap, "little") & present != present:
+                return None  # not a FULL row image: the library's none sources
+        images = _decoded_images(decoder, event.op, event.data, event.start, event.end)
+        if images is None:
+            return None
+        counts.compiled += 1
+        return Rows(position, event.timestamp, event.schema, event.table, event.op,
+                    shape[2], images, event.event_size)
+    if kind is DirectBegin:
+        return Begin(position, event.timestamp, event.gtid, xa=bool(event.flags & _FL_PREPARED_XA))
+    if kind is DirectCommit:
+        return Commit(position, event.timestamp)
+    schema = event.schema.decode("utf-8", "replace")
+    return Query(position, event.timestamp, schema, event.query)
+
+
+def _decoded_images(decoder: RowsDecoder, op: RowOp, data: bytes, start: int,
+                    end: int) -> tuple[RowImage, ...] | None:
     try:
-        rows = decoder.decode(op, *body)
+        rows = decoder.decode(op, data, start, end)
     except Exception:
         return None
     if op == "update":

@@ -45,7 +45,7 @@ from contracts.events.rows import (
 from libs.codec.encode import UnsupportedValue, encode_value
 from libs.codec.table_meta import BinlogColumn, TableInfo, agrees, describe, load_table_info
 from libs.foreign_keys import ForeignKey, ddl_may_change_keys, load_foreign_keys, referenced_tables
-from libs.gtid import Gtid, GtidState, is_mariadb_gtid
+from libs.gtid import Gtid, GtidError, GtidState
 from libs.mysql_statements import classify
 from libs.streams import ddl_subject, rejected_subject, rows_subject
 from services.capture import metrics
@@ -263,6 +263,9 @@ class SourcePipeline:
         self.ids_by_gtid = start.ids_by_gtid and self.gtid is not None
         self._start_file = start.position.file
         self.committed_gtid = start.gtid if self.ids_by_gtid else None
+        # ``gtid.text()`` once its state has one domain (a single-primary source): the last
+        # GTID read, spelled when read, not a sort and a join per transaction.
+        self._gtid_text: str | None = None
         self.publisher = publisher
         self.meta = meta
         self.databases = databases
@@ -298,6 +301,7 @@ class SourcePipeline:
         self._last_resolve = time.monotonic()
         self._subjects: dict[TableKey, str] = {}  # rows_subject per table: a regex per call
         self._xa_prepared = metrics.XA_PREPARED.labels(source)
+        self._xa_prepared_shown = -1  # the gauge's value: set when it changes, not per group
         self.position = start.position  # newest position read, for /healthz
 
     # ------------------------------------------------------------------ items
@@ -365,10 +369,14 @@ class SourcePipeline:
             self._end_recovery()
 
     def _follow_gtid(self, item: Begin) -> None:
-        if self.gtid is None or self.recovering or not is_mariadb_gtid(item.gtid):
+        if self.gtid is None or self.recovering or item.gtid is None:
             return  # recovery re-reads groups before the mark: the state there is the mark's
-        assert item.gtid is not None
-        self.gtid.advance(Gtid.parse(item.gtid))
+        try:
+            gtid = Gtid.parse(item.gtid)
+        except GtidError:
+            return  # not a MariaDB GTID (MySQL's): not followed
+        self.gtid.advance(gtid)
+        self._gtid_text = str(gtid) if len(self.gtid.last) == 1 else None
         if not self.ids_by_gtid and item.position.file != self._start_file:
             # Started from a mark of an older capture (ids by position, no GTID position): the
             # names change at the first group of the next binlog file, a point every re-read
@@ -403,7 +411,8 @@ class SourcePipeline:
                         extra={"source": self.source, "xids": extra})
         self.committed = self.resolved_position
         self.committed_xa = self.xa.resume()
-        metrics.XA_PREPARED.labels(self.source).set(len(self.xa))
+        self._xa_prepared_shown = len(self.xa)
+        self._xa_prepared.set(self._xa_prepared_shown)
         log.info("XA recovery done", extra={"source": self.source, "prepared": len(self.xa),
                                             "position": str(self.committed)})
 
@@ -477,7 +486,9 @@ class SourcePipeline:
     async def _table_info(self, key: TableKey, columns: tuple[BinlogColumn, ...],
                           position: Position) -> TableInfo | None:
         known = self._infos.get(key)
-        if known is not None and known[0] == columns:
+        # The reader's batches share one columns tuple per table map: identity first, the
+        # field by field comparison only across batches.
+        if known is not None and (known[0] is columns or known[0] == columns):
             return known[1]
         self.meta.passed(position)
         catalog = await self.meta.catalog_at(key, position)
@@ -574,8 +585,11 @@ class SourcePipeline:
         self.committed_seq = self.next_seq
         self.committed_xa = self.xa.resume()
         if self.ids_by_gtid and self.gtid is not None:
-            self.committed_gtid = self.gtid.text()
-        self._xa_prepared.set(len(self.xa))
+            self.committed_gtid = self._gtid_text if self._gtid_text is not None else self.gtid.text()
+        prepared = len(self.xa)
+        if prepared != self._xa_prepared_shown:
+            self._xa_prepared.set(prepared)
+            self._xa_prepared_shown = prepared
 
     async def _commit(self, position: Position) -> None:
         txn, self._txn = self._txn, None

@@ -72,7 +72,7 @@ def serve(data: Connection, ctl: Connection, config: dict[str, Any]) -> None:
                           heartbeat_s=float(config["heartbeat_s"]), max_items=int(config["max_items"]),
                           only_schemas=config["only_schemas"],
                           fast_rows=bool(config.get("fast_rows", True)),
-                          start_gtid=config.get("start_gtid"))
+                          start_gtid=config.get("start_gtid"), direct=bool(config.get("direct", True)))
 
     def watch_parent() -> None:
         try:

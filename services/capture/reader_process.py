@@ -43,12 +43,13 @@ class ReaderProcess:
                  heartbeat_s: float = 1.0, max_items: int = 2000,
                  only_schemas: list[str] | None = None, batch_items: int = 500,
                  batch_bytes: int = 1024 * 1024, linger_s: float = 0.01,
-                 fast_rows: bool = True, start_gtid: str | None = None) -> None:
+                 fast_rows: bool = True, start_gtid: str | None = None, direct: bool = True) -> None:
         self._config = {"connection": dict(connection), "server_id": server_id, "file": start.file,
                         "pos": start.pos, "start_gtid": start_gtid, "heartbeat_s": heartbeat_s,
                         "max_items": max_items,
                         "only_schemas": only_schemas, "batch_items": batch_items,
-                        "batch_bytes": batch_bytes, "linger_s": linger_s, "fast_rows": fast_rows}
+                        "batch_bytes": batch_bytes, "linger_s": linger_s, "fast_rows": fast_rows,
+                        "direct": direct}
         self._proc: subprocess.Popen[bytes] | None = None
         self._data: Connection | None = None
         self._ctl: Connection | None = None

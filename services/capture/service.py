@@ -429,7 +429,8 @@ class Capture:
         reader = reader_class(options.connection_kwargs(), self.settings.source_server_id,
                               read_from, heartbeat_s=options.heartbeat_s,
                               only_schemas=sorted(options.databases) if options.databases else None,
-                              fast_rows=self.settings.capture_fast_rows, start_gtid=start_gtid)
+                              fast_rows=self.settings.capture_fast_rows, start_gtid=start_gtid,
+                              direct=self.settings.capture_direct_events)
         self._pipeline = pipeline
         reader.start()
         self._show(state="reading", problem=None, problem_since=None, problem_since_utc=None)

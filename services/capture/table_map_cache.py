@@ -66,6 +66,16 @@ class CachedTableMapEvent(TableMapEvent):
         table_map[self.table_id] = self.table_obj
 
 
+def lookup(raw: bytes) -> dict[str, Any] | None:
+    """The cached parse of a table map's body (what ``CachedTableMapEvent`` sets from it), or
+    None when these bytes have not been parsed yet. ``direct_events`` reads it without an event."""
+    with _lock:
+        parsed = _cache.get(raw)
+        if parsed is not None:
+            _cache.move_to_end(raw)
+    return parsed
+
+
 def _body(from_packet: Any, event_size: int) -> bytes | None:
     """The event's body (after the common header), or None when the packet is not laid out as
     pymysql's ``MysqlPacket`` (then the event is parsed as usual)."""

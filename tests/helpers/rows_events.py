@@ -144,10 +144,11 @@ def write(server: MariaDB) -> tuple[Position, Position]:
 
 
 def read_items(server: MariaDB, start: Position, end: Position, *, fast_rows: bool,
-               server_id: int = 4242) -> tuple[list[Item], BinlogReader]:
-    """Capture's reader's items from ``start`` until it has read ``end``."""
+               server_id: int = 4242, direct: bool = True) -> tuple[list[Item], BinlogReader]:
+    """Capture's reader's items from ``start`` until it has read ``end`` (``direct``: the hot
+    events read from the packets' bytes, as capture does; false: every event by the library)."""
     reader = BinlogReader(server.replication_settings(), server_id, start, heartbeat_s=0.2,
-                          fast_rows=fast_rows)
+                          fast_rows=fast_rows, direct=direct)
     reader.start()
     items: list[Item] = []
     deadline = time.monotonic() + 120
