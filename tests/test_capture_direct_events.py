@@ -107,5 +107,6 @@ def test_the_direct_path_gives_the_librarys_items(mariadb: MariaDB, fast_rows: b
     assert direct_reader.decoded.compiled == library_reader.decoded.compiled
     assert direct_reader.decoded.library == library_reader.decoded.library
     if fast_rows:
-        # Partial row images (MINIMAL) and the POINT table went back to the library.
-        assert direct_reader.decoded.library >= 4
+        # Partial row images (MINIMAL) went back to the library (the POINT table's rows the
+        # compiled decoder reads since spatial types replicate).
+        assert direct_reader.decoded.library >= 3
