@@ -16,11 +16,11 @@ from nats.js.errors import NotFoundError
 
 from contracts.events.changefeeds import (
     ChangefeedCheckV1,
-    ChangefeedCreatedV6,
+    ChangefeedCreatedV7,
     ChangefeedSpec,
     ChangefeedSpecV2,
     ChangefeedStateChangedV1,
-    ChangefeedUpdatedV6,
+    ChangefeedUpdatedV7,
     TableFilterV1,
     current_spec,
 )
@@ -59,7 +59,7 @@ async def record_changefeed(js: JetStreamContext, spec: ChangefeedSpecV2, reques
     to the changefeeds log since (else ``AppendConflict``)."""
     store = await _store(js, requested_by)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedCreatedV6(spec=current_spec(spec), requested_by=requested_by,
+                              ChangefeedCreatedV7(spec=current_spec(spec), requested_by=requested_by,
                                                   failed_checks=failed_checks or []),
                               expected_last_subject_seq=expected_last_subject_seq)
 
@@ -69,7 +69,7 @@ async def record_update(js: JetStreamContext, spec: ChangefeedSpecV2, requested_
                         failed_checks: list[ChangefeedCheckV1] | None = None) -> int:
     store = await _store(js, requested_by)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedUpdatedV6(spec=current_spec(spec), requested_by=requested_by,
+                              ChangefeedUpdatedV7(spec=current_spec(spec), requested_by=requested_by,
                                                   failed_checks=failed_checks or []),
                               expected_last_subject_seq=expected_last_subject_seq)
 

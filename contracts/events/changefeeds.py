@@ -439,7 +439,64 @@ def _updated_v5_to_v6(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v5_to_v6(data["spec"])}
 
 
-ChangefeedSpec = ChangefeedSpecV6
+# v7 of changefeed.created / changefeed.updated: what a schema change upstream does downstream
+# (``schema_change_policy``, as Flink CDC's ``schema.change.behavior``).
+
+SchemaChangePolicy = Literal["evolve", "lenient", "ignore", "stop"]
+
+
+class ChangefeedSpecV7(ChangefeedSpecV6):
+    """v7 adds ``schema_change_policy`` (``evolve`` by default, as before)."""
+
+    schema_change_policy: SchemaChangePolicy = Field(
+        "evolve", description="What a DDL upstream does downstream. evolve (the default): the "
+                              "target follows the source; lenient: nothing is removed downstream "
+                              "(a dropped column stays, nullable; a renamed column keeps the old "
+                              "one beside the new; TRUNCATE and DROP TABLE are not applied); "
+                              "ignore: no DDL reaches the target, rows are written with the "
+                              "columns the target has; stop: a DDL stops its table with an "
+                              "incident until an operator resumes it (then it is applied as "
+                              "under evolve). See DESIGN.md, \"Schema-change policies\".")
+
+
+def _spec_v6_to_v7(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, "schema_change_policy": "evolve"}
+
+
+def spec_v7(spec: ChangefeedSpecV2) -> ChangefeedSpecV7:
+    """A spec as v7 (older ones evolve their targets)."""
+    if isinstance(spec, ChangefeedSpecV7):
+        return spec
+    return ChangefeedSpecV7.model_validate(_spec_v6_to_v7(spec_v6(spec).model_dump()))
+
+
+_V7_DOC = _V6_DOC + " v7: the spec gains ``schema_change_policy`` (evolve, lenient, ignore, stop)."
+
+
+@register("changefeed.created", 7)
+class ChangefeedCreatedV7(ChangefeedCreatedV6):
+    __doc__ = _V7_DOC
+    spec: ChangefeedSpecV7
+
+
+@register("changefeed.updated", 7)
+class ChangefeedUpdatedV7(ChangefeedUpdatedV6):
+    __doc__ = _V7_DOC
+    spec: ChangefeedSpecV7
+
+
+# A v6 changefeed applied every DDL downstream.
+@upcaster("changefeed.created", 6)
+def _created_v6_to_v7(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v6_to_v7(data["spec"])}
+
+
+@upcaster("changefeed.updated", 6)
+def _updated_v6_to_v7(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v6_to_v7(data["spec"])}
+
+
+ChangefeedSpec = ChangefeedSpecV7
 """The current spec, the one type every reader of a changefeed holds: events are upcast when
 they are read (the upcasters above), and ``current_spec`` upcasts a spec built in code from an
 older version the same way, so no reader asks whether a field exists."""
@@ -447,5 +504,5 @@ older version the same way, so no reader asks whether a field exists."""
 
 def current_spec(spec: ChangefeedSpecV2) -> ChangefeedSpec:
     """``spec`` as the current version (itself when it is one)."""
-    return spec_v6(spec)
+    return spec_v7(spec)
 

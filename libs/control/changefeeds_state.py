@@ -22,7 +22,7 @@ from contracts.events.changefeeds import (
     ChangefeedUpdatedV4,
     ChangefeedUpdatedV5,
     ChangefeedUpdatedV6,
-    spec_v6,
+    current_spec,
 )
 from contracts.events.sources import SourceMovedV1, SourceRegisteredV1, SourceRemovedV1
 from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV2
@@ -80,7 +80,7 @@ class ChangefeedView:
         if isinstance(event, ChangefeedCreatedV2 | ChangefeedCreatedV3 | ChangefeedCreatedV4
                       | ChangefeedCreatedV5 | ChangefeedCreatedV6):
             cf = event.spec.id
-            spec = spec_v6(event.spec)
+            spec = current_spec(event.spec)
             changed = self.specs.get(cf) != spec or self.states.get(cf) != "running"
             self.specs[cf] = spec
             self.states[cf] = "running"
@@ -89,7 +89,7 @@ class ChangefeedView:
         if isinstance(event, ChangefeedUpdatedV2 | ChangefeedUpdatedV3 | ChangefeedUpdatedV4
                       | ChangefeedUpdatedV5 | ChangefeedUpdatedV6):
             cf = event.spec.id
-            spec = spec_v6(event.spec)
+            spec = current_spec(event.spec)
             changed = self.specs.get(cf) != spec
             self.specs[cf] = spec
             self.states.setdefault(cf, "running")  # an update does not resume a paused feed

@@ -84,6 +84,11 @@ def spec_problems(spec: ChangefeedSpec) -> list[dict[str, Any]]:
         check_sink_url(spec.sink_url)
     except (DatabaseUrlError, ValueError) as exc:
         errors.append(_error(["sink_url"], f"sink URL refused: {exc}"))
+    else:
+        if spec.schema_change_policy != "evolve" and not sink_kind(spec.sink_url).holds_rows:
+            errors.append(_error(["schema_change_policy"], (
+                f"schema_change_policy {spec.schema_change_policy!r} applies to SQL downstreams; "
+                "a NATS sink publishes every DDL for its consumers to decide (use evolve)")))
     seen: set[str] = set()
     for i, source in enumerate(spec.sources):
         if source.id in seen:

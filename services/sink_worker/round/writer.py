@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Protocol
 from uuid import uuid4
 
@@ -90,6 +91,10 @@ class SqlWriter:
             sink = open_sink(sink_url)
             for w in batch_works:
                 assert w.plan is not None
+                if w.rt.config.schema_change_policy == "ignore" and isinstance(sink, SqlSink):
+                    # The target keeps its definition: rows go in with the columns it has.
+                    w.plan = replace(w.plan, table=self.schemas.fixed(sink, sink_url, w.plan.table))
+                    continue
                 reconcile = w.rt.shards == 1 or self.schemas.take_reconcile(w.rt.span.kv_key)
                 self.schemas.ensure(sink, sink_url, w.plan.table, reconcile=reconcile)
             if batch_works:

@@ -37,6 +37,12 @@ class TargetTable:
     case_insensitive: bool = False
     """Text columns with a case-insensitive source collation compare so on PostgreSQL (a
     nondeterministic ICU collation) and SQLite (NOCASE): the changefeed's ``text_comparison``."""
+    keep_columns: bool = False
+    """``schema_change_policy = lenient``: reconciling keeps the target's columns ``meta`` lacks
+    (made nullable) instead of dropping them."""
+    leave_out_columns: bool = False
+    """``schema_change_policy = ignore``: a row's columns ``meta`` lacks are left out of its write
+    (``meta`` is the target's columns) instead of refused."""
 
 
 @dataclass(frozen=True)
