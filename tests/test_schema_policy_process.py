@@ -163,19 +163,9 @@ async def test_each_policy_meets_the_ddl_matrix_on_three_downstreams(
     before = {kind: down.columns(kind, "ign_a") for kind in down.urls}
     t_setup = time.monotonic() - t0
 
-    # The same DDL kinds on each policy's tables. lenient: the re-copying MODIFY first (a
-    # re-copy rebuilds the target from the source, DESIGN.md), then what lenient keeps.
+    # The same DDL kinds on each policy's tables (lenient's below, one at a time).
     big = 1 << 40
     _exec(mariadb,
-          f"ALTER TABLE `{DB}`.len_a MODIFY n BIGINT NOT NULL",
-          f"ALTER TABLE `{DB}`.len_a ADD COLUMN c INT",
-          f"ALTER TABLE `{DB}`.len_a DROP COLUMN s",
-          f"ALTER TABLE `{DB}`.len_a RENAME COLUMN r TO r2",
-          *[f"INSERT INTO `{DB}`.len_a (id, n, c, r2) VALUES ({i}, {big + i}, {i}, 'n{i}')"
-            for i in range(21, 26)],
-          f"UPDATE `{DB}`.len_a SET c = id, n = n + 1 WHERE id <= 5",
-          f"TRUNCATE TABLE `{DB}`.len_b", f"INSERT INTO `{DB}`.len_b VALUES (100, 100)",
-          f"DROP TABLE `{DB}`.len_b",
           f"ALTER TABLE `{DB}`.ign_a ADD COLUMN c INT",
           f"ALTER TABLE `{DB}`.ign_a DROP COLUMN s",
           f"ALTER TABLE `{DB}`.ign_a RENAME COLUMN r TO r2",
@@ -188,6 +178,25 @@ async def test_each_policy_meets_the_ddl_matrix_on_three_downstreams(
           f"ALTER TABLE `{DB}`.stp_a ADD COLUMN c INT",
           f"INSERT INTO `{DB}`.stp_a (id, n, c) VALUES (21, 21, 21)",
           f"DROP TABLE `{DB}`.stp_b")
+
+    # lenient, each DDL once the one before it is downstream: a DDL capture reads behind a
+    # later one of its table comes without metadata, and a rename without it is copied again
+    # as under evolve (DESIGN.md). A type change (a re-copy) is evolve's, so it is not here.
+    def on_all(check: Callable[[dict[str, bool]], bool]) -> Callable[[], bool]:
+        return lambda: all(check(down.columns(k, "len_a")) for k in down.urls)
+
+    _exec(mariadb, f"ALTER TABLE `{DB}`.len_a ADD COLUMN c INT")
+    await asyncio.to_thread(_wait, on_all(lambda c: "c" in c), "lenient: c added", procs)
+    _exec(mariadb, f"ALTER TABLE `{DB}`.len_a DROP COLUMN s")
+    await asyncio.to_thread(_wait, on_all(lambda c: c.get("s") is True), "lenient: s kept, nullable", procs)
+    _exec(mariadb, f"ALTER TABLE `{DB}`.len_a RENAME COLUMN r TO r2")
+    await asyncio.to_thread(_wait, on_all(lambda c: "r2" in c), "lenient: r2 beside r", procs)
+    _exec(mariadb,
+          *[f"INSERT INTO `{DB}`.len_a (id, n, c, r2) VALUES ({i}, {i * 1000}, {i}, 'n{i}')"
+            for i in range(21, 26)],
+          f"UPDATE `{DB}`.len_a SET c = id, n = n + 1 WHERE id <= 5",
+          f"TRUNCATE TABLE `{DB}`.len_b", f"INSERT INTO `{DB}`.len_b VALUES (100, 100)",
+          f"DROP TABLE `{DB}`.len_b")
 
     def kept(i: int, value: str) -> str | None:
         return value if i <= 20 else None

@@ -198,9 +198,17 @@ class SqlSink(Sink):
     def fill_renamed(self, table: TargetTable, renamed: Sequence[tuple[str, str]]) -> None:
         """Each renamed column's new column takes the old one's values in every row (a column
         rename under ``schema_change_policy = lenient``, which keeps the old one beside it)."""
-        sets = ", ".join(f"{self.ident(new)} = {self.ident(old)}" for old, new in renamed)
-        sql = f"UPDATE {self._table_ref(table)} SET {sets}"
-        self._run(lambda cur: cur.execute(sql), f"fill renamed columns of {table.name!r}")
+        def work(cur: Any) -> None:
+            # An old column the target lacks (the table was copied again from the source since,
+            # or never had it): its new column came filled with the rows. SQLite would read a
+            # missing column's quoted name as a string, so it is never named.
+            have = {c.casefold() for c in self._current(cur, table) or []}
+            sets = ", ".join(f"{self.ident(new)} = {self.ident(old)}" for old, new in renamed
+                             if old.casefold() in have and new.casefold() in have)
+            if sets:
+                cur.execute(f"UPDATE {self._table_ref(table)} SET {sets}")
+
+        self._run(work, f"fill renamed columns of {table.name!r}")
 
     @abstractmethod
     def _current(self, cur: Any, table: TargetTable) -> list[str] | None:
