@@ -127,3 +127,31 @@ def test_resuming_another_incident_releases_no_ddl() -> None:
 def test_an_older_spec_evolves() -> None:
     v6 = ChangefeedSpecV6(id="cf", sources=[SourceRefV1(id="s", url="mysql://u@h/")], sink_url="sqlite:///x.db")
     assert current_spec(v6).schema_change_policy == "evolve"
+
+
+def test_the_api_refuses_a_bad_policy_and_a_policy_the_nats_sink_cannot_follow() -> None:
+    from pydantic import ValidationError
+
+    from services.api.source_refs import ChangefeedSpecIn
+    from services.api.validation import spec_problems
+
+    body = {"id": "cf", "sources": [{"id": "s", "url": "mysql://u@h/"}], "sink_url": "sqlite:///x.db"}
+    with pytest.raises(ValidationError) as refused:
+        ChangefeedSpecIn.model_validate({**body, "schema_change_policy": "drop_everything"})
+    assert "schema_change_policy" in str(refused.value) and "'lenient'" in str(refused.value)
+    ok = current_spec(ChangefeedSpecIn.model_validate({**body, "schema_change_policy": "ignore"}))
+    assert not [p for p in spec_problems(ok) if "schema_change_policy" in p["loc"]]
+    nats = ok.model_copy(update={"sink_url": "nats://127.0.0.1:4222/OUT?subject=out"})
+    [problem] = [p for p in spec_problems(nats) if "schema_change_policy" in p["loc"]]
+    assert "SQL downstreams" in problem["msg"]
+
+
+def test_changefeed_get_shows_the_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import render
+
+    render.changefeed({"id": "cf", "state": "running", "tables": 1,
+                       "spec": {"id": "cf", "schema_change_policy": "stop"}})
+    out = capsys.readouterr().out
+    assert "schema changes: stop (a DDL stops its table with an incident until resumed)" in out
+    render.changefeed({"id": "cf", "state": "running", "tables": 1, "spec": {"id": "cf"}})
+    assert "schema changes: evolve" in capsys.readouterr().out
