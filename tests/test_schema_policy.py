@@ -93,6 +93,8 @@ def test_removes_columns() -> None:
 
 def test_a_ddl_that_changes_nothing_of_the_table_does_not_stop_it() -> None:
     assert decide("stop", "ignore", "RENAME TABLE a TO b, b TO a").do == "skip"
+    assert decide("stop", "reconcile", "CREATE TABLE t (id INT PRIMARY KEY)").do == "apply"
+    assert decide("stop", "recopy", "CREATE OR REPLACE TABLE t (id INT PRIMARY KEY)").do == "stop"
 
 
 def test_ignore_writes_the_columns_the_target_has() -> None:

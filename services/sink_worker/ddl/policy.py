@@ -12,7 +12,7 @@
 - ``ignore``: nothing is applied; rows are written with the columns the target has.
 - ``stop``: the table stops before the DDL with an incident; once an operator resumes it, that
   one DDL is applied as under ``evolve``. A DDL that changes nothing of the table (``ignore``)
-  does not stop it.
+  does not stop it, nor does CREATE TABLE (a new table, not a change of a replicated one).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from contracts.events.changefeeds import SchemaChangePolicy
-from libs.mysql_statements import IDENT, alter_clauses, strip_comments, unquote
+from libs.mysql_statements import IDENT, alter_clauses, ddl_form, strip_comments, unquote
 from services.sink_worker.ddl.plan import _DROP_COLUMN, DdlAction
 from services.sink_worker.sinks.base import TargetTable
 
@@ -90,7 +90,11 @@ def decide(policy: SchemaChangePolicy, action: DdlAction, statement: str, *,
     if policy == "ignore":
         return PolicyDecision("skip", action)
     if policy == "stop":
-        return PolicyDecision("skip" if action == "ignore" else "stop", action)
+        if action == "ignore":
+            return PolicyDecision("skip", action)
+        if ddl_form(strip_comments(statement)) == "create_table":
+            return PolicyDecision("apply", action)  # a new table changes no replicated one
+        return PolicyDecision("stop", action)
     # lenient
     if action in ("drop", "truncate", "leave"):
         return PolicyDecision("skip", action)
