@@ -106,7 +106,8 @@ def _converged(source: MariaDB, url: str, table: str) -> bool:
         return False
 
 
-def _wait(check: Callable[[], bool], what: str, procs: list[ServiceProcess], timeout: float = 180) -> None:
+def _wait(check: Callable[[], bool], what: str, procs: list[ServiceProcess], timeout: float = 180,
+          detail: Callable[[], str] = str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in procs:
@@ -114,8 +115,10 @@ def _wait(check: Callable[[], bool], what: str, procs: list[ServiceProcess], tim
         if check():
             return
         time.sleep(0.5)
-    logs = "\n".join(f"--- {p.instance_id}\n{p.tail_log(30)}" for p in procs)
-    pytest.fail(f"not within {timeout}s: {what}\n{logs}")
+    logs = "\n".join(f"--- {p.instance_id}\n{p.tail_log(60)}" for p in procs)
+    spans = [{k: s.get(k) for k in ("span", "state", "error")} for p in procs[1:] for s in _spans(p)
+             if s.get("state") != "replicating"]
+    pytest.fail(f"not within {timeout}s: {what}\n{detail()}\nspans not replicating: {spans}\n{logs}")
 
 
 @pytest.mark.timeout(900)
@@ -209,7 +212,14 @@ async def test_each_policy_meets_the_ddl_matrix_on_three_downstreams(
         return all(down.rows(k, "len_a", "id, n, c, r2") == want for k in down.urls) \
             if all("r2" in down.columns(k, "len_a") for k in down.urls) else False
 
-    await asyncio.to_thread(_wait, lenient_done, "lenient: len_a's source columns equal", procs)
+    def lenient_diff() -> str:
+        want = _source_rows(mariadb, "len_a", "id, n, c, r2")
+        return "\n".join(f"{k}: columns {down.columns(k, 'len_a')}, rows differing "
+                         f"{[r for r in down.rows(k, 'len_a', 'id, n, c, r2') if r not in want][:6]}, "
+                         f"source {want[:3]}..." for k in down.urls)
+
+    await asyncio.to_thread(_wait, lenient_done, "lenient: len_a's source columns equal", procs,
+                            detail=lenient_diff)
     for kind in down.urls:
         cols = down.columns(kind, "len_a")
         assert {"id", "n", "c", "r2", "s", "r"} <= set(cols), (kind, cols)
