@@ -57,7 +57,8 @@ class Downstreams:
             sql = f"SELECT {columns} FROM `{DB}`.`{table}` ORDER BY id"
             found = mysql_query(self.maria, sql)
         elif kind == "pg":
-            sql = f'SELECT {", ".join(f"{c}::text" for c in cols)} FROM "{DB}"."{table}" ORDER BY id'
+            # ORDER BY t.id: a bare ``id`` would name the output column, the text.
+            sql = f'SELECT {", ".join(f"t.{c}::text" for c in cols)} FROM "{DB}"."{table}" AS t ORDER BY t.id'
             found = pg_query(self.urls["pg"], sql)
         else:
             found = sqlite_query(self.urls["sqlite"], f'SELECT {columns} FROM "{table}" ORDER BY id')
