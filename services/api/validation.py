@@ -85,9 +85,10 @@ def spec_problems(spec: ChangefeedSpec) -> list[dict[str, Any]]:
     except (DatabaseUrlError, ValueError) as exc:
         errors.append(_error(["sink_url"], f"sink URL refused: {exc}"))
     else:
-        if spec.schema_change_policy != "evolve" and not sink_kind(spec.sink_url).holds_rows:
+        policy = current_spec(spec).schema_change_policy
+        if policy != "evolve" and not sink_kind(spec.sink_url).holds_rows:
             errors.append(_error(["schema_change_policy"], (
-                f"schema_change_policy {spec.schema_change_policy!r} applies to SQL downstreams; "
+                f"schema_change_policy {policy!r} applies to SQL downstreams; "
                 "a NATS sink publishes every DDL for its consumers to decide (use evolve)")))
     seen: set[str] = set()
     for i, source in enumerate(spec.sources):
