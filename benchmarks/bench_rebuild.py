@@ -70,13 +70,16 @@ def set_changed(span: Span, state: str, primary: str | None, secondary: str | No
 class Writer:
     """Publishes events and snapshots as a leader would, keeping the folded state alongside."""
 
-    def __init__(self, js: nats.js.JetStreamContext, snapshot_every: int) -> None:
+    def __init__(self, js: nats.js.JetStreamContext, snapshot_every: int, max_payload: int) -> None:
         self.js = js
         self.snapshot_every = snapshot_every
         self.state = ReplicationState()
         self.seq = 0
         self.events = 0
         self.snapshots = 0
+        self.snapshots_too_large = 0
+        self.snapshot_bytes = 0
+        self.max_payload = max_payload
         self.epoch = 1
         self._since = 0
         self.events_subject = domain_events_subject(DOMAIN)
@@ -95,19 +98,26 @@ class Writer:
     async def snapshot(self) -> None:
         body = SnapshotTakenV1(domain=DOMAIN, up_to_seq=self.seq, state=self.state.dump())
         payload = REGISTRY.encode(body, producer=PRODUCER, epoch=self.epoch)
+        self.snapshot_bytes = len(payload)
+        self._since = 0
+        if len(payload) > self.max_payload:
+            # As the service's SnapshotPolicy: a snapshot is one message, and one past the
+            # server's max_payload is not written (the next leader replays further back).
+            self.snapshots_too_large += 1
+            return
         await self.js.publish_async(self.snapshot_subject, payload, headers={api.Header.ROLLUP.value: "sub"})
         self.seq += 1
         self.snapshots += 1
-        self._since = 0
 
 
-async def generate(js: nats.js.JetStreamContext, args: argparse.Namespace) -> tuple[Writer, dict[Span, str]]:
+async def generate(js: nats.js.JetStreamContext, args: argparse.Namespace,
+                   max_payload: int) -> tuple[Writer, dict[Span, str]]:
     rng = random.Random(args.seed)
     members = [f"w{i:02d}" for i in range(args.members)]
     spans = [Span(f"cf{i % args.changefeeds}", f"src{i % 4}", f"db{i % 16}", f"t{i}")
              for i in range(args.spans)]
     placement = {s: members[i % len(members)] for i, s in enumerate(spans)}
-    w = Writer(js, args.snapshot_every)
+    w = Writer(js, args.snapshot_every, max_payload)
     ts = 1 << 40
     await w.event(LeaderElectedV1(service="replication-manager", candidate="r1", epoch=w.epoch))
     for s in spans:
@@ -161,11 +171,14 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"writing {args.events:,} replication events over {args.spans:,} spans and {args.members} "
               f"members, a snapshot every {args.snapshot_every:,} events ...", flush=True)
         t0 = time.perf_counter()
-        writer, placement = await generate(js, args)
+        writer, placement = await generate(js, args, nc.max_payload)
         info = await js.stream_info(log.stream)
         print(f"written in {time.perf_counter() - t0:.1f} s: stream last seq {info.state.last_seq:,}, "
               f"{writer.events:,} events, {writer.snapshots} snapshots, "
               f"{info.state.bytes / 2**20:.0f} MiB on disk")
+        if writer.snapshots_too_large:
+            print(f"  {writer.snapshots_too_large} snapshots not written: the newest is "
+                  f"{writer.snapshot_bytes:,} bytes, over the server's max_payload of {nc.max_payload:,}")
         assert info.state.last_seq == writer.seq, "the server did not store every message"
 
         # --- the new leader's takeover --------------------------------------------------------
@@ -200,7 +213,7 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"rebuild from {writer.events:,} events with snapshots: {total:.2f} s   (target < 10 s)")
         print(f"  snapshot + tail replay + leader.elected: {t_open - t_start:.2f} s "
               f"({leader.loaded.events_replayed:,} events replayed after the snapshot at seq "
-              f"{leader.loaded.snapshot_seq:,})")
+              f"{leader.loaded.snapshot_seq or 0:,})")
         print(f"  core from the replayed state:            {t_core - t_open:.2f} s")
         print(f"  {len(members)} members' reports -> sets rebuilt:  {t_ready - t_core:.2f} s "
               f"({len(core.manager.sets):,} sets)")
@@ -220,7 +233,9 @@ async def main_async(args: argparse.Namespace) -> None:
             full_replay = f"full replay of the same {n:,} events without snapshots {took:.1f} s"
         out.add(f"new replication-manager leader rebuilds from {writer.events:,} control events "
                 f"({args.spans:,} spans, {len(members)} members; snapshot every {args.snapshot_every:,}, "
-                f"{leader.loaded.events_replayed:,}-event tail)", total, "s",
+                f"{leader.loaded.events_replayed:,}-event tail"
+                + (f"; {writer.snapshots_too_large} snapshots of {writer.snapshot_bytes / 2**20:.1f} MiB "
+                   f"over max_payload not written" if writer.snapshots_too_large else "") + ")", total, "s",
                 baseline=full_replay, target="< 10 s", met=total < 10)
         out.write(args.json)
         await nc.close()

@@ -16,15 +16,16 @@ from nats.js.errors import NotFoundError
 
 from contracts.events.changefeeds import (
     ChangefeedCheckV1,
-    ChangefeedCreatedV7,
+    ChangefeedCreatedV8,
     ChangefeedSpec,
     ChangefeedSpecV2,
     ChangefeedStateChangedV1,
-    ChangefeedUpdatedV7,
+    ChangefeedUpdatedV8,
     TableFilterV1,
     current_spec,
 )
 from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV2
+from libs.config import Settings
 from libs.control.changefeeds_state import ChangefeedView, TableKey, changefeeds_fold
 from libs.eventstore import EventStore
 from libs.foreign_keys import cascade_groups, group_token
@@ -46,20 +47,23 @@ __all__ = ["DOMAIN", "ChangefeedView", "Discovered", "SpanKey", "TableKey", "cha
 log = logging.getLogger(__name__)
 
 
-async def _store(js: JetStreamContext, producer: str) -> EventStore:
-    store = EventStore(js, domain_stream(DOMAIN), producer=producer)
+async def _store(js: JetStreamContext, producer: str, settings: Settings | None = None) -> EventStore:
+    store = EventStore(js, domain_stream(DOMAIN), producer=producer, settings=settings)
     await store.ensure(domain_subjects(DOMAIN))
     return store
 
 
 async def record_changefeed(js: JetStreamContext, spec: ChangefeedSpecV2, requested_by: str, *,
                             expected_last_subject_seq: int | None = None,
-                            failed_checks: list[ChangefeedCheckV1] | None = None) -> int:
+                            failed_checks: list[ChangefeedCheckV1] | None = None,
+                            settings: Settings | None = None) -> int:
     """Append ``changefeed.created``; with ``expected_last_subject_seq`` only if nobody appended
-    to the changefeeds log since (else ``AppendConflict``)."""
-    store = await _store(js, requested_by)
+    to the changefeeds log since (else ``AppendConflict``). ``settings`` (default: the process'
+    own) give the log's stream config if it has to be made: a writer outside the services (a
+    test, a tool) passes the system's, so it does not reset the stream's replicas."""
+    store = await _store(js, requested_by, settings)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedCreatedV7(spec=current_spec(spec), requested_by=requested_by,
+                              ChangefeedCreatedV8(spec=current_spec(spec), requested_by=requested_by,
                                                   failed_checks=failed_checks or []),
                               expected_last_subject_seq=expected_last_subject_seq)
 
@@ -69,7 +73,7 @@ async def record_update(js: JetStreamContext, spec: ChangefeedSpecV2, requested_
                         failed_checks: list[ChangefeedCheckV1] | None = None) -> int:
     store = await _store(js, requested_by)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedUpdatedV7(spec=current_spec(spec), requested_by=requested_by,
+                              ChangefeedUpdatedV8(spec=current_spec(spec), requested_by=requested_by,
                                                   failed_checks=failed_checks or []),
                               expected_last_subject_seq=expected_last_subject_seq)
 

@@ -8,7 +8,8 @@ rows compare equal exactly when they hold the same data:
 
 - numbers (int, Decimal, float, bool): the shortest exact decimal, ``1.50`` == ``1.5`` == ``1.5e0``;
   single-precision FLOAT columns compare at float32 precision;
-- bytes: hex; str: itself; JSON: parsed and re-dumped with sorted keys; a value whose text
+- bytes: hex; a geometry (MariaDB's internal format, as every sink reads it back): its SRID
+  and its WKB's hex; str: itself; JSON: parsed and re-dumped with sorted keys; a value whose text
   would pass 64 KiB: its tag, ``#``, its length and the SHA-256 of its bytes (a 64 MB row
   costs one hash instead of a 128 MB hex text escaped into JSON);
 - datetime: ``YYYY-MM-DD HH:MM:SS.ffffff`` (aware values converted to UTC); date: ISO;
@@ -33,6 +34,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from contracts.events.rows import ColumnV1
+from libs.codec.geometry import split_internal
 
 Column = str | ColumnV1
 Row = Mapping[str, Any] | Sequence[Any]
@@ -99,6 +101,14 @@ def _json(value: Any) -> str:
     return _long_text("J", json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
 
 
+def _geometry(value: bytes) -> str:
+    """``G<srid>:<wkb hex>``: the SRID shown apart, so a diff says which of the two differs."""
+    srid, wkb = split_internal(value)
+    if 2 * len(wkb) > _LONG:
+        return _digest(f"G{srid}:", wkb)
+    return f"G{srid}:{wkb.hex()}"
+
+
 def _is_float32(column: ColumnV1) -> bool:
     m = re.match(r"\s*(float|real)\s*(?:\(\s*(\d+)\s*\))?", column.sql_type, re.IGNORECASE)
     if not m or m.group(1).lower() != "float":
@@ -132,6 +142,8 @@ def normalize(value: Any, column: ColumnV1 | None = None) -> str:
                 return parsed
         if kind in ("string", "set") and isinstance(value, bytes):
             value = value.decode()
+        if kind == "geometry" and isinstance(value, bytes):
+            return _geometry(value)
     except (ValueError, InvalidOperation, TypeError, UnicodeDecodeError):
         pass  # not what the kind says: compare it as whatever it is
     if isinstance(value, bool):

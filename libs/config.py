@@ -71,6 +71,9 @@ class Settings(BaseSettings):
         30.0, gt=0, description="An unanswered schedule task is planned again after this."
     )
     replication_tick_s: float = Field(2.0, gt=0, description="Resend period of unanswered dispatches.")
+    replication_syncpoint_tick_s: float = Field(
+        0.2, gt=0, description="How often the replication-manager leader looks at its changefeeds' "
+                               "syncpoints (plans, reaches, releases).")
     replication_checkpoint_interval_s: float = Field(
         1.0, gt=0, description="How often changefeed checkpoint advances are recorded at most."
     )

@@ -31,6 +31,7 @@ from libs.streams import (
     ROWS_STREAM,
     SNAPSHOT_BUCKET,
     SOURCE_HEALTH_BUCKET,
+    SYNCPOINT_BUCKET,
     VALIDATION_BUCKET,
     domain_stream,
     table_incidents_subject,
@@ -184,7 +185,7 @@ def role_permissions(role: str) -> Permissions | None:
         # Event-stream consumers: every Sluice stream and bucket, read-only.
         streams = [ROWS_STREAM, DEADLETTER_STREAM, *(domain_stream(d) for d in DOMAINS),
                    *(f"KV_{b}" for b in (LEADER_BUCKET, CHECKPOINT_BUCKET, SNAPSHOT_BUCKET, PREPARE_BUCKET,
-                                              VALIDATION_BUCKET, SOURCE_HEALTH_BUCKET))]
+                                              VALIDATION_BUCKET, SOURCE_HEALTH_BUCKET, SYNCPOINT_BUCKET))]
         return Permissions(tuple([*_COMMON_PUB, "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
                                   *(s for st in streams for s in js_read(st))]), (INBOX,))
     if role.startswith(CAPTURE_PREFIX):
@@ -206,8 +207,10 @@ def role_permissions(role: str) -> Permissions | None:
         return _control(SCHEDULER, follows=("members", "replication", "changefeeds"),
                         pub=js_read(ROWS_STREAM), sub=["sluice.cmd.schedule"])
     if role == REPLICATION_MANAGER:
+        # Syncpoints: it reads the resolved marks and writes each changefeed's cap.
         return _control(REPLICATION_MANAGER, follows=("members", "schedule", "changefeeds"),
-                        pub=["sluice.dispatch.*", "sluice.announce.*"], sub=["sluice.hb.*"])
+                        pub=["sluice.dispatch.*", "sluice.announce.*", *js_read(ROWS_STREAM),
+                             *kv_write(SYNCPOINT_BUCKET)], sub=["sluice.hb.*"])
     if role == DDL_LOCK:
         return _control(DDL_LOCK, follows=("changefeeds",),
                         pub=[*js_read(ROWS_STREAM), "sluice.shardddl.ops.*"],
@@ -216,7 +219,7 @@ def role_permissions(role: str) -> Permissions | None:
         return Permissions(
             tuple([*_COMMON_PUB, *js_read(ROWS_STREAM), *_domain_reader("changefeeds"), *_dead_letters(),
                    *kv_write(CHECKPOINT_BUCKET), *kv_write(SNAPSHOT_BUCKET), *kv_write(PREPARE_BUCKET),
-                   *kv_read(LEADER_BUCKET),
+                   *kv_read(LEADER_BUCKET), *kv_read(SYNCPOINT_BUCKET),
                    # Validation status of the spans it runs (it only reads compare requests).
                    *kv_write(VALIDATION_BUCKET),
                    "sluice.hb.*", "sluice.shardddl.report",
@@ -239,7 +242,7 @@ def role_permissions(role: str) -> Permissions | None:
                    *js_own(DEADLETTER_STREAM), f"$JS.API.STREAM.MSG.DELETE.{DEADLETTER_STREAM}",
                    *js_read(ROWS_STREAM),
                    *kv_read(LEADER_BUCKET), *kv_read(CHECKPOINT_BUCKET), *kv_read(SNAPSHOT_BUCKET),
-                   *kv_read(PREPARE_BUCKET), *kv_read(SOURCE_HEALTH_BUCKET),
+                   *kv_read(PREPARE_BUCKET), *kv_read(SOURCE_HEALTH_BUCKET), *kv_read(SYNCPOINT_BUCKET),
                    # Validation: reads the workers' status, writes only compare requests.
                    *kv_write(VALIDATION_BUCKET, ["*.request"])]),
             (INBOX,))

@@ -20,6 +20,9 @@ VALIDATION_BUCKET = "sluice-validation"
 # Why a source's capture cannot read it and since when (key: the source's token), written by that
 # capture while its sessions fail and deleted when one reads; the api's source status shows it.
 SOURCE_HEALTH_BUCKET = "sluice-source-health"
+# Syncpoints (key: the changefeed's token): the ts its spans may not pass now and its last
+# syncpoint, written by the replication-manager leader (libs/syncpoints.py).
+SYNCPOINT_BUCKET = "sluice-syncpoints"
 
 # One event-sourced stream per control domain; its leader is the only writer.
 DOMAINS = ("members", "schedule", "replication", "ddl", "changefeeds")

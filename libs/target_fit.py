@@ -10,6 +10,8 @@ defaults) and any partitioning are accepted. Refused:
 - a column of the source (after table rules and the origin column) the target lacks;
 - a column whose type holds less: a smaller integer range, fewer characters or bytes, fewer
   integer digits or decimals, ENUM/SET members missing, or another kind of type altogether;
+- a spatial column whose subtype is narrower (a POINT target for a GEOMETRY source); the
+  declared SRID is not compared (MariaDB does not enforce it);
 - a unique key (the primary key included) that is not a source key plus perhaps more columns:
   it would refuse rows the source holds together. In a merge that means every unique key must
   hold the origin column, since shards may repeat each other's values.
@@ -34,6 +36,12 @@ _BLOB_CAP = {"tinyblob": 255, "blob": 65_535, "mediumblob": 16_777_215, "longblo
 _SAME = {"double precision": "double", "real": "float", "float4": "float", "float8": "double",
          "jsonb": "json", "timestamp without time zone": "datetime", "timestamp": "datetime",
          "datetime": "datetime", "interval": "time", "boolean": "bool"}
+
+
+# MySQL spatial types, and PostGIS's geometry(Subtype[,srid]) with its subtype in group 2.
+_SPATIAL = re.compile(r"(geometry|point|linestring|polygon|multipoint|multilinestring|multipolygon|"
+                      r"geometrycollection|geomcollection)\b(?:\s*\(\s*([a-z]+))?")
+_SPATIAL_ALIASES = {"geomcollection": "geometrycollection"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,12 @@ def capacity(sql_type: str) -> Capacity:
     """What values a column type holds, comparable across MySQL and PostgreSQL spellings."""
     text = re.sub(r"\s+", " ", sql_type.strip().lower())
     text = re.sub(r"\(\d+\) without time zone$", " without time zone", text)
+    spatial = _SPATIAL.match(text)
+    if spatial:
+        # A GEOMETRY column (MySQL, or PostGIS without a subtype) takes every subtype.
+        named = spatial.group(2) or spatial.group(1)
+        base = _SPATIAL_ALIASES.get(named, named)
+        return Capacity("geometry", members=None if base == "geometry" else frozenset({base}))
     varying = re.fullmatch(r"(character varying|varchar|character|char|bit varying)\s*(\((\d+)\))?", text)
     if varying:
         return Capacity("text", high=int(varying.group(3)) if varying.group(3) else _INF)
@@ -104,6 +118,8 @@ def capacity(sql_type: str) -> Capacity:
 def narrower(target: str, wanted: str) -> str | None:
     """Why a column of type ``target`` cannot hold every value of type ``wanted`` (None: it can)."""
     have, need = capacity(target), capacity(wanted)
+    if need.family == "geometry" == have.family and have.members is not None and need.members != have.members:
+        return f"{target} holds only {'/'.join(sorted(have.members))} values, not every {wanted}"
     if have.family != need.family:
         if need.family in ("enum", "set") and have.family == "text":
             return None  # member names as text: the sink's own PostgreSQL/SQLite choice

@@ -255,6 +255,31 @@ def test_changefeed_validation_is_field_level(api_stack: ApiStack) -> None:
             assert c.get(f"{V1}/changefeeds/v{i}").status_code == 404
 
 
+def test_syncpoint_settings_are_checked_and_the_last_syncpoint_is_shown(api_stack: ApiStack) -> None:
+    with api_stack.client() as c:
+        post = c.post
+        r = post(f"{V1}/changefeeds", json=spec("sp1", syncpoint_interval=5, syncpoint_hold_s=5))
+        assert r.status_code == 422 and "less than syncpoint_interval" in r.text
+        assert ("body", "syncpoint_interval") in errors_at(post(f"{V1}/changefeeds", json=spec(
+            "sp2", syncpoint_interval=0.1)))
+        r = post(f"{V1}/changefeeds", json=spec("sp3", syncpoint_hold_s=2))
+        assert r.status_code == 422 and "needs syncpoint_interval" in r.text
+        r = post(f"{V1}/changefeeds", json=spec("sp4", syncpoint_interval=10,
+                                                sink_url="nats://127.0.0.1:4222/OUT"))
+        assert ("body", "syncpoint_interval") in errors_at(r) and "SQL downstream" in r.text
+        r = post(f"{V1}/changefeeds", json=spec("sp5", syncpoint_interval=10, syncpoint_hold_s=1.5))
+        assert r.status_code == 202, r.text
+        got = c.get(f"{V1}/changefeeds/sp5").json()
+        assert (got["spec"]["syncpoint_interval"], got["spec"]["syncpoint_hold_s"]) == (10, 1.5)
+        sp = c.get(f"{V1}/changefeeds/sp5/syncpoint").json()
+        assert sp["changefeed"] == "sp5" and sp["syncpoint_interval"] == 10
+        assert "last_ts" in sp and "cap_ts" in sp
+        assert c.get(f"{V1}/changefeeds/nope/syncpoint").status_code == 404
+        assert c.delete(f"{V1}/changefeeds/sp5").status_code == 202
+        for i in range(1, 5):
+            assert c.get(f"{V1}/changefeeds/sp{i}").status_code == 404
+
+
 def test_tables_members_sources(api_stack: ApiStack) -> None:
     # Stamped now and as seeded, whatever ran before on this worker's stack.
     TS = api_stack.seed_scenario()

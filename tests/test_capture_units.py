@@ -115,7 +115,7 @@ def test_kinds_from_information_schema() -> None:
     assert kind_for_data_type("BIGINT") == "int"
     assert kind_for_data_type("longtext", is_json=True) == "json"
     assert kind_for_data_type("varbinary") == "bytes"
-    assert kind_for_data_type("point") is None and kind_for_data_type("inet6") is None
+    assert kind_for_data_type("point") == "geometry" and kind_for_data_type("inet6") is None
 
 
 def test_negative_time_fraction_is_repaired() -> None:

@@ -42,6 +42,7 @@ from libs.streams import (
     SHARD_DDL_REPORT_SUBJECT,
     SNAPSHOT_BUCKET,
     SOURCE_HEALTH_BUCKET,
+    SYNCPOINT_BUCKET,
     VALIDATION_BUCKET,
     announce_subject,
     command_subject,
@@ -82,7 +83,8 @@ class Use:
 
 _BUCKETS = {LEADER_BUCKET: "LEADER_BUCKET", CHECKPOINT_BUCKET: "CHECKPOINT_BUCKET",
             SNAPSHOT_BUCKET: "SNAPSHOT_BUCKET", PREPARE_BUCKET: "PREPARE_BUCKET",
-            VALIDATION_BUCKET: "VALIDATION_BUCKET", SOURCE_HEALTH_BUCKET: "SOURCE_HEALTH_BUCKET"}
+            VALIDATION_BUCKET: "VALIDATION_BUCKET", SOURCE_HEALTH_BUCKET: "SOURCE_HEALTH_BUCKET",
+            SYNCPOINT_BUCKET: "SYNCPOINT_BUCKET"}
 
 
 def _kv_write(bucket: str, key: str) -> Use:
@@ -143,6 +145,7 @@ USES: dict[str, list[Use]] = {
         _kv_write(CHECKPOINT_BUCKET, "cf.src1.db.t"), _kv_write(SNAPSHOT_BUCKET, "cf.src1.db.t"),
         _kv_write(PREPARE_BUCKET, "cf.src1.db.t"), _kv_read(LEADER_BUCKET),
         _kv_write(VALIDATION_BUCKET, "cf.src1.db.t"), _kv_read(VALIDATION_BUCKET),
+        _kv_read(SYNCPOINT_BUCKET),  # each changefeed's cap (libs.syncpoints.SyncpointCaps)
         Use("heartbeat_subject", publish=(heartbeat_subject("w1"),)),
         Use("dispatch_subject", subscribe=(dispatch_subject("w1"),)),
         Use("announce_subject", subscribe=(announce_subject(REPLICATION_MANAGER),)),
@@ -158,6 +161,7 @@ USES: dict[str, list[Use]] = {
         _kv_read(LEADER_BUCKET), _kv_read(CHECKPOINT_BUCKET), _kv_read(SNAPSHOT_BUCKET),
         _kv_read(PREPARE_BUCKET), _kv_read(SOURCE_HEALTH_BUCKET),
         _kv_read(VALIDATION_BUCKET), _kv_write(VALIDATION_BUCKET, "cf.request"),
+        _kv_read(SYNCPOINT_BUCKET),
         Use("ROWS_STREAM", reads=((ROWS_STREAM, resolved_subject(SOURCE)),)),
         Use("resolved_subject", reads=((ROWS_STREAM, resolved_subject(SOURCE)),)),
         # A source's problem: capture's newest rejection of it (routes/cluster.py).
@@ -176,7 +180,11 @@ USES: dict[str, list[Use]] = {
     REPLICATION_MANAGER: [*_leader(REPLICATION_MANAGER, "replication", "members", "schedule", "changefeeds"),
                           Use("HEARTBEAT_SUBJECTS", subscribe=(HEARTBEAT_SUBJECTS,)),
                           Use("announce_subject", publish=(announce_subject(REPLICATION_MANAGER),)),
-                          Use("dispatch_subject", publish=(dispatch_subject("w1"),))],
+                          Use("dispatch_subject", publish=(dispatch_subject("w1"),)),
+                          # Syncpoints: the sources' newest marks, each changefeed's cap.
+                          Use("ROWS_STREAM", reads=((ROWS_STREAM, resolved_subject(SOURCE)),)),
+                          Use("resolved_subject", reads=((ROWS_STREAM, resolved_subject(SOURCE)),)),
+                          _kv_write(SYNCPOINT_BUCKET, "cf")],
     DDL_LOCK: [*_leader(DDL_LOCK, "ddl", "changefeeds"),
                Use("command_subject", subscribe=(command_subject("ddl"),)),
                Use("SHARD_DDL_REPORT_SUBJECT", subscribe=(SHARD_DDL_REPORT_SUBJECT,)),

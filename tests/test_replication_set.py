@@ -847,3 +847,13 @@ def test_check_invariants_raises_exactly_when_a_problem_is_found() -> None:
             rs.check_invariants()
         checked += 1
     assert 0 < raised < checked
+
+
+@pytest.mark.parametrize("other", [T.ABSENT, T.STOPPED])
+def test_rebuild_of_one_replicating_member_equals_the_general_path(other: TableState) -> None:
+    # One report of Replicating takes a shortcut; a second member that holds nothing goes the
+    # general way: the two sets must be the same.
+    short, general = rebuilt(a=T.REPLICATING), rebuilt(a=T.REPLICATING, b=other)
+    for name in ("state", "primary", "secondary", "members", "reported", "error", "_resolve_keep"):
+        assert getattr(short, name) == getattr(general, name), name
+    assert short.tick() == general.tick() == []

@@ -38,7 +38,15 @@ from libs.localservers.service_process import ServiceProcess
 from libs.streams import ROWS_STREAM, rejected_subject
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
-from tests.helpers.definitions import mysql_checksum, mysql_definition, pg_columns, sqlite_columns
+from tests.helpers.definitions import (
+    mysql_checksum,
+    mysql_definition,
+    mysql_query,
+    pg_columns,
+    pg_query,
+    sqlite_columns,
+    sqlite_query,
+)
 from tests.helpers.type_cases import (
     CHARSET_CASES,
     KEY_CASES,
@@ -46,6 +54,7 @@ from tests.helpers.type_cases import (
     VALUE_CASES,
     KeyCase,
     ValueCase,
+    large_polygon,
 )
 from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 
@@ -59,9 +68,6 @@ CHARSETS = "charsets"
 
 # Types capture cannot hand over faithfully to every downstream: refused, never stored wrong.
 REFUSED = {
-    "point": "point", "linestring": "linestring", "polygon": "polygon", "geometry": "geometry",
-    "multipoint": "multipoint", "multilinestring": "multilinestring",
-    "multipolygon": "multipolygon", "geometrycollection": "geometrycollection",
     "uuid": "uuid", "inet4": "inet4", "inet6": "inet6",
     # The binlog reader decodes ENUM/SET names as UTF-8: a latin1 'é' would arrive as ''.
     "enum_latin1": "enum('é','a') character set latin1",
@@ -70,18 +76,25 @@ REFUSED = {
     **{f"charset_{name}": f"varchar(10) character set {name}" for name in REFUSED_CHARSETS},
 }
 _REFUSED_VALUE = {
-    "point": "POINT(1, 2)", "linestring": "LINESTRING(POINT(0, 0), POINT(1, 1))",
-    "polygon": "POLYGON(LINESTRING(POINT(0, 0), POINT(1, 0), POINT(1, 1), POINT(0, 0)))",
-    "geometry": "POINT(3, 4)", "multipoint": "MULTIPOINT(POINT(0, 0), POINT(1, 1))",
-    "multilinestring": "MULTILINESTRING(LINESTRING(POINT(0, 0), POINT(1, 1)))",
-    "multipolygon": "MULTIPOLYGON(POLYGON(LINESTRING(POINT(0, 0), POINT(1, 0), POINT(1, 1), POINT(0, 0))))",
-    "geometrycollection": "GEOMETRYCOLLECTION(POINT(0, 0))",
     "uuid": "'123e4567-e89b-12d3-a456-426614174000'", "inet4": "'192.168.0.1'", "inet6": "'::1'",
     "enum_latin1": "'é'", "set_latin1": "'a,é'",
     **{f"charset_{name}": value for name, value in REFUSED_CHARSETS.items()},
 }
 
 GENERATED = "generated"
+# Spatial columns beside a SPATIAL index (NOT NULL, as the index needs) and declared SRIDs; the
+# edge values themselves are in the wide table (``type_cases._spatial_cases``).
+SPATIAL = "spatial"
+SPATIAL_DDL = (f"CREATE TABLE {DB}.{SPATIAL} (id INT PRIMARY KEY, p POINT REF_SYSTEM_ID=4326 NOT NULL,"
+               " g GEOMETRY REF_SYSTEM_ID=3857, c GEOMETRYCOLLECTION, SPATIAL KEY sp (p))")
+SPATIAL_ROWS = (f"INSERT INTO {DB}.{SPATIAL} VALUES"
+                " (1, ST_GeomFromText('POINT(13.4 52.5)', 4326), ST_GeomFromText('POINT(1 1)', 3857),"
+                " ST_GeomFromText('GEOMETRYCOLLECTION EMPTY')),"
+                " (2, ST_GeomFromText('POINT(0 0)', 4326), NULL, NULL),"
+                f" (3, ST_GeomFromText('POINT(-1 -1)', 4326), ST_GeomFromText('{large_polygon(2000)}', 3857),"
+                " ST_GeomFromText('GEOMETRYCOLLECTION(POINT(1 2))', 4326))",
+                f"UPDATE {DB}.{SPATIAL} SET p = ST_GeomFromText('POINT(2 2)', 4326), g = NULL WHERE id = 1",
+                f"DELETE FROM {DB}.{SPATIAL} WHERE id = 2")
 SINKS = ("mariadb", "postgres", "sqlite")
 
 
@@ -96,6 +109,7 @@ def _setup_statements() -> list[str]:
     out.append(f"CREATE TABLE {DB}.{GENERATED} (id INT PRIMARY KEY, a INT, s VARCHAR(10),"
                " gv INT AS (a * 2) VIRTUAL, gs INT AS (a * 3) STORED,"
                " gt VARCHAR(20) AS (CONCAT(s, '!')) PERSISTENT)")
+    out.append(SPATIAL_DDL)
     for name, sql_type in REFUSED.items():
         out.append(f"CREATE TABLE {DB}.refused_{name} (id INT PRIMARY KEY, v {sql_type})")
     return out
@@ -133,6 +147,7 @@ def _change_statements() -> list[str]:
     out.append(f"INSERT INTO {DB}.{GENERATED} (id, a, s) VALUES (1, 5, 'x'), (2, NULL, NULL),"
                " (3, -7, '😀')")
     out.append(f"UPDATE {DB}.{GENERATED} SET a = a + 1, s = 'y' WHERE id = 1")
+    out.extend(SPATIAL_ROWS)
     for name in REFUSED:
         out.append(f"INSERT INTO {DB}.refused_{name} (id, v) VALUES (1, {_REFUSED_VALUE[name]})")
     return out
@@ -181,7 +196,7 @@ def _diff(source: MariaDB, sink_url: str, table: str, columns: list[str] | None 
 
 
 def _tables() -> list[str]:
-    return [WIDE, CHARSETS, GENERATED, *(k.table for k in KEY_CASES)]
+    return [WIDE, CHARSETS, GENERATED, SPATIAL, *(k.table for k in KEY_CASES)]
 
 
 async def _record_feeds(nats_url: str, sink_urls: dict[str, str], source: MariaDB) -> list[str]:
@@ -397,3 +412,42 @@ def test_postgres_and_sqlite_targets_keep_not_null(replicated: Replicated, sink:
         else:
             down = {n for n, c in sqlite_columns(url, table).items() if c[0] == 1}
         assert down == upstream, table
+
+
+def test_spatial_columns_keep_their_type_srid_and_index_on_each_downstream(replicated: Replicated) -> None:
+    """MariaDB: the same spatial types, declared SRIDs and SPATIAL index, and CHECKSUM TABLE
+    equal (rows checked above). PostgreSQL without PostGIS: EWKB in bytea; SQLite: EWKB BLOBs."""
+    diff = _diff(replicated.source, replicated.sink_urls["mariadb"], SPATIAL)
+    assert diff.ok and diff.upstream_count == 2, _report(replicated, "mariadb", SPATIAL, diff)
+    assert replicated.downstream is not None
+    srids = ("SELECT G_GEOMETRY_COLUMN, GEOMETRY_TYPE, SRID FROM information_schema.GEOMETRY_COLUMNS"
+             " WHERE G_TABLE_SCHEMA = %s AND G_TABLE_NAME = %s ORDER BY G_GEOMETRY_COLUMN")
+    upstream = mysql_query(replicated.source, srids, (DB, SPATIAL))
+    assert ("p", 1, 4326) in upstream and ("g", 0, 3857) in upstream
+    assert mysql_query(replicated.downstream, srids, (DB, SPATIAL)) == upstream
+    wide = mysql_query(replicated.source, srids, (DB, WIDE))
+    assert ("c_point_4326", 1, 4326) in wide
+    assert mysql_query(replicated.downstream, srids, (DB, WIDE)) == wide
+    source, target = (mysql_definition(s, DB, SPATIAL) for s in (replicated.source, replicated.downstream))
+    assert [c[:2] for c in target["columns"]] == [c[:2] for c in source["columns"]]
+    assert [(i[0], i[3], i[6]) for i in target["indexes"] if i[0] == "sp"] == [("sp", "p", "SPATIAL")]
+    assert mysql_checksum(replicated.downstream, DB, SPATIAL) == \
+        mysql_checksum(replicated.source, DB, SPATIAL)
+
+    postgis = bool(pg_query(replicated.sink_urls["postgres"],
+                            "SELECT 1 FROM pg_extension WHERE extname = 'postgis'"))
+    types = dict(pg_query(replicated.sink_urls["postgres"],
+                          "SELECT column_name, data_type FROM information_schema.columns"
+                          " WHERE table_schema = %s AND table_name = %s", (DB, SPATIAL)))
+    assert types == {"id": "integer", "p": "USER-DEFINED" if postgis else "bytea",
+                     "g": "USER-DEFINED" if postgis else "bytea", "c": "USER-DEFINED" if postgis else "bytea"}
+    # Stored as EWKB: the SRID in the header (flag 0x20000000), little-endian as MariaDB wrote it.
+    if not postgis:
+        [(ewkb,)] = pg_query(replicated.sink_urls["postgres"],
+                             f'SELECT p FROM "{DB}"."{SPATIAL}" WHERE id = 1')
+        assert bytes(ewkb).hex() == "0101000020e6100000" + "0000000000000040" * 2
+    sqlite_types = {r[1]: r[2] for r in sqlite_query(replicated.sink_urls["sqlite"],
+                                                      f"PRAGMA table_info('{SPATIAL}')")}
+    assert sqlite_types == {"id": "INTEGER", "p": "BLOB", "g": "BLOB", "c": "BLOB"}
+    [(blob,)] = sqlite_query(replicated.sink_urls["sqlite"], f"SELECT c FROM {SPATIAL} WHERE id = 1")
+    assert blob == bytes.fromhex("010700000000000000")  # empty collection, SRID 0: plain WKB

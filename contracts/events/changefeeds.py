@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from contracts.events.rows import SourcePositionV1
 from contracts.registry import register, upcaster
@@ -439,38 +439,48 @@ def _updated_v5_to_v6(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v5_to_v6(data["spec"])}
 
 
-# v7 of changefeed.created / changefeed.updated: what a schema change upstream does downstream
-# (``schema_change_policy``, as Flink CDC's ``schema.change.behavior``).
 
-SchemaChangePolicy = Literal["evolve", "lenient", "ignore", "stop"]
 
+
+# v7 of changefeed.created / changefeed.updated: consistent points across tables (syncpoints).
 
 class ChangefeedSpecV7(ChangefeedSpecV6):
-    """v7 adds ``schema_change_policy`` (``evolve`` by default, as before)."""
+    """v7 adds syncpoints: ``syncpoint_interval`` (off when unset) and ``syncpoint_hold_s``."""
 
-    schema_change_policy: SchemaChangePolicy = Field(
-        "evolve", description="What a DDL upstream does downstream. evolve (the default): the "
-                              "target follows the source; lenient: nothing is removed downstream "
-                              "(a dropped column stays, nullable; a renamed column keeps the old "
-                              "one beside the new; TRUNCATE and DROP TABLE are not applied); "
-                              "ignore: no DDL reaches the target, rows are written with the "
-                              "columns the target has; stop: a DDL stops its table with an "
-                              "incident until an operator resumes it (then it is applied as "
-                              "under evolve). See DESIGN.md, \"Schema-change policies\".")
+    syncpoint_interval: float | None = Field(
+        None, ge=1.0, le=86400.0,
+        description="Seconds between syncpoints; unset: none. At each one every span of the "
+                    "changefeed stops at one upstream ts T, and once all have applied exactly up "
+                    "to T a row (changefeed, T, commit time) is written to the downstream's "
+                    "sluice_syncpoint table (SQL downstreams only).")
+    syncpoint_hold_s: float = Field(
+        0.0, ge=0.0, le=3600.0,
+        description="Seconds the spans wait at T once its row is written, so a reader sees the "
+                    "downstream as it was upstream at T; less than syncpoint_interval.")
+
+    @model_validator(mode="after")
+    def _hold_below_interval(self) -> ChangefeedSpecV7:
+        if self.syncpoint_hold_s and self.syncpoint_interval is None:
+            raise ValueError("syncpoint_hold_s needs syncpoint_interval")
+        if self.syncpoint_interval is not None and self.syncpoint_hold_s >= self.syncpoint_interval:
+            raise ValueError(f"syncpoint_hold_s ({self.syncpoint_hold_s:g}) must be less than "
+                             f"syncpoint_interval ({self.syncpoint_interval:g}): the spans would "
+                             "never move between two holds")
+        return self
 
 
 def _spec_v6_to_v7(spec: dict[str, Any]) -> dict[str, Any]:
-    return {**spec, "schema_change_policy": "evolve"}
+    return {**spec, "syncpoint_interval": None, "syncpoint_hold_s": 0.0}
 
 
 def spec_v7(spec: ChangefeedSpecV2) -> ChangefeedSpecV7:
-    """A spec as v7 (older ones evolve their targets)."""
+    """A spec as v7 (older ones write no syncpoints)."""
     if isinstance(spec, ChangefeedSpecV7):
         return spec
     return ChangefeedSpecV7.model_validate(_spec_v6_to_v7(spec_v6(spec).model_dump()))
 
 
-_V7_DOC = _V6_DOC + " v7: the spec gains ``schema_change_policy`` (evolve, lenient, ignore, stop)."
+_V7_DOC = _V6_DOC + " v7: the spec gains ``syncpoint_interval`` and ``syncpoint_hold_s`` (syncpoints)."
 
 
 @register("changefeed.created", 7)
@@ -485,7 +495,7 @@ class ChangefeedUpdatedV7(ChangefeedUpdatedV6):
     spec: ChangefeedSpecV7
 
 
-# A v6 changefeed applied every DDL downstream.
+# A v6 changefeed wrote no syncpoints.
 @upcaster("changefeed.created", 6)
 def _created_v6_to_v7(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v6_to_v7(data["spec"])}
@@ -496,7 +506,64 @@ def _updated_v6_to_v7(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v6_to_v7(data["spec"])}
 
 
-ChangefeedSpec = ChangefeedSpecV7
+# v8 of changefeed.created / changefeed.updated: what a schema change upstream does downstream
+# (``schema_change_policy``, as Flink CDC's ``schema.change.behavior``).
+
+SchemaChangePolicy = Literal["evolve", "lenient", "ignore", "stop"]
+
+
+class ChangefeedSpecV8(ChangefeedSpecV7):
+    """v8 adds ``schema_change_policy`` (``evolve`` by default, as before)."""
+
+    schema_change_policy: SchemaChangePolicy = Field(
+        "evolve", description="What a DDL upstream does downstream. evolve (the default): the "
+                              "target follows the source; lenient: nothing is removed downstream "
+                              "(a dropped column stays, nullable; a renamed column keeps the old "
+                              "one beside the new; TRUNCATE and DROP TABLE are not applied); "
+                              "ignore: no DDL reaches the target, rows are written with the "
+                              "columns the target has; stop: a DDL stops its table with an "
+                              "incident until an operator resumes it (then it is applied as "
+                              "under evolve). See DESIGN.md, \"Schema-change policies\".")
+
+
+def _spec_v7_to_v8(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, "schema_change_policy": "evolve"}
+
+
+def spec_v8(spec: ChangefeedSpecV2) -> ChangefeedSpecV8:
+    """A spec as v8 (older ones evolve their targets)."""
+    if isinstance(spec, ChangefeedSpecV8):
+        return spec
+    return ChangefeedSpecV8.model_validate(_spec_v7_to_v8(spec_v7(spec).model_dump()))
+
+
+_V8_DOC = _V7_DOC + " v8: the spec gains ``schema_change_policy`` (evolve, lenient, ignore, stop)."
+
+
+@register("changefeed.created", 8)
+class ChangefeedCreatedV8(ChangefeedCreatedV7):
+    __doc__ = _V8_DOC
+    spec: ChangefeedSpecV8
+
+
+@register("changefeed.updated", 8)
+class ChangefeedUpdatedV8(ChangefeedUpdatedV7):
+    __doc__ = _V8_DOC
+    spec: ChangefeedSpecV8
+
+
+# A v7 changefeed applied every DDL downstream.
+@upcaster("changefeed.created", 7)
+def _created_v7_to_v8(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v7_to_v8(data["spec"])}
+
+
+@upcaster("changefeed.updated", 7)
+def _updated_v7_to_v8(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v7_to_v8(data["spec"])}
+
+
+ChangefeedSpec = ChangefeedSpecV8
 """The current spec, the one type every reader of a changefeed holds: events are upcast when
 they are read (the upcasters above), and ``current_spec`` upcasts a spec built in code from an
 older version the same way, so no reader asks whether a field exists."""
@@ -504,5 +571,4 @@ older version the same way, so no reader asks whether a field exists."""
 
 def current_spec(spec: ChangefeedSpecV2) -> ChangefeedSpec:
     """``spec`` as the current version (itself when it is one)."""
-    return spec_v7(spec)
-
+    return spec_v8(spec)

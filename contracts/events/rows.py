@@ -11,10 +11,13 @@ decodes them the same way:
 - ``date``: ``YYYY-MM-DD``; ``datetime`` and ``timestamp``: ISO 8601 without zone,
   ``YYYY-MM-DDTHH:MM:SS.ffffff`` (always six fractional digits; timestamps are UTC);
   ``time``: ``[-]HH:MM:SS.ffffff`` (hours may exceed 24);
-- ``json``: the JSON document as text (MariaDB: exactly as stored); ``bit``: integer.
+- ``json``: the JSON document as text (MariaDB: exactly as stored); ``bit``: integer;
+- ``geometry`` (POINT ... GEOMETRYCOLLECTION): base64 of MariaDB's internal format, the SRID
+  as 4 bytes little-endian then the WKB; a column's declared SRID is in its ``sql_type``
+  (``point srid 4326``).
 
 ``NULL`` is JSON ``null`` for every kind. A value that has no faithful encoding (a zero date
-``0000-00-00``, a spatial column) is never sent: capture rejects the table instead.
+``0000-00-00``, an INET6 column) is never sent: capture rejects the table instead.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from contracts.registry import register, upcaster
 
 ColumnKind = Literal["int", "float", "decimal", "string", "set", "bytes", "date", "datetime",
-                     "timestamp", "time", "json", "bit"]
+                     "timestamp", "time", "json", "bit", "geometry"]
 RowOp = Literal["insert", "update", "delete"]
 
 

@@ -26,6 +26,13 @@ from typing import Any
 
 from contracts.events.rows import ColumnKind, ColumnV1, TableMetaV1
 from libs.codec.base64_sliced import b64decode_strict
+from libs.codec.geometry import (
+    MAX_SRID,
+    SPATIAL_TYPES,
+    ewkb_to_internal,
+    mysql_srid_clause,
+    pg_geometry_type,
+)
 
 # --------------------------------------------------------------------------- source type parsing
 
@@ -45,6 +52,7 @@ class SqlType:
     base: str  # lower case: "decimal", "varchar", "enum", "double precision"
     args: tuple[str | int, ...] = ()  # numbers as int, enum/set members as str
     unsigned: bool = False
+    srid: int | None = None  # a spatial column's declared SRID (``point srid 4326``)
 
     def int_arg(self, index: int, default: int) -> int:
         if len(self.args) > index and isinstance(self.args[index], int):
@@ -60,7 +68,7 @@ class SqlType:
             else:
                 parts.append("'" + arg.replace("\\", "\\\\").replace("'", "''") + "'")
         text = self.base + (f"({','.join(parts)})" if parts else "")
-        return text + (" unsigned" if self.unsigned else "")
+        return text + (" unsigned" if self.unsigned else "") + mysql_srid_clause(self.srid)
 
 
 def parse_sql_type(sql_type: str) -> SqlType:
@@ -113,9 +121,15 @@ def parse_sql_type(sql_type: str) -> SqlType:
                 break
             raise SqlTypeError(f"cannot parse arguments of column type {sql_type!r}")
     words = sql_type[pos:].lower().split()
+    srid: int | None = None
+    if base in SPATIAL_TYPES and len(words) == 2 and words[0] == "srid" and words[1].isdigit():
+        srid = int(words[1])
+        if srid > MAX_SRID:
+            raise SqlTypeError(f"SRID out of range in column type {sql_type!r}")
+        words = []
     if any(w not in _MODIFIERS for w in words):
         raise SqlTypeError(f"unexpected modifiers in column type {sql_type!r}")
-    return SqlType(base=base, args=tuple(args), unsigned="unsigned" in words)
+    return SqlType(base=base, args=tuple(args), unsigned="unsigned" in words, srid=srid)
 
 
 def fsp_of(column: ColumnV1) -> int:
@@ -180,6 +194,9 @@ def decode_value(kind: ColumnKind, sql_type: str, v: Any) -> Any:
     if kind in ("string", "set"):
         return str(v)
     if kind == "bytes":
+        return b64decode_strict(v) if isinstance(v, str) else bytes(v)
+    if kind == "geometry":
+        # MariaDB's internal format (SRID + WKB), as every sink binds it before its own encoding.
         return b64decode_strict(v) if isinstance(v, str) else bytes(v)
     if kind == "date":
         return date.fromisoformat(v)
@@ -276,11 +293,15 @@ def _to_int(v: Any) -> int:
     return int(v)
 
 
-def normalize_fetched(column: ColumnV1, v: Any) -> Any:
-    """A value read back from any target to the types ``decode_value`` produces."""
+def normalize_fetched(column: ColumnV1, v: Any, dialect: str = "mysql") -> Any:
+    """A value read back from any target to the types ``decode_value`` produces. ``dialect``
+    says how the target stores what the value alone does not tell (a geometry is MariaDB's
+    internal format in MySQL, EWKB elsewhere: see ``libs.codec.geometry``)."""
     if v is None:
         return None
     kind = column.kind
+    if kind == "geometry":
+        return bytes(v) if dialect == "mysql" else ewkb_to_internal(v if isinstance(v, str) else bytes(v))
     if kind in ("int", "bit"):
         return _to_int(v)
     if kind == "float":
@@ -391,7 +412,19 @@ def _pg_type(column: ColumnV1, t: SqlType | None) -> str:
         return "interval"
     if kind == "json":
         return "jsonb"
+    if kind == "geometry":
+        # EWKB; a sink whose database has PostGIS asks for ``postgis_type_for`` instead.
+        return "bytea"
     raise ValueError(f"unknown column kind {kind!r}")
+
+
+def postgis_type_for(column: ColumnV1) -> str:
+    """The PostGIS column type of a spatial source column (``geometry(Point,4326)``)."""
+    try:
+        t = parse_sql_type(column.sql_type)
+    except SqlTypeError:
+        return "geometry"
+    return pg_geometry_type(t.base, t.srid)
 
 
 def _sqlite_type(column: ColumnV1, t: SqlType | None) -> str:
@@ -407,8 +440,8 @@ def _sqlite_type(column: ColumnV1, t: SqlType | None) -> str:
     if kind == "decimal":
         # NUMERIC affinity would store 12345678901234567.89 as a REAL: TEXT keeps exact digits.
         return "TEXT"
-    if kind == "bytes":
-        return "BLOB"
+    if kind in ("bytes", "geometry"):
+        return "BLOB"  # a geometry as EWKB (libs.codec.geometry)
     return "TEXT"
 
 
@@ -431,7 +464,7 @@ def sql_type_for(dialect: str, column: ColumnV1) -> str:
         fallback = {
             "int": "bigint", "bit": "bit(64)", "float": "double", "decimal": "decimal(65,30)",
             "string": "longtext", "set": "longtext", "bytes": "longblob", "date": "date",
-            "datetime": "datetime(6)", "time": "time(6)", "json": "json",
+            "datetime": "datetime(6)", "time": "time(6)", "json": "json", "geometry": "geometry",
         }
         return fallback[column.kind]
     if dialect == "postgresql":

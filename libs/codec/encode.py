@@ -17,6 +17,7 @@ from pymysqlreplication.constants import FIELD_TYPE, NONE_SOURCE
 
 from contracts.events.rows import ColumnKind
 from libs.codec.base64_sliced import b64encode_text
+from libs.codec.geometry import SPATIAL_TYPES, GeometryError, check_internal
 
 
 class UnsupportedValue(ValueError):
@@ -39,6 +40,7 @@ _DATA_TYPE_KINDS: dict[str, ColumnKind] = {
     "time": "time",
     "json": "json",
     "bit": "bit",
+    **dict.fromkeys(SPATIAL_TYPES, "geometry"),
 }
 
 _TEXT_TYPES = frozenset(("tinytext", "text", "mediumtext", "longtext"))
@@ -46,7 +48,7 @@ _TEXT_TYPES = frozenset(("tinytext", "text", "mediumtext", "longtext"))
 
 def kind_for_data_type(data_type: str, *, is_json: bool = False) -> ColumnKind | None:
     """The kind of a column from information_schema; None for a type capture does not carry
-    (spatial types, MariaDB's uuid/inet4/inet6, vector ...)."""
+    (MariaDB's uuid/inet4/inet6, vector ...)."""
     data_type = data_type.lower()
     if is_json and data_type in _TEXT_TYPES:
         return "json"
@@ -68,6 +70,7 @@ _BINLOG_KINDS: dict[int, ColumnKind] = {
     **dict.fromkeys((FIELD_TYPE.TIME, FIELD_TYPE.TIME2), "time"),
     FIELD_TYPE.JSON: "json",
     FIELD_TYPE.BIT: "bit",
+    FIELD_TYPE.GEOMETRY: "geometry",
 }
 _BINLOG_STRINGS = frozenset((FIELD_TYPE.VARCHAR, FIELD_TYPE.VAR_STRING, FIELD_TYPE.STRING,
                              FIELD_TYPE.BLOB, FIELD_TYPE.TINY_BLOB, FIELD_TYPE.MEDIUM_BLOB,
@@ -161,6 +164,14 @@ def _bytes(value: Any, _: Sequence[str] | None) -> str:
     return b64encode_text(value)
 
 
+def _geometry(value: Any, _: Sequence[str] | None) -> str:
+    _expect(value, (bytes, bytearray, memoryview), "geometry")
+    try:
+        return b64encode_text(check_internal(bytes(value)))
+    except GeometryError as exc:
+        raise UnsupportedValue(f"not a geometry in MariaDB's internal format: {exc}") from None
+
+
 def _date(value: Any, _: Sequence[str] | None) -> str:
     if isinstance(value, dt.datetime) or not isinstance(value, dt.date):
         raise UnsupportedValue(f"a {type(value).__name__} value in a date column")
@@ -230,5 +241,5 @@ def _bit(value: Any, _: Sequence[str] | None) -> int:
 _ENCODERS: dict[str, Any] = {
     "int": _int, "float": _float, "decimal": _decimal, "string": _string, "set": _set,
     "bytes": _bytes, "date": _date, "datetime": _datetime, "timestamp": _datetime, "time": _time,
-    "json": _json, "bit": _bit,
+    "json": _json, "bit": _bit, "geometry": _geometry,
 }

@@ -22,6 +22,7 @@ from typing import Any
 
 from contracts.events.rows import ColumnKind, ColumnV1, TableMetaV2, TableShapeV1
 from libs.codec.encode import kind_for_binlog_type, kind_for_data_type
+from libs.codec.geometry import SPATIAL_TYPES
 from libs.codec.table_shape import is_mariadb, load_table_shape
 
 _JSON_CHECK = re.compile(r"json_valid\(\s*`?([^`)]+)`?\s*\)", re.IGNORECASE)
@@ -86,11 +87,15 @@ def load_table_info(conn: Any, database: str, table: str) -> TableInfo | None:
             (database, table))
         index_rows = [tuple(r) for r in cur.fetchall()]
         json_columns = _json_columns(cur, database, table)
+        srids = _declared_srids(cur, database, table) if any(
+            str(c[1]).lower() in SPATIAL_TYPES for c in columns) else {}
         shape = load_table_shape(cur, database, table, mariadb=is_mariadb(conn))
     specs = []
     for name, data_type, column_type, is_nullable in columns:
         kind = kind_for_data_type(str(data_type), is_json=name in json_columns)
         sql_type = "json" if kind == "json" and str(data_type).lower() != "json" else str(column_type)
+        if srids.get(str(name)):
+            sql_type = f"{sql_type} srid {srids[str(name)]}"
         specs.append(ColumnSpec(str(name), kind, sql_type, str(is_nullable).upper() == "YES"))
     return replace(_with_keys(database, table, specs, index_rows), shape=shape)
 
@@ -109,6 +114,25 @@ def _json_columns(cur: Any, database: str, table: str) -> set[str]:
         if match:
             found.add(match.group(1))
     return found
+
+
+def _declared_srids(cur: Any, database: str, table: str) -> dict[str, int]:
+    """Spatial columns' declared SRIDs (MariaDB ``REF_SYSTEM_ID``, MySQL 8 ``SRID``), which
+    COLUMN_TYPE leaves out; 0 (none declared) left out too."""
+    queries = (
+        # MariaDB: the G_* columns name the column (F_GEOMETRY_COLUMN is empty there).
+        "SELECT G_GEOMETRY_COLUMN, SRID FROM information_schema.GEOMETRY_COLUMNS"
+        " WHERE G_TABLE_SCHEMA = %s AND G_TABLE_NAME = %s",
+        "SELECT COLUMN_NAME, SRS_ID FROM information_schema.COLUMNS"
+        " WHERE TABLE_SCHEMA = %s AND TABLE_NAME = %s AND SRS_ID IS NOT NULL",
+    )
+    for sql in queries:
+        try:
+            cur.execute(sql, (database, table))
+        except Exception:  # the other server's catalog: try the next spelling
+            continue
+        return {str(name): int(srid) for name, srid in cur.fetchall() if srid}
+    return {}
 
 
 def _with_keys(database: str, table: str, specs: list[ColumnSpec],
@@ -269,7 +293,7 @@ def _binlog_sql_type(col: BinlogColumn) -> str:
     name = {"int": "bigint", "float": "double", "decimal": "decimal", "string": "longtext",
             "bytes": "longblob", "set": "set", "date": "date", "datetime": "datetime(6)",
             "timestamp": "timestamp(6)", "time": "time(6)", "json": "json", "bit": "bit(64)",
-            None: f"binlog type {col.type_code}"}[kind]
+            "geometry": "geometry", None: f"binlog type {col.type_code}"}[kind]
     return f"{name} unsigned" if col.unsigned and kind == "int" else name
 
 

@@ -88,12 +88,13 @@ def shape_from_rows(columns: Iterable[Sequence[Any]], indexes: Iterable[Sequence
         name = str(index_name)
         if name == "PRIMARY" or column is None:
             continue  # the primary key is the metadata's; a functional key part has no column
-        part = IndexPartV1(column=str(column), prefix=int(sub_part) if sub_part is not None else None,
-                           descending=str(order or "A").upper() == "D")
+        kind = _INDEX_KINDS.get(str(index_type or "BTREE").upper(), "btree")
+        # A SPATIAL index shows its key length (MariaDB: 32) as SUB_PART; it takes no prefix.
+        prefix = int(sub_part) if sub_part is not None and kind != "spatial" else None
+        part = IndexPartV1(column=str(column), prefix=prefix, descending=str(order or "A").upper() == "D")
         found = gathered.get(name)
         if found is None:
-            gathered[name] = IndexV1(name=name, unique=not int(non_unique),
-                                     kind=_INDEX_KINDS.get(str(index_type or "BTREE").upper(), "btree"),
+            gathered[name] = IndexV1(name=name, unique=not int(non_unique), kind=kind,
                                      parts=[part], comment=str(comment or ""))
         else:
             found.parts.append(part)

@@ -15,6 +15,7 @@ from contracts.events.changefeeds import (
     ChangefeedCreatedV4,
     ChangefeedCreatedV5,
     ChangefeedCreatedV6,
+    ChangefeedCreatedV7,
     ChangefeedSpec,
     ChangefeedStateChangedV1,
     ChangefeedUpdatedV2,
@@ -22,6 +23,7 @@ from contracts.events.changefeeds import (
     ChangefeedUpdatedV4,
     ChangefeedUpdatedV5,
     ChangefeedUpdatedV6,
+    ChangefeedUpdatedV7,
     current_spec,
 )
 from contracts.events.sources import SourceMovedV1, SourceRegisteredV1, SourceRemovedV1
@@ -78,7 +80,7 @@ class ChangefeedView:
         if isinstance(event, SourceMovedV1):
             return self._move_source(event)
         if isinstance(event, ChangefeedCreatedV2 | ChangefeedCreatedV3 | ChangefeedCreatedV4
-                      | ChangefeedCreatedV5 | ChangefeedCreatedV6):
+                      | ChangefeedCreatedV5 | ChangefeedCreatedV6 | ChangefeedCreatedV7):
             cf = event.spec.id
             spec = current_spec(event.spec)
             changed = self.specs.get(cf) != spec or self.states.get(cf) != "running"
@@ -87,7 +89,7 @@ class ChangefeedView:
             self._checks(cf, event)
             return changed
         if isinstance(event, ChangefeedUpdatedV2 | ChangefeedUpdatedV3 | ChangefeedUpdatedV4
-                      | ChangefeedUpdatedV5 | ChangefeedUpdatedV6):
+                      | ChangefeedUpdatedV5 | ChangefeedUpdatedV6 | ChangefeedUpdatedV7):
             cf = event.spec.id
             spec = current_spec(event.spec)
             changed = self.specs.get(cf) != spec

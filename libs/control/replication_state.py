@@ -31,6 +31,7 @@ from contracts.events.scheduling import (
     RebuiltV1,
     SetChangedV1,
 )
+from contracts.events.syncpoints import SyncpointEndedV1, SyncpointPlannedV1, SyncpointReachedV1
 from libs.control.convert import span_of, span_ref
 from libs.eventstore import StoredEvent
 from libs.scheduling import (
@@ -43,6 +44,7 @@ from libs.scheduling import (
     SetState,
     Span,
 )
+from libs.syncpoints import ChangefeedSyncpoints
 
 _COMPRESS_OVER = 256 * 1024
 
@@ -125,6 +127,8 @@ class ReplicationState:
     ready_members: dict[MemberId, str] = field(default_factory=dict)
     """Members (-> incarnation) that leader has a complete report from: they may get work."""
     index: SetIndex = field(default_factory=SetIndex, repr=False)
+    syncpoints: dict[ChangefeedId, ChangefeedSyncpoints] = field(default_factory=dict)
+    """Each changefeed's syncpoints (``libs.syncpoints``): the pending one, the last released."""
 
     def apply(self, event: BaseModel) -> ReplicationState:
         if isinstance(event, SetChangedV1):
@@ -149,6 +153,8 @@ class ReplicationState:
             self.ready_members = dict(event.members)
         elif isinstance(event, MemberReadyV1):
             self.ready_members[event.member_id] = event.incarnation
+        elif isinstance(event, SyncpointPlannedV1 | SyncpointReachedV1 | SyncpointEndedV1):
+            self.syncpoints.setdefault(event.changefeed, ChangefeedSyncpoints()).apply(event)
         return self
 
     def known_spans(self) -> dict[Span, tuple[int, int]]:
@@ -172,6 +178,7 @@ class ReplicationState:
             "sets": sets,
             "checkpoints": {cf: list(v) for cf, v in self.checkpoints.items()},
             "epoch": self.epoch, "ready": self.ready, "ready_members": dict(self.ready_members),
+            "syncpoints": {cf: sp.dump() for cf, sp in self.syncpoints.items()},
         }
         raw = json.dumps(body, separators=(",", ":")).encode()
         if len(raw) <= _COMPRESS_OVER:
@@ -185,7 +192,9 @@ class ReplicationState:
         state = cls(epoch=int(data.get("epoch") or 0), ready=bool(data.get("ready")),
                     ready_members={str(k): str(v) for k, v in (data.get("ready_members") or {}).items()},
                     checkpoints={cf: (int(v[0]), int(v[1]))
-                                 for cf, v in (data.get("checkpoints") or {}).items()})
+                                 for cf, v in (data.get("checkpoints") or {}).items()},
+                    syncpoints={cf: ChangefeedSyncpoints.restore(v)
+                                for cf, v in (data.get("syncpoints") or {}).items()})
         for row in data.get("sets") or []:
             span = Span(*row[:4])
             error = MultiplePrimaryError(span, tuple(row[9]), row[8]) if row[8] else None

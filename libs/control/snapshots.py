@@ -3,7 +3,14 @@ so a leader that took over a long tail snapshots right away and the next one rep
 
 from __future__ import annotations
 
+import logging
+
+from nats.errors import MaxPayloadError
+
 from libs.eventstore import LeaderLog
+from libs.telemetry.metrics import SNAPSHOTS_TOO_LARGE
+
+log = logging.getLogger(__name__)
 
 
 class SnapshotPolicy:
@@ -24,6 +31,17 @@ class SnapshotPolicy:
     async def maybe_snapshot(self, domain_log: LeaderLog) -> bool:
         if not self.due():
             return False
-        await domain_log.snapshot()
+        try:
+            await domain_log.snapshot()
+        except MaxPayloadError:
+            self.since = 0
+            # A snapshot is one message: a state past the server's max_payload (the replication
+            # domain near 70,000 spans at the default 1 MiB) cannot be written. A new leader then
+            # replays from the last snapshot that fitted: slower, the same state. The leader
+            # keeps its term; it tries again after another ``every`` events.
+            SNAPSHOTS_TOO_LARGE.labels(stream=domain_log.stream).inc()
+            log.error("snapshot of %s not written: larger than the NATS server's max_payload; "
+                      "a new leader will replay from the last snapshot that fitted", domain_log.stream)
+            return False
         self.since = 0
         return True

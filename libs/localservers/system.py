@@ -20,8 +20,9 @@ from contracts.events.changefeeds import (
     TableFilterV1,
 )
 from libs.changefeeds import record_changefeed
+from libs.config import Settings
 from libs.localservers.mariadb import MariaDB
-from libs.localservers.nats_server import NatsServer
+from libs.localservers.nats_server import NatsCluster, NatsServer
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
 from libs.nats_auth import API
@@ -54,7 +55,12 @@ class LocalSystem:
     """nats-server requires TLS with client certificates (authentication is always on)."""
     nats_sync_interval: str | None = None
     """JetStream's fsync interval (the demo: ``always``); None keeps the server's default."""
+    nats_nodes: int = 1
+    """1: one nats-server; 3 (or more): a ``NatsCluster`` of that many nodes, and every Sluice
+    stream and bucket with as many replicas (SLUICE_STREAM_REPLICAS)."""
     nats: NatsServer | None = None
+    """The nats-server, or with a cluster its first node (the cluster is ``nats_cluster``)."""
+    nats_cluster: NatsCluster | None = None
     source_dbs: list[MariaDB] = field(default_factory=list)
     downstream_db: MariaDB | PostgreSQL | None = None
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
@@ -66,8 +72,14 @@ class LocalSystem:
 
     def start_infra(self) -> None:
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        self.nats = NatsServer(data_dir=self.base_dir / "nats", tls=self.nats_tls,
-                               sync_interval=self.nats_sync_interval).start()
+        if self.nats_nodes > 1:
+            assert not self.nats_tls, "a local NATS cluster runs without TLS"
+            self.nats_cluster = NatsCluster(self.base_dir / "nats", size=self.nats_nodes,
+                                            sync_interval=self.nats_sync_interval).start()
+            self.nats = self.nats_cluster.nodes[0]
+        else:
+            self.nats = NatsServer(data_dir=self.base_dir / "nats", tls=self.nats_tls,
+                                   sync_interval=self.nats_sync_interval).start()
         for i in range(self.sources):
             db = MariaDB(data_dir=self.base_dir / f"source{i + 1}", server_id=next(self._server_ids))
             self.source_dbs.append(db.start())
@@ -86,10 +98,21 @@ class LocalSystem:
     def source_id(self, index: int) -> str:
         return f"src{index + 1}"
 
+    @property
+    def nats_urls(self) -> list[str]:
+        """The admin user's URL of every NATS node: what the tests' and tools' own clients
+        connect to (``nats.connect(servers=...)``), so they outlive one node."""
+        if self.nats_cluster is not None:
+            return self.nats_cluster.urls
+        assert self.nats is not None
+        return [self.nats.url]
+
     def env(self) -> dict[str, str]:
         assert self.nats is not None
         return {
-            "SLUICE_NATS_URL": self.nats.url,
+            # A service is handed its own role's user and every node (ServiceProcess).
+            "SLUICE_NATS_URL": ",".join(self.nats_urls),
+            "SLUICE_STREAM_REPLICAS": str(self.nats_nodes),
             "SLUICE_LEASE_TTL_S": str(self.lease_ttl_s),
             "SLUICE_STATE_DB_URL": f"sqlite:///{self.base_dir / 'state.db'}",
             "SLUICE_DOWNSTREAM_URL": self.sink_url,
@@ -146,7 +169,9 @@ class LocalSystem:
         with ThreadPoolExecutor(max_workers=max(1, len(live), len(dbs))) as pool:
             list(pool.map(end, live))
             list(pool.map(lambda db: db.stop(), dbs))
-        if self.nats is not None:
+        if self.nats_cluster is not None:
+            self.nats_cluster.stop()
+        elif self.nats is not None:
             self.nats.stop()
 
     # ------------------------------------------------------------------ changefeeds
@@ -166,7 +191,10 @@ class LocalSystem:
         assert self.nats is not None
         nc = await nats.connect(**self.nats.client_options(API))
         try:
-            return await record_changefeed(nc.jetstream(), spec, requested_by)
+            # The system's stream settings, not this process' defaults: ensuring the changefeeds
+            # log with another replica count would rescale it.
+            return await record_changefeed(nc.jetstream(), spec, requested_by,
+                                           settings=Settings(stream_replicas=self.nats_nodes))
         finally:
             await nc.close()
 

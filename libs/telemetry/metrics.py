@@ -19,6 +19,9 @@ DEAD_LETTERS = Counter("sluice_dead_letters", "Messages moved to a dead-letter s
 EVENTS_APPENDED = Counter("sluice_events_appended", "Events appended to domain streams.", ["stream"])
 APPEND_CONFLICTS = Counter("sluice_append_conflicts",
                            "Appends refused by the expected-sequence check.", ["stream"])
+SNAPSHOTS_TOO_LARGE = Counter("sluice_snapshots_too_large",
+                              "Domain snapshots not written: larger than the NATS server's max_payload.",
+                              ["stream"])
 
 
 def render_latest() -> tuple[bytes, str]:

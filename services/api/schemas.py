@@ -155,6 +155,9 @@ class ChangefeedOut(BaseModel):
     failed_checks: list[dict[str, str]] = Field(
         default_factory=list, description="Creation checks that failed when it was accepted with "
                                           "skip_checks (check, target, message).")
+    syncpoint: dict[str, Any] | None = Field(
+        None, description="With syncpoint_interval: the last released syncpoint (last_ts, last_time, "
+                          "last_commit_time), the pending one (cap_ts, holding, hold_until) and counts.")
 
 
 class CheckpointOut(BaseModel):

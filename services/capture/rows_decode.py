@@ -23,9 +23,9 @@ event through the library, which then decodes it, or raises what it raises today
 
 Covered (MariaDB's binlog, v1 and v2 rows events): TINY/SHORT/INT24/LONG/LONGLONG signed and
 unsigned, FLOAT, DOUBLE, NEWDECIMAL, YEAR, DATE, DATETIME2, TIMESTAMP2, TIME2, VARCHAR, STRING
-(CHAR, BINARY), BLOB (every TEXT and BLOB size), ENUM, SET, BIT. Not covered (library path):
-the pre-5.6 temporal types (DATETIME, TIME, TIMESTAMP), MySQL's binary JSON, GEOMETRY, and
-anything else.
+(CHAR, BINARY), BLOB (every TEXT and BLOB size), ENUM, SET, BIT, GEOMETRY (every spatial type:
+the stored bytes, MariaDB's internal format). Not covered (library path): the pre-5.6 temporal
+types (DATETIME, TIME, TIMESTAMP), MySQL's binary JSON, and anything else.
 """
 
 from __future__ import annotations
@@ -303,6 +303,10 @@ class _Compiler:
                 from services.capture.value_repairs import binary_padder
                 lines.append(f"{v} = {self.bind(f'P{i}', binary_padder(col.max_length))}({v})")
             return lines, None
+        if t == T.GEOMETRY:
+            # MariaDB's internal format (SRID + WKB) as the library reads it: the bytes after a
+            # length of ``length_size`` bytes, never decoded as text.
+            return [*_length(col.length_size), f"{v} = data[p:p + n]", "p += n"], None
         if t == T.DATE:
             return [f"{v} = {self.bind('DATE', _date)}(data[p] | data[p + 1] << 8 | data[p + 2] << 16)",
                     "p += 3"], NONE_SOURCE.OUT_OF_DATE_RANGE

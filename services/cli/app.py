@@ -134,6 +134,13 @@ def changefeed_get(ctx: typer.Context, changefeed: str) -> None:
     cli.show(cli.run("GET", f"/changefeeds/{changefeed}"), render.changefeed)
 
 
+@changefeed_app.command("syncpoint")
+def changefeed_syncpoint(ctx: typer.Context, changefeed: str) -> None:
+    """The last syncpoint (every table at one upstream ts, in the downstream's sluice_syncpoint)."""
+    cli = _cli(ctx)
+    cli.show(cli.run("GET", f"/changefeeds/{changefeed}/syncpoint"), render.syncpoint)
+
+
 @changefeed_app.command("rules")
 def changefeed_rules(ctx: typer.Context, changefeed: str) -> None:
     """The changefeed's table rules: events and rows left out, columns kept, dropped or computed."""

@@ -125,6 +125,19 @@ def changefeed(item: dict[str, Any]) -> None:
     as_json(item.get("spec"))
 
 
+def syncpoint(item: dict[str, Any]) -> None:
+    if item.get("syncpoint_interval") is None:
+        console.print(f"changefeed {item.get('changefeed')}: syncpoints off (no syncpoint_interval)")
+    pending = None
+    if item.get("cap_ts"):
+        pending = f"{item['cap_ts']} ({item.get('cap_time')}), " + ("holding" if item.get("holding")
+                                                                     else "waiting for the tables")
+    table("syncpoint", ["last ts", "upstream time", "written downstream", "pending", "released",
+                        "abandoned", "last abandoned because"],
+          [[item.get("last_ts"), item.get("last_time"), item.get("last_commit_time"), pending,
+            item.get("released"), item.get("abandoned"), item.get("last_abandoned") or None]])
+
+
 def members(items: list[dict[str, Any]]) -> None:
     table("members", ["member", "draining", "tables", "primary", "secondary", "address"],
           ([m["member_id"], "yes" if m["draining"] else "no", m["tables"], m["primary"],

@@ -64,6 +64,7 @@ from libs.streams import HEARTBEAT_SUBJECTS, announce_subject, dispatch_subject
 from libs.telemetry.tracing import extract_context, publish_span, tracer
 from libs.ts import lag_seconds, ts_seconds
 from services.replication_manager.core import Output, ReplicationCore
+from services.replication_manager.syncpoints import SyncpointDriver
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,10 @@ class ReplicationService:
                                            publish_status=loop.publish_status,
                                            stopped=lambda: changefeeds.state.stopped)
             sender.core = handlers.core
+            handlers.syncpoints = SyncpointDriver(
+                self.js, domain_log, handlers.core, specs=lambda: changefeeds.state.specs,
+                running=lambda cf: changefeeds.state.states.get(cf) == "running",
+                stopped=lambda: changefeeds.state.stopped)
             members.on_event = handlers.on_member
             schedule.on_event = handlers.on_schedule
             handlers.put = loop.inbox.put
@@ -180,8 +185,10 @@ class ReplicationHandlers:
             "known_spans": len(recorded.sets), "replay_s": round(time.monotonic() - started, 3)})
         self.policy = SnapshotPolicy(settings.control_snapshot_every)
         self.policy.opened(domain_log)
-        self.last_tick = self.last_checkpoint = time.monotonic()
+        self.last_tick = self.last_checkpoint = self.last_syncpoint = time.monotonic()
         self.advanced = False
+        self.syncpoints: SyncpointDriver | None = None
+        """Consistent points across each changefeed's tables (``syncpoint_interval``)."""
 
     def on_member(self, stored: StoredEvent) -> None:
         if isinstance(stored.event, MemberJoinedV2 | MemberLeftV1):
@@ -207,7 +214,8 @@ class ReplicationHandlers:
     def wait_s(self) -> float:
         settings = self.settings
         return max(0.01, min(self.last_tick + settings.replication_tick_s,
-                             self.last_checkpoint + settings.replication_checkpoint_interval_s)
+                             self.last_checkpoint + settings.replication_checkpoint_interval_s,
+                             self.last_syncpoint + settings.replication_syncpoint_tick_s)
                    - time.monotonic())
 
     async def handle(self, entry: Entry[Input, None]) -> None:
@@ -246,6 +254,9 @@ class ReplicationHandlers:
         if now - self.last_tick >= settings.replication_tick_s:
             self.last_tick = now
             await self.record(core.tick(now))
+        if self.syncpoints is not None and now - self.last_syncpoint >= settings.replication_syncpoint_tick_s:
+            self.last_syncpoint = now
+            await self.syncpoints.tick()
         # Until this term has published a checkpoint, look after every input (the first
         # report that moves the slowest span); from then on at most every interval.
         due = now - self.last_checkpoint >= settings.replication_checkpoint_interval_s
@@ -291,6 +302,7 @@ class ReplicationHandlers:
             "checkpoints": {cf: {"checkpoint_ts": cp.checkpoint_ts, "resolved_ts": cp.resolved_ts}
                             for cf, cp in core.tracker.changefeeds.items()},
             "checkpoint_blocked": core.blocked(),
+            "syncpoints": self.syncpoints.status() if self.syncpoints is not None else {},
             "conflicts": [str(e) for e in errors],
             "ignored_reports": core.ignored_reports,
             "stale_reports": core.manager.stale_reports,

@@ -188,8 +188,9 @@ class Recorder:
         if isinstance(answer, DispatchResponseV1):
             d.answer = answer
 
-    async def start(self, url: str) -> None:
-        # Reconnect for as long as it takes: the chaos suite restarts the nats-server under it.
+    async def start(self, url: str | list[str]) -> None:
+        # Reconnect for as long as it takes: the chaos suite restarts the nats-server under it
+        # (a list: the nodes of a cluster, one of which may be down).
         self.nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         js = self.nc.jetstream()
         await self.nc.subscribe("sluice.dispatch.*", cb=self._on_dispatch)

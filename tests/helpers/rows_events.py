@@ -76,7 +76,8 @@ def statements() -> list[str]:
     out.append(f"CREATE TABLE {DB}.extra (id INT PRIMARY KEY, {extra})")
     out.append(f"CREATE TABLE {DB}.narrow (id INT PRIMARY KEY, k INT NOT NULL, c CHAR(120) NOT NULL,"
                " pad CHAR(60) NOT NULL)")
-    out.append(f"CREATE TABLE {DB}.spatial (id INT PRIMARY KEY, p POINT, n INT)")
+    out.append(f"CREATE TABLE {DB}.spatial (id INT PRIMARY KEY, p POINT, n INT,"
+               " g GEOMETRY REF_SYSTEM_ID=4326)")
     charsets = ", ".join(f"c_{c.id} {c.sql_type}" for c in CHARSET_CASES)
     out.append(f"CREATE TABLE {DB}.charsets (id INT PRIMARY KEY, {charsets})")
     # The type matrix's rows, one insert each, then a multi-row update and delete.
@@ -114,7 +115,10 @@ def statements() -> list[str]:
         out.append(f"INSERT INTO {DB}.charsets (id, {names}) VALUES ({i}, {values})")
     out.append(f"UPDATE {DB}.charsets SET id = id + 10")
     out.append(f"DELETE FROM {DB}.charsets WHERE id = 10")
-    out.append(f"INSERT INTO {DB}.spatial VALUES (1, POINT(1, 2), 3), (2, NULL, NULL)")
+    out.append(f"INSERT INTO {DB}.spatial VALUES (1, POINT(1, 2), 3,"
+               " ST_GeomFromText('GEOMETRYCOLLECTION EMPTY', 4326)), (2, NULL, NULL, NULL),"
+               " (3, ST_GeomFromText('POINT(-1.5 1e300)', 0), 5,"
+               " ST_GeomFromText('POLYGON((0 0, 10 0, 10 10, 0 0), (1 1, 2 1, 2 2, 1 1))', 4326))")
     out.append(f"UPDATE {DB}.spatial SET n = 4")
     return out
 

@@ -78,6 +78,7 @@ def _value_cases() -> list[ValueCase]:
         ValueCase("json", "json", ("'{\"a\": 1, \"b\": [true, null, \"😀\"]}'", "'[]'", "'\"str\"'",
                                    "'1.5'", "'{}'", "'{\"n\": 12345678901234567890}'")),
     ]
+    cases += _spatial_cases()
     for fsp in range(7):
         cases.append(ValueCase(f"datetime{fsp}", f"datetime({fsp})", tuple(
             f"'{_fsp(v, fsp)}'" for v in ("1000-01-01 00:00:00.000000", "9999-12-31 23:59:59.999999",
@@ -90,6 +91,51 @@ def _value_cases() -> list[ValueCase]:
                                           "-00:00:01.000000", "25:00:00.000001", "-12:34:56.780000",
                                           "-00:00:00.500000"))))
     return cases
+
+
+def _geom(wkt: str, srid: int = 0) -> str:
+    return f"ST_GeomFromText('{wkt}', {srid})"
+
+
+def large_polygon(points: int) -> str:
+    """A polygon's WKT with ``points`` vertices on a circle (closed: the first one again)."""
+    import math
+
+    angles = [2 * math.pi * i / points for i in range(points)]
+    ring = [(round(100 * math.cos(a), 9), round(100 * math.sin(a), 9)) for a in angles]
+    ring.append(ring[0])
+    return "POLYGON((" + ", ".join(f"{x!r} {y!r}" for x, y in ring) + "))"
+
+
+def _spatial_cases() -> list[ValueCase]:
+    """Every spatial type, SRIDs 0 and 4326 (per value and declared on the column), empty
+    collections and a polygon of thousands of points."""
+    return [
+        ValueCase("point", "point", (_geom("POINT(1 2)"), _geom("POINT(-180 90)", 4326),
+                                     _geom("POINT(1e300 -2.5e-300)"), _geom("POINT(0 -0)", 3857))),
+        ValueCase("point_4326", "point REF_SYSTEM_ID=4326", (_geom("POINT(13.4 52.5)", 4326),
+                                                            _geom("POINT(0 0)", 4326))),
+        ValueCase("linestring", "linestring", (_geom("LINESTRING(0 0, 1 1, 2 0.5)", 4326),
+                                               _geom("LINESTRING(-1 -1, 1e10 1e10)"))),
+        ValueCase("polygon", "polygon", (
+            _geom("POLYGON((0 0, 10 0, 10 10, 0 10, 0 0), (2 2, 2 3, 3 3, 2 2))", 4326),
+            _geom(large_polygon(5000), 4326), _geom(large_polygon(3000)))),
+        ValueCase("multipoint", "multipoint", (_geom("MULTIPOINT(0 0, 1 1, 1 1)"),
+                                               _geom("MULTIPOINT(5 5)", 4326))),
+        ValueCase("multilinestring", "multilinestring", (
+            _geom("MULTILINESTRING((0 0, 1 1), (2 2, 3 3, 4 2))", 4326),)),
+        ValueCase("multipolygon", "multipolygon", (
+            _geom("MULTIPOLYGON(((0 0, 1 0, 1 1, 0 0)),"
+                  " ((5 5, 6 5, 6 6, 5 5), (5.2 5.1, 5.8 5.1, 5.8 5.7, 5.2 5.1)))"),
+            _geom("MULTIPOLYGON(((0 0, 1 0, 1 1, 0 0)))", 4326))),
+        ValueCase("geometry", "geometry", (
+            _geom("POINT(3 4)", 4326), _geom("GEOMETRYCOLLECTION EMPTY"),
+            _geom("POLYGON((0 0, 1 0, 1 1, 0 0))", 3857), _geom("MULTIPOINT(1 1)"))),
+        ValueCase("geometrycollection", "geometrycollection", (
+            _geom("GEOMETRYCOLLECTION EMPTY"), _geom("GEOMETRYCOLLECTION EMPTY", 4326),
+            _geom("GEOMETRYCOLLECTION(POINT(0 0), LINESTRING(0 0, 1 1),"
+                  " GEOMETRYCOLLECTION(POINT(2 2)), POLYGON((0 0, 1 0, 1 1, 0 0)))", 4326))),
+    ]
 
 
 VALUE_CASES = _value_cases()

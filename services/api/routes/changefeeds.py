@@ -17,14 +17,16 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from sqlmodel import Session, select
 
-from contracts.events.changefeeds import ChangefeedSpec, ChangefeedSpecV7
+from contracts.events.changefeeds import ChangefeedSpec, ChangefeedSpecV8
 from contracts.events.table_incidents import TableStoppedV2
 from libs.changefeeds import record_changefeed, record_state, record_update
 from libs.eventstore import AppendConflict
 from libs.routing import unique_conflict_warnings
 from libs.scheduling.model import Span as WorkerSpan
+from libs.streams import SYNCPOINT_BUCKET, token
+from libs.syncpoints import SyncpointRecord
 from services.api.auth import require_read, require_write
-from services.api.context import ApiContext, get_ctx, js_of, projections_of, span_checkpoint
+from services.api.context import ApiContext, get_ctx, js_of, kv_json, projections_of, span_checkpoint
 from services.api.models import ChangefeedRow, SpanRow
 from services.api.prechecks import CheckResult, run_checks
 from services.api.schemas import (
@@ -45,7 +47,7 @@ _ATTEMPTS = 5
 
 
 def changefeed_out(row: ChangefeedRow, spans: list[SpanRow]) -> ChangefeedOut:
-    spec = ChangefeedSpecV7.model_validate_json(row.spec_json)
+    spec = ChangefeedSpecV8.model_validate_json(row.spec_json)
     by_state = Counter(s.state for s in spans)
     return ChangefeedOut(id=row.id, state=row.state, spec=redact_spec(spec),
                          checkpoint_ts=row.checkpoint_ts, resolved_ts=row.resolved_ts,
@@ -146,15 +148,45 @@ def _validate(spec: ChangefeedSpec, password_checked: bool = False) -> None:
         raise RequestValidationError(problems)
 
 
+async def syncpoint_view(ctx: ApiContext, changefeed_id: str) -> dict[str, Any] | None:
+    """The changefeed's syncpoints as the replication-manager leader last wrote them."""
+    raw = await kv_json(ctx, SYNCPOINT_BUCKET, token(changefeed_id))
+    if raw is None:
+        return None
+    try:
+        return SyncpointRecord.model_validate(raw).view()
+    except ValueError:
+        return None
+
+
+async def with_details(ctx: ApiContext, out: ChangefeedOut) -> ChangefeedOut:
+    out = await with_stopped_tables(ctx, out)
+    if out.spec.get("syncpoint_interval") is not None:
+        out.syncpoint = await syncpoint_view(ctx, out.id)
+    return out
+
+
 @router.get("", response_model=list[ChangefeedOut], dependencies=[Depends(require_read)])
 async def get_changefeeds(ctx: ApiContext = Depends(get_ctx)) -> list[ChangefeedOut]:
-    return list(await asyncio.gather(*(with_stopped_tables(ctx, out) for out in list_changefeeds(ctx))))
+    return list(await asyncio.gather(*(with_details(ctx, out) for out in list_changefeeds(ctx))))
 
 
 @router.get("/{changefeed_id}", response_model=ChangefeedOut, dependencies=[Depends(require_read)],
             responses={404: {"description": "Unknown changefeed"}})
 async def get_changefeed(changefeed_id: str, ctx: ApiContext = Depends(get_ctx)) -> ChangefeedOut:
-    return await with_stopped_tables(ctx, load_changefeed(ctx, changefeed_id))
+    return await with_details(ctx, load_changefeed(ctx, changefeed_id))
+
+
+@router.get("/{changefeed_id}/syncpoint", dependencies=[Depends(require_read)],
+            responses={404: {"description": "Unknown changefeed"}})
+async def get_syncpoint(changefeed_id: str, ctx: ApiContext = Depends(get_ctx)) -> dict[str, Any]:
+    """The last syncpoint (every table of the changefeed at one upstream ts, recorded in the
+    downstream's sluice_syncpoint table) and the pending one; ``last_ts`` null before the first."""
+    out = load_changefeed(ctx, changefeed_id)
+    view = await syncpoint_view(ctx, changefeed_id)
+    return {"changefeed": changefeed_id, "syncpoint_interval": out.spec.get("syncpoint_interval"),
+            "syncpoint_hold_s": out.spec.get("syncpoint_hold_s"),
+            **(view or SyncpointRecord(changefeed=changefeed_id).view())}
 
 
 @router.post("", status_code=202, response_model=Accepted, dependencies=[Depends(require_write)],

@@ -167,7 +167,7 @@ def _select(sink: SqlSink, cur: Any, table: CascadeTable, columns: Sequence[str]
     lock = "" if sink.dialect == "sqlite" else " FOR UPDATE"
     cur.execute(f"SELECT {names} FROM {sink._table_ref(table.target, for_params=True)} WHERE {where}{lock}",
                 params)
-    return [{c.name: normalize_fetched(c, v) for c, v in zip(cols, raw, strict=True)}
+    return [{c.name: normalize_fetched(c, v, sink.dialect) for c, v in zip(cols, raw, strict=True)}
             for raw in cur.fetchall()]
 
 

@@ -41,6 +41,7 @@ from libs.gc_pause import gc_paused
 from libs.scheduling.model import Span
 from libs.spark import spark_gone
 from libs.streams import ROWS_STREAM
+from libs.syncpoints import SyncpointCaps, capped
 from libs.telemetry.tracing import tracer
 from services.sink_worker import metrics as m
 from services.sink_worker.ddl.barrier import DdlBarrier
@@ -59,6 +60,7 @@ from services.sink_worker.round.sort_job import SpanCut
 from services.sink_worker.round.trace import batch_span
 from services.sink_worker.round.work import RoundAbandoned, RoundReport, SpanWork
 from services.sink_worker.round.writer import Outcomes, Writers
+from services.sink_worker.sinks.write_fence import WriteFences
 from services.sink_worker.snapshot.initial_load import InitialLoads, snapshot_mode
 from services.sink_worker.span.checkpoints import Checkpoint, CheckpointStore
 from services.sink_worker.span.machine import SpanOutcome, SpanState
@@ -111,7 +113,11 @@ class Pipeline:
         schemas = TargetSchemas()
         self.barrier = DdlBarrier(schemas, initial_loads)
         self.fk_barrier = ForeignKeyBarrier()
-        self.writers = Writers(self.options, schemas, self.barrier, self.new_overwrites)
+        self.caps = SyncpointCaps(js)
+        """Each changefeed's syncpoint cap, read every round (``libs.syncpoints``)."""
+        self.fences = initial_loads.fences if initial_loads is not None else WriteFences()
+        """Write tokens of the spans this worker writes (``write_fence``), shared with the copies."""
+        self.writers = Writers(self.options, schemas, self.barrier, self.new_overwrites, self.fences)
 
     def attach_shard_ddl(self, shard_ddl: ShardDdl) -> None:
         self.shard_ddl = self.barrier.shard_ddl = shard_ddl
@@ -138,6 +144,7 @@ class Pipeline:
             if self.initial_loads is not None:
                 await self.initial_loads.stop(span)
             self.advance.forget_gauges(span)
+            self._forget_fences(span)
         for span, config in wanted.items():
             rt = self.spans.get(span)
             if rt is None and span in self.prepared:
@@ -228,7 +235,13 @@ class Pipeline:
         final = await self.advance.store_final(rt)
         await rt.reader.close()
         self.advance.forget_gauges(span)
+        self._forget_fences(span)
         return final
+
+    def _forget_fences(self, span: Span) -> None:
+        # Taken again (bumped) if the span comes back: another owner may have written meanwhile.
+        for key in {span.kv_key, *(s.kv_key for s in copied_spans(span))}:
+            self.fences.forget(key)
 
     def status(self) -> list[dict[str, Any]]:
         out = []
@@ -349,6 +362,16 @@ class Pipeline:
         marks = {}
         for source in sorted({rt.span.source for rt in runtimes}):
             marks[source] = await latest_resolved(self.js, source, self.rows_stream)
+        # After the marks, never before: a mark this round acts on is then older than the cap it
+        # reads, and the leader abandons a T some mark passed before its cap was out.
+        try:
+            caps = await self.caps.read(rt.span.changefeed for rt in runtimes if rt.config.syncpoints)
+        except Exception as exc:
+            # Without the caps no span of a changefeed with syncpoints may write: it could pass T.
+            log.warning("cannot read the syncpoint caps; those spans wait", exc_info=True)
+            report.errors.append(f"syncpoint caps: {exc!r}")
+            runtimes = [rt for rt in runtimes if not rt.config.syncpoints]
+            caps = {}
         limits = self.round_size.limits(rt.span for rt in runtimes)
         works: list[SpanWork] = []
         for rt in runtimes:
@@ -372,7 +395,8 @@ class Pipeline:
                 continue
             rt.dead_lettered += pulled.dead_lettered
             rt.resolved_ts = mark.ts if mark else None
-            work = SpanWork(rt, start, pulled, pulled.horizon(start.ts, rt.resolved_ts),
+            horizon = capped(pulled.horizon(start.ts, rt.resolved_ts), caps.get(rt.span.changefeed), start.ts)
+            work = SpanWork(rt, start, pulled, horizon,
                             [e for e in pulled.events if e.ts > start.ts], SpanRoutes(rt.span, rt.config))
             if rt.span.members is not None:
                 await self.planner.plan_group(work)

@@ -44,7 +44,7 @@ from uuid import uuid4
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from pydantic import BaseModel, ValidationError
 
 from contracts import REGISTRY, ContractError, Envelope
@@ -77,6 +77,16 @@ _DEAD_LETTER_BODY_MAX = 512 * 1024
 # messages: the server drops a client as a slow consumer past 64 MiB pending to it. A reader
 # starts at that count and doubles it after every fetch without chunks, up to _FETCH_CHUNK.
 _FETCH_MAX_BYTES = 16 * 1024 * 1024
+
+
+# JetStream's answer for a consumer whose server is down ("consumer is offline"): in a cluster,
+# an R1 consumer on a node that stopped. It stays so until that node is back.
+CONSUMER_OFFLINE = 10119
+
+
+def consumer_lost(exc: APIError) -> bool:
+    """Whether a JetStream error says the consumer cannot be read any more (gone, or offline)."""
+    return isinstance(exc, NotFoundError) or exc.err_code == CONSUMER_OFFLINE
 
 
 class Garbage(Exception):
@@ -392,8 +402,13 @@ class SpanReader:
                 await self._refill(limit)
                 reached, scanned_dead = await self._scan(limit, checkpoint_ts, until_seq)
                 await self._refill(limit)
-            except NotFoundError:
-                # The consumer is gone (server restart, inactivity): read again from the checkpoint.
+            except (APIError, TimeoutError, NatsTimeoutError) as exc:
+                if isinstance(exc, APIError) and not consumer_lost(exc):
+                    raise
+                # The consumer is gone (server restart, inactivity), offline, or does not answer
+                # at all (the node of a cluster that holds it, R1, is down or was killed): read
+                # again from the checkpoint with a new one, which a live node holds. Reading
+                # again is always correct; a consumer that was only slow costs a re-read.
                 await self._reset(checkpoint_seq)
                 reached, scanned_dead = await self._scan(limit, checkpoint_ts, until_seq)
                 await self._refill(limit)

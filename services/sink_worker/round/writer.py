@@ -31,7 +31,7 @@ from services.sink_worker.fence import SelfFence
 from services.sink_worker.fk.cascades import CascadeGraph, CascadeTable
 from services.sink_worker.fk.table_group import apply_group_batch
 from services.sink_worker.incidents.poison import RowFailure, TableIncident
-from services.sink_worker.round.apply_job import ApplyResult, run_apply
+from services.sink_worker.round.apply_job import ApplyResult, TargetPlan, run_apply
 from services.sink_worker.round.large_values import LargeKeyError, LargeValues
 from services.sink_worker.round.row_rules import SpanRowRules, stream_rows
 from services.sink_worker.round.sort_job import (
@@ -43,6 +43,7 @@ from services.sink_worker.round.sort_job import (
     run_sort,
 )
 from services.sink_worker.round.work import RoundAbandoned, SpanWork
+from services.sink_worker.sinks.base import Sink
 from services.sink_worker.sinks.factory import open_sink, sink_kind
 from services.sink_worker.sinks.nats_stream import (
     ChangeSource,
@@ -51,6 +52,7 @@ from services.sink_worker.sinks.nats_stream import (
     row_messages,
 )
 from services.sink_worker.sinks.sql_common import SqlSink
+from services.sink_worker.sinks.write_fence import WriteFences
 from services.sink_worker.span.machine import SpanOutcome
 from services.sink_worker.span.runtime import PipelineOptions
 
@@ -75,13 +77,32 @@ class SqlWriter:
     """MySQL/MariaDB, PostgreSQL, SQLite: the apply job, then the DDL barriers."""
 
     def __init__(self, sink_url: str, options: PipelineOptions, schemas: TargetSchemas,
-                 barrier: DdlBarrier, overwrites: list[tuple[str, str]]) -> None:
+                 barrier: DdlBarrier, overwrites: list[tuple[str, str]],
+                 fences: WriteFences | None = None) -> None:
         self.sink_url = sink_url
         self.options = options
         self.schemas = schemas
         self.barrier = barrier
         self.overwrites = overwrites
         """(changefeed, conflict JSON) of rows removed under ``on_unique_conflict = overwrite``."""
+        self.fences = fences if fences is not None else WriteFences()
+
+    def _fenced(self, sink: Sink, works: list[SpanWork]) -> dict[str, TargetPlan]:
+        """Each span's plan, its table carrying the write tokens of every span of the round that
+        writes the same target (their rows meet in one partition transaction)."""
+        by_target: dict[str, list[SpanWork]] = {}
+        for w in works:
+            assert w.plan is not None
+            by_target.setdefault(w.plan.target_id, []).append(w)
+        plans: dict[str, TargetPlan] = {}
+        for same in by_target.values():
+            table = same[0].plan.table if same[0].plan is not None else None
+            assert table is not None
+            fence = self.fences.take(sink, self.sink_url, table.schema, [w.rt.span.kv_key for w in same])
+            for w in same:
+                assert w.plan is not None
+                plans[w.rt.span.kv_key] = replace(w.plan, table=replace(w.plan.table, fence=fence))
+        return plans
 
     def write(self, spark: SparkSession, works: list[SpanWork], sort: SortResult, outcomes: Outcomes,
               abort: threading.Event, large: LargeValues | None) -> None:
@@ -100,7 +121,7 @@ class SqlWriter:
             if batch_works:
                 keys = [w.rt.span.kv_key for w in batch_works]
                 metas = {w.rt.span.kv_key: w.source_meta for w in batch_works if w.source_meta is not None}
-                plans = {w.rt.span.kv_key: w.plan for w in batch_works if w.plan is not None}
+                plans = self._fenced(sink, batch_works)
                 origins = {w.rt.span.kv_key: w.origin for w in batch_works if w.origin is not None}
                 skips = {w.rt.span.kv_key: dict(w.rt.skips) for w in batch_works if w.rt.skips}
                 guarded = {w.plan.target_id: w.rt.config.on_unique_conflict for w in batch_works
@@ -319,11 +340,12 @@ class Writers:
     """The round's writer of each sink URL, kept across rounds (a NATS sink keeps its connection)."""
 
     def __init__(self, options: PipelineOptions, schemas: TargetSchemas, barrier: DdlBarrier,
-                 overwrites: list[tuple[str, str]]) -> None:
+                 overwrites: list[tuple[str, str]], fences: WriteFences | None = None) -> None:
         self.options = options
         self.schemas = schemas
         self.barrier = barrier
         self.overwrites = overwrites
+        self.fences = fences if fences is not None else WriteFences()
         self._writers: dict[str, BatchWriter] = {}
 
     def for_url(self, sink_url: str) -> BatchWriter:
@@ -331,7 +353,8 @@ class Writers:
         if writer is None:
             writer = self._writers[sink_url] = (
                 StreamWriter(sink_url, self.options) if sink_kind(sink_url).stream
-                else SqlWriter(sink_url, self.options, self.schemas, self.barrier, self.overwrites))
+                else SqlWriter(sink_url, self.options, self.schemas, self.barrier, self.overwrites,
+                               self.fences))
         return writer
 
     def sql_for(self, sink_url: str) -> SqlWriter:

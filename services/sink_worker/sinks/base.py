@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from contracts.events.rows import TableMetaV1
 from services.sink_worker.sinks.unique_guard import ConflictGuard
+from services.sink_worker.sinks.write_fence import WriteFence
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class TargetTable:
     leave_out_columns: bool = False
     """``schema_change_policy = ignore``: a row's columns ``meta`` lacks are left out of its write
     (``meta`` is the target's columns) instead of refused."""
+    fence: WriteFence | None = None
+    """The spans' write tokens every write transaction into the table checks first
+    (``write_fence``); None: unfenced (reads, DDL, tests of the sink alone)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,11 @@ class Sink(ABC):
         self.apply_partition(table, [Upsert(key=tuple(r[i] for i in index),
                                             row=dict(zip(columns, r, strict=True))) for r in rows])
         return len(rows)
+
+    def take_write_fence(self, schema: str | None, span: str, owner: str) -> int | None:
+        """Bump ``span``'s write token in ``schema`` and return it (``write_fence``); None for a
+        sink without fencing (a stream sink: its consumers deduplicate by message id)."""
+        return None
 
     def statement_target(self) -> StatementTarget | None:
         """Itself when it runs the source's DDL text (MySQL/MariaDB), else None."""

@@ -54,6 +54,7 @@ from services.sink_worker.sinks.shape_ddl import (
     target_indexes,
 )
 from services.sink_worker.sinks.sql_common import ByteEncoder, LiteralUpsert, SqlSink, source_text_files
+from services.sink_worker.sinks.write_fence import FENCE_TABLE
 
 _SESSION_INIT = (
     "SET SESSION sql_mode = 'STRICT_TRANS_TABLES,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION',"
@@ -234,7 +235,7 @@ def _load_encoder(column: ColumnV1) -> tuple[Callable[[Any], str], str | None]:
         base = parse_sql_type(column.sql_type).base
     except SqlTypeError:
         base = ""
-    if kind == "bytes":
+    if kind in ("bytes", "geometry"):  # a geometry: MariaDB's internal format, as stored
         return (lambda v: bytes(v).hex()), "UNHEX({})"
     if kind == "bit" or base == "year":
         return (lambda v: str(int(v))), "CAST({} AS UNSIGNED)"
@@ -273,7 +274,7 @@ def _source_bytes_encoder(column: ColumnV1) -> tuple[ByteEncoder, str | None]:
         base = parse_sql_type(column.sql_type).base
     except SqlTypeError:
         base = ""
-    if kind == "bytes":
+    if kind in ("bytes", "geometry"):
         return binascii.hexlify, "UNHEX({})"
     if kind == "bit":
         return _bit_bytes, "CAST({} AS UNSIGNED)"
@@ -355,6 +356,21 @@ class MySQLSink(SqlSink):
     def _table_ref(self, table: TargetTable, *, for_params: bool = False) -> str:
         q = self.pident if for_params else self.ident
         return f"{q(self._database(table))}.{q(table.name)}"
+
+    fence_lock_clause = " LOCK IN SHARE MODE"  # MySQL 8 and MariaDB alike (FOR SHARE: MySQL only)
+    # Span keys compare byte for byte (two tables differing in case are two spans).
+    fence_text_type = "VARCHAR(700) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+
+    def _fence_ref(self, schema: str | None, *, for_params: bool = False) -> str:
+        q = self.pident if for_params else self.ident
+        database = schema or self.db.database
+        if not database:
+            raise ValueError("no database for the write fence table: set the target schema or the URL path")
+        return f"{q(database)}.{q(FENCE_TABLE)}"
+
+    def _fence_bump_sql(self, ref: str) -> str:
+        return (f"INSERT INTO {ref} (span, token, owner) VALUES (%s, 1, %s) "
+                "ON DUPLICATE KEY UPDATE token = token + 1, owner = VALUES(owner)")
 
     def _adapt(self, column: ColumnV1 | None, value: Any) -> Any:
         # pymysql renders a negative timedelta wrongly (-00:00:01 as '-1:59:59').
@@ -629,7 +645,8 @@ class MySQLSink(SqlSink):
                     raise pymysql.err.DataError(1265, f"LOAD DATA into {table.name!r} warned: "
                                                       f"{[tuple(r) for r in cur.fetchall()]}")
 
-        self._run(work, f"load into {table.name!r}", connect=self._connect_load, keep=True)
+        self._run(work, f"load into {table.name!r}", connect=self._connect_load, keep=True,
+                  fence=table.fence)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
         row = "(" + ", ".join(["%s"] * len(columns)) + ")"

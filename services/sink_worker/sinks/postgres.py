@@ -9,6 +9,12 @@ while no copied row meets one already there (a unique violation proves it did no
 into a temporary staging table (dropped at commit), then the same two steps set-wise: delete
 the rows holding a staged row's unique values under another key, and ``INSERT ... SELECT ...
 ON CONFLICT DO UPDATE``.
+
+Spatial columns: PostGIS ``geometry`` (subtype and declared SRID as typmod, a SPATIAL index as
+GiST) when the target database has the ``postgis`` extension, else ``bytea``; the value is
+EWKB either way (``libs.codec.geometry``), so the SRID of every value is kept. Values are bound
+as bytea (PostGIS casts it); COPY spells them per the target column's actual type (hex EWKB
+text for geometry, bytea's hex input otherwise).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import psycopg.errors
 from psycopg.types.string import TextLoader
 
 from contracts.events.rows import ColumnV1
+from libs.codec.decode import postgis_type_for
+from libs.codec.geometry import internal_to_ewkb
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.shape_ddl import (
     column_shapes,
@@ -39,9 +47,10 @@ from services.sink_worker.sinks.sql_common import ByteEncoder, SqlSink, source_t
 
 # Kinds whose values the source's text protocol spells as COPY's text format reads them:
 # numbers, text, dates and times of day (a zero or invalid date fails the COPY, as its decoded
-# value fails the upsert). BIT, SET, TIME (an interval here) and JSON take the decoded path.
+# value fails the upsert), and bytes and geometries through their encoders. BIT, SET, TIME (an
+# interval here) and JSON take the decoded path.
 _SOURCE_TEXT_KINDS = frozenset({"int", "float", "decimal", "string", "bytes", "date", "datetime",
-                                "timestamp"})
+                                "timestamp", "geometry"})
 
 
 def _escape_text(value: bytes) -> bytes:
@@ -54,7 +63,17 @@ def _bytea_text(value: bytes) -> bytes:
     return b"\\\\x" + binascii.hexlify(value)  # bytea's hex input, its backslash escaped for COPY
 
 
-def _source_bytes_encoder(column: ColumnV1) -> ByteEncoder:
+def _ewkb_bytea_text(value: bytes) -> bytes:
+    return _bytea_text(internal_to_ewkb(value))
+
+
+def _ewkb_hex_text(value: bytes) -> bytes:
+    return binascii.hexlify(internal_to_ewkb(value))  # PostGIS's geometry input reads hex EWKB
+
+
+def _source_bytes_encoder(column: ColumnV1, postgis: bool = False) -> ByteEncoder:
+    if column.kind == "geometry":
+        return _ewkb_hex_text if postgis else _ewkb_bytea_text
     if column.kind == "bytes":
         return _bytea_text
     if column.kind == "string":
@@ -107,6 +126,8 @@ class PostgresSink(SqlSink):
         q = self.pident if for_params else self.ident
         return f"{q(table.schema)}.{q(table.name)}" if table.schema else q(table.name)
 
+    fence_lock_clause = " FOR SHARE"
+
     # ------------------------------------------------------------------ DDL
 
     def _column_clauses(self, table: TargetTable, column: ColumnV1, sql_type: str) -> tuple[str, str]:
@@ -120,6 +141,55 @@ class PostgresSink(SqlSink):
             return [pg_collation_statement(self.ident, table.schema)]
         return []
 
+    _postgis: bool | None = None
+    """Whether the target database has the postgis extension (asked once, when a geometry
+    column first needs a type or a value)."""
+
+    def has_postgis(self) -> bool:
+        if self._postgis is None:
+            # A connection of its own: this is asked from inside other statements' work.
+            conn = self._connect()
+            try:
+                with conn.cursor() as cur:
+                    cur.execute("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'postgis')")
+                    row = cur.fetchone()
+                self._postgis = bool(row and row[0])
+            finally:
+                conn.close()
+        return self._postgis
+
+    def column_type(self, table: TargetTable, column: ColumnV1) -> str:
+        if column.kind == "geometry" and self.has_postgis():
+            return postgis_type_for(column)
+        return super().column_type(table, column)
+
+    def _adapt(self, column: ColumnV1 | None, value: Any) -> Any:
+        if value is None or column is None or column.kind != "geometry":
+            return value
+        # EWKB as bytea, whatever the column: a bytea column keeps it, a PostGIS geometry column
+        # takes it through PostGIS's implicit bytea -> geometry cast.
+        return internal_to_ewkb(value)
+
+    def _adapter(self, column: ColumnV1) -> Callable[[Any], Any] | None:
+        if column.kind != "geometry":
+            return None
+        return lambda value: self._adapt(column, value)
+
+    def _postgis_columns(self, table: TargetTable, columns: Sequence[str]) -> frozenset[str]:
+        """Which of ``columns`` are PostGIS geometry columns in the target as it is (a bytea
+        target made before the extension came stays bytea): COPY's text input differs."""
+        colmap = self._columns(table)
+        if not any(colmap[c].kind == "geometry" for c in columns) or not self.has_postgis():
+            return frozenset()
+
+        def work(cur: Any) -> frozenset[str]:
+            cur.execute("SELECT a.attname FROM pg_attribute a WHERE a.attrelid = to_regclass(%s)"
+                        " AND a.attnum > 0 AND NOT a.attisdropped AND a.atttypid = 'geometry'::regtype",
+                        (self._table_ref(table),))
+            return frozenset(str(r[0]) for r in cur.fetchall())
+
+        return self._run(work, f"geometry columns of {table.name!r}")
+
     def create_statements(self, table: TargetTable) -> list[str]:
         self._validate(table)
         body = ",\n  ".join([*self._column_defs(table), *self._constraints(table)])
@@ -130,9 +200,13 @@ class PostgresSink(SqlSink):
         out.append(f"CREATE TABLE IF NOT EXISTS {self._table_ref(table)} (\n  {body}\n)")
         return out + self.index_statements(table)
 
+    def _spatial_indexes(self, table: TargetTable) -> bool:
+        return any(i.kind == "spatial" for i in target_indexes(table)) and self.has_postgis()
+
     def index_statements(self, table: TargetTable) -> list[str]:
         ref = self._table_ref(table)
-        found = (pg_index_statement(self.ident, ref, table, i) for i in target_indexes(table))
+        gist = self._spatial_indexes(table)
+        found = (pg_index_statement(self.ident, ref, table, i, gist=gist) for i in target_indexes(table))
         return [sql for sql in found if sql is not None]
 
     def _create(self, cur: Any, table: TargetTable) -> list[str]:
@@ -153,7 +227,9 @@ class PostgresSink(SqlSink):
         found = {str(name): str(qualified) for qualified, name in cur.fetchall()}
         drops = [f"DROP INDEX IF EXISTS {found[n]}" for n in owned_index_drops(table, list(found))]
         ref = self._table_ref(table)
-        creates = (pg_index_statement(self.ident, ref, table, i) for i in missing_derived(table, list(found)))
+        gist = self._spatial_indexes(table)
+        creates = (pg_index_statement(self.ident, ref, table, i, gist=gist)
+                   for i in missing_derived(table, list(found)))
         return drops + [sql for sql in creates if sql is not None]
 
     def _retryable_ddl(self, exc: BaseException) -> bool:
@@ -223,6 +299,13 @@ class PostgresSink(SqlSink):
         if not rows:
             return 0
         rows = self._last_per_key(table, columns, rows, keys_unique)
+        colmap = self._columns(table)
+        gis = self._postgis_columns(table, columns)
+        adapters: list[Callable[[Any], Any] | None] = [
+            (lambda v: internal_to_ewkb(v).hex()) if c in gis else self._adapter(colmap[c]) for c in columns]
+        if any(adapters):
+            rows = [tuple(v if adapt is None or v is None else adapt(v)
+                          for v, adapt in zip(row, adapters, strict=True)) for row in rows]
 
         def feed(copy: Any) -> None:
             for row in rows:
@@ -241,7 +324,8 @@ class PostgresSink(SqlSink):
             return 0
         rows = self._last_per_key(table, columns, rows, keys_unique)
         colmap = self._columns(table)
-        encoders = [_source_bytes_encoder(colmap[c]) for c in columns]
+        gis = self._postgis_columns(table, columns)
+        encoders = [_source_bytes_encoder(colmap[c], c in gis) for c in columns]
 
         def feed(copy: Any) -> None:
             for data in source_text_files(rows, encoders, self.load_file_bytes):
@@ -307,7 +391,7 @@ class PostgresSink(SqlSink):
             for sql in statements:
                 cur.execute(sql)
 
-        self._run(work, f"load into {table.name!r}", keep=True)
+        self._run(work, f"load into {table.name!r}", keep=True, fence=table.fence)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:
         cols = ", ".join(self.pident(c) for c in columns)

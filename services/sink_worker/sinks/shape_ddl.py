@@ -216,7 +216,7 @@ def pg_collation_ref(q: Quote, schema: str | None) -> str:
 def pg_default(column: ColumnV1, shape: ColumnShapeV1) -> str | None:
     """The default as PostgreSQL can say it with the same meaning, None when it cannot."""
     value = shape.default
-    if value is None:
+    if value is None or column.kind == "geometry":  # a geometry default is MySQL SQL
         return None
     if shape.default_expression:
         if _NOW.fullmatch(value) and column.kind == "timestamp":
@@ -245,8 +245,14 @@ def _valid_json(value: str) -> bool:
     return True
 
 
-def pg_index_statement(q: Quote, table_ref: str, table: TargetTable, index: IndexV1) -> str | None:
-    """CREATE INDEX for a secondary index (None: one PostgreSQL has no form of, FULLTEXT)."""
+def pg_index_statement(q: Quote, table_ref: str, table: TargetTable, index: IndexV1, *,
+                       gist: bool = False) -> str | None:
+    """CREATE INDEX for a secondary index (None: one PostgreSQL has no form of, FULLTEXT; a
+    SPATIAL one unless ``gist``, PostGIS's geometry columns, where it is a GiST index)."""
+    if index.kind == "spatial" and gist:
+        cols = ", ".join(q(p.column) for p in index.parts)
+        name = q(derived_index_name(table.name, index.name))
+        return f"CREATE INDEX IF NOT EXISTS {name} ON {table_ref} USING GIST ({cols})"
     if index.kind in ("fulltext", "spatial"):
         return None
     colmap = {c.name: c for c in table.meta.columns}
@@ -268,7 +274,7 @@ def pg_index_statement(q: Quote, table_ref: str, table: TargetTable, index: Inde
 
 def sqlite_default(column: ColumnV1, shape: ColumnShapeV1) -> str | None:
     value = shape.default
-    if value is None:
+    if value is None or column.kind == "geometry":
         return None
     if shape.default_expression:
         if _NOW.fullmatch(value) and column.kind == "timestamp":

@@ -46,6 +46,7 @@ from libs.sql_ident import quote_ident
 from services.sink_worker.sinks.base import Change, Delete, PartitionResult, Sink, TargetTable, Upsert
 from services.sink_worker.sinks.shape_ddl import not_null, unnamed_unique_keys
 from services.sink_worker.sinks.unique_guard import ConflictGuard, UniqueConflict, UniqueConflictError
+from services.sink_worker.sinks.write_fence import FENCE_TABLE, WriteFence, WriteFenceLost
 
 log = logging.getLogger("sluice.sink")
 
@@ -270,11 +271,13 @@ class SqlSink(Sink):
 
     def _run(self, work: Callable[[Any], T], what: str,
              retryable: Callable[[BaseException], bool] | None = None,
-             connect: Callable[[], Any] | None = None, *, keep: bool = False) -> T:
+             connect: Callable[[], Any] | None = None, *, keep: bool = False,
+             fence: WriteFence | None = None) -> T:
         """Run ``work(cursor)`` in one transaction on a fresh connection (``connect``, default
         ``_connect``), retrying the whole of it. ``keep``: the connection stays open after a
         commit for the next ``keep`` run (a copy's batches: a PostgreSQL connection is a new
-        server process), until ``close``; one that failed is closed and the retry opens another."""
+        server process), until ``close``; one that failed is closed and the retry opens another.
+        ``fence``: the transaction first checks the spans' write tokens (``write_fence``)."""
         retryable = retryable or self._retryable
         connect = connect or self._connect
 
@@ -288,6 +291,8 @@ class SqlSink(Sink):
                 self._begin(conn)
                 cur = conn.cursor()
                 try:
+                    if fence is not None:
+                        self._check_write_fence(cur, fence)
                     result = work(cur)
                 finally:
                     cur.close()
@@ -419,7 +424,7 @@ class SqlSink(Sink):
                 return self._apply(cur, table, colmap, deletes, upserts, _Guarded(guard, shards))
             return self._apply(cur, table, colmap, deletes, upserts)
 
-        return self._run(work, f"apply partition of {table.name!r}")
+        return self._run(work, f"apply partition of {table.name!r}", fence=table.fence)
 
     def _apply(self, cur: Any, table: TargetTable, colmap: Mapping[str, ColumnV1],
                deletes: Sequence[tuple[Any, ...]],
@@ -583,7 +588,8 @@ class SqlSink(Sink):
         cols = ", ".join(self.pident(c) for c in wanted)
         cur.execute(f"SELECT {cols} FROM {self._table_ref(table, for_params=True)} WHERE {cond}", params)
         for raw in cur.fetchall():
-            found = {c: normalize_fetched(colmap[c], v) for c, v in zip(wanted, raw, strict=True)}
+            found = {c: normalize_fetched(colmap[c], v, self.dialect)
+                     for c, v in zip(wanted, raw, strict=True)}
             holder_key = tuple(found[c] for c in key)
             value = tuple(found[c] for c in unique)
             # The upserted row that wants the value (compared as the downstream returned it).
@@ -604,6 +610,52 @@ class SqlSink(Sink):
 
     # ------------------------------------------------------------------ reading
 
+    # ------------------------------------------------------------------ write fence
+
+    # Appended to the fence row's read: a shared lock held to the commit, so a new owner's bump
+    # waits for this transaction (SQLite: BEGIN IMMEDIATE already holds the database's lock).
+    fence_lock_clause: str = ""
+    fence_text_type: str = "TEXT"
+
+    def _fence_ref(self, schema: str | None, *, for_params: bool = False) -> str:
+        q = self.pident if for_params else self.ident
+        return f"{q(schema)}.{q(FENCE_TABLE)}" if schema else q(FENCE_TABLE)
+
+    def _fence_bump_sql(self, ref: str) -> str:
+        p = self.placeholder
+        return (f"INSERT INTO {ref} AS f (span, token, owner) VALUES ({p}, 1, {p}) "
+                "ON CONFLICT (span) DO UPDATE SET token = f.token + 1, owner = excluded.owner")
+
+    def take_write_fence(self, schema: str | None, span: str, owner: str) -> int | None:
+        text = self.fence_text_type
+        create = (f"CREATE TABLE IF NOT EXISTS {self._fence_ref(schema)} (span {text} NOT NULL PRIMARY KEY,"
+                  f" token BIGINT NOT NULL, owner {text} NOT NULL)")
+        try:
+            self._run(lambda cur: cur.execute(create), f"create {FENCE_TABLE}")
+        except Exception:
+            # Two workers creating it at once (PostgreSQL's catalog race): it exists now.
+            self._run(lambda cur: cur.execute(create), f"create {FENCE_TABLE}")
+        ref = self._fence_ref(schema, for_params=True)
+
+        def bump(cur: Any) -> int:
+            cur.execute(self._fence_bump_sql(ref), (span, owner))
+            cur.execute(f"SELECT token FROM {ref} WHERE span = {self.placeholder}", (span,))
+            return int(cur.fetchone()[0])
+
+        token = self._run(bump, f"take the write fence of {span!r}")
+        log.info("write fence taken", extra={"span": span, "token": token, "schema": schema})
+        return token
+
+    def _check_write_fence(self, cur: Any, fence: WriteFence) -> None:
+        ref = self._fence_ref(fence.schema, for_params=True)
+        spans = [span for span, _ in fence.tokens]
+        marks = ", ".join([self.placeholder] * len(spans))
+        cur.execute(f"SELECT span, token FROM {ref} WHERE span IN ({marks}){self.fence_lock_clause}", spans)
+        found = {str(span): int(token) for span, token in cur.fetchall()}
+        for span, held in fence.tokens:
+            if found.get(span) != held:
+                raise WriteFenceLost(span, held, found.get(span))
+
     def _select_sql(self, table: TargetTable) -> str:
         cols = ", ".join(self.ident(c.name) for c in table.meta.columns)
         return f"SELECT {cols} FROM {self._table_ref(table)}"
@@ -615,7 +667,7 @@ class SqlSink(Sink):
 
         def work(cur: Any) -> list[dict[str, Any]]:
             cur.execute(sql)
-            return [{c.name: normalize_fetched(c, v) for c, v in zip(columns, raw, strict=True)}
+            return [{c.name: normalize_fetched(c, v, self.dialect) for c, v in zip(columns, raw, strict=True)}
                     for raw in cur.fetchall()]
 
         rows = self._run(work, f"fetch {table.name!r}")

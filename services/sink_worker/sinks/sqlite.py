@@ -8,7 +8,8 @@ upgrading at once fail with SQLITE_BUSY immediately (the busy handler cannot res
 SQLite has no exact wide number types, so some values are stored as canonical text, one
 spelling per value so that key lookups by equality still match (see ``values._sqlite_type``):
 decimals with exactly the column's scale, bigint unsigned / bit(64) as decimal digits, datetimes
-with the column's fractional digits, TIME as ``[-]HH:MM:SS[.f]``.
+with the column's fractional digits, TIME as ``[-]HH:MM:SS[.f]``. A geometry is a BLOB of
+EWKB (``libs.codec.geometry``): plain WKB for SRID 0, the SRID in the header otherwise.
 
 ``TargetTable.schema`` is ignored: one SQLite file is one namespace.
 
@@ -37,6 +38,7 @@ from libs.codec.decode import (
     parse_time,
     sql_type_for,
 )
+from libs.codec.geometry import internal_to_ewkb
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.shape_ddl import (
     column_shapes,
@@ -49,6 +51,7 @@ from services.sink_worker.sinks.shape_ddl import (
     target_indexes,
 )
 from services.sink_worker.sinks.sql_common import SqlSink
+from services.sink_worker.sinks.write_fence import FENCE_TABLE
 
 _BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
@@ -65,6 +68,8 @@ def _adapter(kind: str, sql_type: str) -> Callable[[Any], Any]:
         args = parse_sql_type(sql_type).args
     except SqlTypeError:
         args = ()
+    if kind == "geometry":
+        return internal_to_ewkb  # EWKB: the WKB with its SRID (libs.codec.geometry)
     if kind in ("int", "bit"):
         if sql_type_for("sqlite", column) == "TEXT":
             return lambda v: str(int(v))
@@ -137,6 +142,9 @@ class SQLiteSink(SqlSink):
 
     def _table_ref(self, table: TargetTable, *, for_params: bool = False) -> str:
         return self.ident(table.name)
+
+    def _fence_ref(self, schema: str | None, *, for_params: bool = False) -> str:
+        return self.ident(FENCE_TABLE)  # one database: the schema is not a namespace here
 
     def _adapt(self, column: ColumnV1 | None, value: Any) -> Any:
         if value is None or column is None:
@@ -296,7 +304,7 @@ class SQLiteSink(SqlSink):
         sql = (f"INSERT OR REPLACE INTO {self._table_ref(table)}"
                f" ({', '.join(self.ident(c) for c in columns)}) VALUES ({marks})")
         self._run(lambda cur: cur.executemany(sql, bound), f"load into {table.name!r}",
-                  connect=self._connect_load, keep=True)
+                  connect=self._connect_load, keep=True, fence=table.fence)
         return len(rows)
 
     def _upsert_sql(self, table: TargetTable, columns: Sequence[str], nrows: int) -> str:

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -52,6 +52,7 @@ from services.sink_worker import metrics as m
 from services.sink_worker.round.pull import ResolvedMark, latest_resolved
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
+from services.sink_worker.sinks.write_fence import WriteFences
 from services.sink_worker.snapshot.job import (
     CopyJob,
     CopyPool,
@@ -190,8 +191,11 @@ class InitialLoads:
 
     def __init__(self, js: JetStreamContext, spark: Callable[[], SparkSession],
                  options: SnapshotOptions | None = None, *, rows_stream: str = ROWS_STREAM,
-                 bucket: str = SNAPSHOT_BUCKET, worker_id: str = "", replicas: int = 1) -> None:
+                 bucket: str = SNAPSHOT_BUCKET, worker_id: str = "", replicas: int = 1,
+                 fences: WriteFences | None = None) -> None:
         self.js = js
+        self.fences = fences if fences is not None else WriteFences(worker_id)
+        """The worker's write tokens (``write_fence``), shared with its stream rounds."""
         self._spark = spark
         self.options = options or SnapshotOptions()
         self.rows_stream = rows_stream
@@ -396,6 +400,8 @@ class InitialLoads:
         if req.shards == 1:
             # As the stream does for a single-shard target: columns follow the source's metadata.
             sink.reconcile_schema(target)
+        # The copy's tasks write only while this worker holds the span's token.
+        target = replace(target, fence=self.fences.take(sink, req.sink_url, target.schema, [req.span.kv_key]))
         job = CopyJob(source_url=req.source_url, database=database, table=table, chunk_key=chunk_key,
                       target=target, sink_url=req.sink_url, write_rows=self.options.write_rows,
                       origin=origin)

@@ -155,6 +155,7 @@ def decode_key(meta: TableMetaV1, key: Sequence[str]) -> Callable[[list[Any]], K
 # stream's way: capture's encoding, then the sink's decoding, so both paths write the same.
 _AS_READ: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (float,), "decimal": (Decimal,), "string": (str,), "bytes": (bytes,),
+    "geometry": (bytes,),  # MariaDB's internal format, what the contract's value decodes to
     "date": (dt.date,), "datetime": (dt.datetime,), "timestamp": (dt.datetime,),
 }
 

@@ -15,7 +15,7 @@ Two ways to read values:
   and times are spelled alike on both sides, so nothing is decoded or encoded again.
 - ``TYPED``: the Python values pymysql would have made of the same fields, by the same
   functions (``pymysql.converters``) or C equivalents (int, float, str, bytes), so a value read
-  here equals one read through pymysql: zero dates stay strings, TIME is a timedelta, BIT and
+  here equals one read through pymysql: zero dates stay strings, TIME is a timedelta, BIT, geometry and
   binary strings stay bytes, text in a ``_bin`` collation is str. mysqlclient's own
   converters differ (zero dates become None, TIME past 24 h is refused), which would change
   data; they are not used.
@@ -54,6 +54,7 @@ def _typed_conv() -> dict[int, Any]:
     conv: dict[int, Any] = {t: str for t in _ALL_TYPES}
     conv.update({t: _TEXT_OR_BYTES for t in _TEXT_TYPES})
     conv[FIELD_TYPE.BIT] = bytes
+    conv[FIELD_TYPE.GEOMETRY] = bytes  # MariaDB's internal format (SRID + WKB), as pymysql gives it
     conv[FIELD_TYPE.JSON] = str
     for t in (FIELD_TYPE.TINY, FIELD_TYPE.SHORT, FIELD_TYPE.LONG, FIELD_TYPE.LONGLONG, FIELD_TYPE.INT24,
               FIELD_TYPE.YEAR):

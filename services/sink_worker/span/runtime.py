@@ -88,6 +88,8 @@ class SpanConfig:
     """``text_comparison = case_insensitive``: *_ci source columns compare so on PostgreSQL/SQLite."""
     schema_change_policy: SchemaChangePolicy = "evolve"
     """What a DDL does downstream (``services.sink_worker.ddl.policy``)."""
+    syncpoints: bool = False
+    """``syncpoint_interval`` is set: each round reads the changefeed's cap (``libs.syncpoints``)."""
 
     @classmethod
     def of(cls, spec: ChangefeedSpec, source: str) -> SpanConfig:
@@ -100,7 +102,8 @@ class SpanConfig:
                    start_position=spec.start_position.get(ref.id) if ref is not None else None,
                    on_unique_conflict=spec.on_unique_conflict, validation=spec.validation.mode,
                    case_insensitive=spec.text_comparison == "case_insensitive",
-                   schema_change_policy=spec.schema_change_policy)
+                   schema_change_policy=spec.schema_change_policy,
+                   syncpoints=spec.syncpoint_interval is not None)
 
 
 @dataclass

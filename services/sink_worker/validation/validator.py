@@ -542,7 +542,7 @@ def _downstream_rows(sink: SqlSink, table: _Table, keys: list[Key]) -> dict[str,
             return list(cur.fetchall())
 
         for raw in _missing_table_is_empty(sink, work):
-            row = {c.name: normalize_fetched(c, v) for c, v in zip(columns, raw, strict=True)}
+            row = {c.name: normalize_fetched(c, v, sink.dialect) for c, v in zip(columns, raw, strict=True)}
             out[key_text(table.key, [row[n] for n in names])] = row
     return out
 
@@ -572,7 +572,7 @@ def _downstream_range(sink: SqlSink, table: _Table, after: Key | None, upto: Key
         cur.execute(sql, params)
         return list(cur.fetchall())
 
-    return [tuple(normalize_fetched(by_name[n], v) for n, v in zip(names, raw, strict=True))
+    return [tuple(normalize_fetched(by_name[n], v, sink.dialect) for n, v in zip(names, raw, strict=True))
             for raw in _missing_table_is_empty(sink, work)]
 
 
