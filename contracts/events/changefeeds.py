@@ -506,7 +506,64 @@ def _updated_v6_to_v7(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v6_to_v7(data["spec"])}
 
 
-ChangefeedSpec = ChangefeedSpecV7
+# v8 of changefeed.created / changefeed.updated: what a schema change upstream does downstream
+# (``schema_change_policy``, as Flink CDC's ``schema.change.behavior``).
+
+SchemaChangePolicy = Literal["evolve", "lenient", "ignore", "stop"]
+
+
+class ChangefeedSpecV8(ChangefeedSpecV7):
+    """v8 adds ``schema_change_policy`` (``evolve`` by default, as before)."""
+
+    schema_change_policy: SchemaChangePolicy = Field(
+        "evolve", description="What a DDL upstream does downstream. evolve (the default): the "
+                              "target follows the source; lenient: nothing is removed downstream "
+                              "(a dropped column stays, nullable; a renamed column keeps the old "
+                              "one beside the new; TRUNCATE and DROP TABLE are not applied); "
+                              "ignore: no DDL reaches the target, rows are written with the "
+                              "columns the target has; stop: a DDL stops its table with an "
+                              "incident until an operator resumes it (then it is applied as "
+                              "under evolve). See DESIGN.md, \"Schema-change policies\".")
+
+
+def _spec_v7_to_v8(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, "schema_change_policy": "evolve"}
+
+
+def spec_v8(spec: ChangefeedSpecV2) -> ChangefeedSpecV8:
+    """A spec as v8 (older ones evolve their targets)."""
+    if isinstance(spec, ChangefeedSpecV8):
+        return spec
+    return ChangefeedSpecV8.model_validate(_spec_v7_to_v8(spec_v7(spec).model_dump()))
+
+
+_V8_DOC = _V7_DOC + " v8: the spec gains ``schema_change_policy`` (evolve, lenient, ignore, stop)."
+
+
+@register("changefeed.created", 8)
+class ChangefeedCreatedV8(ChangefeedCreatedV7):
+    __doc__ = _V8_DOC
+    spec: ChangefeedSpecV8
+
+
+@register("changefeed.updated", 8)
+class ChangefeedUpdatedV8(ChangefeedUpdatedV7):
+    __doc__ = _V8_DOC
+    spec: ChangefeedSpecV8
+
+
+# A v7 changefeed applied every DDL downstream.
+@upcaster("changefeed.created", 7)
+def _created_v7_to_v8(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v7_to_v8(data["spec"])}
+
+
+@upcaster("changefeed.updated", 7)
+def _updated_v7_to_v8(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v7_to_v8(data["spec"])}
+
+
+ChangefeedSpec = ChangefeedSpecV8
 """The current spec, the one type every reader of a changefeed holds: events are upcast when
 they are read (the upcasters above), and ``current_spec`` upcasts a spec built in code from an
 older version the same way, so no reader asks whether a field exists."""
@@ -514,4 +571,4 @@ older version the same way, so no reader asks whether a field exists."""
 
 def current_spec(spec: ChangefeedSpecV2) -> ChangefeedSpec:
     """``spec`` as the current version (itself when it is one)."""
-    return spec_v7(spec)
+    return spec_v8(spec)

@@ -239,15 +239,18 @@ class RowDecoder:
     thousands of rows of a few tables, and rebuilding the column set and dispatching on the
     kind per value was a third of that."""
 
-    def __init__(self, meta: TableMetaV1) -> None:
+    def __init__(self, meta: TableMetaV1, *, leave_out: bool = False) -> None:
         self.names = frozenset(c.name for c in meta.columns)
+        self.leave_out = leave_out
+        """An image's columns ``meta`` lacks are left out instead of refused (a target that
+        keeps its definition, ``schema_change_policy = ignore``)."""
         # With each converter the type its values already have when they need no conversion
         # (the contract's ints and strings): those are taken as they are, without a call.
         self.columns = [(c.name, _converter(c.kind, c.sql_type), _NATIVE.get(c.kind, _Never))
                         for c in meta.columns]
 
     def __call__(self, image: Mapping[str, Any]) -> dict[str, Any]:
-        if not self.names.issuperset(image):
+        if not self.leave_out and not self.names.issuperset(image):
             unknown = set(image) - self.names
             raise ValueError(f"row has columns not in the table metadata: {sorted(unknown)}")
         out: dict[str, Any] = {}

@@ -24,7 +24,7 @@ from contracts.events.changefeeds import (
     ChangefeedUpdatedV5,
     ChangefeedUpdatedV6,
     ChangefeedUpdatedV7,
-    spec_v7,
+    current_spec,
 )
 from contracts.events.sources import SourceMovedV1, SourceRegisteredV1, SourceRemovedV1
 from contracts.events.table_incidents import TableActionRequestedV1, TableStoppedV2
@@ -82,7 +82,7 @@ class ChangefeedView:
         if isinstance(event, ChangefeedCreatedV2 | ChangefeedCreatedV3 | ChangefeedCreatedV4
                       | ChangefeedCreatedV5 | ChangefeedCreatedV6 | ChangefeedCreatedV7):
             cf = event.spec.id
-            spec = spec_v7(event.spec)
+            spec = current_spec(event.spec)
             changed = self.specs.get(cf) != spec or self.states.get(cf) != "running"
             self.specs[cf] = spec
             self.states[cf] = "running"
@@ -91,7 +91,7 @@ class ChangefeedView:
         if isinstance(event, ChangefeedUpdatedV2 | ChangefeedUpdatedV3 | ChangefeedUpdatedV4
                       | ChangefeedUpdatedV5 | ChangefeedUpdatedV6 | ChangefeedUpdatedV7):
             cf = event.spec.id
-            spec = spec_v7(event.spec)
+            spec = current_spec(event.spec)
             changed = self.specs.get(cf) != spec
             self.specs[cf] = spec
             self.states.setdefault(cf, "running")  # an update does not resume a paused feed

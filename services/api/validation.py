@@ -84,6 +84,12 @@ def spec_problems(spec: ChangefeedSpec) -> list[dict[str, Any]]:
         check_sink_url(spec.sink_url)
     except (DatabaseUrlError, ValueError) as exc:
         errors.append(_error(["sink_url"], f"sink URL refused: {exc}"))
+    else:
+        policy = current_spec(spec).schema_change_policy
+        if policy != "evolve" and not sink_kind(spec.sink_url).holds_rows:
+            errors.append(_error(["schema_change_policy"], (
+                f"schema_change_policy {policy!r} applies to SQL downstreams; "
+                "a NATS sink publishes every DDL for its consumers to decide (use evolve)")))
     if current_spec(spec).syncpoint_interval is not None and sink_kind(spec.sink_url).stream:
         errors.append(_error(["syncpoint_interval"], "syncpoints are written to a sluice_syncpoint "
                                                      "table: they need a SQL downstream, not a NATS stream"))

@@ -106,8 +106,19 @@ def table_rules(items: list[dict[str, Any]]) -> None:
             columns(r)] for r in items))
 
 
+_SCHEMA_CHANGES = {
+    "evolve": "DDL is applied downstream",
+    "lenient": "DDL is applied without removing anything (dropped/renamed columns kept, nullable; "
+               "no TRUNCATE or DROP TABLE)",
+    "ignore": "no DDL reaches the downstream; rows keep to the target's columns",
+    "stop": "a DDL stops its table with an incident until resumed",
+}
+
+
 def changefeed(item: dict[str, Any]) -> None:
     changefeeds([item])
+    policy = (item.get("spec") or {}).get("schema_change_policy") or "evolve"
+    console.print(f"schema changes: {policy} ({_SCHEMA_CHANGES.get(policy, '?')})")
     for check in item.get("failed_checks") or []:
         console.print(f"failed check {check.get('check')} on {check.get('target')}: {check.get('message')}")
     console.print("spec (passwords redacted):")

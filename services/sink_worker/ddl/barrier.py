@@ -23,6 +23,7 @@ from libs.routing import Router
 from libs.table_rules import TableRulesError, rules_for
 from services.sink_worker import metrics as m
 from services.sink_worker.ddl.plan import ddl_action
+from services.sink_worker.ddl.policy import PolicyDecision, decide, removes_columns, stop_reason
 from services.sink_worker.ddl.shard import ShardDdl, execute_on_target, rewritten
 from services.sink_worker.ddl.target_schemas import TargetSchemas
 from services.sink_worker.incidents.table_errors import ddl_failed
@@ -31,6 +32,7 @@ from services.sink_worker.round.sort_job import SpanCut
 from services.sink_worker.round.work import SpanWork
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.factory import open_sink, sink_kind
+from services.sink_worker.sinks.sql_common import SqlSink
 from services.sink_worker.snapshot.initial_load import InitialLoads, SnapshotRequest
 from services.sink_worker.span.machine import (
     CarriedOut,
@@ -75,10 +77,24 @@ class DdlBarrier:
             w.fresh = []  # not complete yet: the checkpoint follows the horizon, below the DDL
             return
         span = w.rt.span
+        action = ddl_action(ddl)
+        decision = self.decide(w, head)
+        if decision.do == "stop":
+            w.fresh = []
+            w.head = Refused(stop_reason(ddl.statement, head.ts), unreplicable=True)
+            return
+        if decision.do == "skip" and action not in ("drop", "truncate"):
+            # Nothing reaches the merged target, so the shards need not agree first.
+            w.fresh = []
+            m.DDL_APPLIED.labels(span.changefeed, "ignored").inc()
+            log.info("DDL not applied: schema_change_policy", extra={
+                "span": span.name, "policy": w.rt.config.schema_change_policy, "ts": head.ts})
+            w.head = CarriedOut(SpanCut(span.kv_key, limit_ts=head.ts, batch_events=0, batch_max_ts=None,
+                                        ddl_ts=head.ts, ddl_id=head.event_id))
+            return
         target = self.shard_ddl.lock_target(span)
         if target is None:
             target = w.routes.tokens()
-        action = ddl_action(ddl)
         w.fresh = []
         if action == "drop":
             # One shard's table is gone; the merged target keeps the other shards' rows.
@@ -97,7 +113,7 @@ class DdlBarrier:
                 return
             if op.kind == "exec" and not self.shard_ddl.already_carried(op):
                 try:
-                    await asyncio.to_thread(self._exec_shard_ddl, w, ddl, op.ddls)
+                    await asyncio.to_thread(self._exec_shard_ddl, w, ddl, op.ddls, decision)
                 except Exception as exc:
                     m.ROUND_ERRORS.labels("ddl").inc()
                     log.exception("shard DDL exec failed",
@@ -135,8 +151,8 @@ class DdlBarrier:
             return
         ddl = head.event
         action = ddl_action(ddl)
-        if action not in ("recopy", "leave"):
-            return
+        if action not in ("recopy", "leave") or self.decide(w, head).do != "apply":
+            return  # after the batch (``after_batch``), as the policy says
         rt, span = w.rt, w.rt.span
         url = rt.config.sink_url
         routed = w.routes.route(ddl.database, ddl.table)
@@ -188,9 +204,12 @@ class DdlBarrier:
         w.head = CarriedOut(SpanCut(span.kv_key, limit_ts=resume_ts, batch_events=0, batch_max_ts=None,
                                     ddl_ts=resume_ts, ddl_id=head.event_id), request.progress_key)
 
-    def _exec_shard_ddl(self, w: SpanWork, ddl: DdlExecutedV1, statements: tuple[str, ...]) -> None:
+    def _exec_shard_ddl(self, w: SpanWork, ddl: DdlExecutedV1, statements: tuple[str, ...],
+                        decision: PolicyDecision) -> None:
         """The owner brings the target to the shard's schema after the DDL
         (``shard_ddl.execute_on_target``: idempotent, a re-run counts as done)."""
+        if decision.keep_columns and (decision.renamed or removes_columns(ddl.statement)):
+            statements = ()  # lenient: the text would drop; the reconcile keeps and adds
         if ddl.meta_after is None:
             # Capture read this DDL behind a later one of the table, so it sent no shape (never
             # a later one). A MySQL-family target still runs the statements (indexes, defaults);
@@ -210,7 +229,10 @@ class DdlBarrier:
         url = w.rt.config.sink_url
         table = w.routes.target(ddl.database, ddl.table, ddl.meta_after)
         self.schemas.forget(url, table.schema, table.name)
-        already = execute_on_target(open_sink(url), table, statements)
+        sink = open_sink(url)
+        already = execute_on_target(sink, table, statements)
+        if decision.renamed:
+            fill_renamed(sink, table, decision.renamed)
         if already:
             log.info("shard DDL was already applied on the target: counted as done",
                      extra={"span": w.rt.span.name, "statements": already})
@@ -231,10 +253,13 @@ class DdlBarrier:
         if w.rt.shards > 1:
             outcome.blocked = shards_wait(ddl.ts, w.rt.shards)
             return
-        if ddl_action(ddl.event) in ("recopy", "leave"):
+        decision = self.policy_gate(w, ddl, outcome)
+        if decision is None:
+            return
+        if decision.do == "apply" and decision.action in ("recopy", "leave"):
             return  # carried out at the head of the span next round (_schema_ddl_at_head)
         try:
-            self.apply_ddl(sink, sink_url, w, ddl.event)
+            self.apply_ddl(sink, sink_url, w, ddl.event, decision)
             outcome.ddl_applied = True
         except (KeylessTableError, TableRulesError) as exc:
             outcome.refused = str(exc)
@@ -264,11 +289,14 @@ class DdlBarrier:
         if not self.keys_pass(w, ddl, outcome):
             return
         assert isinstance(ddl.event, DdlExecutedV1)
-        if ddl_action(ddl.event) in ("recopy", "leave"):
+        decision = self.policy_gate(w, ddl, outcome)
+        if decision is None:
+            return
+        if decision.do == "apply" and decision.action in ("recopy", "leave"):
             outcome.blocked = (f"DDL at ts {ddl.ts} ({ddl.event.statement!r}) would re-copy a table "
                                "of a foreign-key group, which is not built yet")
             return
-        self.apply_ddl(sink, sink_url, w, ddl.event)
+        self.apply_ddl(sink, sink_url, w, ddl.event, decision)
         metas = w.rt.group_metas
         metas.pop((ddl.event.database, ddl.event.table), None)
         if ddl.event.meta_after is not None:
@@ -293,8 +321,36 @@ class DdlBarrier:
             return None
         return ddl
 
-    def apply_ddl(self, sink: Sink, sink_url: str, w: SpanWork, ddl: DdlExecutedV1) -> None:
-        action = ddl_action(ddl)
+    @staticmethod
+    def decide(w: SpanWork, e: PulledEvent) -> PolicyDecision:
+        """What the DDL ``e`` becomes under the changefeed's ``schema_change_policy``."""
+        assert isinstance(e.event, DdlExecutedV1)
+        policy = w.rt.config.schema_change_policy
+        released = policy == "stop" and w.rt.ddl_released(e.ts, e.stream_seq)
+        return decide(policy, ddl_action(e.event), e.event.statement, released=released,
+                      has_meta=e.event.meta_after is not None)
+
+    def policy_gate(self, w: SpanWork, e: PulledEvent, outcome: SpanOutcome) -> PolicyDecision | None:
+        """The policy's decision on the DDL a batch stopped at; None when the policy already
+        settled it: ``skip`` moves past it untouched, ``stop`` stops the table below it with an
+        incident (``SpanMachine.written``: a refusal)."""
+        assert isinstance(e.event, DdlExecutedV1)
+        decision = self.decide(w, e)
+        if decision.do == "stop":
+            outcome.refused = stop_reason(e.event.statement, e.ts)
+            return None
+        if decision.do == "skip":
+            m.DDL_APPLIED.labels(w.rt.span.changefeed, "ignored").inc()
+            log.info("DDL not applied: schema_change_policy", extra={
+                "span": w.rt.span.name, "policy": w.rt.config.schema_change_policy,
+                "action": decision.action, "ts": e.ts})
+            outcome.ddl_applied = True
+            return None
+        return decision
+
+    def apply_ddl(self, sink: Sink, sink_url: str, w: SpanWork, ddl: DdlExecutedV1,
+                  decision: PolicyDecision | None = None) -> None:
+        action = ddl_action(ddl) if decision is None else decision.action
         if rules_ignore_ddl(w.rt.config.router, ddl, action):
             m.DDL_APPLIED.labels(w.rt.span.changefeed, "ignored").inc()
             log.info("DDL left out by the changefeed's table rules",
@@ -307,6 +363,8 @@ class DdlBarrier:
             self.schemas.forget(sink_url, routed.schema, routed.table)
             sink.ensure_table(table)
             sink.reconcile_schema(table)
+            if decision is not None and decision.renamed:
+                fill_renamed(sink, table, decision.renamed)
             self.schemas.brought_to(sink_url, table)
         elif action in ("drop", "truncate"):
             # Only the name matters to drop/truncate; the metadata may be gone with the table.
@@ -346,3 +404,11 @@ def rules_ignore_ddl(router: Router | None, ddl: DdlExecutedV1, action: str) -> 
 def ddl_ignored(w: SpanWork, e: PulledEvent) -> bool:
     return isinstance(e.event, DdlExecutedV1) and rules_ignore_ddl(w.rt.config.router, e.event,
                                                                      ddl_action(e.event))
+
+
+def fill_renamed(sink: Sink, table: TargetTable, renamed: tuple[tuple[str, str], ...]) -> None:
+    """lenient: the renamed columns' new columns take the old ones' values (kept beside them)."""
+    if not isinstance(sink, SqlSink):
+        raise TypeError("a column rename under schema_change_policy = lenient needs a SQL sink, "
+                        f"not {sink!r}")
+    sink.fill_renamed(table, renamed)

@@ -7,7 +7,9 @@ checks the target's schema again instead of trusting this memory.
 
 from __future__ import annotations
 
+from services.sink_worker.ddl.policy import as_target_has
 from services.sink_worker.sinks.base import Sink, TargetTable
+from services.sink_worker.sinks.sql_common import SqlSink
 
 
 class TargetSchemas:
@@ -17,6 +19,8 @@ class TargetSchemas:
         # Spans (kv keys) whose next batch brings a shard-merged target's columns to its rows:
         # their shard DDL came without metadata (capture read it behind a later DDL).
         self._reconcile_next: set[str] = set()
+        # (sink url, schema, table) -> the target's column names (``fixed``: never altered).
+        self._columns: dict[tuple[str, str | None, str], list[str]] = {}
 
     def ensure(self, sink: Sink, sink_url: str, table: TargetTable, *, reconcile: bool) -> None:
         """Create the target from the source schema when missing, and bring its columns to the
@@ -37,8 +41,19 @@ class TargetSchemas:
             sink.reconcile_schema(table)
         self._known[cache_key] = meta_json
 
+    def fixed(self, sink: SqlSink, sink_url: str, table: TargetTable) -> TargetTable:
+        """``schema_change_policy = ignore``: create the target when missing, never alter it, and
+        return ``table`` as the target's columns hold it (``ddl.policy.as_target_has``)."""
+        cache_key = (sink_url, table.schema, table.name)
+        names = self._columns.get(cache_key)
+        if names is None:
+            sink.ensure_table(table)
+            names = self._columns[cache_key] = sink.target_columns(table) or []
+        return as_target_has(table, names)
+
     def forget(self, sink_url: str, schema: str | None, name: str) -> None:
         self._known.pop((sink_url, schema, name), None)
+        self._columns.pop((sink_url, schema, name), None)
 
     def brought_to(self, sink_url: str, table: TargetTable) -> None:
         """The target now has ``table``'s schema (a DDL carried out on it)."""
@@ -57,3 +72,4 @@ class TargetSchemas:
 
     def clear(self) -> None:
         self._known.clear()
+        self._columns.clear()

@@ -367,7 +367,7 @@ def write_deferred(plans: list[TargetPlan], guards: dict[int, GuardPlan], large:
             continue  # the target is stopped: nothing more of its batch is written
         plan = plans[index[target_id]]
         sink = open_sink(plan.sink_url)
-        decoder = RowDecoder(plan.table.meta)
+        decoder = RowDecoder(plan.table.meta, leave_out=plan.table.leave_out_columns)
         guard = _guard(plan, guards.get(index[target_id]))
         counts = result.per_target.setdefault(target_id, TargetCounts())
         for key_json_, image, shard, computed in rows:
@@ -623,7 +623,7 @@ def write_finals(plan: ApplyPlan, finals: Iterable[Sequence[Any]]) -> Iterator[P
     from services.sink_worker.sinks.factory import open_sink
 
     plans = plan.plans
-    decoders = [RowDecoder(p.table.meta) for p in plans]
+    decoders = [RowDecoder(p.table.meta, leave_out=p.table.leave_out_columns) for p in plans]
     key_decoders = [_key_decoder(p.table) for p in plans]
     key_of = [_key_values(p.table.key) for p in plans]
     changes: list[list[Change]] = [[] for _ in plans]

@@ -3,6 +3,8 @@ so the plan, the DDL barriers and the writers read the same target instead of ro
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from contracts.events.rows import TableMetaV1
 from libs.routing import Router, Target
 from libs.scheduling.model import Span
@@ -38,6 +40,9 @@ class SpanRoutes:
                 return target
         target = target_for(self.span, database, table, meta, self.config.key_policy, self.config.router,
                             case_insensitive=self.config.case_insensitive)
+        policy = self.config.schema_change_policy
+        if policy in ("lenient", "ignore"):
+            target = replace(target, keep_columns=policy == "lenient", leave_out_columns=policy == "ignore")
         self._targets.append((database, table, meta, target))
         return target
 

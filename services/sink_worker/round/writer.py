@@ -112,6 +112,10 @@ class SqlWriter:
             sink = open_sink(sink_url)
             for w in batch_works:
                 assert w.plan is not None
+                if w.rt.config.schema_change_policy == "ignore" and isinstance(sink, SqlSink):
+                    # The target keeps its definition: rows go in with the columns it has.
+                    w.plan = replace(w.plan, table=self.schemas.fixed(sink, sink_url, w.plan.table))
+                    continue
                 reconcile = w.rt.shards == 1 or self.schemas.take_reconcile(w.rt.span.kv_key)
                 self.schemas.ensure(sink, sink_url, w.plan.table, reconcile=reconcile)
             if batch_works:

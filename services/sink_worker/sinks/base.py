@@ -38,6 +38,12 @@ class TargetTable:
     case_insensitive: bool = False
     """Text columns with a case-insensitive source collation compare so on PostgreSQL (a
     nondeterministic ICU collation) and SQLite (NOCASE): the changefeed's ``text_comparison``."""
+    keep_columns: bool = False
+    """``schema_change_policy = lenient``: reconciling keeps the target's columns ``meta`` lacks
+    (made nullable) instead of dropping them."""
+    leave_out_columns: bool = False
+    """``schema_change_policy = ignore``: a row's columns ``meta`` lacks are left out of its write
+    (``meta`` is the target's columns) instead of refused."""
     fence: WriteFence | None = None
     """The spans' write tokens every write transaction into the table checks first
     (``write_fence``); None: unfenced (reads, DDL, tests of the sink alone)."""

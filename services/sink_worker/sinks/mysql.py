@@ -442,6 +442,29 @@ class MySQLSink(SqlSink):
         )
         return [] if cur.fetchone() else None
 
+    def _loosen(self, cur: Any, table: TargetTable, names: Sequence[str]) -> list[str]:
+        """MODIFY clauses making the NOT NULL ones of ``names`` nullable, with their type,
+        charset, collation, default and comment as the target has them."""
+        cur.execute(
+            "SELECT COLUMN_NAME, COLUMN_TYPE, CHARACTER_SET_NAME, COLLATION_NAME, COLUMN_DEFAULT,"
+            " COLUMN_COMMENT FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = %s AND"
+            " TABLE_NAME = %s AND IS_NULLABLE = 'NO' AND COLUMN_NAME IN ("
+            + ", ".join(["%s"] * len(names)) + ")",
+            (self._database(table), table.name, *names),
+        )
+        clauses = []
+        for name, sql_type, charset, collation, default, comment in cur.fetchall():
+            text = f"MODIFY COLUMN {self.ident(str(name))} {sql_type}"
+            if charset and collation:
+                text += f" CHARACTER SET {charset} COLLATE {collation}"
+            text += " NULL"
+            if default is not None and str(default).upper() != "NULL":
+                text += f" DEFAULT {default}"  # MariaDB spells it as an SQL expression
+            if comment:
+                text += " COMMENT " + cur.connection.literal(str(comment))
+            clauses.append(text)
+        return clauses
+
     def reconcile_schema(self, table: TargetTable) -> list[str]:
         self._validate(table)
 
@@ -458,6 +481,9 @@ class MySQLSink(SqlSink):
             keep = {k.casefold() for k in table.key}
             actions: list[str] = []
             drop = [c for f, c in have.items() if f not in want and f not in keep]
+            if drop and table.keep_columns:
+                actions += self._loosen(cur, table, drop)  # lenient: kept, nullable
+                drop = []
             if drop:
                 # Unique indexes over a dropped column go first: MySQL would otherwise shrink
                 # them to the remaining columns, which can make existing rows collide.

@@ -266,7 +266,10 @@ class PostgresSink(SqlSink):
             want = {c.name for c in table.meta.columns}
             keep = set(table.key)
             # DROP COLUMN also drops the unique constraints that use it, as the source did.
-            actions = [f"DROP COLUMN {self.ident(c)}" for c in current if c not in want and c not in keep]
+            gone = [c for c in current if c not in want and c not in keep]
+            # lenient keeps them, nullable (DROP NOT NULL on a nullable column is a no-op).
+            actions = ([f"ALTER COLUMN {self.ident(c)} DROP NOT NULL" for c in gone] if table.keep_columns
+                       else [f"DROP COLUMN {self.ident(c)}" for c in gone])
             have = set(current)
             added = [c for c in table.meta.columns if c.name not in have]
             for c in added:

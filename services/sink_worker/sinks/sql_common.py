@@ -190,6 +190,31 @@ class SqlSink(Sink):
         sql = f"{self.truncate_verb} {self._table_ref(table)}"
         self._run(lambda cur: cur.execute(sql), f"truncate {table.name!r}")
 
+    def target_columns(self, table: TargetTable) -> list[str] | None:
+        """The target's column names as the downstream has them (None: no such table)."""
+        found: list[str] | None = self._run(lambda cur: self._current(cur, table),
+                                            f"columns of {table.name!r}")
+        return found
+
+    def fill_renamed(self, table: TargetTable, renamed: Sequence[tuple[str, str]]) -> None:
+        """Each renamed column's new column takes the old one's values in every row (a column
+        rename under ``schema_change_policy = lenient``, which keeps the old one beside it)."""
+        def work(cur: Any) -> None:
+            # An old column the target lacks (the table was copied again from the source since,
+            # or never had it): its new column came filled with the rows. SQLite would read a
+            # missing column's quoted name as a string, so it is never named.
+            have = {c.casefold() for c in self._current(cur, table) or []}
+            sets = ", ".join(f"{self.ident(new)} = {self.ident(old)}" for old, new in renamed
+                             if old.casefold() in have and new.casefold() in have)
+            if sets:
+                cur.execute(f"UPDATE {self._table_ref(table)} SET {sets}")
+
+        self._run(work, f"fill renamed columns of {table.name!r}")
+
+    @abstractmethod
+    def _current(self, cur: Any, table: TargetTable) -> list[str] | None:
+        """The target's column names (None: no such table)."""
+
     @abstractmethod
     def _table_ref(self, table: TargetTable, *, for_params: bool = False) -> str:
         """The quoted, qualified table name."""
@@ -380,7 +405,9 @@ class SqlSink(Sink):
             if isinstance(c, Upsert):
                 if not names >= c.row.keys():
                     unknown = [name for name in c.row if name not in colmap]
-                    raise ValueError(f"row of {table.name!r} has columns not in its metadata: {unknown}")
+                    if not table.leave_out_columns:
+                        raise ValueError(f"row of {table.name!r} has columns not in its metadata: {unknown}")
+                    c = Upsert(c.key, {k: v for k, v in c.row.items() if k in colmap}, c.shard)
                 if type(c.row) is dict and key_names <= c.row.keys():
                     row = c.row  # only read from here on: no copy needed
                 else:

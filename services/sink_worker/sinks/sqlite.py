@@ -21,6 +21,7 @@ apply path's conflict delete plus upsert in one statement.
 from __future__ import annotations
 
 import functools
+import re
 import sqlite3
 from collections.abc import Callable, Sequence
 from datetime import date, datetime, timedelta
@@ -191,16 +192,19 @@ class SQLiteSink(SqlSink):
         def work(cur: Any) -> list[str]:
             current = self._current(cur, table)
             if current is None:
-                statements = self.create_statements(table)
-                for sql in statements:
+                created = self.create_statements(table)
+                for sql in created:
                     cur.execute(sql)
-                return statements
+                return created
             # SQLite column names are case-insensitive, like MySQL's.
             have = {c.casefold() for c in current}
             want = {c.name.casefold() for c in table.meta.columns}
             keep = {k.casefold() for k in table.key}
             drop = [c for c in current if c.casefold() not in want and c.casefold() not in keep]
-            if drop:
+            loosened: list[str] = []
+            if drop and table.keep_columns:
+                loosened = self._loosen(cur, table, drop)  # lenient: kept, nullable (run already)
+            elif drop:
                 return self._rebuild(cur, table, current)
             statements = [f"ALTER TABLE {self._table_ref(table)} ADD COLUMN {self.ident(c.name)} "
                           f"{sql_type}{''.join(self._column_clauses(table, c, sql_type))}"
@@ -209,7 +213,7 @@ class SQLiteSink(SqlSink):
             statements += self._index_sync(cur, table)
             for sql in statements:
                 cur.execute(sql)
-            return statements
+            return loosened + statements
 
         return self._run(work, f"reconcile {table.name!r}")
 
@@ -223,6 +227,38 @@ class SQLiteSink(SqlSink):
         drops = [f"DROP INDEX IF EXISTS {self.ident(n)}" for n in owned_index_drops(table, found)]
         creates = (sqlite_index_statement(self.ident, table, i) for i in missing_derived(table, found))
         return drops + [sql for sql in creates if sql is not None]
+
+    def _loosen(self, cur: Any, table: TargetTable, names: Sequence[str]) -> list[str]:
+        """Make the NOT NULL ones of ``names`` nullable: SQLite cannot alter a column, so the
+        table is rebuilt from its own stored definition with those NOT NULLs taken out (the
+        rest of it, collations, defaults, constraints and indexes, as it was)."""
+        cur.execute("SELECT name FROM pragma_table_info(?) WHERE \"notnull\" = 1", (table.name,))
+        strict = {str(r[0]).casefold() for r in cur.fetchall()} & {n.casefold() for n in names}
+        if not strict:
+            return []
+        cur.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (table.name,))
+        create = str(cur.fetchone()[0])
+        open_at, close_at = create.index("("), create.rindex(")")
+        parts = _top_level_split(create[open_at + 1:close_at])
+        for i, part in enumerate(parts):
+            first = part.strip().split(None, 1)[0] if part.strip() else ""
+            if first.strip('"`[]').casefold() in strict:
+                parts[i] = re.sub(r"\s+NOT\s+NULL\b", "", part, flags=re.IGNORECASE)
+        temp = f"{table.name}__sluice_rebuild"
+        cur.execute("SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = ? AND sql IS NOT NULL",
+                    (table.name,))
+        indexes = [str(r[0]) for r in cur.fetchall()]
+        statements = [
+            f"DROP TABLE IF EXISTS {self.ident(temp)}",
+            f"CREATE TABLE {self.ident(temp)} (" + ",".join(parts) + create[close_at:],
+            f"INSERT INTO {self.ident(temp)} SELECT * FROM {self._table_ref(table)}",
+            f"DROP TABLE {self._table_ref(table)}",
+            f"ALTER TABLE {self.ident(temp)} RENAME TO {self._table_ref(table)}",
+            *indexes,
+        ]
+        for sql in statements:
+            cur.execute(sql)
+        return statements
 
     def _rebuild(self, cur: Any, table: TargetTable, current: Sequence[str]) -> list[str]:
         """Drop columns by copying into a new table: SQLite's DROP COLUMN refuses columns that an
@@ -281,3 +317,26 @@ class SQLiteSink(SqlSink):
         action = f"DO UPDATE SET {', '.join(updates)}" if updates else "DO NOTHING"
         return (f"INSERT INTO {self._table_ref(table)} ({cols}) VALUES {values}"
                 f" ON CONFLICT ({conflict}) {action}")
+
+
+def _top_level_split(body: str) -> list[str]:
+    """``body`` split at the commas outside parentheses and quotes."""
+    parts: list[str] = []
+    current: list[str] = []
+    depth, quote = 0, ""
+    for ch in body:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"`[":
+            quote = "]" if ch == "[" else ch
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+            continue
+        current.append(ch)
+    parts.append("".join(current))
+    return parts

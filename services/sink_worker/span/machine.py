@@ -38,6 +38,7 @@ from enum import StrEnum
 from typing import Concatenate, Literal, ParamSpec, Protocol, TypeVar
 from uuid import uuid4
 
+from services.sink_worker.ddl.policy import POLICY_STOP_PREFIX
 from services.sink_worker.incidents.poison import IncidentAction, TableIncident, Unreplicable
 from services.sink_worker.incidents.table_errors import DdlFailure
 from services.sink_worker.round.sort_job import SpanCut
@@ -217,6 +218,11 @@ class SpanMachine:
     """Key JSON -> ts: that key's changes up to ts are left out (skipped by an operator)."""
     skip_reasons: dict[str, TableIncident] = field(default_factory=dict)
     """Skipped keys whose events are not dead-lettered yet, with the incident they ended."""
+    released_after_ts: int | None = None
+    """``schema_change_policy = stop``: an operator resumed the table stopped below a DDL at
+    this ts; the first DDL after it is applied (``ddl_released``)."""
+    released_ddl_seq: int | None = None
+    """The stream sequence of the DDL that resume released (rounds may meet it again)."""
 
     def __post_init__(self) -> None:
         self.state = SpanState(self.state)  # one built from its name (a status read back)
@@ -355,9 +361,23 @@ class SpanMachine:
             skip = (stopped.failure.key, max(stopped.upto_ts, self.skips.get(stopped.failure.key, 0)))
             self.skips[skip[0]] = skip[1]
             self.skip_reasons[skip[0]] = stopped
+        if (action != "skip" and isinstance(stopped.failure, Unreplicable)
+                and stopped.failure.error.startswith(POLICY_STOP_PREFIX)):
+            self.released_after_ts, self.released_ddl_seq = stopped.upto_ts, None
         self.incident = None
         self._enter(SpanState.REPLICATING)
         return OperatorDecision(skip=skip, incident=stopped)
+
+    def ddl_released(self, ts: int, stream_seq: int) -> bool:
+        """Whether the DDL at ``ts`` is the one an operator released by resuming the table's
+        ``stop`` incident (the first DDL after where it stopped); it stays released for the
+        rounds that meet it again until it is carried out."""
+        if self.released_ddl_seq == stream_seq:
+            return True
+        if self.released_after_ts is not None and ts > self.released_after_ts:
+            self.released_after_ts, self.released_ddl_seq = None, stream_seq
+            return True
+        return False
 
 
 def unreplicable(reason: str, at_ts: int) -> TableIncident:

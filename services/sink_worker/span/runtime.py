@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
-from contracts.events.changefeeds import ChangefeedSpec, InitialLoad, KeyPolicy, current_spec
+from contracts.events.changefeeds import (
+    ChangefeedSpec,
+    InitialLoad,
+    KeyPolicy,
+    SchemaChangePolicy,
+    current_spec,
+)
 from contracts.events.rows import SourcePositionV1, TableMetaV1
 from libs.config import Settings
 from libs.routing import Router, router_for
@@ -80,6 +86,8 @@ class SpanConfig:
     """Continuous validation: off, fast or full (``services.sink_worker.validation.validator``)."""
     case_insensitive: bool = False
     """``text_comparison = case_insensitive``: *_ci source columns compare so on PostgreSQL/SQLite."""
+    schema_change_policy: SchemaChangePolicy = "evolve"
+    """What a DDL does downstream (``services.sink_worker.ddl.policy``)."""
     syncpoints: bool = False
     """``syncpoint_interval`` is set: each round reads the changefeed's cap (``libs.syncpoints``)."""
 
@@ -94,6 +102,7 @@ class SpanConfig:
                    start_position=spec.start_position.get(ref.id) if ref is not None else None,
                    on_unique_conflict=spec.on_unique_conflict, validation=spec.validation.mode,
                    case_insensitive=spec.text_comparison == "case_insensitive",
+                   schema_change_policy=spec.schema_change_policy,
                    syncpoints=spec.syncpoint_interval is not None)
 
 
