@@ -73,7 +73,7 @@ def test_a_writer_whose_token_was_bumped_changes_nothing(target: Target) -> None
 
 def test_a_fence_row_that_is_gone_refuses_too(target: Target) -> None:
     table = target.table("items", META)
-    target.sink.take_write_fence(target.schema, "cf.other", "w")  # creates the fence table, not SPAN's row
+    target.sink.take_write_fences(target.schema, ["cf.other"], "w")  # the fence table, not SPAN's row
     with pytest.raises(WriteFenceLost, match="no fence row"):
         target.sink.apply_partition(_fenced(table, target.schema, 1), [_upsert(1, "x")])
     assert _rows(target, table) == {}
@@ -114,8 +114,8 @@ def test_the_bump_waits_for_a_write_in_flight_and_refuses_the_next(kind: str, re
     table = target.table("items", META)
     sink = target.sink
     assert isinstance(sink, SqlSink)
-    old = sink.take_write_fence(target.schema, SPAN, "worker-old")
-    assert old == 1
+    old = sink.take_write_fences(target.schema, [SPAN], "worker-old")
+    assert old == {SPAN: 1}
     in_flight = threading.Event()
     release = threading.Event()
     errors: list[BaseException] = []
@@ -135,8 +135,9 @@ def test_the_bump_waits_for_a_write_in_flight_and_refuses_the_next(kind: str, re
     writer = threading.Thread(target=old_owner)
     writer.start()
     assert in_flight.wait(60)
-    taken: list[int | None] = []
-    taker = threading.Thread(target=lambda: taken.append(sink.take_write_fence(target.schema, SPAN, "new")))
+    taken: list[dict[str, int] | None] = []
+    taker = threading.Thread(
+        target=lambda: taken.append(sink.take_write_fences(target.schema, [SPAN], "new")))
     taker.start()
     try:
         wait_until(lambda: _lock_waits(target) > 0, 60, "the new owner's bump waiting on the fence row")
@@ -146,7 +147,7 @@ def test_the_bump_waits_for_a_write_in_flight_and_refuses_the_next(kind: str, re
         writer.join(60)
         taker.join(60)
     assert not errors, errors
-    assert taken == [2]
+    assert taken == [{SPAN: 2}]
     assert _rows(target, table) == {1: "old"}  # committed before the bump
     with pytest.raises(WriteFenceLost):
         sink.apply_partition(_fenced(table, target.schema, 1), [_upsert(1, "late")])

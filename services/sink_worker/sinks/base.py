@@ -128,9 +128,10 @@ class Sink(ABC):
                                             row=dict(zip(columns, r, strict=True))) for r in rows])
         return len(rows)
 
-    def take_write_fence(self, schema: str | None, span: str, owner: str) -> int | None:
-        """Bump ``span``'s write token in ``schema`` and return it (``write_fence``); None for a
-        sink without fencing (a stream sink: its consumers deduplicate by message id)."""
+    def take_write_fences(self, schema: str | None, spans: Sequence[str],
+                          owner: str) -> dict[str, int] | None:
+        """Bump each span's write token in ``schema`` and return them (``write_fence``); None
+        for a sink without fencing (a stream sink: its consumers deduplicate by message id)."""
         return None
 
     def statement_target(self) -> StatementTarget | None:

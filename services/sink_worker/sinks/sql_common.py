@@ -626,25 +626,32 @@ class SqlSink(Sink):
         return (f"INSERT INTO {ref} AS f (span, token, owner) VALUES ({p}, 1, {p}) "
                 "ON CONFLICT (span) DO UPDATE SET token = f.token + 1, owner = excluded.owner")
 
-    def take_write_fence(self, schema: str | None, span: str, owner: str) -> int | None:
+    def take_write_fences(self, schema: str | None, spans: Sequence[str],
+                          owner: str) -> dict[str, int] | None:
         text = self.fence_text_type
         create = (f"CREATE TABLE IF NOT EXISTS {self._fence_ref(schema)} (span {text} NOT NULL PRIMARY KEY,"
                   f" token BIGINT NOT NULL, owner {text} NOT NULL)")
-        try:
-            self._run(lambda cur: cur.execute(create), f"create {FENCE_TABLE}")
-        except Exception:
-            # Two workers creating it at once (PostgreSQL's catalog race): it exists now.
-            self._run(lambda cur: cur.execute(create), f"create {FENCE_TABLE}")
         ref = self._fence_ref(schema, for_params=True)
 
-        def bump(cur: Any) -> int:
-            cur.execute(self._fence_bump_sql(ref), (span, owner))
-            cur.execute(f"SELECT token FROM {ref} WHERE span = {self.placeholder}", (span,))
-            return int(cur.fetchone()[0])
+        # One transaction for the table and every span's bump: a writer stopped inside one
+        # (SIGSTOP) holds SQLite's database lock, so the fewer the shorter that window.
+        def bump(cur: Any) -> dict[str, int]:
+            cur.execute(create)
+            taken: dict[str, int] = {}
+            for span in spans:
+                cur.execute(self._fence_bump_sql(ref), (span, owner))
+                cur.execute(f"SELECT token FROM {ref} WHERE span = {self.placeholder}", (span,))
+                taken[span] = int(cur.fetchone()[0])
+            return taken
 
-        token = self._run(bump, f"take the write fence of {span!r}")
-        log.info("write fence taken", extra={"span": span, "token": token, "schema": schema})
-        return token
+        what = f"take the write fence of {len(spans)} span(s)"
+        try:
+            taken = self._run(bump, what)
+        except Exception:
+            # Two workers creating the table at once (PostgreSQL's catalog race): it exists now.
+            taken = self._run(bump, what)
+        log.info("write fence taken", extra={"schema": schema, "fence": taken})
+        return taken
 
     def _check_write_fence(self, cur: Any, fence: WriteFence) -> None:
         ref = self._fence_ref(fence.schema, for_params=True)

@@ -29,6 +29,7 @@ leaves the worker is forgotten, so a span that comes back takes a fresh token.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,7 +57,8 @@ class WriteFenceLost(Exception):
 
 
 class FencingSink(Protocol):
-    def take_write_fence(self, schema: str | None, span: str, owner: str) -> int | None: ...
+    def take_write_fences(self, schema: str | None, spans: Sequence[str],
+                          owner: str) -> dict[str, int] | None: ...
 
 
 class WriteFences:
@@ -69,21 +71,21 @@ class WriteFences:
 
     def take(self, sink: FencingSink, sink_url: str, schema: str | None,
              spans: list[str]) -> WriteFence | None:
-        """The fence for a write of ``spans`` into ``schema``; the first call for a span takes its
-        token (a downstream transaction; in the calling thread). None: the sink has no fencing."""
-        tokens: list[tuple[str, int]] = []
-        for span in sorted(set(spans)):
-            key = (sink_url, schema, span)
+        """The fence for a write of ``spans`` into ``schema``; the spans without a token yet take
+        theirs (one downstream transaction, in the calling thread). None: the sink has no fencing."""
+        wanted = sorted(set(spans))
+        with self._lock:
+            held = {span: token for span in wanted
+                    if (token := self._tokens.get((sink_url, schema, span))) is not None}
+        missing = [span for span in wanted if span not in held]
+        if missing:
+            taken = sink.take_write_fences(schema, missing, self.owner)
+            if taken is None:
+                return None
             with self._lock:
-                token = self._tokens.get(key)
-            if token is None:
-                taken = sink.take_write_fence(schema, span, self.owner)
-                if taken is None:
-                    return None
-                with self._lock:
-                    token = self._tokens.setdefault(key, taken)
-            tokens.append((span, token))
-        return WriteFence(schema, tuple(tokens))
+                for span, token in taken.items():
+                    held[span] = self._tokens.setdefault((sink_url, schema, span), token)
+        return WriteFence(schema, tuple((span, held[span]) for span in wanted))
 
     def forget(self, span: str) -> None:
         """``span`` left this worker: a later write of it takes a new token."""
