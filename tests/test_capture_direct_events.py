@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 
 from libs.localservers.mariadb import MariaDB
-from services.capture.binlog_reader import Begin, Commit, Position, Query, Rows, XaPrepare
-from tests.helpers.rows_events import DB, read_items, statements, typed_rows
+from services.capture.binlog_reader import Begin, Commit, Query, Rows, XaPrepare
+from tests.helpers.rows_events import DB, assert_same_items, read_items, write
 
 pytestmark = pytest.mark.integration
 
@@ -53,27 +53,9 @@ def _more_statements() -> list[str]:
     ]
 
 
-def _write(server: MariaDB) -> tuple[Position, Position]:
-    conn = server.connect()
-    try:
-        with conn.cursor() as cur:
-            cur.execute("FLUSH BINARY LOGS")
-            cur.execute("SHOW MASTER STATUS")
-            file, pos = cur.fetchone()[:2]
-            start = Position(str(file), int(pos))
-            conn.autocommit(True)
-            for stmt in [*statements(), *_more_statements()]:
-                cur.execute(stmt)
-            cur.execute("SHOW MASTER STATUS")
-            file, pos = cur.fetchone()[:2]
-            return start, Position(str(file), int(pos))
-    finally:
-        conn.close()
-
-
 @pytest.mark.parametrize("fast_rows", [True, False], ids=["compiled-rows", "library-rows"])
 def test_the_direct_path_gives_the_librarys_items(mariadb: MariaDB, fast_rows: bool) -> None:
-    start, end = _write(mariadb)
+    start, end = write(mariadb, _more_statements(), autocommit=True)
     library, library_reader = read_items(mariadb, start, end, fast_rows=fast_rows, direct=False)
     direct, direct_reader = read_items(mariadb, start, end, fast_rows=fast_rows, direct=True,
                                        server_id=4244)
@@ -89,15 +71,7 @@ def test_the_direct_path_gives_the_librarys_items(mariadb: MariaDB, fast_rows: b
     assert len(big[0].images[0].after["b"]) == BIG
     assert library_reader.decoded.direct == 0
 
-    assert len(direct) == len(library)
-    for mine, theirs in zip(direct, library, strict=True):
-        assert type(mine) is type(theirs)
-        if isinstance(mine, Rows) and isinstance(theirs, Rows):
-            where = f"{theirs.table} {theirs.op} at {theirs.position}"
-            assert typed_rows(mine) == typed_rows(theirs), where
-            assert mine == theirs, where
-        else:
-            assert mine == theirs
+    assert_same_items(direct, library)
 
     # The direct path took the hot events: every GTID, XID and rows event of a known table.
     begins = sum(1 for i in library if isinstance(i, Begin))

@@ -10,7 +10,7 @@ import pytest
 
 from libs.localservers.mariadb import MariaDB
 from services.capture.binlog_reader import Rows
-from tests.helpers.rows_events import DB, read_items, typed_rows, write
+from tests.helpers.rows_events import DB, assert_same_items, read_items, write
 
 pytestmark = pytest.mark.integration
 
@@ -26,15 +26,7 @@ def test_the_compiled_decoder_gives_the_librarys_items(mariadb: MariaDB) -> None
     assert sum(len(i.images) for i in rows) > 300
     assert library_reader.decoded.compiled == 0
 
-    assert len(compiled) == len(library)
-    for mine, theirs in zip(compiled, library, strict=True):
-        assert type(mine) is type(theirs)
-        if isinstance(mine, Rows) and isinstance(theirs, Rows):
-            where = f"{theirs.table} {theirs.op} at {theirs.position}"
-            assert typed_rows(mine) == typed_rows(theirs), where
-            assert mine == theirs, where
-        else:
-            assert mine == theirs
+    assert_same_items(compiled, library)
 
     # Every rows event went through the compiled decoder, the spatial types' included.
     spatial = sum(1 for i in rows if i.table == "spatial")

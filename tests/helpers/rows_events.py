@@ -21,6 +21,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -123,9 +124,11 @@ def statements() -> list[str]:
     return out
 
 
-def write(server: MariaDB) -> tuple[Position, Position]:
-    """Run ``statements`` on one connection (the session's sql_mode matters); the binlog
-    positions before and after."""
+def write(server: MariaDB, more: Sequence[str] = (), *,
+          autocommit: bool = False) -> tuple[Position, Position]:
+    """Run ``statements`` and then ``more`` on one connection (the session's sql_mode matters);
+    the binlog positions before and after. ``autocommit``: each statement its own transaction
+    (``more`` may then hold BEGIN/COMMIT and XA of its own)."""
     conn = server.connect()
     try:
         with conn.cursor() as cur:
@@ -133,14 +136,30 @@ def write(server: MariaDB) -> tuple[Position, Position]:
             cur.execute("SHOW MASTER STATUS")
             file, pos = cur.fetchone()[:2]
             start = Position(str(file), int(pos))
-            for stmt in statements():
+            if autocommit:
+                conn.autocommit(True)
+            for stmt in [*statements(), *more]:
                 cur.execute(stmt)
-            conn.commit()
+            if not autocommit:
+                conn.commit()
             cur.execute("SHOW MASTER STATUS")
             file, pos = cur.fetchone()[:2]
             return start, Position(str(file), int(pos))
     finally:
         conn.close()
+
+
+def assert_same_items(mine: Sequence[Item], theirs: Sequence[Item]) -> None:
+    """Two reads of one binlog range gave equal items, rows compared with their values' types."""
+    assert len(mine) == len(theirs)
+    for a, b in zip(mine, theirs, strict=True):
+        assert type(a) is type(b)
+        if isinstance(a, Rows) and isinstance(b, Rows):
+            where = f"{b.table} {b.op} at {b.position}"
+            assert typed_rows(a) == typed_rows(b), where
+            assert a == b, where
+        else:
+            assert a == b
 
 
 def read_items(server: MariaDB, start: Position, end: Position, *, fast_rows: bool,

@@ -96,9 +96,8 @@ class SqlWriter:
             by_target.setdefault(w.plan.target_id, []).append(w)
         plans: dict[str, TargetPlan] = {}
         for same in by_target.values():
-            table = same[0].plan.table if same[0].plan is not None else None
-            assert table is not None
-            fence = self.fences.take(sink, self.sink_url, table.schema, [w.rt.span.kv_key for w in same])
+            schema = same[0].plan.table.schema if same[0].plan is not None else None
+            fence = self.fences.take(sink, self.sink_url, schema, [w.rt.span.kv_key for w in same])
             for w in same:
                 assert w.plan is not None
                 plans[w.rt.span.kv_key] = replace(w.plan, table=replace(w.plan.table, fence=fence))
