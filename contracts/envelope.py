@@ -20,7 +20,7 @@ def utc_now() -> datetime:
 class Envelope(BaseModel):
     """Versioned wrapper: consumers dispatch on ``(type, version)`` and read ``data``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
     type: str = Field(min_length=1, description="Event type, dotted, e.g. 'member.joined'.")
     version: int = Field(ge=1, description="Contract version of `data` for this type.")

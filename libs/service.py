@@ -1,4 +1,4 @@
-"""The runtime every Sluice service shares: FastAPI health/metrics, uvicorn, NATS, SIGTERM.
+"""The runtime every Sluice service shares: health/metrics over uvicorn, NATS, SIGTERM.
 
 A service is a ``main(runtime)`` coroutine that does its work until ``runtime.stopping`` is set.
 ``run_service`` serves ``/healthz``, ``/readyz`` and ``/metrics`` beside it and shuts down
@@ -17,18 +17,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from fastapi import FastAPI, Response
-from fastapi.responses import JSONResponse
 from nats.aio.client import Client
 
 from libs.config import Settings, get_settings
 from libs.nats_client import connect
+from libs.ops_http import OpsAnswer, OpsApp, json_answer
 from libs.telemetry.logs import setup_logging
 from libs.telemetry.metrics import render_latest
 from libs.telemetry.tracing import setup_tracing, shutdown_tracing
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +68,13 @@ class ServiceRuntime:
     def __init__(self, name: str, settings: Settings | None = None, app: FastAPI | None = None) -> None:
         self.name = name
         self.settings = settings or get_settings()
-        self.app = app or FastAPI(title=f"sluice-{name}")
         self.stopping = asyncio.Event()
         self.status: dict[str, Any] = {}
         self._ready_checks: dict[str, ReadyCheck] = {}
         self._nc: Client | None = None
         self.port = self.settings.http_port or DEFAULT_PORTS.get(name, 8199)
-        self._add_routes()
+        ops = {"/healthz": self._healthz, "/readyz": self._readyz, "/metrics": self._metrics}
+        self.app: Any = OpsApp(ops) if app is None else _with_ops_routes(app, ops)
 
     @property
     def producer(self) -> str:
@@ -87,28 +89,23 @@ class ServiceRuntime:
     def add_ready_check(self, name: str, check: ReadyCheck) -> None:
         self._ready_checks[name] = check
 
-    def _add_routes(self) -> None:
-        @self.app.get("/healthz", tags=["ops"])
-        async def healthz() -> JSONResponse:
-            # A service sets status["unhealthy"] to the reason when it cannot do its job and only
-            # an operator can mend it (e.g. capture's source purged the binlog it needs).
-            unhealthy = self.status.get("unhealthy")
-            body = {"status": "unhealthy" if unhealthy else "ok", "service": self.name,
-                    "instance": self.settings.instance_id, **self.status}
-            return JSONResponse(body, status_code=503 if unhealthy else 200)
+    def _healthz(self) -> OpsAnswer:
+        # A service sets status["unhealthy"] to the reason when it cannot do its job and only
+        # an operator can mend it (e.g. capture's source purged the binlog it needs).
+        unhealthy = self.status.get("unhealthy")
+        body = {"status": "unhealthy" if unhealthy else "ok", "service": self.name,
+                "instance": self.settings.instance_id, **self.status}
+        return json_answer(body, 503 if unhealthy else 200)
 
-        @self.app.get("/readyz", tags=["ops"])
-        async def readyz() -> JSONResponse:
-            failing = [n for n, check in self._ready_checks.items() if not check()]
-            if self._nc is None or not self._nc.is_connected:
-                failing.append("nats")
-            body = {"ready": not failing, "failing": failing}
-            return JSONResponse(body, status_code=200 if not failing else 503)
+    def _readyz(self) -> OpsAnswer:
+        failing = [n for n, check in self._ready_checks.items() if not check()]
+        if self._nc is None or not self._nc.is_connected:
+            failing.append("nats")
+        return json_answer({"ready": not failing, "failing": failing}, 200 if not failing else 503)
 
-        @self.app.get("/metrics", tags=["ops"])
-        async def metrics() -> Response:
-            payload, content_type = render_latest()
-            return Response(payload, media_type=content_type)
+    def _metrics(self) -> OpsAnswer:
+        payload, content_type = render_latest()
+        return 200, payload, content_type
 
     async def run(self, main: Callable[[ServiceRuntime], Coroutine[Any, Any, None]]) -> None:
         # Whatever a service writes (the api's read model, spools, Spark's files) is its own:
@@ -156,6 +153,19 @@ class ServiceRuntime:
         log.info("service stopped", extra={"service": self.name})
         if failure is not None:
             raise failure
+
+
+def _with_ops_routes(app: FastAPI, ops: dict[str, Callable[[], OpsAnswer]]) -> FastAPI:
+    """The api's FastAPI app with the ops handlers as routes (listed in its OpenAPI, tag ops)."""
+    from fastapi import Response
+
+    for path, handler in ops.items():
+        def endpoint(handler: Callable[[], OpsAnswer] = handler) -> Response:
+            status, body, content_type = handler()
+            return Response(body, status_code=status, media_type=content_type)
+
+        app.add_api_route(path, endpoint, methods=["GET"], tags=["ops"], name=path.strip("/"))
+    return app
 
 
 def run_service(name: str, main: Callable[[ServiceRuntime], Coroutine[Any, Any, None]],

@@ -17,7 +17,7 @@ InitialLoad = Literal["snapshot", "binlog-only", "snapshot-only"]
 
 
 class SourceRefV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_\-]+$")
     url: str = Field(min_length=1, description="mysql://user:pass@host:port/ of the source.")
 
@@ -26,7 +26,7 @@ class TableFilterV1(BaseModel):
     """Patterns over ``database.table`` (a glob, or a regular expression after ``~`` matching the
     whole name); a table is in when it matches an include and no exclude."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     include: list[str] = Field(default_factory=lambda: ["*.*"])
     exclude: list[str] = Field(default_factory=list)
 
@@ -39,7 +39,7 @@ class RouteRuleV1(BaseModel):
     omitted keeps each table's own name (a schema-level merge).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     source: str = Field("*", min_length=1)
     database: str = Field(min_length=1, description="Pattern over the upstream database (schema).")
     table: str = Field("*", min_length=1)
@@ -49,7 +49,7 @@ class RouteRuleV1(BaseModel):
 
 
 class ChangefeedSpecV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_\-]+$")
     sources: list[SourceRefV1] = Field(min_length=1)
     filter: TableFilterV1 = Field(default_factory=TableFilterV1)
@@ -64,7 +64,7 @@ class ChangefeedSpecV1(BaseModel):
 class ChangefeedSpecV2(BaseModel):
     """v2 adds shard routing (``routes``, ``origin_column``) and the initial load mode."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_\-]+$")
     sources: list[SourceRefV1] = Field(min_length=1)
     filter: TableFilterV1 = Field(default_factory=TableFilterV1)
@@ -97,28 +97,28 @@ def _spec_v1_to_v2(spec: dict[str, Any]) -> dict[str, Any]:
 
 @register("changefeed.created", 1)
 class ChangefeedCreatedV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     spec: ChangefeedSpecV1
     requested_by: str = ""
 
 
 @register("changefeed.updated", 1)
 class ChangefeedUpdatedV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     spec: ChangefeedSpecV1
     requested_by: str = ""
 
 
 @register("changefeed.created", 2)
 class ChangefeedCreatedV2(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     spec: ChangefeedSpecV2
     requested_by: str = ""
 
 
 @register("changefeed.updated", 2)
 class ChangefeedUpdatedV2(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     spec: ChangefeedSpecV2
     requested_by: str = ""
 
@@ -135,7 +135,7 @@ def _updated_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
 
 @register("changefeed.state_changed", 1)
 class ChangefeedStateChangedV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     id: str = Field(min_length=1)
     state: Literal["running", "paused", "deleted"]
     requested_by: str = ""
@@ -148,7 +148,7 @@ class ChangefeedStateChangedV1(BaseModel):
 class ChangefeedCheckV1(BaseModel):
     """A creation check the api ran and that failed, accepted anyway with ``skip_checks``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     check: str = Field(min_length=1, description="e.g. source_reachable, binlog_format, sink_writable")
     target: str = Field("", description="The source id, 'sink' or the route the check is about.")
     message: str = Field(min_length=1, description="What failed and the fix.")
@@ -189,7 +189,7 @@ _V3_DOC = ("v3: source and sink URLs hold no password; a password is a reference
 @register("changefeed.created", 3)
 class ChangefeedCreatedV3(BaseModel):
     __doc__ = _V3_DOC
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     spec: ChangefeedSpecV3
     requested_by: str = ""
     failed_checks: list[ChangefeedCheckV1] = Field(default_factory=list)
@@ -198,7 +198,7 @@ class ChangefeedCreatedV3(BaseModel):
 @register("changefeed.updated", 3)
 class ChangefeedUpdatedV3(BaseModel):
     __doc__ = _V3_DOC
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     spec: ChangefeedSpecV3
     requested_by: str = ""
     failed_checks: list[ChangefeedCheckV1] = Field(default_factory=list)
@@ -230,7 +230,7 @@ ComputedType = Literal["string", "int", "float"]
 class ComputedColumnV1(BaseModel):
     """A column the target gains, computed from the row's new image by a Spark SQL expression."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     name: str = Field(min_length=1, max_length=64)
     expr: str = Field(min_length=1, description=(
         "Spark SQL over the row's columns, e.g. "
@@ -244,7 +244,7 @@ class TableRuleV1(BaseModel):
     Every rule matching a table applies: ignored events add up, expressions are OR-ed, dropped
     columns add up. At most one matching rule may set ``keep_columns``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     tables: list[str] = Field(min_length=1, description="Patterns over ``database.table``, as in the "
                                                         "table filter (a glob, or a regex after ``~``).")
     ignore_events: list[IgnorableEvent] = Field(
@@ -295,7 +295,7 @@ _V4_DOC = _V3_DOC + " v4: the spec gains ``table_rules`` (event filters, column 
 @register("changefeed.created", 4)
 class ChangefeedCreatedV4(BaseModel):
     __doc__ = _V4_DOC
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     spec: ChangefeedSpecV4
     requested_by: str = ""
     failed_checks: list[ChangefeedCheckV1] = Field(default_factory=list)
@@ -304,7 +304,7 @@ class ChangefeedCreatedV4(BaseModel):
 @register("changefeed.updated", 4)
 class ChangefeedUpdatedV4(BaseModel):
     __doc__ = _V4_DOC
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     spec: ChangefeedSpecV4
     requested_by: str = ""
     failed_checks: list[ChangefeedCheckV1] = Field(default_factory=list)
@@ -330,7 +330,7 @@ class ValidationSpecV1(BaseModel):
     """Continuous validation: the worker that runs a table compares the rows its batches changed
     with the source once they are applied, at a consistent point (see DESIGN.md)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     mode: ValidationMode = Field(
         "off", description="off; fast: a row exists downstream exactly when it exists upstream; "
                            "full: and every column the table rules send downstream is equal.")
@@ -359,7 +359,7 @@ _V5_DOC = _V4_DOC + " v5: the spec gains ``validation`` (continuous validation, 
 @register("changefeed.created", 5)
 class ChangefeedCreatedV5(BaseModel):
     __doc__ = _V5_DOC
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     spec: ChangefeedSpecV5
     requested_by: str = ""
     failed_checks: list[ChangefeedCheckV1] = Field(default_factory=list)
@@ -368,7 +368,7 @@ class ChangefeedCreatedV5(BaseModel):
 @register("changefeed.updated", 5)
 class ChangefeedUpdatedV5(BaseModel):
     __doc__ = _V5_DOC
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     spec: ChangefeedSpecV5
     requested_by: str = ""
     failed_checks: list[ChangefeedCheckV1] = Field(default_factory=list)

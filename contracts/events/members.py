@@ -13,14 +13,14 @@ from contracts.registry import register, upcaster
 class MemberJoinedV1(BaseModel):
     """First version: members had no incarnation, so a restart looked like the same process."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     member_id: str = Field(min_length=1)
     address: str = ""
 
 
 @register("member.joined", 2)
 class MemberJoinedV2(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     member_id: str = Field(min_length=1)
     incarnation: str = Field(description="Fresh per process start; '' when the producer predates it.")
     address: str = ""
@@ -35,7 +35,7 @@ def _member_joined_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
 
 @register("member.draining", 1)
 class MemberDrainingV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     member_id: str = Field(min_length=1)
     incarnation: str
     requested_by: str = ""
@@ -44,7 +44,7 @@ class MemberDrainingV1(BaseModel):
 
 @register("member.left", 1)
 class MemberLeftV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     member_id: str = Field(min_length=1)
     incarnation: str
     reason: str = Field(description="'ttl-expired', 'shutdown' or 'replaced'.")

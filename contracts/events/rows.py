@@ -34,7 +34,7 @@ RowOp = Literal["insert", "update", "delete"]
 
 
 class ColumnV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     name: str = Field(min_length=1)
     kind: ColumnKind
     sql_type: str = Field(description="The source's column type, e.g. 'decimal(12,2)', for DDL.")
@@ -42,21 +42,21 @@ class ColumnV1(BaseModel):
 
 
 class RowImageV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     op: RowOp
     before: dict[str, Any] | None = Field(None, description="Full image before (update, delete).")
     after: dict[str, Any] | None = Field(None, description="Full image after (insert, update).")
 
 
 class TableMetaV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     columns: list[ColumnV1]
     primary_key: list[str] = Field(description="Primary-key columns; empty when the table has none.")
     unique_keys: list[list[str]] = Field(default_factory=list, description="Other unique keys.")
 
 
 class IndexPartV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     column: str = Field(min_length=1)
     prefix: int | None = Field(None, ge=1, description="Length of a prefix index part (characters "
                                "of a text column, bytes of a binary one); null: the whole column.")
@@ -66,7 +66,7 @@ class IndexPartV1(BaseModel):
 class IndexV1(BaseModel):
     """A secondary index of the source table (the primary key is ``TableMetaV1.primary_key``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     name: str = Field(min_length=1)
     unique: bool = False
     kind: Literal["btree", "hash", "fulltext", "spatial"] = "btree"
@@ -77,7 +77,7 @@ class IndexV1(BaseModel):
 class ColumnShapeV1(BaseModel):
     """What the source declares about a column beyond its kind and nullability."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     name: str = Field(min_length=1)
     default: str | None = Field(None, description="The default: a literal's value (unquoted text; "
                                 "bits as their integer) or an expression's SQL as the source spells "
@@ -95,7 +95,7 @@ class TableShapeV1(BaseModel):
     table's own charset, collation and comment. Read from information_schema only where it holds
     at the event's binlog position (as the rest of the metadata)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     columns: list[ColumnShapeV1] = Field(default_factory=list)
     indexes: list[IndexV1] = Field(default_factory=list)
     charset: str | None = None
@@ -122,7 +122,7 @@ def shape_of(meta: TableMetaV1) -> TableShapeV1 | None:
 
 
 class SourcePositionV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     binlog_file: str
     binlog_pos: int = Field(ge=0, description="End position of the event in the binlog file.")
     gtid: str | None = None
@@ -132,7 +132,7 @@ class SourcePositionV1(BaseModel):
 class RowsChangedV1(BaseModel):
     """Rows of one table changed by one transaction (or part of it, ``part`` counts from 0)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     source: str = Field(min_length=1)
     database: str = Field(min_length=1)
     table: str = Field(min_length=1)
@@ -154,7 +154,7 @@ class RowImageV2(BaseModel):
     it. ``None`` for rows upcast from v1, whose order across tables is unknown.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     op: RowOp
     before: dict[str, Any] | None = Field(None, description="Full image before (update, delete).")
     after: dict[str, Any] | None = Field(None, description="Full image after (insert, update).")
@@ -167,7 +167,7 @@ class RowsChangedV2(BaseModel):
     """Rows of one table changed by one transaction (or part of it, ``part`` counts from 0);
     as v1, and each row carries its ordinal within the transaction."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     source: str = Field(min_length=1)
     database: str = Field(min_length=1)
     table: str = Field(min_length=1)
@@ -191,7 +191,7 @@ def _rows_changed_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
 class DdlExecutedV1(BaseModel):
     """A schema change of one table, in stream order with its rows."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     source: str = Field(min_length=1)
     database: str = Field(min_length=1)
     table: str = Field(min_length=1)
@@ -234,7 +234,7 @@ class ForeignKeysChangedV1(BaseModel):
     table's DDL subject, at the statement's ts, so every span reading this table meets it in
     stream order; it changes nothing in this table's schema."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     source: str = Field(min_length=1)
     database: str = Field(min_length=1)
     table: str = Field(min_length=1)
@@ -250,7 +250,7 @@ class ForeignKeysChangedV1(BaseModel):
 class ResolvedAdvancedV1(BaseModel):
     """Every change of ``source`` with ts <= ``ts`` has been published."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     source: str = Field(min_length=1)
     ts: int = Field(ge=0)
     position: SourcePositionV1
@@ -260,7 +260,7 @@ class ResolvedAdvancedV1(BaseModel):
 class CaptureRejectedV1(BaseModel):
     """Capture met something it will not replicate silently: the operator must act."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     source: str = Field(min_length=1)
     kind: Literal["no_primary_key", "unsupported_type", "binlog_not_row", "binlog_not_full_image"]
     database: str = ""
@@ -278,7 +278,7 @@ class CaptureRejectedV2(BaseModel):
     """As v1, with ``binlog_purged``: the source no longer holds the binlog capture must read
     next (MySQL error 1236), so it cannot go on without losing changes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     source: str = Field(min_length=1)
     kind: CaptureRejectKind
     database: str = ""

@@ -40,7 +40,7 @@ class SpanRefV1(BaseModel):
     """A span: one upstream table of one source in one changefeed. ``source``, ``database`` and
     ``table`` are ROWS-stream subject tokens (``libs.streams.token``), as spans are discovered."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", defer_build=True, frozen=True)
     changefeed: str = Field(min_length=1)
     source: str = Field(min_length=1)
     database: str = Field(min_length=1)
@@ -48,7 +48,7 @@ class SpanRefV1(BaseModel):
 
 
 class TableStatusV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     span: SpanRefV1
     state: TableStateName
     checkpoint_ts: int = Field(0, ge=0, description="Everything of the span up to this ts is downstream.")
@@ -62,7 +62,7 @@ class TableStatusV1(BaseModel):
 class MemberHeartbeatV1(BaseModel):
     """A sink-worker's liveness and its complete table report."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     member_id: str = Field(min_length=1)
     incarnation: str = Field(min_length=1, description="Fresh per process start.")
     address: str = Field("", description="Where the member serves health and metrics.")
@@ -79,7 +79,7 @@ class MemberHeartbeatV1(BaseModel):
 class ReplicationAnnounceV1(BaseModel):
     """The replication-manager leader's epoch; members report to it and fence older ones."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     epoch: int = Field(ge=1)
     candidate: str = Field(min_length=1)
 
@@ -88,7 +88,7 @@ class ReplicationAnnounceV1(BaseModel):
 class DispatchRequestV1(BaseModel):
     """One phase of two-phase scheduling for one span on one member."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     member_id: str = Field(min_length=1)
     incarnation: str = Field(description="The member process it is meant for; another one refuses it.")
     span: SpanRefV1
@@ -99,7 +99,7 @@ class DispatchRequestV1(BaseModel):
 
 @register("dispatch.answered", 1)
 class DispatchResponseV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     member_id: str = Field(min_length=1)
     incarnation: str
     verdict: VerdictName
@@ -118,14 +118,14 @@ class SpansChangedV1(BaseModel):
     The replication-manager holds a changefeed's checkpoint until every one of these spans
     has a replication set (No Lost Table)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     changefeed: str = Field(min_length=1)
     spans: list[SpanRefV1]
 
 
 @register("schedule.add_table", 1)
 class AddTableV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     task_id: str = Field(min_length=1)
     span: SpanRefV1
     member_id: str = Field(min_length=1)
@@ -135,7 +135,7 @@ class AddTableV1(BaseModel):
 
 @register("schedule.move_table", 1)
 class MoveTableV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     task_id: str = Field(min_length=1)
     span: SpanRefV1
     dest: str = Field(min_length=1)
@@ -145,7 +145,7 @@ class MoveTableV1(BaseModel):
 
 @register("schedule.remove_table", 1)
 class RemoveTableV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     task_id: str = Field(min_length=1)
     span: SpanRefV1
     requested_by: str = ""
@@ -155,7 +155,7 @@ class RemoveTableV1(BaseModel):
 class ScheduleRequestV1(BaseModel):
     """An operator command to the scheduler leader (request/reply, not stored as is)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     kind: Literal["move", "rebalance", "drain"]
     span: SpanRefV1 | None = Field(None, description="move: the span to move.")
     dest: str | None = Field(None, description="move: the member to move it to.")
@@ -165,7 +165,7 @@ class ScheduleRequestV1(BaseModel):
 
 @register("schedule.request_answered", 1)
 class ScheduleRequestAnsweredV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     accepted: bool
     reason: str = ""
     leader: str = Field("", description="Instance id of the scheduler leader that answered.")
@@ -175,7 +175,7 @@ class ScheduleRequestAnsweredV1(BaseModel):
 class MoveRequestedV1(BaseModel):
     """An accepted operator move, kept until it is carried out or turns out impossible."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     span: SpanRefV1
     dest: str = Field(min_length=1)
     requested_by: str = ""
@@ -183,7 +183,7 @@ class MoveRequestedV1(BaseModel):
 
 @register("schedule.rebalance_requested", 1)
 class RebalanceRequestedV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     requested_by: str = ""
 
 
@@ -191,7 +191,7 @@ class RebalanceRequestedV1(BaseModel):
 class DrainRequestedV1(BaseModel):
     """An operator drain of one member process (its incarnation: a restarted one is not drained)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     member_id: str = Field(min_length=1)
     incarnation: str
     requested_by: str = ""
@@ -201,7 +201,7 @@ class DrainRequestedV1(BaseModel):
 class RequestDoneV1(BaseModel):
     """An operator move or rebalance ended: carried out (``ok``) or dropped with ``reason``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     kind: Literal["move", "rebalance"]
     span: SpanRefV1 | None = None
     ok: bool
@@ -215,7 +215,7 @@ class RequestDoneV1(BaseModel):
 class TaskResultV1(BaseModel):
     """The replication-manager's answer to one schedule task."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     task_id: str = Field(min_length=1)
     span: SpanRefV1
     accepted: bool
@@ -226,7 +226,7 @@ class TaskResultV1(BaseModel):
 class SetChangedV1(BaseModel):
     """A replication set's state, roles or conflict changed (not sent for progress alone)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     span: SpanRefV1
     state: SetStateName
     primary: str | None = None
@@ -243,7 +243,7 @@ class SetChangedV1(BaseModel):
 class CheckpointAdvancedV1(BaseModel):
     """A changefeed's checkpoint (min over all its spans) moved forward; never backwards."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     changefeed: str = Field(min_length=1)
     checkpoint_ts: int = Field(ge=0)
     resolved_ts: int = Field(ge=0)
@@ -253,7 +253,7 @@ class CheckpointAdvancedV1(BaseModel):
 class RebuiltV1(BaseModel):
     """A new leader has every live member's report and rebuilt its sets; it dispatches now."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     members: dict[str, str] = Field(description="member id -> incarnation that reported.")
     sets: int = Field(ge=0)
     waited_s: float = Field(ge=0, description="From winning the lease to the last report.")
@@ -263,6 +263,6 @@ class RebuiltV1(BaseModel):
 class MemberReadyV1(BaseModel):
     """A member that joined after the rebuild has reported its tables: it may get work."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     member_id: str = Field(min_length=1)
     incarnation: str

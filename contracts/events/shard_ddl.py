@@ -25,26 +25,26 @@ OpKindV1 = Literal["exec", "skip"]
 class ShardRefV1(BaseModel):
     """One upstream table (a shard): source id, database (schema) and table."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     source: str = Field(min_length=1)
     database: str = Field(min_length=1)
     table: str = Field(min_length=1)
 
 
 class TargetRefV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     database: str = Field(min_length=1)
     table: str = Field(min_length=1)
 
 
 class SettledV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     span: ShardRefV1
     position: int = Field(ge=0)
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     changefeed: str = Field(min_length=1)
     target: TargetRefV1
 
@@ -97,7 +97,7 @@ class DdlCommandV1(BaseModel):
     "code", "error"}`` with 404 (no such lock), 409 (refused), 422 (invalid) or 503 (the leader
     stepped down)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     action: Literal["list", "show", "unlock", "force_remove"]
     changefeed: str | None = Field(None, description="Every action but list: the lock's changefeed.")
     target: str | None = Field(None, description="Every action but list: the downstream table, "

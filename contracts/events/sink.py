@@ -20,7 +20,7 @@ from contracts.registry import register
 class SinkRowChangedV1(BaseModel):
     """One row change of a changefeed, as the NATS sink publishes it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     changefeed: str = Field(min_length=1)
     source: str = Field(min_length=1, description="Source id the change was captured from.")
     database: str = Field(min_length=1, description="Upstream database (shard).")

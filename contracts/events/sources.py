@@ -16,7 +16,7 @@ SOURCE_ID_PATTERN = r"^[A-Za-z0-9_\-]+$"
 class SourceRegisteredV1(BaseModel):
     """A source's URL; its password is a secret reference (``secret:NAME``), never the value."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     id: str = Field(min_length=1, pattern=SOURCE_ID_PATTERN)
     url: str = Field(min_length=1, description="mysql://user:secret:NAME@host:port/ of the source.")
     requested_by: str = ""
@@ -24,7 +24,7 @@ class SourceRegisteredV1(BaseModel):
 
 @register("source.removed", 1)
 class SourceRemovedV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     id: str = Field(min_length=1, pattern=SOURCE_ID_PATTERN)
     requested_by: str = ""
 
@@ -35,7 +35,7 @@ class SourceMovedV1(BaseModel):
     the registry and every changefeed reading it take ``url``. Recorded only after the api found
     that the new server holds every transaction the stream holds (``reason`` says what it saw)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     id: str = Field(min_length=1, pattern=SOURCE_ID_PATTERN)
     url: str = Field(min_length=1, description="mysql://user:secret:NAME@host:port/ of the new server.")
     requested_by: str = ""

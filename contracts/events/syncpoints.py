@@ -22,7 +22,7 @@ from contracts.registry import register
 
 @register("syncpoint.planned", 1)
 class SyncpointPlannedV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     changefeed: str = Field(min_length=1)
     ts: int = Field(gt=0, description="The upstream ts every span stops at.")
     planned_at: float = Field(description="Unix seconds (leader's clock).")
@@ -30,7 +30,7 @@ class SyncpointPlannedV1(BaseModel):
 
 @register("syncpoint.reached", 1)
 class SyncpointReachedV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     changefeed: str = Field(min_length=1)
     ts: int = Field(gt=0)
     commit_time: str = Field(min_length=1, description="When the downstream row was first written "
@@ -40,7 +40,7 @@ class SyncpointReachedV1(BaseModel):
 
 @register("syncpoint.ended", 1)
 class SyncpointEndedV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     changefeed: str = Field(min_length=1)
     ts: int = Field(gt=0)
     outcome: Literal["released", "abandoned"]

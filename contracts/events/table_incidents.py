@@ -26,7 +26,7 @@ TableAction = Literal["skip", "retry", "resume"]
 
 
 class TableRefV1(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     changefeed: str = Field(min_length=1)
     source: str = Field(min_length=1, description="Source id token of the span.")
     database: str = Field(min_length=1)
@@ -37,7 +37,7 @@ class TableRefV1(BaseModel):
 class TableStoppedV1(BaseModel):
     """The downstream refused a change of this table for good; the table waits for an operator."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     table: TableRefV1
     incident: str = Field(min_length=1, description="Id an operator's action names.")
     target: str = Field(min_length=1, description="Downstream schema.table.")
@@ -61,7 +61,7 @@ class TableStoppedV2(BaseModel):
     (``refused``, as v1), or it cannot be replicated as the changefeed says (``unreplicable``:
     ``error`` is the reason, no statement, no key)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     table: TableRefV1
     incident: str = Field(min_length=1, description="Id an operator's action names.")
     target: str = Field("", description="Downstream schema.table (empty when the table has none).")
@@ -87,7 +87,7 @@ def _table_stopped_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
 class TableActionRequestedV1(BaseModel):
     """An operator's decision on a stopped table's incident."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     table: TableRefV1
     incident: str = Field(min_length=1)
     action: TableAction
@@ -99,7 +99,7 @@ class UniqueConflictOverwrittenV1(BaseModel):
     """``on_unique_conflict = overwrite``: a merged target's row of another shard was removed
     because this shard's row took its unique value (one event per removed row)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     changefeed: str = Field(min_length=1)
     target: str = Field(min_length=1, description="Downstream schema.table.")
     unique_key: list[str]
