@@ -34,6 +34,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from contracts.events.rows import ColumnV1
+from libs.codec.decode import canonical_json
 from libs.codec.geometry import split_internal
 
 Column = str | ColumnV1
@@ -97,8 +98,7 @@ def _time_text(text: str) -> str | None:
 
 
 def _json(value: Any) -> str:
-    doc = json.loads(value) if isinstance(value, str | bytes | bytearray) else value
-    return _long_text("J", json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+    return _long_text("J", canonical_json(value))
 
 
 def _geometry(value: bytes) -> str:

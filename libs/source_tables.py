@@ -9,10 +9,9 @@ import logging
 import time
 from typing import Any
 
-import pymysql
-
 from libs.dburl import parse_database_url
 from libs.foreign_keys import ForeignKey, load_foreign_keys
+from libs.mysql_connection import connect as mysql_connect
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ def connect_source(url: str) -> Any:
     socket = db.option("unix_socket")
     if socket:
         params["unix_socket"] = socket
-    return pymysql.connect(**params)
+    return mysql_connect(**params)
 
 
 def list_tables(url: str) -> list[tuple[str, str]]:

@@ -35,6 +35,7 @@ from contracts.events.changefeeds import ChangefeedCheckV1, ChangefeedSpec
 from libs.codec.table_meta import TableInfo, load_table_info
 from libs.dburl import DatabaseUrl, DatabaseUrlError, parse_database_url
 from libs.foreign_keys import ForeignKey, cascade_warnings, load_foreign_keys
+from libs.mysql_connection import connect as mysql_connect
 from libs.routing import Router, RouteRule, RoutingConfigError, TableFilter, TableRef, router_for
 from libs.table_rules import rule_column_problems
 from libs.target_fit import TargetDefinition, fit_problems
@@ -101,7 +102,7 @@ def unmatched_routes(spec: ChangefeedSpec, tables: dict[str, list[tuple[str, str
 
 
 def _mysql(url: DatabaseUrl) -> Any:
-    return pymysql.connect(host=url.host, port=url.port, user=url.user or "root", password=url.password,
+    return mysql_connect(host=url.host, port=url.port, user=url.user or "root", password=url.password,
                            database=url.database or None, connect_timeout=CONNECT_TIMEOUT_S,
                            read_timeout=10, charset="utf8mb4", autocommit=True)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import pymysql
 
 from libs.dburl import DatabaseUrl
+from libs.mysql_connection import connect as mysql_connect
 from libs.target_fit import TargetColumn, TargetDefinition
 
 CONNECT_TIMEOUT_S = 3
@@ -28,7 +28,7 @@ def read_mysql(url: DatabaseUrl, database: str, table: str) -> TargetDefinition 
                               "password": url.password or "", "connect_timeout": CONNECT_TIMEOUT_S}
     if url.option("unix_socket"):
         params["unix_socket"] = url.option("unix_socket")
-    conn = pymysql.connect(**params)
+    conn = mysql_connect(**params)
     try:
         with conn.cursor() as cur:
             cur.execute("SELECT COLUMN_NAME, COLUMN_TYPE FROM information_schema.COLUMNS"

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import pymysql
 
 from libs.dburl import DatabaseUrl, DatabaseUrlError, parse_database_url
+from libs.mysql_connection import connect as mysql_connect
 from services.capture.binlog_reader import Position
 
 SourceProblem = Literal["binlog_not_row", "binlog_not_full_image"]
@@ -54,7 +55,7 @@ class SourceOptions:
 
 def connect(options: SourceOptions) -> Any:
     """A control connection; UTC so TIMESTAMP values read here match the binlog's (UTC)."""
-    return pymysql.connect(**options.connection_kwargs(), charset="utf8mb4", autocommit=True,
+    return mysql_connect(**options.connection_kwargs(), charset="utf8mb4", autocommit=True,
                            connect_timeout=5, read_timeout=30, write_timeout=30,
                            init_command="SET time_zone = '+00:00'")
 

@@ -21,7 +21,6 @@ any unique key, which is the apply path's conflict delete plus upsert in one sta
 from __future__ import annotations
 
 import binascii
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import date, datetime, timedelta
 from decimal import Decimal
@@ -44,6 +43,7 @@ from libs.codec.decode import (
     parse_sql_type,
 )
 from libs.codec.table_shape import shape_from_rows
+from libs.mysql_connection import MySQLConnection
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.shape_ddl import (
     index_changes,
@@ -145,30 +145,7 @@ _ER_NET_PACKET_TOO_LARGE = 1153
 _SMALLEST_PACKET_LIMIT = 4 * 1024 * 1024
 
 
-class _Connection(pymysql.connections.Connection):
-    """pymysql's connection, with its opportunistic-TLS context built once per process.
-
-    Given no TLS options, pymysql 1.2 offers TLS when the server has it ("preferred") and
-    builds a fresh default SSLContext for that on every connect, loading the system CA store:
-    about 50 ms of CPU per connection, and the apply job opens one per partition and round.
-    That context is always the same (no CA, no verification), so one is shared; explicit TLS
-    options still get their own.
-    """
-
-    _preferred_ctx: Any = None
-    _ctx_lock = threading.Lock()
-
-    def _create_ssl_ctx(self, sslp: Any) -> Any:
-        build = pymysql.connections.Connection._create_ssl_ctx  # type: ignore[attr-defined]
-        if not (isinstance(sslp, dict) and not sslp):
-            return build(self, sslp)
-        with _Connection._ctx_lock:
-            if _Connection._preferred_ctx is None:
-                _Connection._preferred_ctx = build(self, sslp)
-            return _Connection._preferred_ctx
-
-
-class _LoadConnection(_Connection):
+class _LoadConnection(MySQLConnection):
     """A connection for ``LOAD DATA LOCAL``: ``load(sql, data)`` streams ``data`` as the file;
     any other file request of the server is refused (pymysql would open the named path)."""
 
@@ -293,7 +270,7 @@ class MySQLSink(SqlSink):
     """The downstream's max_allowed_packet, read when a row first might not fit."""
 
     def _connect(self) -> Any:
-        return _Connection(**self._params())
+        return MySQLConnection(**self._params())
 
     def _params(self) -> dict[str, Any]:
         params: dict[str, Any] = {

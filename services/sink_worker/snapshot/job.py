@@ -37,13 +37,13 @@ from typing import Any
 from uuid import uuid4
 
 import pyarrow as pa
-import pymysql
 from pyspark.sql import SparkSession
 
 from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.codec.decode import decode_value
 from libs.codec.encode import encode_value
 from libs.dburl import parse_database_url
+from libs.mysql_connection import connect as mysql_connect
 from libs.sql_ident import mysql_ident as quote
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.snapshot import source_read
@@ -70,7 +70,7 @@ def connect_source(url: str) -> Any:
     socket = db.option("unix_socket")
     if socket:
         params["unix_socket"] = socket
-    return pymysql.connect(**params)
+    return mysql_connect(**params)
 
 
 def table_ref(database: str, table: str) -> str:

@@ -46,8 +46,10 @@ def _source_rows(ref: ShardRef) -> tuple[list[dict[str, Any]], Any]:
     import pymysql
     import pymysql.cursors
 
+    from libs.mysql_connection import connect as mysql_connect
+
     url = parse_database_url(ref.source_url)
-    conn = pymysql.connect(host=url.host, port=url.port, user=url.user or "root", password=url.password,
+    conn = mysql_connect(host=url.host, port=url.port, user=url.user or "root", password=url.password,
                            charset="utf8mb4", autocommit=True)
     try:
         info = load_table_info(conn, ref.database, ref.table)
