@@ -159,12 +159,16 @@ def _with_ops_routes(app: FastAPI, ops: dict[str, Callable[[], OpsAnswer]]) -> F
     """The api's FastAPI app with the ops handlers as routes (listed in its OpenAPI, tag ops)."""
     from fastapi import Response
 
-    for path, handler in ops.items():
-        def endpoint(handler: Callable[[], OpsAnswer] = handler) -> Response:
+    def route(handler: Callable[[], OpsAnswer]) -> Callable[[], Response]:
+        # A closure, not a default argument: FastAPI would read a parameter as a query field.
+        def endpoint() -> Response:
             status, body, content_type = handler()
             return Response(body, status_code=status, media_type=content_type)
+        return endpoint
 
-        app.add_api_route(path, endpoint, methods=["GET"], tags=["ops"], name=path.strip("/"))
+    for path, handler in ops.items():
+        app.add_api_route(path, route(handler), methods=["GET"], tags=["ops"], name=path.strip("/"),
+                          response_model=None)
     return app
 
 
