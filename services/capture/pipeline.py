@@ -60,7 +60,7 @@ from services.capture.binlog_reader import (
     Rows,
     XaPrepare,
 )
-from services.capture.ddl_lookahead import DdlIndex, list_ddl
+from services.capture.ddl_lookahead import AheadDdl, DdlIndex, list_ddl
 from services.capture.publisher import MessageTooLarge, Publisher
 from services.capture.source import current_position
 from services.capture.ts_clock import TsClock, wall_ms
@@ -147,6 +147,13 @@ class MetaStore:
             return CatalogRead(info, current_position(conn))
         return self._query(load)
 
+    def _list_ddl(self, start: Position, until: Position) -> list[AheadDdl]:
+        # A dump of its own connection each pass (list_ddl): one more try after a failure.
+        for attempt in Retrying(stop=stop_after_attempt(2), reraise=True):
+            with attempt:
+                return list_ddl(self._connect, start, until)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
     async def read(self, key: TableKey) -> CatalogRead:
         if key not in self._cache:
             self._cache[key] = await asyncio.to_thread(self._load, key)
@@ -163,7 +170,7 @@ class MetaStore:
             return None
         gap = self._ahead.missing(position, read.end)
         if gap is not None:
-            found = await asyncio.to_thread(self._query, lambda conn: list_ddl(conn, *gap))
+            found = await asyncio.to_thread(self._list_ddl, *gap)
             self._ahead.add(*gap, found)
         if self._ahead.names_between(key, position, read.end):
             return None
