@@ -424,7 +424,8 @@ class Capture:
         meta = MetaStore(lambda: connect(options))
         pipeline = SourcePipeline(self.source, publisher, meta, start, databases=options.databases,
                                   stopped=stopped, server=gtids.server_id,
-                                  xa_memory_bytes=self.settings.capture_xa_memory_bytes)
+                                  xa_memory_bytes=self.settings.capture_xa_memory_bytes,
+                                  batch_transactions=self.settings.capture_batch_transactions)
         reader_class = ReaderProcess if self.settings.capture_reader_process else BinlogReader
         reader = reader_class(options.connection_kwargs(), self.settings.source_server_id,
                               read_from, heartbeat_s=options.heartbeat_s,
