@@ -678,10 +678,10 @@ class SourcePipeline:
             except MessageTooLarge:
                 pass  # over a NATS message: the parts one by one (same input, same choice)
         for event_id, ts, seq, position, rows in batch.parts:
-            event = _construct(RowsChangedV3, {
+            alone = _construct(RowsChangedV3, {
                 "source": self.source, "database": key[0], "table": key[1], "ts": ts, "seq": seq,
                 "part": 0, "last_part": True, "position": position, "meta": meta, "rows": rows})
-            await self.publisher.send(subject, event, event_id, rows=len(rows),
+            await self.publisher.send(subject, alone, event_id, rows=len(rows),
                                       size_bound=sum(_approx_size(r) for r in rows))
 
     async def _too_large(self, txn: _Txn, key: TableKey, buffer: _TableBuffer, exc: _RowTooLarge) -> None:
