@@ -5,7 +5,14 @@ from __future__ import annotations
 import base64
 import os
 
-from contracts.events.rows import ColumnV1, RowImageV2, RowsChangedV3, RowsChangedV4, SourcePositionV1, TableMetaV2
+from contracts.events.rows import (
+    ColumnV1,
+    RowImageV2,
+    RowsChangedV3,
+    RowsChangedV4,
+    SourcePositionV1,
+    TableMetaV2,
+)
 from contracts.registry import REGISTRY
 from services.capture.large_encode import LARGE_VALUE, approx_size, encode_rows_deterministic
 

@@ -230,6 +230,8 @@ def _rows_fast(raw: bytes) -> tuple[str, RowsChangedV2] | None:
     if env.type != _ROWS_TYPE or env.version not in _ROWS_AS_IS or _ROWS_VERSION != REGISTRY.latest_version(
             _ROWS_TYPE):
         return None
+    if env.version != _ROWS_VERSION and (env.data.more or env.data.event_id is not None):
+        return None  # v4's fields in an older version: the general path says what is wrong
     return env.id, env.data
 
 
