@@ -208,14 +208,16 @@ def _parts_of_one(s: Any) -> list[Any]:
 
 async def _drain_batched(items: list[Event], start: StartState, chunk: int, *, window: int,
                          resolve_every_s: float, part_rows: int = 500,
-                         caught_up_at_end: bool = True) -> BatchRecorder:
+                         caught_up_at_end: bool = True, caught_up_every: bool = False,
+                         cuts: dict[str, int] | None = None) -> BatchRecorder:
     recorder = BatchRecorder()
     pipeline = SourcePipeline("src", recorder, Tables(), start, part_rows=part_rows,  # type: ignore[arg-type]
-                              resolve_every_s=resolve_every_s, batch_transactions=window)
+                              resolve_every_s=resolve_every_s, batch_transactions=window, cuts=cuts)
     try:
         chunks = [items[i:i + chunk] for i in range(0, len(items), chunk)]
         for n, part in enumerate(chunks):
-            await pipeline.handle_batch(part, caught_up=caught_up_at_end and n == len(chunks) - 1)
+            last = n == len(chunks) - 1
+            await pipeline.handle_batch(part, caught_up=caught_up_every or (caught_up_at_end and last))
     finally:
         pipeline.xa.close()
     return recorder
@@ -305,3 +307,32 @@ async def test_xa_and_batches_publish_every_part_once_in_seq_order() -> None:
     assert _parts(batched) == _published(single)
     seqs = [p[2] for p in _parts(batched)]
     assert seqs == sorted(seqs)
+
+
+async def test_a_reread_cuts_where_the_stored_messages_after_its_mark_were_cut() -> None:
+    """Batches the reader's catching up ended (the clock's cut) are followed by a mark at once;
+    a capture killed before that mark is stored re-reads from the mark before. Told how the
+    messages stored after its mark were cut (``service.load_tail_cuts``), it cuts the same."""
+    items = _backlog().items
+    # Caught up after every 5 items: batches end wherever the reader's hand-overs fell.
+    first = await _drain_batched(items, GSTART, 5, window=16, resolve_every_s=3600, caught_up_every=True)
+    messages = _messages(first)
+    assert len(first.marks) >= 5
+    for i, ((mark, next_seq, _xa), at) in enumerate(zip(first.marks, first.sent_at_mark, strict=True)):
+        # Killed before the mark after the next one was stored: two marks' worth of messages
+        # stored after this mark.
+        stored_to = first.sent_at_mark[min(i + 2, len(first.marks) - 1)]
+        stored = first.sent[at:stored_to]
+        cuts = {}
+        for s in stored:
+            first_id, _, count = s.msg_id.rpartition("+")
+            cuts.update({first_id: int(count)} if first_id else {s.msg_id: 1})
+        start = StartState(Position(mark.position.binlog_file, mark.position.binlog_pos), mark.ts, next_seq,
+                           gtid=mark.position.gtid, ids_by_gtid=True)
+        rest = [item for item in items if item.position.pos > mark.position.binlog_pos]
+        again = await _drain_batched(rest, start, 9, window=16, resolve_every_s=3600, cuts=cuts)
+        assert _messages(again)[:len(stored)] == messages[at:stored_to]
+        # Without them the binlog's windows alone cut otherwise (what the tail cuts are for).
+        if i == 0:
+            plain = await _drain_batched(rest, start, 9, window=16, resolve_every_s=3600)
+            assert _messages(plain)[:len(stored)] != messages[at:stored_to]

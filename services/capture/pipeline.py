@@ -256,6 +256,9 @@ class _Batch:
     """(event id, ts, seq, position, rows) of each transaction, in stream order."""
     rows: int = 0
     size: int = 0
+    cut: int = 0
+    """Parts it ends with, when a stored message started with its first part (0: the binlog's
+    rules alone)."""
 
 
 @dataclass
@@ -284,7 +287,8 @@ class SourcePipeline:
                  stopped: dict[TableKey, Position | None] | None = None,
                  part_rows: int = 500, part_bytes: int = 256 * 1024,
                  resolve_every_s: float = 0.2, xa_memory_bytes: int = 64 * 1024 * 1024,
-                 server: str | None = None, batch_transactions: int = 1) -> None:
+                 server: str | None = None, batch_transactions: int = 1,
+                 cuts: dict[str, int] | None = None) -> None:
         self.source = source
         # The server read (its @@server_id), recorded with each mark: a later session on another
         # server knows the mark's file and position are not its own.
@@ -335,6 +339,9 @@ class SourcePipeline:
         self._batch_transactions = max(1, batch_transactions)
         self._batches: dict[TableKey, _Batch] = {}
         self._window: tuple[str, int] | None = None  # the window of the open batches' transactions
+        # How the messages stored after the start mark were cut (first part id -> parts;
+        # service.load_tail_cuts): a batch starting with one of them ends exactly there.
+        self._cuts: dict[str, int] = dict(cuts or {})
         self._xa_prepared = metrics.XA_PREPARED.labels(source)
         self._xa_prepared_shown = -1  # the gauge's value: set when it changes, not per group
         self.position = start.position  # newest position read, for /healthz
@@ -639,16 +646,19 @@ class SourcePipeline:
                                   or batch.size + size > self._part_bytes):
             await self._flush_batch(key)
             batch = None
+        part_id = f"{self.source}:{txn.id_base()}:{key[0]}.{key[1]}:0"
         if batch is None:
-            batch = self._batches[key] = _Batch(buffer.info)
+            cut = self._cuts.pop(part_id, 0) if self._cuts else 0
+            batch = self._batches[key] = _Batch(buffer.info, cut=cut)
         position = _construct(SourcePositionV1, {"binlog_file": txn.begin.file, "binlog_pos": txn.begin.pos,
                                                  "gtid": txn.gtid})
-        batch.parts.append((f"{self.source}:{txn.id_base()}:{key[0]}.{key[1]}:0", txn.ts or 0,
-                            self.next_seq, position, rows))
+        batch.parts.append((part_id, txn.ts or 0, self.next_seq, position, rows))
         batch.rows += len(rows)
         batch.size += size
         self.next_seq += 1
         buffer.part += 1
+        if batch.cut and len(batch.parts) >= batch.cut:
+            await self._flush_batch(key)  # where the stored message ended
 
     async def flush_batches(self) -> None:
         """Publish every open batch (in the order they were opened)."""
@@ -964,9 +974,13 @@ class SourcePipeline:
 
     async def publish_resolved(self) -> None:
         """Publish the resolved mark for everything up to ``committed``, if it moved; the open
-        batches go out first (callers: caught up, or at a window's end where none is open)."""
+        batches go out first (callers: caught up, or at a window's end where none is open).
+        Not while a batch re-read after a crash waits for the rest of the stored message it
+        repeats: the binlog holds that rest, so the mark comes once it is read."""
         self._last_resolve = time.monotonic()
         if self.recovering:
+            return
+        if any(b.cut for b in self._batches.values()):
             return
         await self.flush_batches()
         ts, position = self.committed_ts, self.committed
