@@ -44,6 +44,8 @@ def test_a_message_of_several_transactions_is_one_entry_of_parts() -> None:
     assert [(p.ts, p.seq) for p in parts] == [(data["ts"], data["seq"]),
                                               *((m["ts"], m["seq"]) for m in data["more"])]
     assert (entry.ts, entry.ts_last, entry.last_part) == (data["ts"], data["more"][-1]["ts"], True)
+    # Only the parts' bodies are kept, and they are what counts against the reader's budget.
+    assert entry.data == b"" and entry.body_bytes == sum(len(p.data) for p in parts) > 0
     for part in parts:
         # Each body is a v4 message of one part: the registry and the apply job read it alone.
         decoded = REGISTRY.decode(part.data)

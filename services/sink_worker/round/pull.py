@@ -146,6 +146,11 @@ class PulledEvent:
         kept = tuple(p for p in self.parts if p.ts > ts)
         return replace(self, parts=kept) if kept else None
 
+    @property
+    def body_bytes(self) -> int:
+        """Bytes of body it holds in memory (its parts' bodies, for a message of several)."""
+        return sum(len(p.data) for p in self.parts) if self.parts else len(self.data)
+
     def expanded(self) -> tuple[PulledEvent, ...]:
         """The events a round works with: its parts, or itself."""
         if not self.parts:
@@ -257,7 +262,9 @@ def _with_parts(pulled: PulledEvent) -> PulledEvent:
     bodies = _part_bodies(pulled.data, [i for i, _ in split])
     parts = tuple(replace(pulled, event_id=i, event=e, data=b)
                   for (i, e), b in zip(split, bodies, strict=True))
-    return replace(pulled, parts=parts)
+    # The message's own bytes are not kept: its parts' bodies are what is applied, parked or
+    # counted against the reader's budget (``body_bytes``).
+    return replace(pulled, parts=parts, data=b"")
 
 
 def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
@@ -454,7 +461,7 @@ class SpanReader:
             self.base = checkpoint_seq
             self.buffer = [left for e in self.buffer
                            if e.stream_seq > checkpoint_seq and (left := e.after(checkpoint_ts)) is not None]
-            self._bytes = sum(len(e.data) for e in self.buffer)
+            self._bytes = sum(e.body_bytes for e in self.buffer)
             self._newest = max((e.ts_last for e in self.buffer), default=-1)
             while self.ghosts and (self.ghosts.first_seq() <= checkpoint_seq):
                 self.ghosts.popleft()
@@ -565,7 +572,7 @@ class SpanReader:
 
     def _keep(self, event: PulledEvent) -> None:
         self.buffer.append(event)
-        self._bytes += len(event.data)
+        self._bytes += event.body_bytes
         self._newest = max(self._newest, event.ts_last)
 
     def _ghost(self, seq: int, ts: int) -> None:
