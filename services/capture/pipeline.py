@@ -353,8 +353,10 @@ class SourcePipeline:
 
         A resolved mark waits for the ack of everything before it, so it stops the pipeline
         for a round trip: while a backlog drains (not ``caught_up``) one goes out every
-        ``resolve_every_s``, and the row messages between marks are acked in a pipelined window;
-        once caught up, one closes each batch, so an idle source's last commit resolves at once.
+        ``resolve_every_s``, at the first place where no batch of transactions is open (a
+        window's end), and the row messages between marks are acked in a pipelined window;
+        once caught up, the open batches go out and a mark closes each batch of items, so an
+        idle source's last commit resolves at once.
         """
         try:
             for item in items:
