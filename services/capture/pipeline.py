@@ -591,7 +591,7 @@ class SourcePipeline:
                 and size_bound is not None and size_bound <= self._part_bytes):
             await self._batch(txn, key, buffer, rows, size_bound)
             return
-        # Anything else goes out as it is, after every open batch (stream order is seq order).
+        # Anything else goes out as it is, after every open batch (a table's stream order stays seq order).
         await self.flush_batches()
         event = _construct(RowsChangedV3, {
             "source": self.source, "database": key[0], "table": key[1], "ts": txn.ts, "seq": self.next_seq,
