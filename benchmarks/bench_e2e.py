@@ -81,7 +81,7 @@ from benchmarks import e2e_figures as figs  # noqa: E402
 from benchmarks.memory import MemorySampler  # noqa: E402
 from benchmarks.output import Figures, add_json_option  # noqa: E402
 from contracts import REGISTRY, ContractError  # noqa: E402
-from contracts.events.rows import RowsChangedV2  # noqa: E402
+from contracts.events.rows import RowsChangedV2, parts_of  # noqa: E402
 from contracts.events.scheduling import ScheduleRequestV1, SpanRefV1  # noqa: E402
 from libs.localservers.mariadb import MariaDB  # noqa: E402
 from libs.localservers.service_process import ServiceProcess  # noqa: E402
@@ -285,7 +285,8 @@ class NatsWatch:
             return
         if not isinstance(ev, RowsChangedV2) or ev.table not in self.rows:
             return
-        self.rows[ev.table] += len(ev.rows)
+        # A message may carry several transactions of the table (rows.changed v4).
+        self.rows[ev.table] += sum(len(part.rows) for _, part in parts_of(ev, ""))
         with self.steady.lock:
             done = self.rows[ev.table] // self.steady.batch
             mine = [x for x in self.steady.txns if x.table == ev.table and x.k >= self.first_k]

@@ -29,7 +29,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
 
 from contracts import REGISTRY, ContractError
-from contracts.events.rows import DdlExecutedV1, RowsChangedV2
+from contracts.events.rows import DdlExecutedV1, RowsChangedV2, parts_of
 from contracts.events.sink import SinkRowChangedV1
 
 _DEBEZIUM_OPS = {"c": "insert", "u": "update", "d": "delete", "r": "read"}
@@ -61,9 +61,11 @@ def changes(data: bytes) -> Iterator[dict[str, Any]]:
                "ts": event.ts, "before": event.before, "after": event.after,
                "id": f"{event.event_id}:{event.row}"}
     elif isinstance(event, RowsChangedV2):
-        for i, row in enumerate(event.rows):
-            yield {"op": row.op, "database": event.database, "table": event.table, "ts": event.ts,
-                   "before": row.before, "after": row.after, "id": f"{decoded.envelope.id}:{i}"}
+        # Several transactions in one message (v4): each with its own id and ts.
+        for part_id, part in parts_of(event, decoded.envelope.id):
+            for i, row in enumerate(part.rows):
+                yield {"op": row.op, "database": part.database, "table": part.table, "ts": part.ts,
+                       "before": row.before, "after": row.after, "id": f"{part_id}:{i}"}
     elif isinstance(event, DdlExecutedV1):
         yield {"op": "ddl", "database": event.database, "table": event.table, "ts": event.ts,
                "statement": event.statement}

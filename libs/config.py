@@ -203,6 +203,12 @@ class Settings(BaseSettings):
         True, description="capture: read the hot binlog events (GTID, XID, BEGIN/COMMIT, a table "
                           "map seen before, rows events) from the packets' bytes without the "
                           "binlog library's event objects; false: every event by the library.")
+    capture_batch_transactions: int = Field(
+        64, ge=1,
+        description="capture: whole transactions of a table go out together in one rows.changed v4 "
+                    "message, in windows of this many MariaDB GTIDs (seq_no // n; without GTIDs, "
+                    "n KiB of binlog), up to the part limits (500 rows, 256 KiB); 1: a message "
+                    "per transaction and table (v3, as before).")
     capture_xa_memory_bytes: int = Field(
         64 * 1024 * 1024, ge=0,
         description="capture: row bytes the prepared, undecided XA transactions of a source keep in "

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from contracts import REGISTRY, ContractError
 from contracts.events.members import MemberJoinedV1, MemberJoinedV2
-from contracts.events.rows import RowsChangedV2
+from contracts.events.rows import RowsChangedV2, RowsChangedV4, parts_of
 from contracts.generate import SCHEMA_DIR, render_schemas
 from contracts.registry import Registry
 
@@ -103,6 +103,46 @@ def test_rows_changed_v1_upcasts_with_unknown_ordinals() -> None:
     assert isinstance(decoded.event, RowsChangedV2) and decoded.original_version == 1
     assert [r.ordinal for r in decoded.event.rows] == [None]
     assert decoded.envelope.data["rows"][0]["ordinal"] is None
+
+
+def test_rows_changed_v3_is_a_v4_message_of_one_part() -> None:
+    raw = (FIXTURES / "rows.changed.v3.json").read_bytes()
+    decoded = REGISTRY.decode(raw)
+    assert isinstance(decoded.event, RowsChangedV4) and decoded.original_version == 3
+    assert decoded.event.more == [] and decoded.event.event_id is None
+    [(event_id, part)] = parts_of(decoded.event, decoded.envelope.id)
+    assert event_id == "fx-rows.changed.v3" and part is decoded.event
+
+
+def test_rows_changed_v4_parts_keep_each_transactions_boundary() -> None:
+    raw = (FIXTURES / "rows.changed.v4.json").read_bytes()
+    decoded = REGISTRY.decode(raw)
+    assert isinstance(decoded.event, RowsChangedV4)
+    parts = parts_of(decoded.event, decoded.envelope.id)
+    body = json.loads(raw)["data"]
+    assert [i for i, _ in parts] == [body["event_id"], *(p["event_id"] for p in body["more"])]
+    assert [(p.ts, p.seq, p.position.gtid) for _, p in parts] == [
+        (body["ts"], body["seq"], "0-1-41"),
+        *((p["ts"], p["seq"], p["position"]["gtid"]) for p in body["more"])]
+    assert [len(p.rows) for _, p in parts] == [1, 1, 1]
+    for _, part in parts:  # each alone, as the v3 message it would have been
+        assert isinstance(part, RowsChangedV4) and part.more == [] and part.event_id is None
+        assert part.meta == decoded.event.meta and part.table == "orders"
+
+
+@pytest.mark.parametrize("change", ["seq_back", "ts_back", "no_first_id"])
+def test_rows_changed_v4_refuses_parts_out_of_order(change: str) -> None:
+    obj = json.loads((FIXTURES / "rows.changed.v4.json").read_bytes())
+    data = obj["data"]
+    if change == "seq_back":
+        data["more"][1]["seq"] = data["more"][0]["seq"]
+    elif change == "ts_back":
+        data["more"][0]["ts"] = data["ts"] - 1
+    else:
+        data["event_id"] = None
+    with pytest.raises(ContractError) as err:
+        REGISTRY.decode(json.dumps(obj).encode())
+    assert err.value.kind == "invalid_data"
 
 
 def test_latest_version_follows_registration_in_any_order() -> None:

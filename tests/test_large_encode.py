@@ -5,7 +5,14 @@ from __future__ import annotations
 import base64
 import os
 
-from contracts.events.rows import ColumnV1, RowImageV2, RowsChangedV3, SourcePositionV1, TableMetaV2
+from contracts.events.rows import (
+    ColumnV1,
+    RowImageV2,
+    RowsChangedV3,
+    RowsChangedV4,
+    SourcePositionV1,
+    TableMetaV2,
+)
 from contracts.registry import REGISTRY
 from services.capture.large_encode import LARGE_VALUE, approx_size, encode_rows_deterministic
 
@@ -26,7 +33,9 @@ def test_large_values_are_spliced_in_exactly() -> None:
     text = 'ü "quoted" \\ back\nslash\x01 ' * (LARGE_VALUE // 8) + "😀"
     event = _event(blob, text)
     decoded = REGISTRY.decode(encode_rows_deterministic(event, event_id="s1:binlog.000001:4:d.t:0"))
-    assert decoded.event == event
+    # Written as v3 (a message of one part), read as the newest version.
+    assert decoded.original_version == 3
+    assert decoded.event == RowsChangedV4.model_validate(event.model_dump())
     assert decoded.envelope.id == "s1:binlog.000001:4:d.t:0"
     assert decoded.envelope.producer == "capture/s1" and decoded.envelope.epoch == 0
     assert approx_size(event) == len(blob) + len(text) + 1

@@ -132,6 +132,48 @@ async def test_duplicates_and_replay_from_an_older_checkpoint_converge(h: Harnes
     assert h.rows("people") == expected
 
 
+async def test_several_transactions_a_message_are_cut_and_deduplicated_per_transaction(h: Harness) -> None:
+    """rows.changed v4: the resolved ts may fall inside a message (its later transactions are
+    read again from it, never skipped), and a copy cut otherwise (a re-read after a kill -9
+    before the mark) is dropped transaction by transaction, by each one's id."""
+    await h.run("people")
+    src = h.source
+    subject = rows_subject(src.name, h.db, "people")
+    n = src.name
+    _t1, t2, t3 = await src.batch(h.db, "people", [
+        (f"{n}:gtid:0-1-1:shop.people:0", [ins(1, "ann", 1), ins(2, "bob", 2)]),
+        (f"{n}:gtid:0-1-2:shop.people:0", [upd((1, "ann", 1), (1, "ann", 10))]),
+        (f"{n}:gtid:0-1-3:shop.people:0", [ins(3, "cy", 3)])], msg_id=f"{n}:gtid:0-1-1:shop.people:0+3")
+    await src.resolve(t2)
+    report = await h.round()
+    assert report.batch_events == 2
+    assert h.rows("people") == people((1, "ann", 10), (2, "bob", 2))
+    cp = await h.checkpoint("people")
+    assert cp is not None and cp.ts == t2
+    # The message is read again after the checkpoint: its third transaction is still to come.
+    info = await h.js.get_msg(ROWS_STREAM, cp.stream_seq + 1)
+    assert info.subject == subject and json.loads(info.data or b"")["data"]["more"][1]["ts"] == t3
+    # The copy: the 2nd and 3rd again (same ids, ts, seq), then a new one, in one message.
+    copied = [json.loads(info.data or b"")["data"]["more"][i]["seq"] for i in (0, 1)]
+    t4 = src.next_ts()
+    await src.batch(h.db, "people", [
+        (f"{n}:gtid:0-1-2:shop.people:0", [upd((1, "ann", 1), (1, "ann", 10))]),
+        (f"{n}:gtid:0-1-3:shop.people:0", [ins(3, "cy", 3)]),
+        (f"{n}:gtid:0-1-4:shop.people:0", [dele(2, "bob", 2), upd((3, "cy", 3), (3, "cy", 30))])],
+        msg_id=f"{n}:gtid:0-1-2:shop.people:0+3", ts=[t2, t3, t4], seqs=[*copied, next(_seq)])
+    await src.resolve(t4)
+    report = await h.round()
+    assert report.batch_events == 2  # the 3rd once (both copies carry it), the 4th
+    assert h.rows("people") == people((1, "ann", 10), (3, "cy", 30))
+    done = await h.checkpoint("people")
+    assert done is not None and done.ts == t4 and done.stream_seq >= cp.stream_seq
+
+    # Rewind: the messages read again from the start converge on the same state.
+    await h.checkpoints.reset(h.span("people"))
+    await h.rounds_until(lambda: _at(h, "people", done))
+    assert h.rows("people") == people((1, "ann", 10), (3, "cy", 30))
+
+
 async def _at(h: Harness, table: str, cp: Checkpoint) -> bool:
     return await h.checkpoint(table) == cp
 

@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 from typer.testing import CliRunner
 
 from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1
-from contracts.events.rows import RowsChangedV2
+from contracts.events.rows import RowsChangedV2, parts_of
 from contracts.registry import REGISTRY
 from libs.changefeeds import record_changefeed
 from libs.localservers.mariadb import MariaDB
@@ -140,9 +140,10 @@ async def _row_seqs(js: JetStreamContext) -> list[int]:
                 msg = await sub.next_msg(timeout=2)
             except TimeoutError:
                 break
-            event = REGISTRY.decode(msg.data).event
-            assert isinstance(event, RowsChangedV2)
-            seqs.append(event.seq)
+            decoded = REGISTRY.decode(msg.data)
+            assert isinstance(decoded.event, RowsChangedV2)
+            # Every transaction part of a message (several in a rows.changed v4 message).
+            seqs.extend(part.seq for _, part in parts_of(decoded.event, decoded.envelope.id))
             if msg.metadata.sequence.stream >= info.state.last_seq:
                 break
     finally:

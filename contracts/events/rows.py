@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from contracts.registry import register, upcaster
 
@@ -212,6 +212,73 @@ class RowsChangedV3(RowsChangedV2):
 # v2's metadata is v3's without a shape: the body carries over as it is.
 @upcaster("rows.changed", 2)
 def _rows_changed_v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
+    return dict(data)
+
+
+class RowsPartV1(BaseModel):
+    """One more transaction (or part of one) of the table in a ``rows.changed`` v4 message: its
+    own event id, commit ts, seq, part and binlog position, exactly as a message of its own
+    (v3) would have carried them, and its rows (the message's ``meta`` describes them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    event_id: str = Field(min_length=1, description="This part's event id: the envelope id it "
+                          "would have as a message of its own; consumers deduplicate by it.")
+    ts: int = Field(ge=0, description="Commit ts of the transaction: physical_ms << 18 | logical.")
+    seq: int = Field(ge=0, description="Order of this part within the source's stream.")
+    part: int = Field(0, ge=0)
+    last_part: bool = Field(True, description="False while more parts of this txn/table follow.")
+    position: SourcePositionV1
+    rows: list[RowImageV2] = Field(min_length=1)
+
+
+@register("rows.changed", 4)
+class RowsChangedV4(RowsChangedV3):
+    """As v3, and ``more``: the table's next transactions in the same message, each with its
+    boundary kept (its own event id, ts, seq, part, position), in stream order.
+
+    The top-level ``ts``/``seq``/``part``/``last_part``/``position``/``rows`` are the first
+    transaction part's; ``event_id`` is its id when the message carries more than one (the
+    envelope's id then names the message, not a transaction), None when it is the envelope's
+    (a message of one part, which is exactly a v3 message). A consumer treats each part as the
+    v3 message it would have been: deduplicate by its id, order by ``(ts, seq, part)``.
+    """
+
+    event_id: str | None = Field(None, min_length=1, description="The first part's event id "
+                                 "when the message carries ``more``; null: the envelope's id.")
+    more: list[RowsPartV1] = Field(default_factory=list, description="The table's next "
+                                   "transaction parts, in stream order; empty in a message of one.")
+
+    @model_validator(mode="after")
+    def _parts_in_order(self) -> RowsChangedV4:
+        if self.more:
+            if self.event_id is None:
+                raise ValueError("a message with more parts names its first part (event_id)")
+            ts, seq = self.ts, self.seq
+            for part in self.more:
+                if part.seq <= seq or part.ts < ts:
+                    raise ValueError("parts out of stream order (ts, seq)")
+                ts, seq = part.ts, part.seq
+        return self
+
+
+def parts_of(event: RowsChangedV2, envelope_id: str) -> list[tuple[str, RowsChangedV2]]:
+    """Each transaction part a rows event carries, as ``(event id, event of that part alone)``:
+    the event itself for a message of one part (any version), one event per part of a v4
+    message with ``more`` (sharing the message's metadata, no copy of the rows)."""
+    if not isinstance(event, RowsChangedV4) or not event.more:
+        return [(envelope_id, event)]
+    first = event.event_id or envelope_id
+    out: list[tuple[str, RowsChangedV2]] = [(first, event.model_copy(update={"event_id": None, "more": []}))]
+    for part in event.more:
+        out.append((part.event_id, event.model_copy(update={
+            "ts": part.ts, "seq": part.seq, "part": part.part, "last_part": part.last_part,
+            "position": part.position, "rows": part.rows, "event_id": None, "more": []})))
+    return out
+
+
+# A v3 message is a v4 message of one part: the body carries over as it is.
+@upcaster("rows.changed", 3)
+def _rows_changed_v3_to_v4(data: dict[str, Any]) -> dict[str, Any]:
     return dict(data)
 
 

@@ -7,9 +7,21 @@ ids, ts and seq. The two things that read the outside world are kept out of that
 information_schema (only for the metadata that travels with rows) and the wall clock (only for
 the resolved marks of an idle source, which are published before anything after them).
 
-Transactions are published per table: one ``RowsChangedV3`` per (transaction, table), split
-into parts of at most ``part_rows`` rows / ``part_bytes`` bytes; a part is sent as soon as it
-is full, the last one at the commit, so a huge transaction never sits in memory whole.
+Transactions are published per table: one part per (transaction, table), split into parts of
+at most ``part_rows`` rows / ``part_bytes`` bytes; a part is sent as soon as it is full, the
+last one at the commit, so a huge transaction never sits in memory whole. A transaction of one
+part waits instead in its table's *batch* (``batch_transactions`` > 1), which goes out as one
+``rows.changed`` v4 message carrying several consecutive transactions of the table, each with
+its own id, ts, seq and position (a batch of one is the v3 message it always was). Where batches
+end is a function of the binlog alone, so a re-read from a mark cuts them where the first
+reading did (DESIGN.md, "Several transactions per message"): all of them end when a transaction
+of another *window* begins (its MariaDB GTID's seq_no // ``batch_transactions``, the same on
+every server of the topology; without one, its binlog position in windows of
+``batch_transactions`` KiB), before anything else is published (a DDL, a rejection, an XA
+commit's parts, a part of a larger transaction), and a table's when it would pass
+``part_rows``/``part_bytes`` or its metadata changes. A resolved mark goes out only where no
+batch is open; a reader that has caught up closes them (the one boundary that is the clock's,
+and a mark follows it at once).
 
 An XA transaction's parts wait instead (``xa.XaBook``, spilled to disk beyond a budget) for its
 XA COMMIT, which publishes them as one transaction with the commit's ts and ids derived from the
@@ -40,6 +52,8 @@ from contracts.events.rows import (
     RowImageV2,
     RowOp,
     RowsChangedV3,
+    RowsChangedV4,
+    RowsPartV1,
     SourcePositionV1,
 )
 from libs.codec.encode import UnsupportedValue, encode_value
@@ -60,7 +74,7 @@ from services.capture.binlog_reader import (
     Rows,
     XaPrepare,
 )
-from services.capture.ddl_lookahead import DdlIndex, list_ddl
+from services.capture.ddl_lookahead import AheadDdl, DdlIndex, list_ddl
 from services.capture.publisher import MessageTooLarge, Publisher
 from services.capture.source import current_position
 from services.capture.ts_clock import TsClock, wall_ms
@@ -147,6 +161,13 @@ class MetaStore:
             return CatalogRead(info, current_position(conn))
         return self._query(load)
 
+    def _list_ddl(self, start: Position, until: Position) -> list[AheadDdl]:
+        # A dump of its own connection each pass (list_ddl): one more try after a failure.
+        for attempt in Retrying(stop=stop_after_attempt(2), reraise=True):
+            with attempt:
+                return list_ddl(self._connect, start, until)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
     async def read(self, key: TableKey) -> CatalogRead:
         if key not in self._cache:
             self._cache[key] = await asyncio.to_thread(self._load, key)
@@ -163,7 +184,7 @@ class MetaStore:
             return None
         gap = self._ahead.missing(position, read.end)
         if gap is not None:
-            found = await asyncio.to_thread(self._query, lambda conn: list_ddl(conn, *gap))
+            found = await asyncio.to_thread(self._list_ddl, *gap)
             self._ahead.add(*gap, found)
         if self._ahead.names_between(key, position, read.end):
             return None
@@ -227,6 +248,20 @@ class _TableBuffer:
 
 
 @dataclass
+class _Batch:
+    """A table's whole transactions (one part each) waiting to go out in one message."""
+
+    info: TableInfo
+    parts: list[tuple[str, int, int, SourcePositionV1, list[RowImageV2]]] = field(default_factory=list)
+    """(event id, ts, seq, position, rows) of each transaction, in stream order."""
+    rows: int = 0
+    size: int = 0
+    cut: int = 0
+    """Parts it ends with, when a stored message started with its first part (0: the binlog's
+    rules alone)."""
+
+
+@dataclass
 class _Txn:
     begin: Position
     timestamp: int
@@ -252,7 +287,8 @@ class SourcePipeline:
                  stopped: dict[TableKey, Position | None] | None = None,
                  part_rows: int = 500, part_bytes: int = 256 * 1024,
                  resolve_every_s: float = 0.2, xa_memory_bytes: int = 64 * 1024 * 1024,
-                 server: str | None = None) -> None:
+                 server: str | None = None, batch_transactions: int = 1,
+                 cuts: dict[str, int] | None = None) -> None:
         self.source = source
         # The server read (its @@server_id), recorded with each mark: a later session on another
         # server knows the mark's file and position are not its own.
@@ -300,6 +336,12 @@ class SourcePipeline:
         self._resolve_every_s = resolve_every_s
         self._last_resolve = time.monotonic()
         self._subjects: dict[TableKey, str] = {}  # rows_subject per table: a regex per call
+        self._batch_transactions = max(1, batch_transactions)
+        self._batches: dict[TableKey, _Batch] = {}
+        self._window: tuple[str, int] | None = None  # the window of the open batches' transactions
+        # How the messages stored after the start mark were cut (first part id -> parts;
+        # service.load_tail_cuts): a batch starting with one of them ends exactly there.
+        self._cuts: dict[str, int] = dict(cuts or {})
         self._xa_prepared = metrics.XA_PREPARED.labels(source)
         self._xa_prepared_shown = -1  # the gauge's value: set when it changes, not per group
         self.position = start.position  # newest position read, for /healthz
@@ -311,13 +353,17 @@ class SourcePipeline:
 
         A resolved mark waits for the ack of everything before it, so it stops the pipeline
         for a round trip: while a backlog drains (not ``caught_up``) one goes out every
-        ``resolve_every_s``, and the row messages between marks are acked in a pipelined window;
-        once caught up, one closes each batch, so an idle source's last commit resolves at once.
+        ``resolve_every_s``, at the first place where no batch of transactions is open (a
+        window's end), and the row messages between marks are acked in a pipelined window;
+        once caught up, the open batches go out and a mark closes each batch of items, so an
+        idle source's last commit resolves at once.
         """
         try:
             for item in items:
                 await self.handle(item)
-                if time.monotonic() - self._last_resolve >= self._resolve_every_s:
+                if time.monotonic() - self._last_resolve >= self._resolve_every_s and not self._batches:
+                    # Only where no batch is open (at a window's end while a backlog drains):
+                    # a batch must not end where the clock says (DESIGN.md).
                     await self.publish_resolved()
             if caught_up:
                 await self.publish_resolved()
@@ -352,6 +398,7 @@ class SourcePipeline:
             self._follow_gtid(item)
             self._txn = _Txn(item.position, item.timestamp, item.gtid,
                              by_gtid=self.ids_by_gtid and item.gtid is not None)
+            await self._enter_window(self._txn)
             if item.xa:
                 self._txn.xa = self.xa.open(self.committed)
         elif isinstance(item, Rows):
@@ -540,6 +587,12 @@ class SourcePipeline:
     async def _publish_rows(self, txn: _Txn, key: TableKey, buffer: _TableBuffer,
                             rows: list[RowImageV2], last: bool, *, size_bound: int | None = None) -> None:
         assert txn.ts is not None
+        if (self._batch_transactions > 1 and last and buffer.part == 0 and txn.xa is None
+                and size_bound is not None and size_bound <= self._part_bytes):
+            await self._batch(txn, key, buffer, rows, size_bound)
+            return
+        # Anything else goes out as it is, after every open batch (a table's stream order stays seq order).
+        await self.flush_batches()
         event = _construct(RowsChangedV3, {
             "source": self.source, "database": key[0], "table": key[1], "ts": txn.ts, "seq": self.next_seq,
             "part": buffer.part, "last_part": last,
@@ -563,6 +616,85 @@ class SourcePipeline:
             return
         self.next_seq += 1
         buffer.part += 1
+
+    # ---------------------------------------------------------------- batches
+
+    def _window_of(self, txn: _Txn) -> tuple[str, int]:
+        """The window a transaction belongs to: from its MariaDB GTID (domain, seq_no // n),
+        the same on every server of the topology; else from its binlog position."""
+        n = self._batch_transactions
+        if txn.gtid is not None:
+            domain, _, rest = txn.gtid.partition("-")
+            _server, _, seq_no = rest.partition("-")
+            if seq_no.isdigit():
+                return (f"gtid:{domain}", int(seq_no) // n)
+        return (txn.begin.file, txn.begin.pos // (n * 1024))
+
+    async def _enter_window(self, txn: _Txn) -> None:
+        """A transaction begins: the open batches end if it lies in another window."""
+        if self._batch_transactions <= 1:
+            return
+        window = self._window_of(txn)
+        if window != self._window:
+            await self.flush_batches()
+            self._window = window
+
+    async def _batch(self, txn: _Txn, key: TableKey, buffer: _TableBuffer, rows: list[RowImageV2],
+                     size: int) -> None:
+        """A whole transaction's rows of ``key`` into the table's batch (its seq taken now, as a
+        message of its own would take it)."""
+        batch = self._batches.get(key)
+        if batch is not None and (batch.info is not buffer.info or batch.rows + len(rows) > self._part_rows
+                                  or batch.size + size > self._part_bytes):
+            await self._flush_batch(key)
+            batch = None
+        part_id = f"{self.source}:{txn.id_base()}:{key[0]}.{key[1]}:0"
+        if batch is None:
+            cut = self._cuts.pop(part_id, 0) if self._cuts else 0
+            batch = self._batches[key] = _Batch(buffer.info, cut=cut)
+        position = _construct(SourcePositionV1, {"binlog_file": txn.begin.file, "binlog_pos": txn.begin.pos,
+                                                 "gtid": txn.gtid})
+        batch.parts.append((part_id, txn.ts or 0, self.next_seq, position, rows))
+        batch.rows += len(rows)
+        batch.size += size
+        self.next_seq += 1
+        buffer.part += 1
+        if batch.cut and len(batch.parts) >= batch.cut:
+            await self._flush_batch(key)  # where the stored message ended
+
+    async def flush_batches(self) -> None:
+        """Publish every open batch (in the order they were opened)."""
+        for key in list(self._batches):
+            await self._flush_batch(key)
+
+    async def _flush_batch(self, key: TableKey) -> None:
+        batch = self._batches.pop(key)
+        subject = self._subjects.get(key)
+        if subject is None:
+            subject = self._subjects[key] = rows_subject(self.source, *key)
+        meta = batch.info.meta()
+        if len(batch.parts) > 1:
+            first_id, ts, seq, position, rows = batch.parts[0]
+            more = [_construct(RowsPartV1, {"event_id": i, "ts": t, "seq": q, "part": 0, "last_part": True,
+                                            "position": p, "rows": r})
+                    for i, t, q, p, r in batch.parts[1:]]
+            event = _construct(RowsChangedV4, {
+                "source": self.source, "database": key[0], "table": key[1], "ts": ts, "seq": seq,
+                "part": 0, "last_part": True, "position": position, "meta": meta, "rows": rows,
+                "event_id": first_id, "more": more})
+            try:
+                # Named by its first part and its count: the same parts on every re-read.
+                await self.publisher.send(subject, event, f"{first_id}+{len(batch.parts)}",
+                                          rows=batch.rows, size_bound=batch.size)
+                return
+            except MessageTooLarge:
+                pass  # over a NATS message: the parts one by one (same input, same choice)
+        for event_id, ts, seq, position, rows in batch.parts:
+            alone = _construct(RowsChangedV3, {
+                "source": self.source, "database": key[0], "table": key[1], "ts": ts, "seq": seq,
+                "part": 0, "last_part": True, "position": position, "meta": meta, "rows": rows})
+            await self.publisher.send(subject, alone, event_id, rows=len(rows),
+                                      size_bound=sum(_approx_size(r) for r in rows))
 
     async def _too_large(self, txn: _Txn, key: TableKey, buffer: _TableBuffer, exc: _RowTooLarge) -> None:
         txn.tables.pop(key, None)
@@ -710,6 +842,7 @@ class SourcePipeline:
         if stmt.kind == "begin":
             if self._txn is None:
                 self._txn = _Txn(item.position, item.timestamp, None)
+                await self._enter_window(self._txn)
             return
         if stmt.kind == "commit":
             await self._commit(item.position)
@@ -755,6 +888,7 @@ class SourcePipeline:
             log.warning("DDL inside an open transaction; its rows are published first",
                         extra={"source": self.source, "statement": item.query[:200]})
             await self._commit(item.position)
+        await self.flush_batches()  # the DDL after every row before it, in stream order too
         ts: int | None = None
         for key in tables:
             self.meta.forget(key)
@@ -841,10 +975,16 @@ class SourcePipeline:
     # --------------------------------------------------------------- resolved
 
     async def publish_resolved(self) -> None:
-        """Publish the resolved mark for everything up to ``committed``, if it moved."""
+        """Publish the resolved mark for everything up to ``committed``, if it moved; the open
+        batches go out first (callers: caught up, or at a window's end where none is open).
+        Not while a batch re-read after a crash waits for the rest of the stored message it
+        repeats: the binlog holds that rest, so the mark comes once it is read."""
         self._last_resolve = time.monotonic()
         if self.recovering:
             return
+        if any(b.cut for b in self._batches.values()):
+            return
+        await self.flush_batches()
         ts, position = self.committed_ts, self.committed
         if ts == self.resolved_ts and position == self.resolved_position:
             return
@@ -864,6 +1004,7 @@ class SourcePipeline:
             self.stopped.setdefault(key, position)
         if self.recovering:
             return  # published when first read
+        await self.flush_batches()
         await publish_rejection(self.publisher, self.source, kind, key, message, position)
 
 

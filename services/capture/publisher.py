@@ -46,7 +46,7 @@ from nats.js.errors import APIError, NoStreamResponseError
 from opentelemetry.trace import Span
 from pydantic import BaseModel
 
-from contracts.events.rows import ResolvedAdvancedV1, RowsChangedV2
+from contracts.events.rows import ResolvedAdvancedV1, RowsChangedV2, RowsChangedV4
 from contracts.registry import REGISTRY
 from libs.chunks import chunk_size_for, digest_of, needs_chunks, split
 from libs.streams import ROWS_STREAM, resolved_subject
@@ -300,6 +300,20 @@ class Publisher:
         self._check_lease()
         max_payload = self._max_payload()
         large = chunk_size_for(max_payload) // 2
+        if isinstance(event, RowsChangedV4) and event.more:
+            # Several transactions: never in chunks (their ids and encoding are one part's);
+            # the pipeline publishes the parts one by one instead.
+            type_ = _ROWS_TYPE
+            try:
+                payload = encode_rows(event, producer=self.producer, epoch=self.epoch, event_id=msg_id)
+            except TypeError:
+                payload, type_ = self._encode(event, msg_id)
+            if needs_chunks(len(payload), max_payload):
+                raise MessageTooLarge(len(payload), max_payload)
+            await self._publish_message(subject, payload, msg_id)
+            self._counts[type_] = self._counts.get(type_, 0) + 1
+            self._rows_uncounted += rows
+            return
         if isinstance(event, RowsChangedV2) and (size_bound is None or size_bound > large) \
                 and approx_size(event) > large:
             # Likely to need chunks: the deterministic encoding, in a thread (large_encode.py).

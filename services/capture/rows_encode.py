@@ -19,10 +19,11 @@ from typing import Any
 
 import orjson
 
-from contracts.events.rows import RowsChangedV2, RowsChangedV3, TableMetaV1
+from contracts.events.rows import RowImageV2, RowsChangedV2, RowsChangedV3, RowsChangedV4, TableMetaV1
 from contracts.registry import REGISTRY
 
 _TYPE, _VERSION = REGISTRY.key_of(RowsChangedV3)
+_BATCH_VERSION = REGISTRY.key_of(RowsChangedV4)[1]
 _MAX_METAS = 1024
 
 # id(meta) -> (meta, its JSON-ready dump); the meta is kept so its id cannot be reused.
@@ -40,15 +41,29 @@ def _meta(meta: TableMetaV1) -> dict[str, Any]:
     return found[1]
 
 
+def _rows(rows: list[RowImageV2]) -> list[dict[str, Any]]:
+    return [{"op": r.op, "before": r.before, "after": r.after, "ordinal": r.ordinal} for r in rows]
+
+
 def encode_rows(event: RowsChangedV2, *, producer: str, epoch: int, event_id: str) -> bytes:
+    """A message of one transaction part as v3 (what a v4 message of one part is, so readers of
+    v3 read it unchanged); a ``RowsChangedV4`` with ``more`` as v4."""
     pos = event.position
     data = {
         "source": event.source, "database": event.database, "table": event.table, "ts": event.ts,
         "seq": event.seq, "part": event.part, "last_part": event.last_part,
         "position": {"binlog_file": pos.binlog_file, "binlog_pos": pos.binlog_pos, "gtid": pos.gtid},
         "meta": _meta(event.meta),
-        "rows": [{"op": r.op, "before": r.before, "after": r.after, "ordinal": r.ordinal}
-                 for r in event.rows],
+        "rows": _rows(event.rows),
     }
-    return orjson.dumps({"type": _TYPE, "version": _VERSION, "id": event_id, "time": datetime.now(UTC),
+    version = _VERSION
+    if isinstance(event, RowsChangedV4) and event.more:
+        version = _BATCH_VERSION
+        data["event_id"] = event.event_id
+        data["more"] = [
+            {"event_id": p.event_id, "ts": p.ts, "seq": p.seq, "part": p.part, "last_part": p.last_part,
+             "position": {"binlog_file": p.position.binlog_file, "binlog_pos": p.position.binlog_pos,
+                          "gtid": p.position.gtid},
+             "rows": _rows(p.rows)} for p in event.more]
+    return orjson.dumps({"type": _TYPE, "version": version, "id": event_id, "time": datetime.now(UTC),
                          "producer": producer, "epoch": epoch, "data": data})

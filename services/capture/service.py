@@ -24,12 +24,14 @@ from typing import Any
 
 import pymysql
 from nats.errors import Error as NatsError
-from nats.js import JetStreamContext
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from contracts.events.rows import CaptureRejectedV2, ResolvedAdvancedV1, SourcePositionV1
 from contracts.registry import REGISTRY, ContractError
+from libs.chunks import chunk_info
 from libs.config import Settings
 from libs.election import Election, Leadership
 from libs.gtid import move_refusal
@@ -131,6 +133,44 @@ async def load_start(js: JetStreamContext, source: str) -> tuple[StartState, int
     gtid = event.position.gtid
     return StartState(position, event.ts, int(next_seq), xa, gtid=gtid, ids_by_gtid=gtid is not None,
                       server=headers.get(SOURCE_SERVER_HEADER)), int(raw.seq or 0)
+
+
+async def load_tail_cuts(js: JetStreamContext, source: str, after_seq: int) -> dict[str, int]:
+    """How the row messages stored after the mark at stream sequence ``after_seq`` were cut:
+    each message's first transaction part's id -> its number of parts (1: a message of its own).
+
+    A batch that ended because the reader had caught up is the one cut the binlog does not
+    decide; its mark follows at once, but a capture killed before that mark was stored re-reads
+    from the mark before, where the binlog alone would cut those transactions otherwise, and
+    JetStream would store them again under other ids. The re-read cuts where these messages
+    were cut instead (``SourcePipeline``'s ``cuts``), so it republishes them id for id and the
+    duplicate window drops them. Headers only: the ids are in ``Nats-Msg-Id``."""
+    cuts: dict[str, int] = {}
+    sub = await js.pull_subscribe(
+        f"sluice.rows.{token(source)}.*.*", stream=ROWS_STREAM, config=api.ConsumerConfig(
+            ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=after_seq + 1, headers_only=True, inactive_threshold=30.0,
+            mem_storage=True))
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(1000, timeout=1.0)
+            except (TimeoutError, NatsTimeoutError):
+                return cuts
+            for msg in msgs:
+                msg_id = (msg.headers or {}).get(api.Header.MSG_ID.value, "")
+                if chunk_info(msg.headers) is not None:
+                    continue  # a chunk: its whole is a message of one part
+                first, _, count = msg_id.rpartition("+")
+                if first and count.isdigit():
+                    cuts[first] = int(count)
+                elif msg_id:
+                    cuts[msg_id] = 1
+            if not msgs or not msgs[-1].metadata.num_pending:
+                return cuts
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
 
 
 def placed_stops(stopped: dict[TableKey, Position | None], mark: Position) -> dict[TableKey, Position | None]:
@@ -405,10 +445,12 @@ class Capture:
             gtids = await asyncio.to_thread(server_gtids, conn)
             restored = await load_start(self.js, self.source)
             start_gtid: str | None = None
+            cuts: dict[str, int] = {}
             if restored is None:
                 start = await self._first_start(conn, publisher, gtids)
             else:
                 start, publisher.resolved_stream_seq = restored
+                cuts = await load_tail_cuts(self.js, self.source, publisher.resolved_stream_seq)
                 start, start_gtid = await self._place(conn, start, gtids)
             stopped = await load_stopped(self.js, self.source)
             if start_gtid is not None:
@@ -424,7 +466,9 @@ class Capture:
         meta = MetaStore(lambda: connect(options))
         pipeline = SourcePipeline(self.source, publisher, meta, start, databases=options.databases,
                                   stopped=stopped, server=gtids.server_id,
-                                  xa_memory_bytes=self.settings.capture_xa_memory_bytes)
+                                  xa_memory_bytes=self.settings.capture_xa_memory_bytes,
+                                  batch_transactions=self.settings.capture_batch_transactions,
+                                  cuts=cuts)
         reader_class = ReaderProcess if self.settings.capture_reader_process else BinlogReader
         reader = reader_class(options.connection_kwargs(), self.settings.source_server_id,
                               read_from, heartbeat_s=options.heartbeat_s,

@@ -19,6 +19,7 @@ from contracts.events.rows import (
     DdlExecutedV1,
     ResolvedAdvancedV1,
     RowsChangedV2,
+    parts_of,
 )
 from contracts.registry import REGISTRY
 from libs.chunks import ChunkJoiner, chunk_info
@@ -116,6 +117,9 @@ class Stored:
     producer: str = ""
     chunks: int = 0
     """Chunk messages it was stored as (0: one message)."""
+    message_id: str = ""
+    """The id of the message it came in: its own, or a ``rows.changed`` v4 message's of several
+    transactions (``read_messages`` gives each part of such a message as a ``Stored`` of its own)."""
 
 
 async def read_messages(js: JetStreamContext, subject: str) -> list[Stored]:
@@ -147,8 +151,12 @@ async def read_messages(js: JetStreamContext, subject: str) -> list[Stored]:
                         continue
                     seq, data, headers = joined.first_seq, joined.data, joined.headers
                 decoded = REGISTRY.decode(data)
-                out.append(Stored(seq, msg.subject, headers, decoded.envelope.id, decoded.event,
-                                  decoded.envelope.producer, chunked.get(decoded.envelope.id, 0)))
+                env_id = decoded.envelope.id
+                events = parts_of(decoded.event, env_id) if isinstance(decoded.event, RowsChangedV2) \
+                    else [(env_id, decoded.event)]
+                for event_id, event in events:
+                    out.append(Stored(seq, msg.subject, headers, event_id, event, decoded.envelope.producer,
+                                      chunked.get(env_id, 0), env_id))
             if msgs and msgs[-1].metadata.num_pending == 0:
                 break
     finally:
@@ -174,19 +182,26 @@ async def rejections(js: JetStreamContext, source: str) -> list[CaptureRejectedV
 
 
 def check_order(messages: list[Stored]) -> None:
-    """seq strictly increasing in stream order; ts strictly increasing between transactions."""
+    """Per table (its rows and DDL subjects), seq strictly increasing in stream order and ts
+    strictly increasing between transactions; every seq once. (Across tables stream order is
+    not seq order since a message may carry several transactions of one table: each table's
+    batch goes out when it ends.)"""
     ordered = [m for m in messages if isinstance(m.event, RowsChangedV2 | DdlExecutedV1)]
     seqs = [m.event.seq for m in ordered]
-    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), seqs
-    last_ts, last_txn = -1, None
-    for m in ordered:
-        ev = m.event
-        txn = (ev.position.binlog_file, ev.position.binlog_pos)
-        if txn == last_txn:
-            assert ev.ts == last_ts, f"one transaction, two ts: {m.id}"
-        else:
-            assert ev.ts > last_ts, f"ts not increasing at {m.id}: {ev.ts} <= {last_ts}"
-        last_ts, last_txn = ev.ts, txn
+    assert len(set(seqs)) == len(seqs), seqs
+    for table in {(m.event.database, m.event.table) for m in ordered}:
+        mine = [m for m in ordered if (m.event.database, m.event.table) == table]
+        table_seqs = [m.event.seq for m in mine]
+        assert table_seqs == sorted(table_seqs), (table, table_seqs)
+        last_ts, last_txn = -1, None
+        for m in mine:
+            ev = m.event
+            txn = (ev.position.binlog_file, ev.position.binlog_pos)
+            if txn == last_txn:
+                assert ev.ts == last_ts, f"one transaction, two ts: {m.id}"
+            else:
+                assert ev.ts > last_ts, f"ts not increasing at {m.id}: {ev.ts} <= {last_ts}"
+            last_ts, last_txn = ev.ts, txn
 
 
 def replay(events: list[RowsChangedV2], table: str, key: str) -> dict[Any, dict[str, Any]]:

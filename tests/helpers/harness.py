@@ -19,8 +19,11 @@ from contracts.events.rows import (
     ResolvedAdvancedV1,
     RowImageV2,
     RowsChangedV2,
+    RowsChangedV4,
+    RowsPartV1,
     SourcePositionV1,
     TableMetaV1,
+    TableMetaV2,
 )
 from libs.scheduling.model import Span
 from libs.streams import (
@@ -85,6 +88,22 @@ class Source:
                 source=self.name, database=db, table=table, ts=ts, seq=next(_seq), part=part,
                 last_part=part == len(chunks) - 1, position=_POS, meta=meta, rows=chunk))
         return ts
+
+    async def batch(self, db: str, table: str, txns: list[tuple[str, list[RowImageV2]]], msg_id: str,
+                    meta: TableMetaV1 = PEOPLE, ts: list[int] | None = None,
+                    seqs: list[int] | None = None) -> list[int]:
+        """Several whole transactions of one table in one ``rows.changed`` v4 message, as capture
+        batches them: ``txns`` are (event id, rows); each gets a new ts and seq unless ``ts`` and
+        ``seqs`` say (a copy of transactions published before). Their ts."""
+        stamps = ts if ts is not None else [self.next_ts() for _ in txns]
+        numbers = seqs if seqs is not None else [next(_seq) for _ in txns]
+        more = [RowsPartV1(event_id=i, ts=t, seq=q, position=_POS, rows=r)
+                for (i, r), t, q in zip(txns[1:], stamps[1:], numbers[1:], strict=True)]
+        await self.publish(rows_subject(self.name, db, table), RowsChangedV4(
+            source=self.name, database=db, table=table, ts=stamps[0], seq=numbers[0], position=_POS,
+            meta=TableMetaV2.model_validate(meta.model_dump()), rows=txns[0][1], event_id=txns[0][0],
+            more=more), msg_id=msg_id)
+        return stamps
 
     async def ddl(self, db: str, table: str, statement: str, meta_after: TableMetaV1 | None) -> int:
         ts = self.next_ts()

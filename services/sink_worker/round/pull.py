@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 from uuid import uuid4
 
+import orjson
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
@@ -53,7 +54,8 @@ from contracts.events.rows import (
     ForeignKeysChangedV1,
     ResolvedAdvancedV1,
     RowsChangedV2,
-    RowsChangedV3,
+    RowsChangedV4,
+    parts_of,
 )
 from libs.chunks import ChunkError, ChunkInfo, ChunkJoiner, Joined, chunk_info
 from libs.eventstore.deadletter import dead_letter
@@ -114,6 +116,11 @@ class PulledEvent:
     dead: bool = False
     """Dead-lettered: never applied, but its transaction counts it as a present part (else a
     transaction with one bad message would stay incomplete, and its span stuck, forever)."""
+    parts: tuple[PulledEvent, ...] = field(default=(), repr=False)
+    """A ``rows.changed`` v4 message of several transaction parts: each part as the event of
+    its own it would have been (its id, ts, seq; a body of its own), all at this message's
+    stream sequence. The reader keeps the message as one entry (one stream sequence) and hands
+    its parts over (``expanded``), without those at or below the checkpoint ts."""
 
     @property
     def is_ddl(self) -> bool:
@@ -123,7 +130,34 @@ class PulledEvent:
 
     @property
     def ts(self) -> int:
-        return self.event.ts
+        return self.parts[0].ts if self.parts else self.event.ts
+
+    @property
+    def ts_last(self) -> int:
+        """The highest ts it carries (its last part's; parts are in stream order)."""
+        return self.parts[-1].ts if self.parts else self.event.ts
+
+    def after(self, ts: int) -> PulledEvent | None:
+        """What is left of it above ``ts`` (None: nothing; applied already)."""
+        if not self.parts:
+            return self if self.event.ts > ts else None
+        if self.parts[0].ts > ts:
+            return self
+        kept = tuple(p for p in self.parts if p.ts > ts)
+        return replace(self, parts=kept) if kept else None
+
+    @property
+    def body_bytes(self) -> int:
+        """Bytes of body it holds in memory (its parts' bodies, for a message of several)."""
+        return sum(len(p.data) for p in self.parts) if self.parts else len(self.data)
+
+    def expanded(self) -> tuple[PulledEvent, ...]:
+        """The events a round works with: its parts, or itself."""
+        if not self.parts:
+            return (self,)
+        if self.dead:
+            return tuple(replace(p, dead=True) for p in self.parts)
+        return self.parts
 
     @property
     def seq(self) -> int:
@@ -135,6 +169,8 @@ class PulledEvent:
 
     @property
     def last_part(self) -> bool:
+        if self.parts:
+            return self.parts[-1].last_part
         return self.event.last_part if isinstance(self.event, RowsChangedV2) else True
 
 
@@ -174,10 +210,13 @@ def validate_rows(event: RowsChangedV2) -> None:
 class _RowsEnvelope(Envelope):
     """The envelope of a ``rows.changed`` event in its newest version, validated in one pass."""
 
-    data: RowsChangedV3  # type: ignore[assignment]
+    data: RowsChangedV4  # type: ignore[assignment]
 
 
-_ROWS_TYPE, _ROWS_VERSION = REGISTRY.key_of(RowsChangedV3)
+_ROWS_TYPE, _ROWS_VERSION = REGISTRY.key_of(RowsChangedV4)
+# Versions whose body is a newest-version body as it is: v3 is v4 without ``event_id`` and
+# ``more`` (the upcaster copies it), and capture still writes a message of one part as v3.
+_ROWS_AS_IS = frozenset({_ROWS_VERSION, 3})
 
 
 def _rows_fast(raw: bytes) -> tuple[str, RowsChangedV2] | None:
@@ -193,10 +232,39 @@ def _rows_fast(raw: bytes) -> tuple[str, RowsChangedV2] | None:
         env = _RowsEnvelope.model_validate_json(raw)
     except ValidationError:
         return None
-    if env.type != _ROWS_TYPE or env.version != _ROWS_VERSION or _ROWS_VERSION != REGISTRY.latest_version(
+    if env.type != _ROWS_TYPE or env.version not in _ROWS_AS_IS or _ROWS_VERSION != REGISTRY.latest_version(
             _ROWS_TYPE):
         return None
+    if env.version != _ROWS_VERSION and (env.data.more or env.data.event_id is not None):
+        return None  # v4's fields in an older version: the general path says what is wrong
     return env.id, env.data
+
+
+def _part_bodies(raw: bytes, ids: list[str]) -> list[bytes]:
+    """Each part of a v4 message of several as the envelope of a v4 message of one part (what
+    the apply job and the dead letters read), from the message's bytes."""
+    obj = orjson.loads(raw)
+    data = obj["data"]
+    more = data.pop("more")
+    data.pop("event_id", None)
+    bodies = [orjson.dumps({**obj, "id": ids[0], "data": data})]
+    for part_id, part in zip(ids[1:], more, strict=True):
+        part.pop("event_id", None)
+        bodies.append(orjson.dumps({**obj, "id": part_id, "data": {**data, **part}}))
+    return bodies
+
+
+def _with_parts(pulled: PulledEvent) -> PulledEvent:
+    """A v4 message of several parts as one entry holding each part as an event of its own."""
+    event = pulled.event
+    assert isinstance(event, RowsChangedV4)
+    split = parts_of(event, pulled.event_id)
+    bodies = _part_bodies(pulled.data, [i for i, _ in split])
+    parts = tuple(replace(pulled, event_id=i, event=e, data=b)
+                  for (i, e), b in zip(split, bodies, strict=True))
+    # The message's own bytes are not kept: its parts' bodies are what is applied, parked or
+    # counted against the reader's budget (``body_bytes``).
+    return replace(pulled, parts=parts, data=b"")
 
 
 def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
@@ -230,7 +298,19 @@ def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
                                       f"on {msg.subject}")
     pulled = PulledEvent(stream_seq=seq, subject=msg.subject, event_id=event_id, event=event,
                          data=raw, headers=dict(msg.headers or {}))
-    if isinstance(event, RowsChangedV2):
+    if isinstance(event, RowsChangedV4) and event.more:
+        try:
+            pulled = _with_parts(pulled)
+        except (ValueError, KeyError, TypeError) as exc:  # bytes that are not the event validated
+            raise Garbage("invalid_data", f"rows.changed parts: {exc}") from None
+        try:
+            for part in pulled.parts:
+                assert isinstance(part.event, RowsChangedV2)
+                validate_rows(part.event)
+        except Garbage as exc:
+            # One message: dead-lettered whole, every part present but never applied.
+            raise Garbage(exc.kind, exc.reason, replace(pulled, dead=True)) from None
+    elif isinstance(event, RowsChangedV2):
         try:
             validate_rows(event)
         except Garbage as exc:
@@ -379,9 +459,10 @@ class SpanReader:
             await self._reset(checkpoint_seq)
         else:
             self.base = checkpoint_seq
-            self.buffer = [e for e in self.buffer if e.stream_seq > checkpoint_seq and e.ts > checkpoint_ts]
-            self._bytes = sum(len(e.data) for e in self.buffer)
-            self._newest = max((e.ts for e in self.buffer), default=-1)
+            self.buffer = [left for e in self.buffer
+                           if e.stream_seq > checkpoint_seq and (left := e.after(checkpoint_ts)) is not None]
+            self._bytes = sum(e.body_bytes for e in self.buffer)
+            self._newest = max((e.ts_last for e in self.buffer), default=-1)
             while self.ghosts and (self.ghosts.first_seq() <= checkpoint_seq):
                 self.ghosts.popleft()
             if (self.ghosts.min_ts() or checkpoint_ts + 1) <= checkpoint_ts:
@@ -391,8 +472,8 @@ class SpanReader:
                 for seq, ts in kept.items:
                     if ts > checkpoint_ts:
                         self.ghosts.append(seq, ts)
-            self._spare = {seq: e for seq, e in self._spare.items()
-                           if seq > checkpoint_seq and e.ts > checkpoint_ts}
+            self._spare = {seq: left for seq, e in self._spare.items()
+                           if seq > checkpoint_seq and (left := e.after(checkpoint_ts)) is not None}
             self._fit(limit)
         self._base_ts = checkpoint_ts
         dead, self._ahead_dead = self._ahead_dead, 0
@@ -412,7 +493,8 @@ class SpanReader:
                 await self._reset(checkpoint_seq)
                 reached, scanned_dead = await self._scan(limit, checkpoint_ts, until_seq)
                 await self._refill(limit)
-        return PullResult(events=list(self.buffer), ghosts=list(self.ghosts.items), read_upto=self.read_upto,
+        events = [part for e in self.buffer for part in e.expanded()]
+        return PullResult(events=events, ghosts=list(self.ghosts.items), read_upto=self.read_upto,
                           reached=reached, dead_lettered=dead + scanned_dead, event_bytes=self._bytes)
 
     async def read_ahead(self, until_seq: int | None, budget: int) -> None:
@@ -490,8 +572,8 @@ class SpanReader:
 
     def _keep(self, event: PulledEvent) -> None:
         self.buffer.append(event)
-        self._bytes += len(event.data)
-        self._newest = max(self._newest, event.ts)
+        self._bytes += event.body_bytes
+        self._newest = max(self._newest, event.ts_last)
 
     def _ghost(self, seq: int, ts: int) -> None:
         self._spill_partial()
@@ -550,7 +632,8 @@ class SpanReader:
                     dead += 1
                 if event is None:
                     continue
-                if event.ts <= checkpoint_ts:
+                event = event.after(checkpoint_ts)
+                if event is None:
                     continue  # a late copy of an applied event
                 elif not self.ghosts and self._wants_body(limit):
                     self._keep(event)
@@ -675,10 +758,15 @@ class SpanReader:
                             continue
                         self._drop_ghost()
                         try:
-                            self._keep(decode_for_span(self.span, msg, seq))
+                            event = decode_for_span(self.span, msg, seq)
                         except Garbage as exc:
-                            if exc.event is not None:  # dead-lettered when first read
-                                self._keep(exc.event)
+                            if exc.event is None:
+                                continue
+                            event = exc.event  # dead-lettered when first read
+                        # As when first read: only what lies above the checkpoint.
+                        kept = event.after(self._base_ts)
+                        if kept is not None:
+                            self._keep(kept)
                     if joiner and msgs and not int(msgs[-1].metadata.num_pending or 0):
                         return  # the rest of the set is not in the stream yet: wait for it
             finally:
@@ -691,7 +779,15 @@ class SpanReader:
     async def dead_letter_event(self, event: PulledEvent, kind: str, reason: str) -> None:
         """Park an event the pipeline found unusable (e.g. a row without its key columns)."""
         await self._park(_Parked(event.subject, event.data, event.headers), reason, kind, event.stream_seq)
-        self.buffer = [replace(e, dead=True) if e.stream_seq == event.stream_seq else e for e in self.buffer]
+        self.buffer = [_dead_in(e, event) if e.stream_seq == event.stream_seq else e for e in self.buffer]
+
+
+def _dead_in(entry: PulledEvent, event: PulledEvent) -> PulledEvent:
+    """``entry`` with ``event`` (itself, or one of its parts) dead."""
+    if not entry.parts:
+        return replace(entry, dead=True)
+    return replace(entry, parts=tuple(replace(p, dead=True) if p.event_id == event.event_id else p
+                                      for p in entry.parts))
 
 
 @dataclass(frozen=True)

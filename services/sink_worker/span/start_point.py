@@ -120,14 +120,18 @@ async def start_at_position(js: JetStreamContext, span: Span, position: SourcePo
                         continue
                     try:
                         data = json.loads(body)["data"]
-                        ts = int(data["ts"])
-                        at = SourcePositionV1.model_validate(data["position"])
+                        # A rows.changed v4 message of several transactions: each part's own.
+                        places = [(int(d["ts"]), SourcePositionV1.model_validate(d["position"]))
+                                  for d in [data, *(data.get("more") or [])]]
                     except Exception:
                         last_seq = seq  # garbage: the span's reader dead-letters it
                         continue
-                    if position_key(at) > wanted:
-                        return Checkpoint(stream_seq=max(0, seq - 1), ts=max(0, ts - 1))
-                    last_seq, last_ts = seq, max(last_ts, ts)
+                    for ts, at in places:
+                        if position_key(at) > wanted:
+                            # Read again from this message; what is at or below ts - 1 of it
+                            # (its parts before this one) is dropped as applied.
+                            return Checkpoint(stream_seq=max(0, seq - 1), ts=max(0, ts - 1))
+                        last_seq, last_ts = seq, max(last_ts, ts)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

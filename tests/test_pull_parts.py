@@ -1,0 +1,92 @@
+"""The sink's reader and ``rows.changed`` v4 messages of several transactions (no servers): one
+reader entry per message, each part an event of its own with its own id, ts, seq and body,
+parts at or below a checkpoint ts dropped, a part dead alone."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import orjson
+import pytest
+
+from contracts import REGISTRY
+from contracts.events.rows import RowsChangedV2, RowsChangedV4
+from libs.scheduling.model import Span
+from libs.streams import rows_subject
+from services.sink_worker.round.apply_job import event_rows
+from services.sink_worker.round.pull import Garbage, _dead_in, decode_for_span
+
+FIXTURES = Path(__file__).parent / "fixtures" / "contracts"
+SPAN = Span.of("cf1", "src1", "shop", "orders")
+
+
+@dataclass
+class Msg:
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None = None
+
+
+def _msg(obj: dict[str, object]) -> Msg:
+    return Msg(rows_subject("src1", "shop", "orders"), json.dumps(obj).encode())
+
+
+def test_a_message_of_several_transactions_is_one_entry_of_parts() -> None:
+    raw = (FIXTURES / "rows.changed.v4.json").read_bytes()
+    body = json.loads(raw)
+    entry = decode_for_span(SPAN, Msg(rows_subject("src1", "shop", "orders"), raw), 7)
+    parts = entry.expanded()
+    assert len(parts) == 3 and all(p.stream_seq == 7 for p in parts)
+    data = body["data"]
+    assert [p.event_id for p in parts] == [data["event_id"], *(m["event_id"] for m in data["more"])]
+    assert [(p.ts, p.seq) for p in parts] == [(data["ts"], data["seq"]),
+                                              *((m["ts"], m["seq"]) for m in data["more"])]
+    assert (entry.ts, entry.ts_last, entry.last_part) == (data["ts"], data["more"][-1]["ts"], True)
+    # Only the parts' bodies are kept, and they are what counts against the reader's budget.
+    assert entry.data == b"" and entry.body_bytes == sum(len(p.data) for p in parts) > 0
+    for part in parts:
+        # Each body is a v4 message of one part: the registry and the apply job read it alone.
+        decoded = REGISTRY.decode(part.data)
+        assert decoded.envelope.id == part.event_id
+        assert isinstance(decoded.event, RowsChangedV4) and decoded.event.more == []
+        assert decoded.event == part.event
+        assert isinstance(part.event, RowsChangedV2)
+        assert event_rows(part.data) == [r.model_dump(mode="json") for r in part.event.rows]
+    with pytest.raises(ValueError):
+        event_rows(raw)  # a whole message of several would apply only its first part
+
+
+def test_parts_at_or_below_the_checkpoint_are_dropped() -> None:
+    raw = (FIXTURES / "rows.changed.v4.json").read_bytes()
+    entry = decode_for_span(SPAN, Msg(rows_subject("src1", "shop", "orders"), raw), 7)
+    first, second, third = entry.expanded()
+    assert entry.after(first.ts - 1) is entry
+    kept = entry.after(first.ts)
+    assert kept is not None and [p.event_id for p in kept.expanded()] == [second.event_id, third.event_id]
+    assert kept.ts == second.ts and kept.stream_seq == 7
+    assert entry.after(third.ts) is None
+
+
+def test_one_part_dead_alone_and_a_dead_message_all_dead() -> None:
+    raw = (FIXTURES / "rows.changed.v4.json").read_bytes()
+    entry = decode_for_span(SPAN, Msg(rows_subject("src1", "shop", "orders"), raw), 7)
+    middle = entry.expanded()[1]
+    marked = _dead_in(entry, middle)
+    assert [p.dead for p in marked.expanded()] == [False, True, False]
+    assert all(p.dead for p in replace(entry, dead=True).expanded())
+
+
+def test_a_bad_part_dead_letters_the_message_and_v4_fields_in_v3_are_garbage() -> None:
+    obj = orjson.loads((FIXTURES / "rows.changed.v4.json").read_bytes())
+    bad = json.loads(json.dumps(obj))
+    bad["data"]["more"][0]["rows"][0]["after"] = {"id": 1, "nope": 2}  # a column not in meta
+    with pytest.raises(Garbage) as caught:
+        decode_for_span(SPAN, _msg(bad), 8)
+    assert caught.value.event is not None and all(p.dead for p in caught.value.event.expanded())
+    old = json.loads(json.dumps(obj))
+    old["version"] = 3
+    with pytest.raises(Garbage) as refused:
+        decode_for_span(SPAN, _msg(old), 9)
+    assert refused.value.kind == "invalid_data"
