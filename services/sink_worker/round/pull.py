@@ -22,7 +22,9 @@ the end of a read (the rest not published yet, or a capture killed between chunk
 it becomes a ghost at its first chunk with the ts its chunks carry, so it holds the horizon
 below its ts exactly like an event not read yet, and its chunks are read again, from the first,
 when the buffer wants it. Memory: the buffer keeps at most ``max_bytes`` of event bodies
-(beyond them only ghosts), plus the rest of a transaction in progress and one set being joined.
+(beyond them only ghosts), plus one set being joined and, unless the span's transactions larger
+than that are applied streamed (``stream_large``, ``large_txn``), the rest of a transaction in
+progress.
 
 Read-ahead (``read_ahead``): while a round writes, the reader goes on reading past what it
 returned, keeping up to a budget of further bodies (within the same ``max_bytes``). It changes
@@ -336,6 +338,10 @@ class SpanReader:
         self._base_ts = -1  # the checkpoint ts of the last pull
         self._ahead_dead = 0  # dead-lettered while reading ahead, not yet reported by a pull
         self._stale = False  # a read-ahead stopped midway: the consumer's position is not known
+        self.stream_large = False
+        """A transaction in progress does not stretch the buffer past its allowance: one left
+        incomplete at the span's head is applied streamed (``large_txn``). Only for spans that
+        path can write; the others keep the whole transaction, as before."""
 
     def _config(self, name: str, start_seq: int) -> api.ConsumerConfig:
         return api.ConsumerConfig(
@@ -480,7 +486,7 @@ class SpanReader:
         the oldest ghost's ts, which only a refill asks about)."""
         if len(self.buffer) < limit and (not self.buffer or self._bytes < self.max_bytes):
             return True
-        if self.buffer and not self.buffer[-1].last_part:
+        if self.buffer and not self.buffer[-1].last_part and not self.stream_large:
             return True  # the batch can only end at a transaction boundary
         if not ghosts:
             return False
