@@ -390,6 +390,7 @@ class Pipeline:
             start = rt.checkpoint
             mark = marks.get(rt.span.source)
             rt.reader.stream_large = self._may_stream(rt)
+            rt.reader.open_max = (self.options.large_txn_window_events, self.options.large_txn_window_bytes)
             try:
                 limit = limits[rt.span]
                 pulled = await rt.reader.pull((start.stream_seq, start.ts), limit,
@@ -448,6 +449,7 @@ class Pipeline:
             reader = SpanReader(self.js, w.rt.span, self.rows_stream,
                                 max_bytes=options.large_txn_window_bytes)
             reader.stream_large = True
+            reader.open_max = (options.large_txn_window_events, options.large_txn_window_bytes)
             with tracer().start_as_current_span("apply large transaction",
                                                 attributes={"sluice.span": w.rt.span.name}):
                 cut, outcome = await apply_large(

@@ -339,9 +339,12 @@ class SpanReader:
         self._ahead_dead = 0  # dead-lettered while reading ahead, not yet reported by a pull
         self._stale = False  # a read-ahead stopped midway: the consumer's position is not known
         self.stream_large = False
-        """A transaction in progress does not stretch the buffer past its allowance: one left
-        incomplete at the span's head is applied streamed (``large_txn``). Only for spans that
-        path can write; the others keep the whole transaction, as before."""
+        """A transaction in progress keeps at most ``open_max`` (events, bytes) of bodies and
+        never stretches the buffer past its allowance: one left incomplete at the span's head is
+        applied streamed (``large_txn``). Only for spans that path can write; the others keep
+        the whole transaction, as before."""
+        self.open_max = (64, 32 * 1024 * 1024)
+        self._open = (-1, 0, 0)  # the buffer's last transaction: (ts, events, body bytes)
 
     def _config(self, name: str, start_seq: int) -> api.ConsumerConfig:
         return api.ConsumerConfig(
@@ -359,6 +362,7 @@ class SpanReader:
         self._sub = await self.js.pull_subscribe_bind(name, stream=self.rows_stream)
         self.buffer = []
         self._bytes = 0
+        self._open = (-1, 0, 0)
         self._joiner.clear()
         self.ghosts = _Ghosts()
         self._spare = {}
@@ -388,6 +392,7 @@ class SpanReader:
             self.buffer = [e for e in self.buffer if e.stream_seq > checkpoint_seq and e.ts > checkpoint_ts]
             self._bytes = sum(len(e.data) for e in self.buffer)
             self._newest = max((e.ts for e in self.buffer), default=-1)
+            self._count_open()
             while self.ghosts and (self.ghosts.first_seq() <= checkpoint_seq):
                 self.ghosts.popleft()
             if (self.ghosts.min_ts() or checkpoint_ts + 1) <= checkpoint_ts:
@@ -452,7 +457,7 @@ class SpanReader:
         """Cut the buffer to what a pull with ``limit`` keeps; the bodies past it become ghosts
         whose bodies are kept in ``_spare`` (read ahead, or kept by a larger earlier limit)."""
         kept, extra = self.buffer, _Ghosts()
-        self.buffer, self._bytes, self._newest = [], 0, -1
+        self.buffer, self._bytes, self._newest, self._open = [], 0, -1, (-1, 0, 0)
         for e in kept:
             if not extra and self._wants_body(limit, ghosts=False):
                 self._keep(e)
@@ -484,6 +489,10 @@ class SpanReader:
     def _wants_body(self, limit: int, *, ghosts: bool = True) -> bool:
         """Whether the next event (in stream order) belongs in the buffer (``ghosts``: also
         the oldest ghost's ts, which only a refill asks about)."""
+        if self.stream_large and self.buffer and not self.buffer[-1].last_part:
+            _, events, size = self._open
+            if events >= self.open_max[0] or size >= self.open_max[1]:
+                return False  # a large transaction: the rest is read in windows (large_txn)
         if len(self.buffer) < limit and (not self.buffer or self._bytes < self.max_bytes):
             return True
         if self.buffer and not self.buffer[-1].last_part and not self.stream_large:
@@ -498,6 +507,19 @@ class SpanReader:
         self.buffer.append(event)
         self._bytes += len(event.data)
         self._newest = max(self._newest, event.ts)
+        ts, events, size = self._open
+        if ts == event.ts:
+            self._open = (ts, events + 1, size + len(event.data))
+        else:
+            self._open = (event.ts, 1, len(event.data))
+
+    def _count_open(self) -> None:
+        """``_open`` of the buffer as it is (after it was cut at the front)."""
+        self._open = (-1, 0, 0)
+        if self.buffer:
+            ts = self.buffer[-1].ts
+            tail = [e for e in self.buffer if e.ts == ts]
+            self._open = (ts, len(tail), sum(len(e.data) for e in tail))
 
     def _ghost(self, seq: int, ts: int) -> None:
         self._spill_partial()
