@@ -1,0 +1,149 @@
+"""A transaction larger than the sink-worker's round, end to end with real processes: MariaDB
+binlog -> capture -> JetStream -> sink-worker (streamed, ``round/large_txn``) -> MariaDB.
+
+An INSERT of 200,000 rows and an UPDATE of all of them, each one transaction, with the worker's
+round and window settings turned low (a few MiB): each reaches the downstream whole and at
+once (a reader polling the downstream never sees part of one), the target equals the source
+by checksum, and the worker process' peak resident memory grows by less than a bound that the
+transaction (about 35 MB of messages for the UPDATE; 2.6 GB of worker memory and a Spark
+driver out of heap for 1M changes before it was streamed) would break if it were held whole."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from nats.js import JetStreamContext
+
+from libs.localservers.mariadb import MariaDB
+from libs.localservers.service_process import ServiceProcess
+from services.sink_worker.validation.verify import ShardRef, verify_target
+from tests.helpers.e2e import _capture, _changefeed, _delete_changefeeds_afterwards, downstream_mariadb  # noqa: F401 - fixtures
+from tests.helpers.worker_env import STANDALONE_WORKER_ENV
+
+pytestmark = pytest.mark.integration
+
+MIB = 1024 * 1024
+ROWS = 200_000
+DB = "bigtxn"
+# Low memory targets: a span's reader keeps 4 MiB of bodies, a window 8 messages / 2 MiB.
+LOW_MEMORY = {
+    "SLUICE_SINK_PULL_MAX_BYTES": str(4 * MIB),
+    "SLUICE_SINK_ROUND_MAX_BYTES": str(4 * MIB),
+    "SLUICE_SINK_LARGE_TXN_WINDOW_EVENTS": "8",
+    "SLUICE_SINK_LARGE_TXN_WINDOW_BYTES": str(2 * MIB),
+}
+# Growth of the worker process' peak RSS over what it held before the transactions. Held whole,
+# the UPDATE's 400 messages decode to several hundred MB in the worker before Spark sees them.
+WORKER_GROWTH_BOUND = 150 * MIB
+
+
+def _status(pid: int) -> dict[str, int]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
+
+
+class Watcher(threading.Thread):
+    """Polls ``COUNT(*), SUM(k)`` of the downstream table: every distinct answer seen."""
+
+    def __init__(self, down: MariaDB) -> None:
+        super().__init__(daemon=True)
+        self.down = down
+        self.seen: list[tuple[int, int]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        conn = self.down.connect(DB, autocommit=True)
+        try:
+            while not self.stop.is_set():
+                with conn.cursor() as cur:
+                    cur.execute("SELECT COUNT(*), COALESCE(SUM(k), 0) FROM t")
+                    count, total = cur.fetchone()
+                got = (int(count), int(total))
+                if not self.seen or self.seen[-1] != got:
+                    self.seen.append(got)
+                self.stop.wait(0.05)
+        finally:
+            conn.close()
+
+
+def _wait_for(watcher: Watcher, want: tuple[int, int], procs: list[ServiceProcess], within: float) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.alive(), f"{p.instance_id} died:\n{p.tail_log(30)}"
+        if watcher.seen and watcher.seen[-1] == want:
+            return
+        time.sleep(0.2)
+    logs = "\n".join(f"--- {p.instance_id}\n{p.tail_log(20)}" for p in procs)
+    pytest.fail(f"downstream never showed {want}; saw {watcher.seen[-5:]}\n{logs}")
+
+
+@pytest.mark.timeout(900)
+async def test_large_transactions_arrive_whole_in_bounded_worker_memory(
+    js: JetStreamContext, service_env: dict[str, str], tmp_path: Path, mariadb: MariaDB,
+    downstream_mariadb: MariaDB, processes: list[ServiceProcess],  # noqa: F811
+) -> None:
+    mariadb.execute(f"DROP DATABASE IF EXISTS {DB}", f"CREATE DATABASE {DB}")
+    mariadb.execute("CREATE TABLE t (id INT PRIMARY KEY, k INT NOT NULL, c CHAR(60) NOT NULL)", database=DB)
+    downstream_mariadb.execute(f"CREATE DATABASE IF NOT EXISTS {DB}")
+    logs = tmp_path / "logs"
+    capture = _capture(service_env, logs, mariadb, "bigtxn", DB)
+    processes.append(capture)
+    capture.wait_healthy(60)
+    await _changefeed(js, "bigtxn", "bigtxn", mariadb, DB, downstream_mariadb.url_for(DB))
+    worker = ServiceProcess("services.sink_worker", {**service_env, **STANDALONE_WORKER_ENV, **LOW_MEMORY},
+                            logs, instance_id="worker-bigtxn").start()
+    processes.append(worker)
+    worker.wait_healthy(60)
+    assert worker.proc is not None
+    await asyncio.to_thread(_transactions, mariadb, downstream_mariadb, capture, worker)
+
+
+def _transactions(mariadb: MariaDB, down: MariaDB, capture: ServiceProcess, worker: ServiceProcess) -> None:
+    assert worker.proc is not None
+    procs = [capture, worker]
+
+    # A small transaction first: the target exists and the worker's rounds and Spark are warm.
+    mariadb.execute("INSERT INTO t VALUES (0, 0, 'warm')", database=DB)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if down.execute("SELECT COUNT(*) FROM t", database=DB)[0][0] == 1:
+                break
+        except Exception:  # the target appears with the first batch
+            pass
+        assert time.monotonic() < deadline, worker.tail_log(30)
+        time.sleep(0.2)
+    watcher = Watcher(down)
+    watcher.start()
+    try:
+        time.sleep(1)  # let the worker's memory settle after the warm-up round
+        Path(f"/proc/{worker.proc.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+        before = _status(worker.proc.pid)["VmRSS"]
+
+        mariadb.execute(f"INSERT INTO t SELECT seq, seq % 1000, LPAD(seq, 60, 'c') FROM seq_1_to_{ROWS}",
+                        database=DB)
+        inserted = (ROWS + 1, sum(i % 1000 for i in range(1, ROWS + 1)))
+        _wait_for(watcher, inserted, procs, 300)
+        mariadb.execute("UPDATE t SET k = k + 1", database=DB)
+        updated = (inserted[0], inserted[1] + inserted[0])
+        _wait_for(watcher, updated, procs, 300)
+    finally:
+        watcher.stop.set()
+        watcher.join()
+    peak = _status(worker.proc.pid)["VmHWM"]
+
+    # Each transaction arrived at once: only the states between whole transactions were seen.
+    assert set(watcher.seen) <= {(1, 0), inserted, updated}, watcher.seen
+    result = verify_target([ShardRef(mariadb.url, DB, "t")], down.url, DB, "t")
+    assert result.ok, result.diff
+    applied = worker.log_path.read_text().count("large transaction applied")
+    assert applied >= 2, "the transactions did not take the streamed path"
+    assert peak - before < WORKER_GROWTH_BOUND, (
+        f"worker peak RSS grew by {(peak - before) / MIB:.0f} MiB "
+        f"({before / MIB:.0f} -> {peak / MIB:.0f} MiB)")
