@@ -92,6 +92,10 @@ async def test_large_transactions_arrive_whole_in_bounded_worker_memory(
     mariadb.execute("CREATE TABLE t (id INT PRIMARY KEY, k INT NOT NULL, c CHAR(60) NOT NULL)", database=DB)
     downstream_mariadb.execute(f"CREATE DATABASE IF NOT EXISTS {DB}")
     logs = tmp_path / "logs"
+    # Capture encodes a reader batch (up to 500 rows events) on its event loop between lease
+    # renewals; on a machine loaded far past its cores that outlasts the tests' 1.5 s lease and
+    # capture starts the transaction over from its last mark, again and again.
+    service_env = {**service_env, "SLUICE_LEASE_TTL_S": "10"}
     capture = _capture(service_env, logs, mariadb, "bigtxn", DB)
     processes.append(capture)
     capture.wait_healthy(60)
