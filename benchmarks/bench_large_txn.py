@@ -99,7 +99,10 @@ async def _one(rows: int, work: Path, figures: Figures, env_extra: dict[str, str
         _say(f"{rows:,} rows: filling the source table")
         _fill(source, rows)
         down.execute(f"CREATE DATABASE IF NOT EXISTS {DB}")
-        env = {"SLUICE_NATS_URL": nats_server.url, "SLUICE_LEASE_TTL_S": "3",
+        # A 10 s capture lease: capture encodes a reader batch on its event loop between lease
+        # renewals, and on a machine loaded far past its cores a short lease expires meanwhile,
+        # so capture starts the transaction over from its last mark (seen with 3 s at load 45).
+        env = {"SLUICE_NATS_URL": nats_server.url, "SLUICE_LEASE_TTL_S": "10",
                "SLUICE_STATE_DB_URL": f"sqlite:///{work / 'state.db'}", "SLUICE_LOG_JSON": "true",
                "SLUICE_SPARK_DRIVER_JAVA_OPTIONS": SPARK_TEST_JAVA_OPTIONS, **SINK_TEST_PACING}
         logs = work / "logs"
