@@ -141,6 +141,7 @@ def _transactions(mariadb: MariaDB, down: MariaDB, capture: ServiceProcess, work
         watcher.stop.set()
         watcher.join()
     peak = _status(worker.proc.pid)["VmHWM"]
+    print(f"worker RSS before {before / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB")  # shown with -s
 
     # Each transaction arrived at once: only the states between whole transactions were seen.
     assert set(watcher.seen) <= {(1, 0), inserted, updated}, watcher.seen
