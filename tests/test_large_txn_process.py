@@ -1,10 +1,12 @@
 """A transaction larger than the sink-worker's round, end to end with real processes: MariaDB
 binlog -> capture -> JetStream -> sink-worker (streamed, ``round/large_txn``) -> MariaDB.
 
-An INSERT of 200,000 rows and an UPDATE of all of them, each one transaction, with the worker's
-round and window settings turned low (a few MiB): each reaches the downstream whole and at
-once (a reader polling the downstream never sees part of one), the target equals the source
-by checksum, and the worker process' peak resident memory grows by less than a bound that the
+An INSERT of 200,000 rows and two UPDATEs of all of them, each one transaction, with the
+worker's round and window settings turned low (a few MiB); the worker is killed (SIGKILL) in
+the middle of writing the second UPDATE and another one started. Each transaction reaches the
+downstream whole and at once (a reader polling the downstream never sees part of one, nor any
+of the killed write), the target equals the source by checksum, and the first worker process'
+peak resident memory grows by less than a bound that the
 transaction (about 35 MB of messages for the UPDATE; 2.6 GB of worker memory and a Spark
 driver out of heap for 1M changes before it was streamed) would break if it were held whole."""
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -105,10 +108,21 @@ async def test_large_transactions_arrive_whole_in_bounded_worker_memory(
     processes.append(worker)
     worker.wait_healthy(60)
     assert worker.proc is not None
-    await asyncio.to_thread(_transactions, mariadb, downstream_mariadb, capture, worker)
+    def restart() -> ServiceProcess:
+        again = ServiceProcess("services.sink_worker", {**service_env, **STANDALONE_WORKER_ENV, **LOW_MEMORY},
+                               logs, instance_id="worker-bigtxn-2").start()
+        processes.append(again)
+        return again
+
+    await asyncio.to_thread(_transactions, mariadb, downstream_mariadb, capture, worker, restart)
 
 
-def _transactions(mariadb: MariaDB, down: MariaDB, capture: ServiceProcess, worker: ServiceProcess) -> None:
+def _log_count(proc: ServiceProcess, text: str) -> int:
+    return proc.log_path.read_text(errors="replace").count(text)
+
+
+def _transactions(mariadb: MariaDB, down: MariaDB, capture: ServiceProcess, worker: ServiceProcess,
+                  restart: Callable[[], ServiceProcess]) -> None:
     assert worker.proc is not None
     procs = [capture, worker]
 
@@ -137,18 +151,31 @@ def _transactions(mariadb: MariaDB, down: MariaDB, capture: ServiceProcess, work
         mariadb.execute("UPDATE t SET k = k + 1", database=DB)
         updated = (inserted[0], inserted[1] + inserted[0])
         _wait_for(watcher, updated, procs, 300)
+        peak = _status(worker.proc.pid)["VmHWM"]
+        print(f"worker RSS before {before / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB")  # shown with -s
+        assert _log_count(worker, "large transaction applied") >= 2, "not applied streamed"
+        assert peak - before < WORKER_GROWTH_BOUND, (
+            f"worker peak RSS grew by {(peak - before) / MIB:.0f} MiB "
+            f"({before / MIB:.0f} -> {peak / MIB:.0f} MiB)")
+
+        # kill -9 while the next one is written: the downstream rolls it back, the checkpoint
+        # has not moved, and the next worker applies all of it again.
+        mariadb.execute("UPDATE t SET k = k + 1", database=DB)
+        again = (updated[0], updated[1] + updated[0])
+        deadline = time.monotonic() + 300
+        while _log_count(worker, "applying a large transaction") < 3:
+            assert worker.alive() and time.monotonic() < deadline, worker.tail_log(30)
+            time.sleep(0.1)
+        worker.kill()
+        assert _log_count(worker, "large transaction applied") == 2, "finished before the kill"
+        assert watcher.seen[-1] == updated, watcher.seen  # nothing of it visible
+        second = restart()
+        _wait_for(watcher, again, [capture, second], 300)
     finally:
         watcher.stop.set()
         watcher.join()
-    peak = _status(worker.proc.pid)["VmHWM"]
-    print(f"worker RSS before {before / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB")  # shown with -s
 
     # Each transaction arrived at once: only the states between whole transactions were seen.
-    assert set(watcher.seen) <= {(1, 0), inserted, updated}, watcher.seen
+    assert set(watcher.seen) <= {(1, 0), inserted, updated, again}, watcher.seen
     result = verify_target([ShardRef(mariadb.url, DB, "t")], down.url, DB, "t")
     assert result.ok, result.diff
-    applied = worker.log_path.read_text().count("large transaction applied")
-    assert applied >= 2, "the transactions did not take the streamed path"
-    assert peak - before < WORKER_GROWTH_BOUND, (
-        f"worker peak RSS grew by {(peak - before) / MIB:.0f} MiB "
-        f"({before / MIB:.0f} -> {peak / MIB:.0f} MiB)")

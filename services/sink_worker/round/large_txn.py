@@ -192,6 +192,7 @@ async def apply_large(reader: SpanReader, sink: SqlSink, table: TargetTable, hea
     parts = Parts()
     messages = 0
     t0 = time.monotonic()
+    log.info("applying a large transaction", extra={"span": reader.span.name, "ts": head.ts})
     conn = await asyncio.to_thread(sink._connect)
     cur: Any = None
     try:
