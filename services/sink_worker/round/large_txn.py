@@ -44,9 +44,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from contracts.events.rows import RowsChangedV2
 from libs.codec.decode import decode_row
@@ -58,6 +59,7 @@ from services.sink_worker.sinks.sql_common import SqlSink, sort_key
 from services.sink_worker.span.machine import SpanOutcome
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class LargeTxnError(Exception):
@@ -193,10 +195,18 @@ async def apply_large(reader: SpanReader, sink: SqlSink, table: TargetTable, hea
     messages = 0
     t0 = time.monotonic()
     log.info("applying a large transaction", extra={"span": reader.span.name, "ts": head.ts})
-    conn = await asyncio.to_thread(sink._connect)
-    cur: Any = None
+    # One thread for the transaction's connection: a SQLite connection works only in the
+    # thread that opened it, and no two statements of one connection may overlap anyway.
+    db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="large-txn")
+    loop = asyncio.get_running_loop()
+
+    async def run(fn: Callable[..., T], *args: Any) -> T:
+        return await loop.run_in_executor(db, fn, *args)
+
+    conn = None
     try:
-        cur = await asyncio.to_thread(_begin, sink, conn, table)
+        conn = await run(sink._connect)
+        cur = await run(_begin, sink, conn, table)
         pos = start_seq
         since_commit = 0
         while not parts.done:
@@ -215,27 +225,30 @@ async def apply_large(reader: SpanReader, sink: SqlSink, table: TargetTable, hea
             if window:
                 w = collapse(window, table, origin)
                 del window
-                result = await asyncio.to_thread(sink._apply, cur, table, colmap, w.deletes, w.upserts)
+                result = await run(sink._apply, cur, table, colmap, w.deletes, w.upserts)
                 outcome.rows += w.rows
                 since_commit += w.rows
                 m.ROWS_APPLIED.labels(reader.span.changefeed, "upsert").inc(result.upserted)
                 m.ROWS_APPLIED.labels(reader.span.changefeed, "delete").inc(result.deleted)
             if options.split_rows and since_commit >= options.split_rows and not parts.done:
-                await asyncio.to_thread(conn.commit)
-                cur = await asyncio.to_thread(_begin, sink, conn, table)
+                await run(conn.commit)
+                cur = await run(_begin, sink, conn, table)
                 since_commit = 0
-        await asyncio.to_thread(conn.commit)
+        await run(conn.commit)
     except BaseException:
-        try:
-            await asyncio.to_thread(conn.rollback)
-        except Exception:  # the connection may be gone: the server rolls back anyway
-            log.debug("rollback failed")
+        if conn is not None:
+            try:
+                await run(conn.rollback)
+            except Exception:  # the connection may be gone: the server rolls back anyway
+                log.debug("rollback failed")
         raise
     finally:
-        try:
-            await asyncio.to_thread(conn.close)
-        except Exception:
-            log.debug("close failed")
+        if conn is not None:
+            try:
+                await run(conn.close)
+            except Exception:
+                log.debug("close failed")
+        db.shutdown(wait=False)
         await reader.close()
     outcome.written = True
     m.APPLY_SECONDS.observe(time.monotonic() - t0)
