@@ -217,6 +217,20 @@ class Settings(BaseSettings):
         512 * 1024 * 1024, ge=1024 * 1024,
         description="sink-worker: event bytes a span's reader keeps in memory (beyond them it "
                     "keeps only positions); a transaction in progress may exceed it by its rest.")
+    sink_large_txn_stream: bool = Field(
+        True, description="sink-worker: a transaction larger than its span's round (allowance, "
+                          "SLUICE_SINK_PULL_MAX_BYTES) is read in windows and written streamed in one "
+                          "downstream transaction, instead of held whole (SQL sinks; table spans without "
+                          "table rules, cross-shard guard or skipped keys).")
+    sink_large_txn_window_events: int = Field(
+        64, ge=1, description="sink-worker: messages one window of a streamed large transaction reads.")
+    sink_large_txn_window_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024 * 1024,
+        description="sink-worker: body bytes one window of a streamed large transaction keeps.")
+    sink_large_txn_split_rows: int = Field(
+        0, ge=0, description="sink-worker: 0 applies a large transaction as ONE downstream transaction; "
+                             "N commits it every N row changes (bounded lock time downstream, but a "
+                             "reader may see part of it; not atomic).")
     sink_large_value_bytes: int = Field(
         1024 * 1024, ge=1024,
         description="sink-worker: values longer than this (contract encoding: base64 for binary) "

@@ -1,5 +1,6 @@
 """Source failover by GTID with real processes: a MariaDB primary with two native GTID replicas,
-capture following the sources registry, a sink-worker writing SQLite, the operator api.
+capture following the sources registry, one sink-worker running one changefeed per SQL
+downstream (SQLite, PostgreSQL, MariaDB) from the same source, the operator api.
 
 Writes go to the primary under load while one replica stops applying (it lags); the primary is
 killed with SIGKILL once the other replica has everything (asynchronous replication loses what
@@ -7,8 +8,10 @@ a replica had not received: that is the lagging replica's case). The up-to-date 
 promoted and written to. Moving the source to the lagging replica is refused by the api (409,
 the lost transactions named) and, when recorded behind the api's back, by capture itself; moving
 it to the promoted replica (`sluice source set-url`) is accepted, capture continues there by
-GTID, and the downstream ends EQUAL to the new primary with every message of the stream
-published once (its seqs unique and gap-free)."""
+GTID, and every downstream ends EQUAL to the new primary with every message of the stream
+published once (its seqs unique and gap-free). The three downstreams share the source, capture,
+the stream and the worker (one system), so covering them costs two more changefeeds' writes,
+not two more failovers."""
 
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from contracts.events.rows import RowsChangedV2, parts_of
 from contracts.registry import REGISTRY
 from libs.changefeeds import record_changefeed
 from libs.localservers.mariadb import MariaDB
+from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
 from libs.sources import record_source_moved
 from libs.streams import ROWS_STREAM, resolved_subject, token
@@ -159,7 +163,7 @@ def _cli(api: ServiceProcess, *args: str) -> tuple[int, str]:
 
 async def test_a_source_moves_to_its_promoted_replica_by_gtid_and_never_to_one_that_lagged(
     js: JetStreamContext, service_env: dict[str, str], tmp_path: Path,
-    mariadb_factory: Callable[..., MariaDB], processes: list[ServiceProcess],
+    mariadb_factory: Callable[..., MariaDB], postgres: PostgreSQL, processes: list[ServiceProcess],
 ) -> None:
     primary = mariadb_factory(extra_args=GTID_ARGS)
     promoted = mariadb_factory(extra_args=GTID_ARGS)
@@ -169,7 +173,8 @@ async def test_a_source_moves_to_its_promoted_replica_by_gtid_and_never_to_one_t
     for replica in (promoted, lagging):
         replica.replicate_from(primary)
     logs = tmp_path / "logs"
-    sink = f"sqlite:///{tmp_path / 'down.db'}"
+    down = mariadb_factory()
+    sinks = {"sqlite": f"sqlite:///{tmp_path / 'down.db'}", "postgres": postgres.url, "mariadb": down.url}
     service_env = {**service_env, **SECRET_ENV}
     api_proc = ServiceProcess("services.api", {**service_env, "SLUICE_API_TOKEN": TOKEN,
                                                "SLUICE_API_TOKENS": f"vic:viewer:{VIEWER}"}, logs,
@@ -194,11 +199,12 @@ async def test_a_source_moves_to_its_promoted_replica_by_gtid_and_never_to_one_t
                     f"CREATE TABLE {DB}.moves (id INT PRIMARY KEY, src INT, dst INT, amount INT)",
                     f"INSERT INTO {DB}.acct VALUES "
                     + ", ".join(f"({i}, 1000, 'a{i}')" for i in range(1, 21)))
-    spec = ChangefeedSpecV2(id="fo-sqlite", sources=[SourceRefV1(id=SOURCE, url=_url(primary))],
-                            filter=TableFilterV1(include=[f"{DB}.*"]), sink_url=sink,
-                            initial_load="binlog-only")
-    await record_changefeed(js, spec, requested_by="test")
-    _created.append(spec.id)
+    specs = [ChangefeedSpecV2(id=f"fo-{kind}", sources=[SourceRefV1(id=SOURCE, url=_url(primary))],
+                              filter=TableFilterV1(include=[f"{DB}.*"]), sink_url=url,
+                              initial_load="binlog-only") for kind, url in sinks.items()]
+    for spec in specs:
+        await record_changefeed(js, spec, requested_by="test")
+        _created.append(spec.id)
     worker = _worker(service_env, logs, "worker-fo")
     processes.append(worker)
     worker.wait_healthy(60)
@@ -253,14 +259,16 @@ async def test_a_source_moves_to_its_promoted_replica_by_gtid_and_never_to_one_t
     writer.stop()
 
     def verify() -> list[Verification]:
-        return [verify_target([ShardRef(promoted.url, DB, t)], sink, DB, t) for t in TABLES]
+        return [verify_target([ShardRef(promoted.url, DB, t)], url, DB, t)
+                for url in sinks.values() for t in TABLES]
 
     await asyncio.to_thread(wait_converged, verify, [capture, worker], 180)
     health: dict[str, Any] = capture.health() or {}
     assert health.get("state") == "reading" and not health.get("problem"), health
-    listed = (await client.get(f"/api/v1/changefeeds/{spec.id}")).json()
-    assert f":{promoted.port}/" in str(listed["spec"]["sources"])
-    said.append(str(listed))
+    for spec in specs:
+        listed = (await client.get(f"/api/v1/changefeeds/{spec.id}")).json()
+        assert f":{promoted.port}/" in str(listed["spec"]["sources"]), spec.id
+        said.append(str(listed))
     for proc in (api_proc, capture, worker):
         said.append(proc.log_path.read_text(errors="replace"))
     assert not [text for text in said if CANARY in text], "the source's password was shown"

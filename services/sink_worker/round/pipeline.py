@@ -42,6 +42,7 @@ from libs.scheduling.model import Span
 from libs.spark import spark_gone
 from libs.streams import ROWS_STREAM
 from libs.syncpoints import SyncpointCaps, capped
+from libs.table_rules import NO_RULES, rules_for
 from libs.telemetry.tracing import tracer
 from services.sink_worker import metrics as m
 from services.sink_worker.ddl.barrier import DdlBarrier
@@ -51,6 +52,7 @@ from services.sink_worker.fence import Fenced, SelfFence
 from services.sink_worker.fk.barrier import ForeignKeyBarrier
 from services.sink_worker.incidents.poison import IncidentAction, TableIncident
 from services.sink_worker.round.checkpoint_advance import CheckpointAdvance
+from services.sink_worker.round.large_txn import LargeTxnOptions, apply_large, large_head
 from services.sink_worker.round.overlap import AheadSpan, read_ahead, settle
 from services.sink_worker.round.plan import RoundPlanner, count_shards
 from services.sink_worker.round.pull import SpanReader, latest_resolved
@@ -59,7 +61,8 @@ from services.sink_worker.round.size import RoundSize
 from services.sink_worker.round.sort_job import SpanCut
 from services.sink_worker.round.trace import batch_span
 from services.sink_worker.round.work import RoundAbandoned, RoundReport, SpanWork
-from services.sink_worker.round.writer import Outcomes, Writers
+from services.sink_worker.round.writer import Outcomes, Writers, needs_guard
+from services.sink_worker.sinks.factory import sink_kind
 from services.sink_worker.sinks.write_fence import WriteFences
 from services.sink_worker.snapshot.initial_load import InitialLoads, snapshot_mode
 from services.sink_worker.span.checkpoints import Checkpoint, CheckpointStore
@@ -272,7 +275,7 @@ class Pipeline:
             self._ahead = asyncio.ensure_future(self._read_ahead(works))  # while the batch is written
             outcomes: Outcomes = {}
             cuts: dict[str, SpanCut] = {}
-            table_works = [w for w in works if w.group is None]
+            table_works = [w for w in works if w.group is None and w.large is None]
             if any(w.fresh and not w.refused for w in table_works):
                 try:
                     with batch_span(table_works):
@@ -309,6 +312,11 @@ class Pipeline:
                     key = w.rt.span.kv_key
                     cuts[key], outcomes[key] = await asyncio.to_thread(
                         self.writers.sql_for(w.rt.config.sink_url).write_group, w)
+            for w in works:
+                if w.large is not None:
+                    if self.fence is not None:  # self-fence: before the transaction's write
+                        self.fence.check()
+                    cuts[w.rt.span.kv_key], outcomes[w.rt.span.kv_key] = await self._apply_large(w)
             await settle([self.advance.finish(w, cuts.get(w.rt.span.kv_key), outcomes.get(w.rt.span.kv_key),
                                               report, self.validation) for w in works])
             await self._ahead_done()
@@ -381,6 +389,8 @@ class Pipeline:
                 continue  # stopped until an operator acts; its checkpoint stays where it is
             start = rt.checkpoint
             mark = marks.get(rt.span.source)
+            rt.reader.stream_large = self._may_stream(rt)
+            rt.reader.open_max = (self.options.large_txn_window_events, self.options.large_txn_window_bytes)
             try:
                 limit = limits[rt.span]
                 pulled = await rt.reader.pull((start.stream_seq, start.ts), limit,
@@ -404,9 +414,58 @@ class Pipeline:
                 await self.planner.plan(work)
                 await self.barrier.at_head(work)
             await self.fk_barrier.check(work)
+            if (rt.reader.stream_large and rt.resolved_ts is not None and work.head is None
+                    and work.fk_wait is None and work.plan is not None and work.rules is None
+                    and not needs_guard(work)):
+                ceiling = capped(rt.resolved_ts, caps.get(rt.span.changefeed), start.ts)
+                work.large = large_head(pulled, start.ts, ceiling)
             report.events += len(work.fresh)
             works.append(work)
         return works
+
+    def _may_stream(self, rt: SpanRuntime) -> bool:
+        """Whether the span's transactions larger than its round are applied streamed
+        (``large_txn``): a table span on a SQL sink that the driver-side write covers as the
+        apply job would (no table rules, no skipped keys, one shard or an origin column, so no
+        cross-shard guard). The others' readers keep a transaction in progress whole."""
+        if not self.options.large_txn_stream or rt.span.members is not None or rt.skips:
+            return False
+        if sink_kind(rt.config.sink_url).stream:
+            return False
+        router = rt.config.router
+        span = rt.span
+        if router is not None and rules_for(router.table_rules, span.database, span.table) is not NO_RULES:
+            return False
+        return rt.shards <= 1 or (router is not None and router.origin is not None)
+
+    async def _apply_large(self, w: SpanWork) -> tuple[SpanCut, SpanOutcome]:
+        """The span's head transaction, larger than its round, streamed into one downstream
+        transaction (``large_txn``); a failure leaves the checkpoint where it is."""
+        assert w.large is not None
+        options = self.options
+        try:
+            writer = self.writers.sql_for(w.rt.config.sink_url)
+            sink, table = await asyncio.to_thread(writer.prepare_large, w)
+            reader = SpanReader(self.js, w.rt.span, self.rows_stream,
+                                max_bytes=options.large_txn_window_bytes)
+            reader.stream_large = True
+            reader.open_max = (options.large_txn_window_events, options.large_txn_window_bytes)
+            with tracer().start_as_current_span("apply large transaction",
+                                                attributes={"sluice.span": w.rt.span.name}):
+                cut, outcome = await apply_large(
+                    reader, sink, table, w.large, w.start.stream_seq, w.origin,
+                    LargeTxnOptions(options.large_txn_window_events, options.large_txn_window_bytes,
+                                    options.large_txn_split_rows))
+        except Exception as exc:
+            m.ROUND_ERRORS.labels("apply").inc()
+            log.exception("a large transaction's apply failed", extra={"span": w.rt.span.name})
+            if w.plan is not None:
+                self.writers.schemas.forget(w.rt.config.sink_url, w.plan.table.schema, w.plan.table.name)
+            return (SpanCut(w.rt.span.kv_key, limit_ts=w.large.ts, batch_events=1, batch_max_ts=w.large.ts,
+                            ddl_ts=None, ddl_id=None), SpanOutcome(error=f"apply failed: {exc!r}"))
+        w.rt.rows_written += outcome.rows
+        m.BATCH_ROWS.observe(outcome.rows)
+        return cut, outcome
 
     # ------------------------------------------------------------------ Spark, in a thread
 

@@ -22,7 +22,9 @@ the end of a read (the rest not published yet, or a capture killed between chunk
 it becomes a ghost at its first chunk with the ts its chunks carry, so it holds the horizon
 below its ts exactly like an event not read yet, and its chunks are read again, from the first,
 when the buffer wants it. Memory: the buffer keeps at most ``max_bytes`` of event bodies
-(beyond them only ghosts), plus the rest of a transaction in progress and one set being joined.
+(beyond them only ghosts), plus one set being joined and, unless the span's transactions larger
+than that are applied streamed (``stream_large``, ``large_txn``), the rest of a transaction in
+progress.
 
 Read-ahead (``read_ahead``): while a round writes, the reader goes on reading past what it
 returned, keeping up to a budget of further bodies (within the same ``max_bytes``). It changes
@@ -416,6 +418,13 @@ class SpanReader:
         self._base_ts = -1  # the checkpoint ts of the last pull
         self._ahead_dead = 0  # dead-lettered while reading ahead, not yet reported by a pull
         self._stale = False  # a read-ahead stopped midway: the consumer's position is not known
+        self.stream_large = False
+        """A transaction in progress keeps at most ``open_max`` (events, bytes) of bodies and
+        never stretches the buffer past its allowance: one left incomplete at the span's head is
+        applied streamed (``large_txn``). Only for spans that path can write; the others keep
+        the whole transaction, as before."""
+        self.open_max = (64, 32 * 1024 * 1024)
+        self._open = (-1, 0, 0)  # the buffer's last transaction: (ts, events, body bytes)
 
     def _config(self, name: str, start_seq: int) -> api.ConsumerConfig:
         return api.ConsumerConfig(
@@ -433,6 +442,7 @@ class SpanReader:
         self._sub = await self.js.pull_subscribe_bind(name, stream=self.rows_stream)
         self.buffer = []
         self._bytes = 0
+        self._open = (-1, 0, 0)
         self._joiner.clear()
         self.ghosts = _Ghosts()
         self._spare = {}
@@ -463,6 +473,7 @@ class SpanReader:
                            if e.stream_seq > checkpoint_seq and (left := e.after(checkpoint_ts)) is not None]
             self._bytes = sum(e.body_bytes for e in self.buffer)
             self._newest = max((e.ts_last for e in self.buffer), default=-1)
+            self._count_open()
             while self.ghosts and (self.ghosts.first_seq() <= checkpoint_seq):
                 self.ghosts.popleft()
             if (self.ghosts.min_ts() or checkpoint_ts + 1) <= checkpoint_ts:
@@ -528,7 +539,7 @@ class SpanReader:
         """Cut the buffer to what a pull with ``limit`` keeps; the bodies past it become ghosts
         whose bodies are kept in ``_spare`` (read ahead, or kept by a larger earlier limit)."""
         kept, extra = self.buffer, _Ghosts()
-        self.buffer, self._bytes, self._newest = [], 0, -1
+        self.buffer, self._bytes, self._newest, self._open = [], 0, -1, (-1, 0, 0)
         for e in kept:
             if not extra and self._wants_body(limit, ghosts=False):
                 self._keep(e)
@@ -560,9 +571,13 @@ class SpanReader:
     def _wants_body(self, limit: int, *, ghosts: bool = True) -> bool:
         """Whether the next event (in stream order) belongs in the buffer (``ghosts``: also
         the oldest ghost's ts, which only a refill asks about)."""
+        if self.stream_large and self.buffer and not self.buffer[-1].last_part:
+            _, events, size = self._open
+            if events >= self.open_max[0] or size >= self.open_max[1]:
+                return False  # a large transaction: the rest is read in windows (large_txn)
         if len(self.buffer) < limit and (not self.buffer or self._bytes < self.max_bytes):
             return True
-        if self.buffer and not self.buffer[-1].last_part:
+        if self.buffer and not self.buffer[-1].last_part and not self.stream_large:
             return True  # the batch can only end at a transaction boundary
         if not ghosts:
             return False
@@ -574,6 +589,21 @@ class SpanReader:
         self.buffer.append(event)
         self._bytes += event.body_bytes
         self._newest = max(self._newest, event.ts_last)
+        # A transaction of several parts is never batched with others (capture closes a batch
+        # before one), so the last transaction of an entry is the one that may be open.
+        ts, events, size = self._open
+        if ts == event.ts_last:
+            self._open = (ts, events + 1, size + event.body_bytes)
+        else:
+            self._open = (event.ts_last, 1, event.body_bytes)
+
+    def _count_open(self) -> None:
+        """``_open`` of the buffer as it is (after it was cut at the front)."""
+        self._open = (-1, 0, 0)
+        if self.buffer:
+            ts = self.buffer[-1].ts_last
+            tail = [e for e in self.buffer if e.ts_last == ts]
+            self._open = (ts, len(tail), sum(e.body_bytes for e in tail))
 
     def _ghost(self, seq: int, ts: int) -> None:
         self._spill_partial()

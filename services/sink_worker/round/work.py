@@ -11,6 +11,7 @@ from libs.foreign_keys import ForeignKey
 from libs.table_rules import TableRules
 from services.sink_worker.fk.table_group import GroupCut
 from services.sink_worker.round.apply_job import TargetPlan
+from services.sink_worker.round.large_txn import LargeHead
 from services.sink_worker.round.pull import PulledEvent, PullResult
 from services.sink_worker.round.routes import SpanRoutes
 from services.sink_worker.span.checkpoints import Checkpoint
@@ -42,6 +43,8 @@ class SpanWork:
     group: GroupCut | None = None
     """A table group's cut and batch (``table_group``), applied in the driver, not by Spark."""
     group_fks: list[ForeignKey] = field(default_factory=list)
+    large: LargeHead | None = None
+    """The head transaction is larger than the round: applied streamed (``large_txn``)."""
     fk_wait: tuple[str, str] | None = None
     """(event id, why): the barrier that changes the span's foreign-key group (``fk_barrier``);
     the span stops before it."""

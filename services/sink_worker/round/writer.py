@@ -43,7 +43,7 @@ from services.sink_worker.round.sort_job import (
     run_sort,
 )
 from services.sink_worker.round.work import RoundAbandoned, SpanWork
-from services.sink_worker.sinks.base import Sink
+from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.factory import open_sink, sink_kind
 from services.sink_worker.sinks.nats_stream import (
     ChangeSource,
@@ -162,6 +162,20 @@ class SqlWriter:
 
     async def close(self) -> None:
         return None
+
+    def prepare_large(self, w: SpanWork) -> tuple[SqlSink, TargetTable]:
+        """The sink and the target (created or reconciled, with the span's write fence) of a
+        large transaction written streamed (``large_txn``); in a worker thread."""
+        assert w.plan is not None
+        sink = open_sink(self.sink_url)
+        if not isinstance(sink, SqlSink):
+            raise TypeError(f"a large transaction needs a SQL sink, not {type(sink).__name__}")
+        if w.rt.config.schema_change_policy == "ignore":
+            w.plan = replace(w.plan, table=self.schemas.fixed(sink, self.sink_url, w.plan.table))
+        else:
+            reconcile = w.rt.shards == 1 or self.schemas.take_reconcile(w.rt.span.kv_key)
+            self.schemas.ensure(sink, self.sink_url, w.plan.table, reconcile=reconcile)
+        return sink, self._fenced(sink, [w])[w.rt.span.kv_key].table
 
     def write_group(self, w: SpanWork) -> tuple[SpanCut, SpanOutcome]:
         """A table group's batch and cascades in one downstream transaction, then the DDL it

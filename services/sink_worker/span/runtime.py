@@ -51,6 +51,12 @@ class PipelineOptions:
     """Event bytes a span's reader keeps in memory (large rows: see pull.py)."""
     large_value_bytes: int = 1024 * 1024
     """Values longer than this stay out of the Spark jobs (``large_values``)."""
+    large_txn_stream: bool = True
+    """A transaction larger than its span's round is applied streamed (``large_txn``)."""
+    large_txn_window_events: int = 64
+    large_txn_window_bytes: int = 32 * 1024 * 1024
+    large_txn_split_rows: int = 0
+    """0: a large transaction is one downstream transaction; else committed every that many rows."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PipelineOptions:
@@ -64,6 +70,10 @@ class PipelineOptions:
             dedup_window_s=settings.dedup_window_s,
             pull_max_bytes=settings.sink_pull_max_bytes,
             large_value_bytes=settings.sink_large_value_bytes,
+            large_txn_stream=settings.sink_large_txn_stream,
+            large_txn_window_events=settings.sink_large_txn_window_events,
+            large_txn_window_bytes=settings.sink_large_txn_window_bytes,
+            large_txn_split_rows=settings.sink_large_txn_split_rows,
         )
 
 
