@@ -24,7 +24,7 @@ from contracts.events.scheduling import (
     SpansChangedV1,
     TaskResultV1,
 )
-from contracts.events.snapshots import SnapshotTakenV1
+from contracts.events.snapshots import SnapshotTakenV2
 from libs.config import Settings
 from libs.control.changefeeds_state import ChangefeedView
 from libs.control.convert import span_ref
@@ -113,7 +113,7 @@ async def test_memory_log_fences_a_second_writer_and_replays_from_its_snapshot()
     kinds = [type(e).__name__ for e in second.events()]
     assert kinds == ["LeaderElectedV1", "MemberJoinedV2", "MemberJoinedV2", "LeaderElectedV1",
                      "LeaderElectedV1"]
-    assert [type(s.event) for s in stream.read([second.snapshot_subject])] == [SnapshotTakenV1]
+    assert [type(s.event) for s in stream.read([second.snapshot_subject])] == [SnapshotTakenV2]
 
 
 async def test_memory_stream_follow_sees_later_appends() -> None:
