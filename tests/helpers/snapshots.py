@@ -15,7 +15,7 @@ from libs.eventstore import StoredEvent
 
 
 def noise(rng: random.Random, n: int) -> str:
-    """``n`` hex characters that zlib cannot shrink below half: a state that stays large."""
+    """``n`` hex characters (zlib shrinks them to a little over half): a state that stays large."""
     return rng.randbytes(n // 2).hex()
 
 
