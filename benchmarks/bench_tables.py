@@ -49,10 +49,11 @@ from nats.js.errors import BucketNotFoundError, NotFoundError  # noqa: E402
 
 from benchmarks.memory import MemorySampler, children_by_parent, cpu_seconds, descendants, rss  # noqa: E402
 from benchmarks.output import Figures, add_json_option  # noqa: E402
+from contracts.events.members import MemberJoinedV2  # noqa: E402
 from libs.localservers.mariadb import MariaDB  # noqa: E402
 from libs.localservers.system import LocalSystem  # noqa: E402
 from libs.streams import ROWS_STREAM, SNAPSHOT_BUCKET  # noqa: E402
-from tests.helpers.control_plane import Recorder  # noqa: E402
+from tests.helpers.control_plane import Recorder, eventually  # noqa: E402
 
 CF = "tables"
 PREFIX = "bt"
@@ -184,6 +185,10 @@ def metric_series(port: int) -> int:
     return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
 
 
+def joined_members(rec: Recorder) -> set[str]:
+    return {e.member_id for _t, e in rec.member_events if isinstance(e, MemberJoinedV2)}
+
+
 def service_of(name: str) -> str:
     if name.startswith(("nats", "MariaDB")):
         return name
@@ -234,6 +239,11 @@ async def main_async(args: argparse.Namespace) -> int:
         system.start_services()
         await asyncio.to_thread(system.wait_healthy, 300)
         _say(f"every service healthy (load {_load()})")
+        # A worker joins once its Spark is up (a minute or more on a loaded machine): the clock
+        # starts at create with every worker a member, so it measures the tables, not Spark.
+        t0 = time.perf_counter()
+        await eventually(lambda: len(joined_members(rec)) >= args.workers, 600, "every sink-worker joined")
+        _say(f"every sink-worker a member {time.perf_counter() - t0:.0f} s later (load {_load()})")
 
         created = time.perf_counter()
         await system.create_changefeed(system.changefeed_spec(CF, include=[f"{PREFIX}*.*"]), "bench")

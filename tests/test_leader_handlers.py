@@ -39,7 +39,7 @@ from libs.scheduling import ChangefeedId, Span
 from libs.shard_ddl.lock import LockKeeper, LockKey
 from services.ddl_lock.service import CommandError, DdlLockHandlers, decode_command
 from services.member.service import MemberHandlers
-from services.replication_manager.service import ReplicationHandlers
+from services.replication_manager.service import ReplicationHandlers, ResendGate
 from services.scheduler.service import SchedulerHandlers
 
 EPOCH = 7
@@ -291,3 +291,42 @@ async def test_ddl_lock_handlers_lock_a_known_group_and_record_it() -> None:
     assert ("cf", TableRef("s2", "db", "t")) in log.state.dropped
     # The only other shard left: the lock resolves and s1 is told to execute.
     assert any(b'"exec"' in body for _subject, body in sent)
+
+
+# ---------------------------------------------------------------- dispatch resends
+
+
+def test_resend_gate_holds_back_a_dispatch_its_member_accepted_and_only_that() -> None:
+    gate = ResendGate(resend_s=10.0)
+    prepare, commit = ("w1", "inc1", "span", "add-prepare"), ("w1", "inc1", "span", "add-commit")
+    assert gate.take(prepare, 0.0)
+    assert not gate.take(prepare, 0.5)  # on its way
+    gate.done(prepare, 1.0, "accepted")
+    for t in (2.0, 4.0, 10.9):  # the ticks while the member prepares: nothing sent again
+        assert not gate.take(prepare, t)
+    assert gate.take(commit, 3.0)  # the next step is another dispatch: it goes at once
+    assert gate.take(prepare, 11.0)  # after resend_s it goes again, in case it was lost
+    gate.done(prepare, 11.5, "duplicate")
+    assert not gate.take(prepare, 12.0)
+    # A restarted member (another incarnation) gets the step at once.
+    assert gate.take(("w1", "inc2", "span", "add-prepare"), 12.0)
+
+
+@pytest.mark.parametrize("verdict", [None, "busy", "stale-epoch", "wrong-member", "ignored"])
+def test_resend_gate_resends_at_the_next_tick_what_was_not_accepted(verdict: str | None) -> None:
+    gate = ResendGate(resend_s=10.0)
+    key = ("w1", "inc1", "span", "add-prepare")
+    assert gate.take(key, 0.0)
+    gate.done(key, 0.0, "accepted")
+    assert gate.take(key, 10.0)
+    gate.done(key, 10.5, verdict)  # no answer (timeout) or a refusal: the accept is forgotten
+    assert gate.take(key, 12.0)
+
+
+def test_resend_gate_forgets_old_accepts() -> None:
+    gate = ResendGate(resend_s=1.0)
+    for i in range(3000):
+        key = ("w", "i", i, "add-prepare")
+        assert gate.take(key, float(i))
+        gate.done(key, float(i), "accepted")
+    assert len(gate) <= 1100

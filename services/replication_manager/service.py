@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -312,11 +312,56 @@ class ReplicationHandlers:
         })
 
 
+class ResendGate:
+    """Which dispatches go out: never one identical to a dispatch still on its way, and for
+    ``resend_s`` not one identical to a dispatch its member accepted (or already had).
+
+    Ticks resend the step every unstable set waits for; a member that accepted a step works on
+    it (a prepare may take minutes: the initial load) and its heartbeats carry the outcome, so
+    sending it again each tick only repeats the same answer. With thousands of spans preparing
+    at once that repetition was thousands of requests a tick, which kept the leader's loop too
+    busy to renew its lease (BENCHMARKS.md, "10,000 tables"). A dispatch unanswered, timed out
+    or refused is resent at the next tick as before; keys carry the member's incarnation, so a
+    restarted member gets the step at once."""
+
+    ACCEPTED = frozenset({"accepted", "duplicate"})
+
+    def __init__(self, resend_s: float) -> None:
+        self.resend_s = resend_s
+        self.inflight: set[Hashable] = set()
+        self._accepted: dict[Hashable, float] = {}
+
+    def take(self, key: Hashable, now: float) -> bool:
+        """Whether to send ``key`` now (then it is in flight until ``done``)."""
+        if key in self.inflight:
+            return False
+        at = self._accepted.get(key)
+        if at is not None and now - at < self.resend_s:
+            return False
+        self.inflight.add(key)
+        return True
+
+    def done(self, key: Hashable, now: float, verdict: str | None) -> None:
+        """``key``'s request ended with ``verdict`` (None: no answer)."""
+        self.inflight.discard(key)
+        if verdict in self.ACCEPTED:
+            self._accepted[key] = now
+            if len(self._accepted) > 1024 and len(self._accepted) > 4 * len(self.inflight):
+                # Amortised clean-up: entries past resend_s gate nothing any more.
+                self._accepted = {k: t for k, t in self._accepted.items() if now - t < self.resend_s}
+        else:
+            self._accepted.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._accepted)
+
+
 class _Sender:
     """Sends dispatches as request/reply, each in its own task; answers go back to the loop.
 
-    An identical dispatch already on its way is not sent twice (ticks resend what is still
-    missing; the member treats duplicates as no-ops anyway, this only saves traffic)."""
+    ``ResendGate`` says which: an identical dispatch on its way, or accepted a moment ago, is
+    not sent again (the member treats duplicates as no-ops anyway: this saves the traffic and
+    the leader's time)."""
 
     def __init__(self, service: ReplicationService, leadership: Leadership,
                  loop: LeaderLoop[Input, None]) -> None:
@@ -326,20 +371,22 @@ class _Sender:
         self.core: ReplicationCore | None = None
         self.trace_of: dict[Any, Any] = {}
         """span -> trace context of the newest schedule task for it (one entry per span)."""
-        self._inflight: set[tuple[str, object, str]] = set()
+        self.gate = ResendGate(service.settings.dispatch_resend_s)
 
     def send(self, d: Dispatch) -> None:
-        key = (d.member, d.span, d.action.value)
-        if key in self._inflight or self.core is None:
+        if self.core is None:
             return
         incarnation = self.core.incarnations.get(d.member)
         if incarnation is None:
             return  # left meanwhile; the set already knows
-        self._inflight.add(key)
+        key = (d.member, incarnation, d.span, d.action.value)
+        if not self.gate.take(key, time.monotonic()):
+            return
         self.loop.spawn(self._request(d, incarnation, key))
 
-    async def _request(self, d: Dispatch, incarnation: str, key: tuple[str, object, str]) -> None:
+    async def _request(self, d: Dispatch, incarnation: str, key: Hashable) -> None:
         service = self.service
+        verdict: str | None = None
         try:
             if not self.leadership.valid():
                 DISPATCHES.labels(d.action.value, "not-leader").inc()
@@ -372,11 +419,14 @@ class _Sender:
                 DISPATCHES.labels(d.action.value, "bad-answer").inc()
                 return
             DISPATCHES.labels(d.action.value, answer.verdict).inc()
-            log.info("dispatch answered", extra={
+            verdict = answer.verdict
+            # One line per step taken; repeats ("duplicate") only at debug: with thousands of
+            # spans they were most of the leader's log.
+            log.log(logging.DEBUG if verdict == "duplicate" else logging.INFO, "dispatch answered", extra={
                 "member": d.member, "span": d.span.key, "action": d.action.value, "epoch": d.epoch,
-                "verdict": answer.verdict, "state": answer.status.state})
+                "verdict": verdict, "state": answer.status.state})
             self.loop.inbox.put(answer)
         except Exception:
             log.warning("dispatch failed", exc_info=True, extra={"member": d.member, "span": d.span.key})
         finally:
-            self._inflight.discard(key)
+            self.gate.done(key, time.monotonic(), verdict)
