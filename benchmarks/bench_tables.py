@@ -40,6 +40,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -185,6 +186,16 @@ def metric_series(port: int) -> int:
     return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
 
 
+def replication_status(system: LocalSystem) -> dict[str, Any]:
+    """The replication-manager leader's status (its /healthz), or {} when none answers."""
+    for name, proc in list(system.processes.items()):
+        if name.startswith("replication-manager") and proc.alive():
+            health = proc.health() or {}
+            if health.get("leader"):
+                return dict(health.get("replication") or {})
+    return {}
+
+
 def joined_members(rec: Recorder) -> set[str]:
     return {e.member_id for _t, e in rec.member_events if isinstance(e, MemberJoinedV2)}
 
@@ -264,8 +275,11 @@ async def main_async(args: argparse.Namespace) -> int:
                 break
             if now - last_report >= 15:
                 last_report = now
+                rm = await asyncio.to_thread(replication_status, system)
                 _say(f"  {now:.0f} s: {len(placement):,} sets recorded, {running:,} replicating, "
-                     f"initial load done {watch.done():,}, failed {len(watch.failed())} (load {_load()})")
+                     f"initial load done {watch.done():,}, failed {len(watch.failed())}; replication-manager "
+                     f"terms {len(rec.elected)}, leader's sets {rm.get('sets')}, prepare timeouts "
+                     f"{rm.get('prepare_timeouts')} (load {_load()})")
             await asyncio.sleep(1.0)  # polling the recorders against the deadline
         judged = args.tables >= 10_000
         why = f"not reached within --timeout-s {args.timeout_s:.0f} s"
@@ -280,6 +294,11 @@ async def main_async(args: argparse.Namespace) -> int:
             out.not_measured(what, "s", why)
         else:
             out.add(what, loaded_s, "s")
+        rm = await asyncio.to_thread(replication_status, system)
+        out.extra["replication_manager_terms"] = len(rec.elected)
+        out.extra["prepare_timeouts"] = rm.get("prepare_timeouts")
+        _say(f"replication-manager terms during the run: {len(rec.elected)}; the leader's prepare timeouts "
+             f"{rm.get('prepare_timeouts')}, stale reports {rm.get('stale_reports')}")
         out.write(args.json)
         if replicating_s is None or loaded_s is None:
             _say(f"NOT DONE within {args.timeout_s:.0f} s: {len(rec.placement()):,} sets, "
