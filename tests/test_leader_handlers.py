@@ -39,7 +39,7 @@ from libs.scheduling import ChangefeedId, Span
 from libs.shard_ddl.lock import LockKeeper, LockKey
 from services.ddl_lock.service import CommandError, DdlLockHandlers, decode_command
 from services.member.service import MemberHandlers
-from services.replication_manager.service import ReplicationHandlers, ResendGate
+from services.replication_manager.service import HeartbeatWaiting, ReplicationHandlers, ResendGate
 from services.scheduler.service import SchedulerHandlers
 
 EPOCH = 7
@@ -330,3 +330,35 @@ def test_resend_gate_forgets_old_accepts() -> None:
         assert gate.take(key, float(i))
         gate.done(key, float(i), "accepted")
     assert len(gate) <= 1100
+
+
+# ---------------------------------------------------------------- heartbeat backlog
+
+
+async def test_only_the_newest_waiting_heartbeat_of_a_member_is_handled() -> None:
+    log = await _opened("replication", replication_fold, ReplicationState(),
+                        restore=ReplicationState.restore, dump=ReplicationState.dump)
+    h = ReplicationHandlers(Lease(), log, Settings(), _members("w1", "w2"), ScheduleState(), started=0.0,
+                            send=lambda _d: None, publish_status=lambda _s: None)
+    await h.start()
+    queued: list[HeartbeatWaiting] = []
+
+    def arrive(member: str, seq: int) -> None:
+        raw = REGISTRY.encode(MemberHeartbeatV1(member_id=member, incarnation=f"inc-{member}", epoch=EPOCH,
+                                                seq=seq), producer=f"sink-worker/{member}")
+        if h.heartbeats.offer(f"sluice.hb.{member}", raw):
+            queued.append(HeartbeatWaiting(f"sluice.hb.{member}"))
+
+    for seq in (1, 2, 3):
+        arrive("w1", seq)
+    arrive("w2", 1)
+    assert [q.subject for q in queued] == ["sluice.hb.w1", "sluice.hb.w2"] and len(h.heartbeats) == 2
+    await h.handle(Entry(queued[0]))
+    assert h.core.manager.awaiting == {"w2"}
+    assert h.core.manager._last_seq["w1"] == 3  # the newest report, the older ones never decoded
+    await h.handle(Entry(queued[1]))
+    assert h.core.ready and len(h.heartbeats) == 0
+    arrive("w1", 4)  # after its turn a member's next heartbeat queues a turn again
+    assert len(queued) == 3
+    h.heartbeats.offer("sluice.hb.w9", b"garbage")
+    await h.handle(Entry(HeartbeatWaiting("sluice.hb.w9")))  # ignored here (the member service dead-letters)

@@ -10,7 +10,8 @@ A term:
    members fence older epochs from then on and answer with a heartbeat of this epoch. Nothing
    is dispatched until every member alive at takeover has sent one (or has left): the sets are
    then rebuilt from the members' own reports, with the replayed checkpoints as floors.
-3. Then one loop, one input at a time, in order: heartbeats (core NATS), dispatch answers,
+3. Then one loop, one input at a time, in order: heartbeats (core NATS; of each member only the
+   newest waiting, ``LatestHeartbeats``), dispatch answers,
    member joined/left (members stream), wanted spans and tasks (schedule stream, read from
    where the replay ended), ticks. Each input returns dispatches, sent as request/reply on
    ``dispatch_subject(member)`` carrying this epoch and the member's incarnation, and events
@@ -30,6 +31,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -70,6 +72,9 @@ log = logging.getLogger(__name__)
 
 DOMAIN = "replication"
 
+HEARTBEATS_SUPERSEDED = Counter("sluice_replication_heartbeats_superseded",
+                                "Member heartbeats not handled: a newer one of the same member "
+                                "arrived while they waited.")
 DISPATCHES = Counter("sluice_replication_dispatches", "Dispatches sent, by action and outcome.",
                      ["action", "outcome"])
 REBUILD_SECONDS = Histogram("sluice_replication_rebuild_seconds",
@@ -125,12 +130,10 @@ class ReplicationService:
             handlers.trace_of = sender.trace_of
 
             async def on_heartbeat(msg: Msg) -> None:
-                try:
-                    decoded = REGISTRY.decode(msg.data)
-                except ContractError:
-                    return  # the member service dead-letters bad heartbeats; one place is enough
-                if isinstance(decoded.event, MemberHeartbeatV1):
-                    loop.inbox.put(decoded.event)
+                # Decoded when its turn comes, and only the newest of each member: see
+                # ``LatestHeartbeats``.
+                if handlers.heartbeats.offer(msg.subject, msg.data):
+                    loop.inbox.put(HeartbeatWaiting(msg.subject))
 
             loop.spawn(self._announce(leadership), name="rm-announce")
             await loop.subscribe(HEARTBEAT_SUBJECTS, on_heartbeat)
@@ -147,10 +150,54 @@ class ReplicationService:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
 
-Input = (MemberHeartbeatV1 | DispatchResponseV1 | MemberJoinedV2 | MemberLeftV1 | SpansChangedV1
-         | AddTableV1 | MoveTableV1 | RemoveTableV1)
-"""What the manager's loop takes, one at a time and in order: heartbeats (core NATS), dispatch
-answers, member joined/left (members stream), wanted spans and tasks (schedule stream)."""
+@dataclass(frozen=True)
+class HeartbeatWaiting:
+    """The newest heartbeat on ``subject`` waits in ``LatestHeartbeats``."""
+
+    subject: str
+
+
+class LatestHeartbeats:
+    """The newest heartbeat of each member not handled yet, as it arrived (bytes).
+
+    A heartbeat is its member's complete report, so a newer one from the same member makes an
+    older one waiting in the inbox worthless: only the newest is decoded and handled, at the
+    place of the first one in the inbox. Heartbeats travel on core NATS (at most once), so the
+    replication-manager never relied on seeing every one; what changes is that a leader with a
+    backlog (thousands of spans, five heartbeats a second per member, a busy machine) works
+    through one report per member instead of all of them, and its loop gets back to its lease."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, bytes] = {}
+
+    def offer(self, subject: str, data: bytes) -> bool:
+        """Keep ``data`` as the newest of ``subject``; True when nothing of it was waiting (the
+        caller then queues one ``HeartbeatWaiting``)."""
+        fresh = subject not in self._waiting
+        if not fresh:
+            HEARTBEATS_SUPERSEDED.inc()
+        self._waiting[subject] = data
+        return fresh
+
+    def take(self, subject: str) -> MemberHeartbeatV1 | None:
+        data = self._waiting.pop(subject, None)
+        if data is None:
+            return None
+        try:
+            event = REGISTRY.decode(data).event
+        except ContractError:
+            return None  # the member service dead-letters bad heartbeats; one place is enough
+        return event if isinstance(event, MemberHeartbeatV1) else None
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+
+Input = (MemberHeartbeatV1 | HeartbeatWaiting | DispatchResponseV1 | MemberJoinedV2 | MemberLeftV1
+         | SpansChangedV1 | AddTableV1 | MoveTableV1 | RemoveTableV1)
+"""What the manager's loop takes, one at a time and in order: heartbeats (core NATS; the newest
+of each member, ``LatestHeartbeats``), dispatch answers, member joined/left (members stream),
+wanted spans and tasks (schedule stream)."""
 
 
 class ReplicationHandlers:
@@ -172,6 +219,7 @@ class ReplicationHandlers:
         self.publish_status = publish_status
         self.put: Callable[[Input], None] = lambda _item: None
         self.trace_of: dict[Any, Any] = {}
+        self.heartbeats = LatestHeartbeats()
         alive = {m: rec.incarnation for m, rec in members.members.items()}
         self.core = ReplicationCore(leadership.epoch, alive=alive, known_spans=recorded.known_spans(),
                                     recorded=recorded.sets, checkpoints=recorded.checkpoints,
@@ -235,6 +283,9 @@ class ReplicationHandlers:
 
     def _handle(self, item: Input, now: float) -> Output:
         core = self.core
+        if isinstance(item, HeartbeatWaiting):
+            heartbeat = self.heartbeats.take(item.subject)
+            return core.on_heartbeat(heartbeat, now) if heartbeat is not None else Output()
         if isinstance(item, MemberHeartbeatV1):
             return core.on_heartbeat(item, now)
         if isinstance(item, DispatchResponseV1):
