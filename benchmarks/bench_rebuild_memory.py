@@ -199,6 +199,10 @@ class Takeover:
     replayed: int
     sets: int
     from_snapshot: bool
+    hb_decode_s: float = 0.0
+    """CPU per steady complete heartbeat after the rebuild: decoding it, and handling it."""
+    hb_handle_s: float = 0.0
+    hb_count: int = 0
 
 
 LeaderFactory = Callable[[], DomainLog[ReplicationState] | MemoryDomainLog[ReplicationState]]
@@ -226,7 +230,7 @@ async def last_event(leader: DomainLog[ReplicationState] | MemoryDomainLog[Repli
 
 
 async def take_over(make_leader: LeaderFactory, placement: dict[Span, str], members: list[str],
-                    heartbeats: list[bytes], epoch: int) -> Takeover:
+                    heartbeats: list[bytes], epoch: int, steady: list[bytes] | None = None) -> Takeover:
     """A new leader's rebuild, step by step as ``ReplicationService.lead``."""
     alive = MembersState()
     for m in members:
@@ -259,9 +263,17 @@ async def take_over(make_leader: LeaderFactory, placement: dict[Span, str], memb
                for span, rs in core.manager.sets.items()), "a set was not rebuilt as the members report it"
     assert isinstance(await last_event(leader), RebuiltV1)
     assert leader.loaded is not None
+    decode_s = handle_s = 0.0
+    for raw in steady or []:
+        c0 = time.process_time()
+        hb = REGISTRY.decode(raw).event
+        c1 = time.process_time()
+        await handlers.handle(Entry(hb))  # type: ignore[arg-type]
+        decode_s, handle_s = decode_s + c1 - c0, handle_s + time.process_time() - c1
+    n = max(1, len(steady or []))
     return Takeover(t_ready - t0, cpu, t_open - t0, t_handlers - t_open, t_ready - t_handlers,
                     leader.loaded.events_replayed, len(core.manager.sets),
-                    leader.loaded.snapshot_seq is not None)
+                    leader.loaded.snapshot_seq is not None, decode_s / n, handle_s / n, len(steady or []))
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -277,13 +289,20 @@ async def main_async(args: argparse.Namespace) -> None:
           flush=True)
     epoch = 2
     own_ts = {s: TS + i * 7919 for i, s in enumerate(spans)}
-    heartbeats = [
-        REGISTRY.encode(MemberHeartbeatV1(
-            member_id=m, incarnation=f"inc-{m}", epoch=epoch, seq=1,
-            tables=[TableStatusV1(span=span_ref(s), state="replicating", checkpoint_ts=own_ts[s],
-                                  resolved_ts=own_ts[s])
-                    for s, owner in placement.items() if owner == m]), producer=f"sink-worker/{m}")
-        for m in members]
+
+    def heartbeats_at(seq: int) -> list[bytes]:
+        return [
+            REGISTRY.encode(MemberHeartbeatV1(
+                member_id=m, incarnation=f"inc-{m}", epoch=epoch, seq=seq,
+                tables=[TableStatusV1(span=span_ref(s), state="replicating", checkpoint_ts=own_ts[s] + seq,
+                                      resolved_ts=own_ts[s] + seq)
+                        for s, owner in placement.items() if owner == m]), producer=f"sink-worker/{m}")
+            for m in members]
+
+    heartbeats = heartbeats_at(1)
+    # After the rebuild: complete heartbeats as a steady system sends them (every span a little
+    # further), timed decode and handling apart: the leader's cost per heartbeat at this size.
+    steady = [raw for seq in range(2, 2 + args.steady_rounds) for raw in heartbeats_at(seq)]
 
     # Baselines: decoding every event of the full log, and a dict of set summaries.
     t0 = time.process_time()
@@ -299,7 +318,7 @@ async def main_async(args: argparse.Namespace) -> None:
     full: Takeover | None = None
     if args.store == "memory":
         with_snapshot, without, snapshot_bytes, chunks = write_memory(log)
-        snap = await take_over(memory_leader(with_snapshot), placement, members, heartbeats, epoch)
+        snap = await take_over(memory_leader(with_snapshot), placement, members, heartbeats, epoch, steady)
         if not args.skip_full_replay:
             full = await take_over(memory_leader(without), placement, members, heartbeats, epoch)
     else:
@@ -311,7 +330,7 @@ async def main_async(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             snapshot_bytes, chunks = await write_jetstream(js, log, with_snapshot=True)
             print(f"written to JetStream in {time.perf_counter() - t0:.1f} s", flush=True)
-            snap = await take_over(jetstream_leader(js), placement, members, heartbeats, epoch)
+            snap = await take_over(jetstream_leader(js), placement, members, heartbeats, epoch, steady)
             if not args.skip_full_replay:
                 await write_jetstream(js, log, with_snapshot=False)
                 full = await take_over(jetstream_leader(js), placement, members, heartbeats, epoch)
@@ -332,6 +351,11 @@ async def main_async(args: argparse.Namespace) -> None:
               f"{t.open_s:.2f} s, core {t.handlers_s:.2f} s, {args.members} members' reports -> "
               f"{t.sets:,} sets rebuilt {t.reports_s:.2f} s")
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    per = args.spans // args.members
+    beat = 5 * args.members * (snap.hb_decode_s + snap.hb_handle_s)
+    print(f"steady complete heartbeats of {per:,} spans ({snap.hb_count}): "
+          f"decode {snap.hb_decode_s * 1000:.1f} ms, handle {snap.hb_handle_s * 1000:.1f} ms CPU each; "
+          f"at 5 a second from {args.members} members {100 * beat:.0f} % of a core")
     print(f"load average now {load}")
     where = "JetStream (a private nats-server)" if args.store == "jetstream" else "the in-memory store"
     out.add(f"new replication-manager leader rebuilds {args.spans:,} spans over {args.members} members from "
@@ -340,6 +364,11 @@ async def main_async(args: argparse.Namespace) -> None:
             snap.total_s, "s",
             baseline=f"a dict of {args.spans:,} set summaries {dict_s:.2f} s", target="< 10 s",
             met=snap.total_s < 10)
+    if snap.hb_count:
+        out.add(f"replication-manager CPU per steady complete heartbeat of {per:,} spans after the rebuild "
+                f"(decode {snap.hb_decode_s * 1000:.1f} ms + handle {snap.hb_handle_s * 1000:.1f} ms; at "
+                f"SLUICE_HEARTBEAT_INTERVAL_S 0.2 from {args.members} members {100 * beat:.0f} % of a core; "
+                f"load {load})", 1000 * (snap.hb_decode_s + snap.hb_handle_s), "ms")
     if full is not None:
         out.add(f"the same rebuild without a snapshot ({full.replayed:,} events replayed; "
                 f"CPU {full.cpu_s:.1f} s)",
@@ -358,6 +387,8 @@ def main() -> None:
                         help="as SLUICE_CONTROL_SNAPSHOT_EVERY (its default)")
     parser.add_argument("--store", choices=("jetstream", "memory"), default="jetstream",
                         help="where the log is: a private nats-server (default) or the in-memory twin")
+    parser.add_argument("--steady-rounds", type=int, default=3,
+                        help="complete heartbeats of every member timed after the rebuild")
     parser.add_argument("--skip-full-replay", action="store_true",
                         help="do not time the rebuild without a snapshot")
     add_json_option(parser)
