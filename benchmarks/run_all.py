@@ -78,8 +78,8 @@ BENCHES = (
     Bench("bench_scheduling", "Scheduling at scale (10,000 and 100,000 spans)", (), ("--spans", "1000")),
     Bench("bench_rebuild", "Replication-manager rebuild", (),
           ("--events", "50000", "--spans", "1000", "--snapshot-every", "1000")),
-    Bench("bench_rebuild_memory", "Replication-manager rebuild with 100,000 spans, in process", (),
-          ("--spans", "5000")),
+    Bench("bench_rebuild_memory", "Replication-manager rebuild with 100,000 spans from JetStream (chunked "
+          "snapshot)", (), ("--spans", "5000", "--skip-full-replay")),
     Bench("bench_shard_ddl", "Shard DDL coordination", (), ("--rounds", "1")),
     Bench("bench_spark_start", "A local Spark driver's start with and without the class archive", (),
           ("--pairs", "1")),
@@ -93,6 +93,9 @@ BENCHES = (
     Bench("bench_large_txn", "One large transaction (an UPDATE of every row): peak memory of capture and "
           "of the worker's process tree, time against the same UPDATE run on the downstream",
           ("--rows", "1000000"), ("--rows", "100000")),
+    Bench("bench_tables", "10,000 real tables in one changefeed, 3 sink-workers: create -> replicating and "
+          "initial load done, idle CPU and RSS of every service", (),
+          ("--tables", "200", "--settle-s", "5", "--idle-s", "10", "--dir", ".sluice/bench-quick/tables")),
     Bench("bench_oltp", "sysbench against a source: upstream TPS, lag and catch-up into MariaDB and "
           "PostgreSQL beside a native GTID replica", (),
           ("--table-size", "10000", "--write-s", "20", "--rw-s", "10", "--dir", ".sluice/bench-quick/oltp")),
@@ -100,7 +103,7 @@ BENCHES = (
 # Heavy multi-process benchmarks last: a failure there should not cost the quick ones.
 RUN_ORDER = ("bench_scheduling", "bench_rebuild", "bench_rebuild_memory", "bench_shard_ddl",
              "bench_spark_start", "bench_snapshot", "bench_capture_drain", "apply", "bench_failover",
-             "bench_large_txn", "bench_e2e", "bench_e2e_shared", "bench_oltp")
+             "bench_large_txn", "bench_e2e", "bench_e2e_shared", "bench_tables", "bench_oltp")
 
 
 def _say(text: str) -> None:

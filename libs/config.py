@@ -78,6 +78,10 @@ class Settings(BaseSettings):
         1.0, gt=0, description="How often changefeed checkpoint advances are recorded at most."
     )
     dispatch_timeout_s: float = Field(2.0, gt=0, description="Wait for a dispatch answer.")
+    dispatch_resend_s: float = Field(
+        10.0, gt=0, description="A dispatch the member accepted is not sent again for this long (the "
+                                "ticks resend only unanswered ones before)."
+    )
     replication_prepare_timeout_s: float = Field(
         20.0, gt=0, description="A destination not Prepared after this is given up (move/add rolled back)."
     )

@@ -4,7 +4,9 @@ dead letters. Every test uses its own stream and subjects, so tests never see ea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -19,10 +21,22 @@ from nats.js.errors import NotFoundError
 from contracts import REGISTRY
 from contracts.envelope import new_event_id, utc_now
 from contracts.events.members import MemberJoinedV1, MemberJoinedV2, MemberLeftV1
-from libs.eventstore import AppendConflict, EventStore, Snapshots, StoredEvent, consume
+from contracts.events.snapshots import SnapshotChunksV1, SnapshotTakenV2
+from libs.control.follow import DomainFollower
+from libs.eventstore import AppendConflict, DomainLog, EventStore, Snapshots, StoredEvent, consume
 from libs.eventstore.deadletter import H_KIND, H_REASON, H_SEQ, H_SUBJECT
+from libs.eventstore.domain_log import LeaseLost
+from libs.eventstore.snapshot_chunks import chunk_subjects
 from libs.localservers.nats_server import NatsServer
-from libs.streams import DEADLETTER_STREAM, deadletter_subject
+from libs.streams import (
+    DEADLETTER_STREAM,
+    deadletter_subject,
+    domain_events_subject,
+    domain_snapshot_subject,
+    domain_stream,
+)
+from tests.helpers.snapshots import LeaseUntil, joined_fold
+from tests.helpers.snapshots import joined as joined_with_noise
 
 pytestmark = pytest.mark.integration
 
@@ -319,3 +333,99 @@ async def test_handler_failures_are_retried_then_dead_lettered(store: EventStore
     assert attempts == {"poison": 2, "fine": 1}
     [m] = await dead_letters(js, store.stream, expect=1)
     assert m.headers[H_KIND] == "handler_error"
+
+
+# ---------------------------------------------------------------- chunked snapshots
+
+
+@pytest.fixture
+async def big_domain(js: JetStreamContext) -> AsyncIterator[str]:
+    """A control domain of its own (stream SLUICE_<DOMAIN>), deleted afterwards."""
+    domain = f"snap{uuid4().hex[:8]}"
+    yield domain
+    with contextlib.suppress(NotFoundError):
+        await js.delete_stream(domain_stream(domain))
+
+
+async def _leader(js: JetStreamContext, domain: str, lease: LeaseUntil) -> DomainLog[dict[str, Any]]:
+    log: DomainLog[dict[str, Any]] = DomainLog(js, domain, producer=f"{domain}/e{lease.epoch}",
+                                               fold=joined_fold, initial={})
+    await log.open("test", f"e{lease.epoch}", lease.epoch, lease)
+    return log
+
+
+async def _full_fold(js: JetStreamContext, domain: str) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    async for ev in EventStore(js, domain_stream(domain), "test").replay(domain_events_subject(domain)):
+        state = joined_fold(state, ev)
+    return state
+
+
+async def _marker(js: JetStreamContext, domain: str, seq: int) -> SnapshotChunksV1:
+    raw = await js.get_msg(domain_stream(domain), seq=seq)
+    event = REGISTRY.decode(raw.data or b"").event
+    assert isinstance(event, SnapshotTakenV2) and event.chunks is not None
+    return event.chunks
+
+
+async def test_a_snapshot_larger_than_max_payload_round_trips_in_chunks(js: JetStreamContext, nc: Client,
+                                                                       big_domain: str) -> None:
+    rng = random.Random(7)
+    leader = await _leader(js, big_domain, LeaseUntil(1))
+    # ~2.2 MB of hex that compresses to about 1.2 MB: more than one 1 MiB message.
+    for i in range(1100):
+        await leader.append(joined_with_noise(rng, i, 2000))
+    seq = await leader.snapshot()
+    ref = await _marker(js, big_domain, seq)
+    assert ref.size > nc.max_payload and ref.count >= 2 and ref.first_seq + ref.count == seq
+    await leader.append(joined_with_noise(rng, 5000, 10))
+
+    successor = await _leader(js, big_domain, LeaseUntil(2))
+    assert successor.loaded is not None and successor.loaded.snapshot_seq == seq
+    assert successor.loaded.events_replayed == 1
+    assert successor.state == await _full_fold(js, big_domain)
+    # A follower (the api's read models, the scheduler) reads the same snapshot.
+    follower = DomainFollower(js, big_domain, joined_fold, dict)
+    assert await follower.load() == successor.state and follower.events_folded == 2
+
+
+async def test_a_torn_snapshot_is_ignored_and_its_chunks_are_cleaned_up(js: JetStreamContext,
+                                                                        big_domain: str) -> None:
+    rng = random.Random(8)
+    stream, snapshot_subject = domain_stream(big_domain), domain_snapshot_subject(big_domain)
+    a, b = chunk_subjects(snapshot_subject)
+    lease = LeaseUntil(1)
+    leader = await _leader(js, big_domain, lease)
+    for i in range(1100):
+        await leader.append(joined_with_noise(rng, i, 2000))
+    complete = await leader.snapshot()
+    first_ref = await _marker(js, big_domain, complete)
+    for i in range(1100, 1200):
+        await leader.append(joined_with_noise(rng, i, 2000))
+    lease.checks = 1  # the leader is gone right after the first chunk of its next snapshot
+    with pytest.raises(LeaseLost):
+        await leader.snapshot()
+    torn = await EventStore(js, stream, "test").last_seq()
+    torn_msg = await js.get_msg(stream, seq=torn)
+    assert torn_msg.subject == b and torn_msg.headers and torn_msg.headers["Sluice-Chunk"].startswith("0/")
+    newest = await js.get_msg(stream, subject=snapshot_subject)
+    assert newest.seq == complete  # no snapshot.taken for the torn chunks
+
+    successor = await _leader(js, big_domain, LeaseUntil(2))
+    assert successor.loaded is not None and successor.loaded.snapshot_seq == complete
+    assert successor.loaded.events_replayed == 100
+    assert successor.state == await _full_fold(js, big_domain)
+
+    # The successor's snapshot takes the torn chunks' subject and drops them.
+    taken = await successor.snapshot()
+    ref = await _marker(js, big_domain, taken)
+    assert ref.subject == b
+    with pytest.raises(NotFoundError):
+        await js.get_msg(stream, seq=torn)
+    info = await js.stream_info(stream, subjects_filter=f"{snapshot_subject}.>")
+    assert info.state.subjects == {a: first_ref.count, b: ref.count}
+    info = await js.stream_info(stream, subjects_filter=snapshot_subject)
+    assert info.state.subjects == {snapshot_subject: 1}
+    third = await _leader(js, big_domain, LeaseUntil(3))
+    assert third.loaded is not None and third.loaded.snapshot_seq == taken
+    assert third.loaded.events_replayed == 0

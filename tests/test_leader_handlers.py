@@ -24,7 +24,7 @@ from contracts.events.scheduling import (
     SpansChangedV1,
     TaskResultV1,
 )
-from contracts.events.snapshots import SnapshotTakenV1
+from contracts.events.snapshots import SnapshotTakenV2
 from libs.config import Settings
 from libs.control.changefeeds_state import ChangefeedView
 from libs.control.convert import span_ref
@@ -39,7 +39,7 @@ from libs.scheduling import ChangefeedId, Span
 from libs.shard_ddl.lock import LockKeeper, LockKey
 from services.ddl_lock.service import CommandError, DdlLockHandlers, decode_command
 from services.member.service import MemberHandlers
-from services.replication_manager.service import ReplicationHandlers
+from services.replication_manager.service import HeartbeatWaiting, ReplicationHandlers, ResendGate
 from services.scheduler.service import SchedulerHandlers
 
 EPOCH = 7
@@ -113,7 +113,7 @@ async def test_memory_log_fences_a_second_writer_and_replays_from_its_snapshot()
     kinds = [type(e).__name__ for e in second.events()]
     assert kinds == ["LeaderElectedV1", "MemberJoinedV2", "MemberJoinedV2", "LeaderElectedV1",
                      "LeaderElectedV1"]
-    assert [type(s.event) for s in stream.read([second.snapshot_subject])] == [SnapshotTakenV1]
+    assert [type(s.event) for s in stream.read([second.snapshot_subject])] == [SnapshotTakenV2]
 
 
 async def test_memory_stream_follow_sees_later_appends() -> None:
@@ -291,3 +291,74 @@ async def test_ddl_lock_handlers_lock_a_known_group_and_record_it() -> None:
     assert ("cf", TableRef("s2", "db", "t")) in log.state.dropped
     # The only other shard left: the lock resolves and s1 is told to execute.
     assert any(b'"exec"' in body for _subject, body in sent)
+
+
+# ---------------------------------------------------------------- dispatch resends
+
+
+def test_resend_gate_holds_back_a_dispatch_its_member_accepted_and_only_that() -> None:
+    gate = ResendGate(resend_s=10.0)
+    prepare, commit = ("w1", "inc1", "span", "add-prepare"), ("w1", "inc1", "span", "add-commit")
+    assert gate.take(prepare, 0.0)
+    assert not gate.take(prepare, 0.5)  # on its way
+    gate.done(prepare, 1.0, "accepted")
+    for t in (2.0, 4.0, 10.9):  # the ticks while the member prepares: nothing sent again
+        assert not gate.take(prepare, t)
+    assert gate.take(commit, 3.0)  # the next step is another dispatch: it goes at once
+    assert gate.take(prepare, 11.0)  # after resend_s it goes again, in case it was lost
+    gate.done(prepare, 11.5, "duplicate")
+    assert not gate.take(prepare, 12.0)
+    # A restarted member (another incarnation) gets the step at once.
+    assert gate.take(("w1", "inc2", "span", "add-prepare"), 12.0)
+
+
+@pytest.mark.parametrize("verdict", [None, "busy", "stale-epoch", "wrong-member", "ignored"])
+def test_resend_gate_resends_at_the_next_tick_what_was_not_accepted(verdict: str | None) -> None:
+    gate = ResendGate(resend_s=10.0)
+    key = ("w1", "inc1", "span", "add-prepare")
+    assert gate.take(key, 0.0)
+    gate.done(key, 0.0, "accepted")
+    assert gate.take(key, 10.0)
+    gate.done(key, 10.5, verdict)  # no answer (timeout) or a refusal: the accept is forgotten
+    assert gate.take(key, 12.0)
+
+
+def test_resend_gate_forgets_old_accepts() -> None:
+    gate = ResendGate(resend_s=1.0)
+    for i in range(3000):
+        key = ("w", "i", i, "add-prepare")
+        assert gate.take(key, float(i))
+        gate.done(key, float(i), "accepted")
+    assert len(gate) <= 1100
+
+
+# ---------------------------------------------------------------- heartbeat backlog
+
+
+async def test_only_the_newest_waiting_heartbeat_of_a_member_is_handled() -> None:
+    log = await _opened("replication", replication_fold, ReplicationState(),
+                        restore=ReplicationState.restore, dump=ReplicationState.dump)
+    h = ReplicationHandlers(Lease(), log, Settings(), _members("w1", "w2"), ScheduleState(), started=0.0,
+                            send=lambda _d: None, publish_status=lambda _s: None)
+    await h.start()
+    queued: list[HeartbeatWaiting] = []
+
+    def arrive(member: str, seq: int) -> None:
+        raw = REGISTRY.encode(MemberHeartbeatV1(member_id=member, incarnation=f"inc-{member}", epoch=EPOCH,
+                                                seq=seq), producer=f"sink-worker/{member}")
+        if h.heartbeats.offer(f"sluice.hb.{member}", raw):
+            queued.append(HeartbeatWaiting(f"sluice.hb.{member}"))
+
+    for seq in (1, 2, 3):
+        arrive("w1", seq)
+    arrive("w2", 1)
+    assert [q.subject for q in queued] == ["sluice.hb.w1", "sluice.hb.w2"] and len(h.heartbeats) == 2
+    await h.handle(Entry(queued[0]))
+    assert h.core.manager.awaiting == {"w2"}
+    assert h.core.manager._last_seq["w1"] == 3  # the newest report, the older ones never decoded
+    await h.handle(Entry(queued[1]))
+    assert h.core.ready and len(h.heartbeats) == 0
+    arrive("w1", 4)  # after its turn a member's next heartbeat queues a turn again
+    assert len(queued) == 3
+    h.heartbeats.offer("sluice.hb.w9", b"garbage")
+    await h.handle(Entry(HeartbeatWaiting("sluice.hb.w9")))  # ignored here (the member service dead-letters)

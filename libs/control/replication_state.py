@@ -9,8 +9,8 @@ a new replication-manager leader starts from it: the recorded checkpoints are it
 live members' reports decide the roles.
 
 Snapshots of this state can be large (one entry per span), so the dump is compact (one list
-per set) and compressed once it passes ``_COMPRESS_OVER`` bytes: a JetStream message is
-limited to 1 MiB by default.
+per set); the event store compresses and chunks a large one (``libs/eventstore/snapshot_chunks``).
+Snapshots written before that carry ``{"zlib": <base64>}``: ``restore`` still reads them.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ from libs.scheduling import (
     Span,
 )
 from libs.syncpoints import ChangefeedSyncpoints
-
-_COMPRESS_OVER = 256 * 1024
 
 # Dict lookups instead of enum calls: a snapshot of 100,000 sets restores 300,000 of them.
 # Unknown values still raise the enum's ValueError.
@@ -180,10 +178,7 @@ class ReplicationState:
             "epoch": self.epoch, "ready": self.ready, "ready_members": dict(self.ready_members),
             "syncpoints": {cf: sp.dump() for cf, sp in self.syncpoints.items()},
         }
-        raw = json.dumps(body, separators=(",", ":")).encode()
-        if len(raw) <= _COMPRESS_OVER:
-            return body
-        return {"zlib": base64.b64encode(zlib.compress(raw, 6)).decode()}
+        return body
 
     @classmethod
     def restore(cls, data: dict[str, Any]) -> ReplicationState:

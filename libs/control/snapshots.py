@@ -35,10 +35,10 @@ class SnapshotPolicy:
             await domain_log.snapshot()
         except MaxPayloadError:
             self.since = 0
-            # A snapshot is one message: a state past the server's max_payload (the replication
-            # domain near 70,000 spans at the default 1 MiB) cannot be written. A new leader then
-            # replays from the last snapshot that fitted: slower, the same state. The leader
-            # keeps its term; it tries again after another ``every`` events.
+            # A large state goes in chunks (libs/eventstore/snapshot_chunks), so this is a
+            # server whose max_payload is below what a chunk needs for its headers. A new
+            # leader then replays from the last snapshot that was written: slower, the same
+            # state. The leader keeps its term; it tries again after another ``every`` events.
             SNAPSHOTS_TOO_LARGE.labels(stream=domain_log.stream).inc()
             log.error("snapshot of %s not written: larger than the NATS server's max_payload; "
                       "a new leader will replay from the last snapshot that fitted", domain_log.stream)

@@ -22,8 +22,8 @@ from pydantic import BaseModel
 from contracts import REGISTRY, Envelope
 from contracts.envelope import new_event_id
 from contracts.events.leadership import LeaderElectedV1
-from contracts.events.snapshots import SnapshotTakenV1
 from libs.config import Settings
+from libs.eventstore.snapshot_chunks import compress, encode_state, inline_fits, plan
 from libs.eventstore.snapshots import ROLLUP_SUBJECT, Fold, Loaded, Restore, Snapshots
 from libs.eventstore.store import AppendConflict, EventStore, StoredEvent
 from libs.streams import domain_events_subject, domain_stream, domain_subjects
@@ -104,6 +104,8 @@ class DomainLog(Generic[S]):
         self.fenced = False
         self._opened = False
         self._lock = asyncio.Lock()
+        self._chunks_subject: str | None = None
+        """The chunk subject of the newest snapshot: the next chunked one goes to the other."""
 
     @property
     def stream(self) -> str:
@@ -127,6 +129,7 @@ class DomainLog(Generic[S]):
         self.loaded = loaded
         self.state = cast(S, loaded.state)
         self.last_seq = loaded.last_seq
+        self._chunks_subject = loaded.snapshot_chunks
         self._opened = True
         if loaded.max_epoch > epoch:
             self.fenced = True
@@ -158,7 +161,7 @@ class DomainLog(Generic[S]):
             self._check_can_append()
             envelope = REGISTRY.envelope(event, producer=self.store.producer, epoch=self.epoch,
                                          event_id=msg_id or new_event_id())
-            seq = await self._fenced_publish(self.events_subject, envelope, headers)
+            seq = await self._fenced_publish(self.events_subject, envelope, headers=headers)
             if self._fold is not _keep:
                 stored = StoredEvent(seq=seq, subject=self.events_subject, headers=dict(headers or {}),
                                      envelope=envelope, event=REGISTRY.decode_envelope(envelope).event,
@@ -167,10 +170,13 @@ class DomainLog(Generic[S]):
             return seq
 
     async def snapshot(self, state: dict[str, Any] | None = None) -> int:
-        """Write a snapshot covering everything up to the last sequence this log knows.
+        """Write a snapshot covering everything up to the last sequence this log knows; returns
+        the sequence of its ``snapshot.taken``.
 
         Without ``state`` the log's own folded state is dumped; a caller that keeps its state
-        outside the log passes it, and it must include every event up to ``last_seq``.
+        outside the log passes it, and it must include every event up to ``last_seq``. A large
+        state goes as chunks first (``snapshot_chunks``), each fenced like any append: a leader
+        deposed or stopped part-way leaves chunks without a ``snapshot.taken``, which nobody reads.
         """
         async with self._lock:
             self._check_can_append()
@@ -178,24 +184,44 @@ class DomainLog(Generic[S]):
                 if self._fold is _keep:
                     raise ValueError("this DomainLog keeps no state: pass the state to snapshot")
                 state = self._dump(cast(S, self.state)) if self._dump else cast(dict[str, Any], self.state)
-            body = SnapshotTakenV1(domain=self.domain, up_to_seq=self.last_seq, state=state)
-            envelope = REGISTRY.envelope(body, producer=self.store.producer, epoch=self.epoch)
-            return await self._fenced_publish(
-                self.snapshots.snapshot_subject, envelope,
-                {api.Header.ROLLUP.value: ROLLUP_SUBJECT},
-            )
+            raw = encode_state(state)
+            # zlib frees the GIL: the leader's loop keeps serving while a large state compresses.
+            max_payload = self.store.max_payload()
+            compressed = None if inline_fits(raw, max_payload) else await asyncio.to_thread(compress, raw)
+            planned = plan(self.domain, self.snapshots.snapshot_subject, self.last_seq, state,
+                           epoch=self.epoch, newest_chunks=self._chunks_subject,
+                           max_payload=max_payload, raw=raw, compressed=compressed)
+            first = 0
+            for index, chunk in enumerate(planned.chunks):
+                headers = dict(chunk.headers)
+                if index == 0:
+                    # Drops what the subject held: the snapshot before the newest, or a torn write.
+                    headers[api.Header.ROLLUP.value] = ROLLUP_SUBJECT
+                seq = await self._fenced_publish(planned.subject, chunk.data, chunk.msg_id, headers)
+                first = first or seq
+                self._check_can_append()
+            envelope = REGISTRY.envelope(planned.marker(first), producer=self.store.producer,
+                                         epoch=self.epoch)
+            seq = await self._fenced_publish(self.snapshots.snapshot_subject, envelope,
+                                             headers={api.Header.ROLLUP.value: ROLLUP_SUBJECT})
+            if planned.chunks:
+                self._chunks_subject = planned.subject
+            return seq
 
-    async def _fenced_publish(self, subject: str, envelope: Envelope,
-                              headers: Mapping[str, str] | None) -> int:
+    async def _fenced_publish(self, subject: str, payload: bytes | Envelope, msg_id: str | None = None,
+                              headers: Mapping[str, str] | None = None) -> int:
+        if isinstance(payload, Envelope):
+            msg_id, payload = payload.id, payload.model_dump_json().encode()
+        assert msg_id is not None
         expected = self.last_seq
         for attempt in range(1, _APPEND_ATTEMPTS + 1):
             try:
-                seq = await self.store.append_envelope(subject, envelope, expected_last_seq=expected,
-                                                       headers=headers)
+                seq = await self.store.append_raw(subject, payload, msg_id, expected_last_seq=expected,
+                                                  headers=headers)
             except AppendConflict as exc:
                 # Our own earlier attempt may have landed with its ack lost: then the message
                 # right after `expected` carries our Nats-Msg-Id and nobody else wrote.
-                if attempt > 1 and await self._landed(expected + 1, envelope.id):
+                if attempt > 1 and await self._landed(expected + 1, msg_id):
                     seq = expected + 1
                 else:
                     self.fenced = True

@@ -131,6 +131,11 @@ class EventStore:
         await ensure_deadletter_stream(self.js, self.settings)
         return info
 
+    def max_payload(self) -> int:
+        """The server's max_payload, as its INFO told the client (nats-py keeps it current)."""
+        nc = getattr(self.js, "_nc", None)
+        return int(getattr(nc, "max_payload", 0) or 1024 * 1024)
+
     async def last_seq(self) -> int:
         info = await self.js.stream_info(self.stream)
         return int(info.state.last_seq)
@@ -156,9 +161,18 @@ class EventStore:
                               expected_last_subject_seq: int | None = None,
                               headers: Mapping[str, str] | None = None) -> int:
         """``append`` for a caller that needs the exact envelope it stored (to fold it)."""
-        payload = envelope.model_dump_json().encode()
+        return await self.append_raw(subject, envelope.model_dump_json().encode(), envelope.id,
+                                     expected_last_seq=expected_last_seq,
+                                     expected_last_subject_seq=expected_last_subject_seq, headers=headers)
+
+    async def append_raw(self, subject: str, payload: bytes, msg_id: str, *,
+                         expected_last_seq: int | None = None,
+                         expected_last_subject_seq: int | None = None,
+                         headers: Mapping[str, str] | None = None) -> int:
+        """Append bytes that are not one envelope (a chunk of a large snapshot), with the same
+        expectations, ``Nats-Msg-Id`` and conflict handling as an event."""
         hdrs = dict(headers or {})
-        hdrs[api.Header.MSG_ID.value] = envelope.id
+        hdrs[api.Header.MSG_ID.value] = msg_id
         if expected_last_seq is not None:
             hdrs[api.Header.EXPECTED_LAST_SEQUENCE.value] = str(expected_last_seq)
         if expected_last_subject_seq is not None:

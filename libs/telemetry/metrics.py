@@ -22,6 +22,9 @@ APPEND_CONFLICTS = Counter("sluice_append_conflicts",
 SNAPSHOTS_TOO_LARGE = Counter("sluice_snapshots_too_large",
                               "Domain snapshots not written: larger than the NATS server's max_payload.",
                               ["stream"])
+SNAPSHOTS_UNUSABLE = Counter("sluice_snapshots_unusable",
+                             "Chunked domain snapshots a reader did not trust (chunks missing or not "
+                             "joining): it replayed the events instead.", ["stream"])
 
 
 def render_latest() -> tuple[bytes, str]:

@@ -33,6 +33,7 @@ from libs.eventstore import DomainLog, LeaderLog, LeaseView, dead_letter
 from libs.leader_service import Entry, LeaderLoop
 from libs.service import ServiceRuntime
 from libs.streams import HEARTBEAT_SUBJECTS, member_probe_subject
+from services.member.liveness import decode_liveness
 from services.member.probe import MemberProbes
 
 log = logging.getLogger(__name__)
@@ -68,14 +69,16 @@ class MemberService:
 
             async def on_msg(msg: Msg) -> None:
                 try:
-                    decoded = REGISTRY.decode(msg.data)
-                    if not isinstance(decoded.event, MemberHeartbeatV1):
-                        raise ContractError("unknown_type", f"{decoded.envelope.type} on a heartbeat subject")
+                    # Liveness only: the tables (most of a heartbeat) are not read here.
+                    heartbeat = decode_liveness(msg.data)
+                    if not isinstance(heartbeat, MemberHeartbeatV1):
+                        raise ContractError("unknown_type",
+                                            f"{type(heartbeat).__name__} on a heartbeat subject")
                 except ContractError as exc:
                     BAD_HEARTBEATS.inc()
                     await dead_letter(self.js, msg, exc.reason, exc.kind, "heartbeats", ack=False)
                     return
-                loop.inbox.put(decoded.event)
+                loop.inbox.put(heartbeat)
 
             await loop.subscribe(HEARTBEAT_SUBJECTS, on_msg)
             log.info("member leader tracking heartbeats", extra={"epoch": leadership.epoch,

@@ -10,7 +10,8 @@ A term:
    members fence older epochs from then on and answer with a heartbeat of this epoch. Nothing
    is dispatched until every member alive at takeover has sent one (or has left): the sets are
    then rebuilt from the members' own reports, with the replayed checkpoints as floors.
-3. Then one loop, one input at a time, in order: heartbeats (core NATS), dispatch answers,
+3. Then one loop, one input at a time, in order: heartbeats (core NATS; of each member only the
+   newest waiting, ``LatestHeartbeats``), dispatch answers,
    member joined/left (members stream), wanted spans and tasks (schedule stream, read from
    where the replay ended), ticks. Each input returns dispatches, sent as request/reply on
    ``dispatch_subject(member)`` carrying this epoch and the member's incarnation, and events
@@ -29,7 +30,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -70,6 +72,9 @@ log = logging.getLogger(__name__)
 
 DOMAIN = "replication"
 
+HEARTBEATS_SUPERSEDED = Counter("sluice_replication_heartbeats_superseded",
+                                "Member heartbeats not handled: a newer one of the same member "
+                                "arrived while they waited.")
 DISPATCHES = Counter("sluice_replication_dispatches", "Dispatches sent, by action and outcome.",
                      ["action", "outcome"])
 REBUILD_SECONDS = Histogram("sluice_replication_rebuild_seconds",
@@ -125,12 +130,10 @@ class ReplicationService:
             handlers.trace_of = sender.trace_of
 
             async def on_heartbeat(msg: Msg) -> None:
-                try:
-                    decoded = REGISTRY.decode(msg.data)
-                except ContractError:
-                    return  # the member service dead-letters bad heartbeats; one place is enough
-                if isinstance(decoded.event, MemberHeartbeatV1):
-                    loop.inbox.put(decoded.event)
+                # Decoded when its turn comes, and only the newest of each member: see
+                # ``LatestHeartbeats``.
+                if handlers.heartbeats.offer(msg.subject, msg.data):
+                    loop.inbox.put(HeartbeatWaiting(msg.subject))
 
             loop.spawn(self._announce(leadership), name="rm-announce")
             await loop.subscribe(HEARTBEAT_SUBJECTS, on_heartbeat)
@@ -147,10 +150,54 @@ class ReplicationService:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
 
-Input = (MemberHeartbeatV1 | DispatchResponseV1 | MemberJoinedV2 | MemberLeftV1 | SpansChangedV1
-         | AddTableV1 | MoveTableV1 | RemoveTableV1)
-"""What the manager's loop takes, one at a time and in order: heartbeats (core NATS), dispatch
-answers, member joined/left (members stream), wanted spans and tasks (schedule stream)."""
+@dataclass(frozen=True)
+class HeartbeatWaiting:
+    """The newest heartbeat on ``subject`` waits in ``LatestHeartbeats``."""
+
+    subject: str
+
+
+class LatestHeartbeats:
+    """The newest heartbeat of each member not handled yet, as it arrived (bytes).
+
+    A heartbeat is its member's complete report, so a newer one from the same member makes an
+    older one waiting in the inbox worthless: only the newest is decoded and handled, at the
+    place of the first one in the inbox. Heartbeats travel on core NATS (at most once), so the
+    replication-manager never relied on seeing every one; what changes is that a leader with a
+    backlog (thousands of spans, five heartbeats a second per member, a busy machine) works
+    through one report per member instead of all of them, and its loop gets back to its lease."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, bytes] = {}
+
+    def offer(self, subject: str, data: bytes) -> bool:
+        """Keep ``data`` as the newest of ``subject``; True when nothing of it was waiting (the
+        caller then queues one ``HeartbeatWaiting``)."""
+        fresh = subject not in self._waiting
+        if not fresh:
+            HEARTBEATS_SUPERSEDED.inc()
+        self._waiting[subject] = data
+        return fresh
+
+    def take(self, subject: str) -> MemberHeartbeatV1 | None:
+        data = self._waiting.pop(subject, None)
+        if data is None:
+            return None
+        try:
+            event = REGISTRY.decode(data).event
+        except ContractError:
+            return None  # the member service dead-letters bad heartbeats; one place is enough
+        return event if isinstance(event, MemberHeartbeatV1) else None
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+
+Input = (MemberHeartbeatV1 | HeartbeatWaiting | DispatchResponseV1 | MemberJoinedV2 | MemberLeftV1
+         | SpansChangedV1 | AddTableV1 | MoveTableV1 | RemoveTableV1)
+"""What the manager's loop takes, one at a time and in order: heartbeats (core NATS; the newest
+of each member, ``LatestHeartbeats``), dispatch answers, member joined/left (members stream),
+wanted spans and tasks (schedule stream)."""
 
 
 class ReplicationHandlers:
@@ -172,6 +219,7 @@ class ReplicationHandlers:
         self.publish_status = publish_status
         self.put: Callable[[Input], None] = lambda _item: None
         self.trace_of: dict[Any, Any] = {}
+        self.heartbeats = LatestHeartbeats()
         alive = {m: rec.incarnation for m, rec in members.members.items()}
         self.core = ReplicationCore(leadership.epoch, alive=alive, known_spans=recorded.known_spans(),
                                     recorded=recorded.sets, checkpoints=recorded.checkpoints,
@@ -235,6 +283,9 @@ class ReplicationHandlers:
 
     def _handle(self, item: Input, now: float) -> Output:
         core = self.core
+        if isinstance(item, HeartbeatWaiting):
+            heartbeat = self.heartbeats.take(item.subject)
+            return core.on_heartbeat(heartbeat, now) if heartbeat is not None else Output()
         if isinstance(item, MemberHeartbeatV1):
             return core.on_heartbeat(item, now)
         if isinstance(item, DispatchResponseV1):
@@ -312,11 +363,56 @@ class ReplicationHandlers:
         })
 
 
+class ResendGate:
+    """Which dispatches go out: never one identical to a dispatch still on its way, and for
+    ``resend_s`` not one identical to a dispatch its member accepted (or already had).
+
+    Ticks resend the step every unstable set waits for; a member that accepted a step works on
+    it (a prepare may take minutes: the initial load) and its heartbeats carry the outcome, so
+    sending it again each tick only repeats the same answer. With thousands of spans preparing
+    at once that repetition was thousands of requests a tick, which kept the leader's loop too
+    busy to renew its lease (BENCHMARKS.md, "10,000 tables"). A dispatch unanswered, timed out
+    or refused is resent at the next tick as before; keys carry the member's incarnation, so a
+    restarted member gets the step at once."""
+
+    ACCEPTED = frozenset({"accepted", "duplicate"})
+
+    def __init__(self, resend_s: float) -> None:
+        self.resend_s = resend_s
+        self.inflight: set[Hashable] = set()
+        self._accepted: dict[Hashable, float] = {}
+
+    def take(self, key: Hashable, now: float) -> bool:
+        """Whether to send ``key`` now (then it is in flight until ``done``)."""
+        if key in self.inflight:
+            return False
+        at = self._accepted.get(key)
+        if at is not None and now - at < self.resend_s:
+            return False
+        self.inflight.add(key)
+        return True
+
+    def done(self, key: Hashable, now: float, verdict: str | None) -> None:
+        """``key``'s request ended with ``verdict`` (None: no answer)."""
+        self.inflight.discard(key)
+        if verdict in self.ACCEPTED:
+            self._accepted[key] = now
+            if len(self._accepted) > 1024 and len(self._accepted) > 4 * len(self.inflight):
+                # Amortised clean-up: entries past resend_s gate nothing any more.
+                self._accepted = {k: t for k, t in self._accepted.items() if now - t < self.resend_s}
+        else:
+            self._accepted.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._accepted)
+
+
 class _Sender:
     """Sends dispatches as request/reply, each in its own task; answers go back to the loop.
 
-    An identical dispatch already on its way is not sent twice (ticks resend what is still
-    missing; the member treats duplicates as no-ops anyway, this only saves traffic)."""
+    ``ResendGate`` says which: an identical dispatch on its way, or accepted a moment ago, is
+    not sent again (the member treats duplicates as no-ops anyway: this saves the traffic and
+    the leader's time)."""
 
     def __init__(self, service: ReplicationService, leadership: Leadership,
                  loop: LeaderLoop[Input, None]) -> None:
@@ -326,20 +422,22 @@ class _Sender:
         self.core: ReplicationCore | None = None
         self.trace_of: dict[Any, Any] = {}
         """span -> trace context of the newest schedule task for it (one entry per span)."""
-        self._inflight: set[tuple[str, object, str]] = set()
+        self.gate = ResendGate(service.settings.dispatch_resend_s)
 
     def send(self, d: Dispatch) -> None:
-        key = (d.member, d.span, d.action.value)
-        if key in self._inflight or self.core is None:
+        if self.core is None:
             return
         incarnation = self.core.incarnations.get(d.member)
         if incarnation is None:
             return  # left meanwhile; the set already knows
-        self._inflight.add(key)
+        key = (d.member, incarnation, d.span, d.action.value)
+        if not self.gate.take(key, time.monotonic()):
+            return
         self.loop.spawn(self._request(d, incarnation, key))
 
-    async def _request(self, d: Dispatch, incarnation: str, key: tuple[str, object, str]) -> None:
+    async def _request(self, d: Dispatch, incarnation: str, key: Hashable) -> None:
         service = self.service
+        verdict: str | None = None
         try:
             if not self.leadership.valid():
                 DISPATCHES.labels(d.action.value, "not-leader").inc()
@@ -372,11 +470,14 @@ class _Sender:
                 DISPATCHES.labels(d.action.value, "bad-answer").inc()
                 return
             DISPATCHES.labels(d.action.value, answer.verdict).inc()
-            log.info("dispatch answered", extra={
+            verdict = answer.verdict
+            # One line per step taken; repeats ("duplicate") only at debug: with thousands of
+            # spans they were most of the leader's log.
+            log.log(logging.DEBUG if verdict == "duplicate" else logging.INFO, "dispatch answered", extra={
                 "member": d.member, "span": d.span.key, "action": d.action.value, "epoch": d.epoch,
-                "verdict": answer.verdict, "state": answer.status.state})
+                "verdict": verdict, "state": answer.status.state})
             self.loop.inbox.put(answer)
         except Exception:
             log.warning("dispatch failed", exc_info=True, extra={"member": d.member, "span": d.span.key})
         finally:
-            self._inflight.discard(key)
+            self.gate.done(key, time.monotonic(), verdict)
