@@ -1,7 +1,7 @@
 """Whether a target table that already exists downstream can hold a source table's rows: the
 creation check of a changefeed reads the target's definition and refuses one that cannot, with
 the column and the reason (pure; the readers of each downstream's catalog are in
-``services.api.target_definitions``).
+``libs.target_definitions``).
 
 A target is compared with the table the sink would create itself (``sql_type_for`` in the
 target's dialect), so a wider type, extra columns (the rows never name them, so they take their
@@ -153,11 +153,7 @@ def fit_problems(meta: TableMetaV1, key: Sequence[str], target: TargetDefinition
         if found is None:
             problems.append(f"column {column.name}: missing in the existing target")
             continue
-        if dialect == "sqlite":
-            continue
-        reason = narrower(found.sql_type, _wanted(column, dialect, found.sql_type))
-        if reason is None and column.kind == "geometry" and dialect == "postgresql":
-            reason = _srid_conflict(column, found.sql_type)
+        reason = column_problem(column, found.sql_type, dialect)
         if reason:
             problems.append(f"column {column.name}: {reason}")
     source_keys = [tuple(norm(c) for c in k) for k in (key, *meta.unique_keys) if k]
@@ -168,6 +164,16 @@ def fit_problems(meta: TableMetaV1, key: Sequence[str], target: TargetDefinition
                             "with more columns), so rows the source holds together would collide; in a "
                             "merge every unique key needs the origin column")
     return problems
+
+
+def column_problem(column: ColumnV1, target_type: str, dialect: str) -> str | None:
+    """Why a target column of ``target_type`` cannot hold ``column``'s values (None: it can)."""
+    if dialect == "sqlite":
+        return None
+    reason = narrower(target_type, _wanted(column, dialect, target_type))
+    if reason is None and column.kind == "geometry" and dialect == "postgresql":
+        reason = _srid_conflict(column, target_type)
+    return reason
 
 
 _PG_SRID = re.compile(r"geometry\s*\(\s*[a-z]+\s*,\s*(\d+)\s*\)")

@@ -1,5 +1,5 @@
 """A target table's definition as its downstream's catalog shows it (``libs.target_fit``'s
-input), for the creation check; None when the table does not exist."""
+input), for the creation check and a re-copy that keeps the target; None when the table does not exist."""
 
 from __future__ import annotations
 
