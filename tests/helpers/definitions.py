@@ -50,6 +50,15 @@ def pg_query(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any
         return [tuple(r) for r in conn.execute(sql, params).fetchall()]  # type: ignore[arg-type]
 
 
+def pg_execute(url: str, *statements: str) -> None:
+    """Statements without a result (DDL, DML), each committed."""
+    db = parse_database_url(url)
+    with psycopg.connect(host=db.host, port=db.port, user=db.user or None, password=db.password or None,
+                         dbname=db.database or "postgres", autocommit=True) as conn:
+        for sql in statements:
+            conn.execute(sql.encode())
+
+
 def pg_columns(url: str, schema: str, table: str) -> dict[str, tuple[Any, ...]]:
     """column -> (is_nullable, column_default, collation_name)."""
     return {str(r[0]): tuple(r[1:]) for r in pg_query(
@@ -68,6 +77,16 @@ def sqlite_query(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple
     conn = sqlite3.connect(parse_database_url(url).path)
     try:
         return [tuple(r) for r in conn.execute(sql, params).fetchall()]
+    finally:
+        conn.close()
+
+
+def sqlite_execute(url: str, *statements: str) -> None:
+    conn = sqlite3.connect(parse_database_url(url).path)
+    try:
+        for sql in statements:
+            conn.execute(sql)
+        conn.commit()
     finally:
         conn.close()
 
