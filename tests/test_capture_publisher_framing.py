@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from nats.js import JetStreamContext
 
-from contracts.events.rows import RowImageV2, RowsChangedV2, RowsChangedV3, SourcePositionV1
+from contracts.events.rows import RowImageV2, RowsChangedV2, RowsChangedV4, SourcePositionV1
 from contracts.registry import REGISTRY
 from libs.config import Settings
 from libs.streams import ROWS_STREAM, rows_subject
@@ -52,7 +52,7 @@ async def test_framed_messages_are_stored_with_their_ids_and_deduplicated(js: Je
     decoded = REGISTRY.decode(first.data or b"")
     assert decoded.envelope.id == framed
     # Read back as the current version (an upcast of what was sent, nothing lost).
-    assert decoded.event == RowsChangedV3.model_validate(_event(1).model_dump())
+    assert decoded.event == RowsChangedV4.model_validate(_event(1).model_dump())
     second = await js.get_msg(ROWS_STREAM, subject=subject, seq=(first.seq or 0) + 1, next=True)
     assert second.headers is not None
     # As nats-py writes it (its path: the framed one would have kept the newline).

@@ -5,17 +5,17 @@ from __future__ import annotations
 import base64
 import os
 
-from contracts.events.rows import ColumnV1, RowImageV2, RowsChangedV3, SourcePositionV1, TableMetaV2
+from contracts.events.rows import ColumnV1, RowImageV2, RowsChangedV4, SourcePositionV1, TableMetaV2
 from contracts.registry import REGISTRY
 from services.capture.large_encode import LARGE_VALUE, approx_size, encode_rows_deterministic
 
 
-def _event(blob: str, text: str) -> RowsChangedV3:
+def _event(blob: str, text: str) -> RowsChangedV4:
     meta = TableMetaV2(columns=[ColumnV1(name="id", kind="int", sql_type="int"),
                                 ColumnV1(name="b", kind="bytes", sql_type="longblob"),
                                 ColumnV1(name="t", kind="string", sql_type="longtext")],
                        primary_key=["id"])
-    return RowsChangedV3(source="s1", database="d", table="t", ts=470681576182644736, seq=3, part=0,
+    return RowsChangedV4(source="s1", database="d", table="t", ts=470681576182644736, seq=3, part=0,
                          last_part=True, position=SourcePositionV1(binlog_file="binlog.000001", binlog_pos=4),
                          meta=meta, rows=[RowImageV2(op="update", before={"id": 1, "b": None, "t": "x"},
                                                      after={"id": 1, "b": blob, "t": text})])

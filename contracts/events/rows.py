@@ -22,14 +22,15 @@ decodes them the same way:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from contracts.registry import register, upcaster
 
 ColumnKind = Literal["int", "float", "decimal", "string", "set", "bytes", "date", "datetime",
                      "timestamp", "time", "json", "bit", "geometry"]
+"""``geometry`` came with rows.changed v4 and ddl.executed v3 (``_BeforeGeometry``)."""
 RowOp = Literal["insert", "update", "delete"]
 
 
@@ -121,6 +122,31 @@ def shape_of(meta: TableMetaV1) -> TableShapeV1 | None:
     return meta.shape if isinstance(meta, TableMetaV2) else None
 
 
+class _BeforeGeometry(BaseModel):
+    """The versions registered before the ``geometry`` kind (rows.changed v1-v3, ddl.executed
+    v1-v2) keep their meaning: a message of theirs with a geometry column is invalid, as a reader
+    of that version finds it, and their JSON Schemas list the kinds they always had. The versions
+    after set ``carries_geometry``."""
+
+    carries_geometry: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _kinds_of_this_version(self) -> Self:
+        if not self.carries_geometry:
+            for meta in (getattr(self, "meta", None), getattr(self, "meta_after", None)):
+                if meta is not None and any(c.kind == "geometry" for c in meta.columns):
+                    raise ValueError("a column of kind 'geometry' needs rows.changed v4 / ddl.executed v3")
+        return self
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        schema = super().model_json_schema(*args, **kwargs)
+        if not cls.carries_geometry:
+            kind = schema.get("$defs", {}).get("ColumnV1", {}).get("properties", {}).get("kind", {})
+            kind["enum"] = [k for k in kind.get("enum", []) if k != "geometry"]
+        return schema
+
+
 class SourcePositionV1(BaseModel):
     model_config = ConfigDict(extra="forbid")
     binlog_file: str
@@ -129,7 +155,7 @@ class SourcePositionV1(BaseModel):
 
 
 @register("rows.changed", 1)
-class RowsChangedV1(BaseModel):
+class RowsChangedV1(_BeforeGeometry):
     """Rows of one table changed by one transaction (or part of it, ``part`` counts from 0)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -163,7 +189,7 @@ class RowImageV2(BaseModel):
 
 
 @register("rows.changed", 2)
-class RowsChangedV2(BaseModel):
+class RowsChangedV2(_BeforeGeometry):
     """Rows of one table changed by one transaction (or part of it, ``part`` counts from 0);
     as v1, and each row carries its ordinal within the transaction."""
 
@@ -188,7 +214,7 @@ def _rows_changed_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
 
 
 @register("ddl.executed", 1)
-class DdlExecutedV1(BaseModel):
+class DdlExecutedV1(_BeforeGeometry):
     """A schema change of one table, in stream order with its rows."""
 
     model_config = ConfigDict(extra="forbid")
@@ -224,6 +250,32 @@ class DdlExecutedV2(DdlExecutedV1):
 
 @upcaster("ddl.executed", 1)
 def _ddl_executed_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    return dict(data)
+
+
+@register("rows.changed", 4)
+class RowsChangedV4(RowsChangedV3):
+    """As v3; a column may be of kind ``geometry`` (spatial types: MariaDB's internal format,
+    base64). v3 never carried one: capture refused spatial tables then."""
+
+    carries_geometry: ClassVar[bool] = True
+
+
+# Every v3 message is a v4 message: the body carries over as it is.
+@upcaster("rows.changed", 3)
+def _rows_changed_v3_to_v4(data: dict[str, Any]) -> dict[str, Any]:
+    return dict(data)
+
+
+@register("ddl.executed", 3)
+class DdlExecutedV3(DdlExecutedV2):
+    """As v2; a column of ``meta_after`` may be of kind ``geometry``."""
+
+    carries_geometry: ClassVar[bool] = True
+
+
+@upcaster("ddl.executed", 2)
+def _ddl_executed_v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
     return dict(data)
 
 

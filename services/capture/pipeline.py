@@ -7,7 +7,7 @@ ids, ts and seq. The two things that read the outside world are kept out of that
 information_schema (only for the metadata that travels with rows) and the wall clock (only for
 the resolved marks of an idle source, which are published before anything after them).
 
-Transactions are published per table: one ``RowsChangedV3`` per (transaction, table), split
+Transactions are published per table: one ``RowsChangedV4`` per (transaction, table), split
 into parts of at most ``part_rows`` rows / ``part_bytes`` bytes; a part is sent as soon as it
 is full, the last one at the commit, so a huge transaction never sits in memory whole.
 
@@ -34,12 +34,12 @@ from tenacity import Retrying, stop_after_attempt
 from contracts.events.rows import (
     CaptureRejectedV2,
     CaptureRejectKind,
-    DdlExecutedV2,
+    DdlExecutedV3,
     ForeignKeysChangedV1,
     ResolvedAdvancedV1,
     RowImageV2,
     RowOp,
-    RowsChangedV3,
+    RowsChangedV4,
     SourcePositionV1,
 )
 from libs.codec.encode import UnsupportedValue, encode_value
@@ -540,7 +540,7 @@ class SourcePipeline:
     async def _publish_rows(self, txn: _Txn, key: TableKey, buffer: _TableBuffer,
                             rows: list[RowImageV2], last: bool, *, size_bound: int | None = None) -> None:
         assert txn.ts is not None
-        event = _construct(RowsChangedV3, {
+        event = _construct(RowsChangedV4, {
             "source": self.source, "database": key[0], "table": key[1], "ts": txn.ts, "seq": self.next_seq,
             "part": buffer.part, "last_part": last,
             "position": _construct(SourcePositionV1, {"binlog_file": txn.begin.file,
@@ -766,7 +766,7 @@ class SourcePipeline:
             info = await self.meta.catalog_at(key, item.position)
             if ts is None:
                 ts = self.clock.commit((txn.timestamp if txn else item.timestamp) * 1000)
-            event = DdlExecutedV2(
+            event = DdlExecutedV3(
                 source=self.source, database=key[0], table=key[1], ts=ts, seq=self.next_seq,
                 statement=item.query,
                 position=SourcePositionV1(binlog_file=item.position.file, binlog_pos=item.position.pos,

@@ -19,10 +19,10 @@ from typing import Any
 
 import orjson
 
-from contracts.events.rows import RowsChangedV2, RowsChangedV3, TableMetaV1
+from contracts.events.rows import RowsChangedV2, RowsChangedV4, TableMetaV1
 from contracts.registry import REGISTRY
 
-_TYPE, _VERSION = REGISTRY.key_of(RowsChangedV3)
+_TYPE, _VERSION = REGISTRY.key_of(RowsChangedV4)
 _MAX_METAS = 1024
 
 # id(meta) -> (meta, its JSON-ready dump); the meta is kept so its id cannot be reused.

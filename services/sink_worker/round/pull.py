@@ -53,7 +53,7 @@ from contracts.events.rows import (
     ForeignKeysChangedV1,
     ResolvedAdvancedV1,
     RowsChangedV2,
-    RowsChangedV3,
+    RowsChangedV4,
 )
 from libs.chunks import ChunkError, ChunkInfo, ChunkJoiner, Joined, chunk_info
 from libs.eventstore.deadletter import dead_letter
@@ -174,10 +174,10 @@ def validate_rows(event: RowsChangedV2) -> None:
 class _RowsEnvelope(Envelope):
     """The envelope of a ``rows.changed`` event in its newest version, validated in one pass."""
 
-    data: RowsChangedV3  # type: ignore[assignment]
+    data: RowsChangedV4  # type: ignore[assignment]
 
 
-_ROWS_TYPE, _ROWS_VERSION = REGISTRY.key_of(RowsChangedV3)
+_ROWS_TYPE, _ROWS_VERSION = REGISTRY.key_of(RowsChangedV4)
 
 
 def _rows_fast(raw: bytes) -> tuple[str, RowsChangedV2] | None:
