@@ -39,6 +39,7 @@ from libs.streams import ROWS_STREAM, rejected_subject
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from tests.helpers.definitions import (
+    assert_follows_source,
     mysql_checksum,
     mysql_definition,
     mysql_query,
@@ -424,6 +425,15 @@ def test_mariadb_targets_keep_each_columns_definition_and_checksum(replicated: R
             assert down_sum == mysql_checksum(replicated.source, DB, table), table
             compared.append(table)
     assert len(compared) >= len(_tables()) // 2, f"checksums compared only for {compared}"
+
+
+def test_postgres_and_sqlite_targets_keep_not_null_defaults_and_keys(replicated: Replicated) -> None:
+    """NOT NULL, literal defaults, primary key and secondary indexes of every table without a
+    SPATIAL index (that one: ``test_spatial_columns_...``), as upstream."""
+    for table in _tables():
+        if table != SPATIAL:
+            assert_follows_source(mysql_definition(replicated.source, DB, table), table,
+                                  replicated.sink_urls["postgres"], DB, replicated.sink_urls["sqlite"])
 
 
 @pytest.mark.parametrize("sink", ["postgres", "sqlite"])
