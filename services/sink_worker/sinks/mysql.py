@@ -44,7 +44,8 @@ from libs.codec.decode import (
     parse_sql_type,
 )
 from libs.codec.table_shape import shape_from_rows
-from libs.target_fit import column_problem
+from libs.target_definitions import mysql_definition_of
+from libs.target_fit import TargetDefinition, column_problem
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.shape_ddl import (
     index_changes,
@@ -541,8 +542,8 @@ class MySQLSink(SqlSink):
 
         return self._run(work, f"widen {table.name!r}")
 
-    def _catalog_schema(self, table: TargetTable) -> str:
-        return self._database(table)
+    def _definition(self, cur: Any, table: TargetTable) -> TargetDefinition | None:
+        return mysql_definition_of(cur, self._database(table), table.name)
 
     def _restore_sql(self, table: TargetTable, kept: TargetTable, key: Sequence[str],
                      cols: Sequence[str]) -> str:

@@ -30,7 +30,8 @@ from psycopg.types.string import TextLoader
 from contracts.events.rows import ColumnV1
 from libs.codec.decode import postgis_type_for
 from libs.codec.geometry import internal_to_ewkb
-from libs.target_fit import column_problem
+from libs.target_definitions import postgres_definition_of
+from libs.target_fit import TargetDefinition, column_problem
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.shape_ddl import (
     column_shapes,
@@ -288,8 +289,8 @@ class PostgresSink(SqlSink):
 
         return self._run(work, f"reconcile {table.name!r}", self._retryable_ddl)
 
-    def _catalog_schema(self, table: TargetTable) -> str:
-        return table.schema or "public"
+    def _definition(self, cur: Any, table: TargetTable) -> TargetDefinition | None:
+        return postgres_definition_of(cur, table.schema or "public", table.name)
 
     def widen_in_place(self, table: TargetTable, types: Mapping[str, str]) -> list[str]:
         self._validate(table)

@@ -44,7 +44,6 @@ from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.codec.decode import normalize_fetched, sql_type_for
 from libs.dburl import DatabaseUrl, parse_database_url
 from libs.sql_ident import quote_ident
-from libs.target_definitions import read_target
 from libs.target_fit import TargetDefinition
 from services.sink_worker.sinks.base import Change, Delete, PartitionResult, Sink, TargetTable, Upsert
 from services.sink_worker.sinks.shape_ddl import not_null, unnamed_unique_keys
@@ -322,11 +321,12 @@ class SqlSink(Sink):
         return f"UPDATE {self._table_ref(table)} AS d SET {sets} FROM {self._table_ref(kept)} AS s WHERE {on}"
 
     def definition(self, table: TargetTable) -> TargetDefinition | None:
-        """The target as the downstream's catalog has it (``libs.target_definitions``)."""
-        return read_target(self.db, self._catalog_schema(table), table.name)
+        """The target as the downstream's catalog has it (``libs.target_definitions``), read
+        on the sink's own connection (its TLS and options)."""
+        return self._run(lambda cur: self._definition(cur, table), f"definition of {table.name!r}")
 
-    def _catalog_schema(self, table: TargetTable) -> str:
-        return table.schema or ""
+    @abstractmethod
+    def _definition(self, cur: Any, table: TargetTable) -> TargetDefinition | None: ...
 
     def widen_in_place(self, table: TargetTable, types: Mapping[str, str]) -> list[str]:
         """Bring an existing, emptied target to hold ``table``'s rows without re-creating it:

@@ -39,6 +39,8 @@ from libs.codec.decode import (
     sql_type_for,
 )
 from libs.codec.geometry import internal_to_ewkb
+from libs.target_definitions import sqlite_definition_of
+from libs.target_fit import TargetDefinition
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.shape_ddl import (
     column_shapes,
@@ -211,6 +213,9 @@ class SQLiteSink(SqlSink):
             return loosened + statements
 
         return self._run(work, f"reconcile {table.name!r}")
+
+    def _definition(self, cur: Any, table: TargetTable) -> TargetDefinition | None:
+        return sqlite_definition_of(cur, table.name)
 
     def widen_in_place(self, table: TargetTable, types: Mapping[str, str]) -> list[str]:
         """SQLite columns take any value of any type: only a NOT NULL the source does not have
