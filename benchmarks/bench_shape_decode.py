@@ -17,7 +17,7 @@ from contracts.events.rows import (
     IndexPartV1,
     IndexV1,
     RowImageV2,
-    RowsChangedV3,
+    RowsChangedV4,
     SourcePositionV1,
     TableMetaV1,
     TableMetaV2,
@@ -40,7 +40,7 @@ SHAPE = TableShapeV1(
 
 def _message(meta: TableMetaV1) -> bytes:
     image = {"id": 1, "k": 2, "c": "x" * 120, "pad": "y" * 60}
-    event = RowsChangedV3.model_construct(
+    event = RowsChangedV4.model_construct(
         source="s", database="sb", table="sbtest1", ts=1 << 40, seq=1, part=0, last_part=True,
         position=SourcePositionV1(binlog_file="b.000001", binlog_pos=4), meta=meta,
         rows=[RowImageV2.model_construct(op="update", before=image, after={**image, "k": 3}, ordinal=0)])

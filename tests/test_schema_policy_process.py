@@ -191,7 +191,7 @@ async def test_each_policy_meets_the_ddl_matrix_on_three_downstreams(
 
     # lenient, each DDL once the one before it is downstream: a DDL capture reads behind a
     # later one of its table comes without metadata, and a rename without it is copied again
-    # as under evolve (DESIGN.md). A type change (a re-copy) is evolve's, so it is not here.
+    # (DESIGN.md). A type change (a re-copy) comes last, below.
     def on_all(check: Callable[[dict[str, bool]], bool]) -> Callable[[], bool]:
         return lambda: all(check(down.columns(k, "len_a")) for k in down.urls)
 
@@ -239,6 +239,23 @@ async def test_each_policy_meets_the_ddl_matrix_on_three_downstreams(
         assert down.rows(kind, "len_a", "id, s, r") == [
             (str(i), f"s{i}" if i <= 20 else "x", kept(i, f"r{i}")) for i in range(1, 26)], kind
         assert down.rows(kind, "len_a", "id, r2")[:20] == [(str(i), f"r{i}") for i in range(1, 21)], kind
+
+    # lenient, a DDL that copies the table again (a type change): the target is kept, widened
+    # where it must be, and the columns lenient kept keep their values (DESIGN.md).
+    _exec(mariadb, f"ALTER TABLE `{DB}`.len_a MODIFY n BIGINT NOT NULL",
+          f"INSERT INTO `{DB}`.len_a (id, n, c, r2) VALUES (26, {big}, 26, 'n26')")
+    kept_rows = [(str(i), f"s{i}" if i <= 20 else "x", kept(i, f"r{i}")) for i in range(1, 27)]
+    # The copy fills the rows first; the kept columns' values go back once it is done.
+    await asyncio.to_thread(_wait, lambda: lenient_done() and all(
+        ("26", str(big)) in down.rows(k, "len_a", "id, n") and down.rows(k, "len_a", "id, s, r") == kept_rows
+        for k in down.urls), "lenient: len_a copied again after MODIFY n BIGINT, s and r kept", procs,
+        detail=lambda: lenient_diff() + "\n" + str({k: down.rows(k, "len_a", "id, s, r") for k in down.urls}))
+    for kind in down.urls:
+        cols = down.columns(kind, "len_a")
+        assert {"s", "r"} <= set(cols) and cols["s"] and cols["r"], (kind, cols)
+    assert mysql_query(maria_down, "SELECT DATA_TYPE FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = %s"
+                                   " AND TABLE_NAME = 'len_a' AND COLUMN_NAME = 'n'", (DB,)) == [("bigint",)]
+    assert pg_columns(down.urls["pg"], DB, "len_a")["n"][0] == "NO"
     # TRUNCATE and DROP TABLE not applied: the rows before them and the one between stay.
     await asyncio.to_thread(_wait, _b_kept(down, "len_b"), "lenient: len_b's rows stay", procs,
                             detail=lambda: str({k: down.rows(k, "len_b", "id") for k in down.urls}))

@@ -362,9 +362,12 @@ def test_reconcile_schema_adds_and_drops_columns(target: Target) -> None:
         primary_key=["id"],
     )
     new_table = TargetTable(schema=table.schema, name=table.name, meta=changed, key=("id",))
-    statements = target.sink.reconcile_schema(new_table)
+    # Only a column a DDL dropped goes: without it named, `name` is the target's own and stays.
+    target.sink.reconcile_schema(new_table)
+    assert "name" in (target.sink.target_columns(new_table) or [])
+    statements = target.sink.reconcile_schema(new_table, ["NAME"])
     assert statements
-    assert target.sink.reconcile_schema(new_table) == []  # re-runnable: already there
+    assert target.sink.reconcile_schema(new_table, ["name"]) == []  # re-runnable: already there
     assert target.sink.fetch_rows(new_table) == [
         {"id": 1, "age": 10, "email": None, "score": None},
         {"id": 2, "age": 20, "email": None, "score": None},
@@ -378,6 +381,89 @@ def test_reconcile_schema_adds_and_drops_columns(target: Target) -> None:
     with pytest.raises(ValueError, match="key"):
         target.sink.reconcile_schema(TargetTable(table.schema, table.name, keyless, key=("id",)))
     assert len(target.sink.fetch_rows(new_table)) == 3
+
+
+_USER_MADE = {
+    "mariadb": "CREATE TABLE {t} (id BIGINT NOT NULL PRIMARY KEY, name VARCHAR(200) NOT NULL,"
+               " age INT NOT NULL, note VARCHAR(20) NOT NULL DEFAULT 'n/a')"
+               " PARTITION BY HASH (id) PARTITIONS 2",
+    "postgres": "CREATE TABLE {t} (id bigint NOT NULL PRIMARY KEY, name varchar(200) NOT NULL,"
+                " age integer NOT NULL, note varchar(20) NOT NULL DEFAULT 'n/a') PARTITION BY HASH (id)",
+    "sqlite": "CREATE TABLE {t} (id INTEGER NOT NULL PRIMARY KEY, name TEXT NOT NULL, age INTEGER NOT NULL,"
+              " note TEXT NOT NULL DEFAULT 'n/a')",
+}
+
+
+def test_a_user_made_target_is_kept_through_a_recopy(target: Target) -> None:
+    """A target that was there before Sluice (partitioned, an extra column with a default,
+    wider types) is used as it is: a DDL that re-copies the table keeps it, emptied, with its
+    extra column's values put back; one Sluice made is dropped and made again."""
+    from libs.scheduling.model import Span
+    from services.sink_worker.sinks.sql_common import SqlSink
+    from services.sink_worker.snapshot.initial_load import SnapshotRequest, empty_for_recopy
+
+    sink = target.sink
+    assert isinstance(sink, SqlSink)
+    table = target.table("usermade", SIMPLE, create=False)
+    ref = sink._table_ref(table)
+
+    def run(*sql: str) -> None:
+        sink._run(lambda cur: [cur.execute(s) for s in sql], "test DDL")
+
+    if target.kind == "postgres":
+        run(f'CREATE SCHEMA IF NOT EXISTS "{target.schema}"')
+    if target.kind == "mariadb":
+        run(f"CREATE DATABASE IF NOT EXISTS `{target.schema}`")
+    run(_USER_MADE[target.kind].format(t=ref))
+    if target.kind == "postgres":
+        run(f'CREATE TABLE "{target.schema}".usermade_p0 PARTITION OF {ref}'
+            " FOR VALUES WITH (MODULUS 1, REMAINDER 0)")
+    sink.ensure_table(table)  # there already: used as it is
+    assert not sink.made_by_sluice(table)
+    sink.reconcile_schema(table)  # the first batch's: nothing of the target's own goes
+    sink.apply_partition(table, [upsert(SIMPLE, r) for r in rows_of([(1, "a", 10), (2, "b", 20)])])
+    run(f"UPDATE {ref} SET note = 'mine' WHERE id = 2")
+
+    # ALTER TABLE t MODIFY age BIGINT, DROP COLUMN name: re-copies the table.
+    after = TableMetaV1(columns=[col("id", "int", "int(11)", False), col("age", "int", "bigint(20)")],
+                        primary_key=["id"])
+    again = TargetTable(schema=table.schema, name=table.name, meta=after, key=("id",))
+    span = Span.of("cf", "src", "db", "usermade")
+    request = SnapshotRequest(span, "mysql://unused", sink.url, None, "snapshot", recopy_of=7,
+                              recopy_drops=("name",))
+    empty_for_recopy(request, sink, again)
+    assert sink.fetch_rows(again) == []
+    sink.load_rows(again, ["id", "age"], [(1, 11), (2, 21), (3, 31)])
+    assert sink.restore_columns(again) >= 1  # MySQL counts the rows it changed
+    assert sink.restore_columns(again) == 0  # idempotent: the side table is gone
+    rows = sink._run(lambda cur: (cur.execute(f"SELECT id, age, note FROM {ref} ORDER BY id"),
+                                  [tuple(r) for r in cur.fetchall()])[1], "read")
+    assert rows == [(1, 11, "n/a"), (2, 21, "mine"), (3, 31, "n/a")]
+    definition = sink.definition(again)
+    assert definition is not None
+    types = {c.name: c.sql_type.lower() for c in definition.columns}
+    assert set(types) == {"id", "age", "note"}
+    if target.kind != "sqlite":
+        assert types["id"].startswith("bigint")  # wider than the source's int: kept
+    partitioned = {
+        "mariadb": "SELECT COUNT(*) FROM information_schema.PARTITIONS WHERE TABLE_NAME = 'usermade'"
+                   f" AND TABLE_SCHEMA = '{target.schema}' AND PARTITION_NAME IS NOT NULL",
+        "postgres": f"SELECT COUNT(*) FROM pg_inherits WHERE inhparent = to_regclass('{ref}')",
+        "sqlite": "SELECT 1",
+    }[target.kind]
+    count = sink._run(lambda cur: (cur.execute(partitioned), cur.fetchone()[0])[1], "partitions")
+    assert count >= 1
+
+    # A target Sluice made is dropped and made again, exactly from the source's metadata.
+    made = target.table("slmade", SIMPLE)
+    assert sink.made_by_sluice(made)
+    sink.reconcile_schema(made)
+    remade = TargetTable(schema=made.schema, name=made.name, meta=after, key=("id",))
+    empty_for_recopy(SnapshotRequest(span, "mysql://unused", sink.url, None, "snapshot", recopy_of=8,
+                                     recopy_drops=("name",)), sink, remade)
+    assert sink.target_columns(remade) is None
+    sink.ensure_table(remade)
+    assert sink.made_by_sluice(remade)
 
 
 def test_text_and_blob_key_columns(target: Target) -> None:

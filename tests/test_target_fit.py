@@ -51,3 +51,24 @@ def test_a_unique_key_the_merge_would_break_is_refused() -> None:
 def test_sqlite_only_needs_the_columns() -> None:
     target = _target({"id": "INTEGER", "code": "INTEGER", "price": "TEXT"}, ("id",))
     assert fit_problems(META, ("id",), target, "sqlite") == ["column state: missing in the existing target"]
+
+
+def test_a_postgis_geometry_column_holds_a_spatial_source_column() -> None:
+    meta = TableMetaV1(columns=[
+        ColumnV1(name="id", kind="int", sql_type="int(11)", nullable=False),
+        ColumnV1(name="p", kind="geometry", sql_type="point srid 4326"),
+        ColumnV1(name="g", kind="geometry", sql_type="geometry")], primary_key=["id"])
+    fits = _target({"id": "integer", "p": "geometry(Point,4326)", "g": "geometry"}, ("id",))
+    assert fit_problems(meta, ("id",), fits, "postgresql") == []
+    also = _target({"id": "integer", "p": "geometry", "g": "bytea"}, ("id",))
+    assert fit_problems(meta, ("id",), also, "postgresql") == []
+    narrow = _target({"id": "integer", "p": "geometry(Point,4326)", "g": "geometry(Polygon)"}, ("id",))
+    assert fit_problems(meta, ("id",), narrow, "postgresql") == [
+        "column g: geometry(Polygon) holds only polygon values, not every geometry"]
+    other_srid = _target({"id": "integer", "p": "geometry(Point,3857)", "g": "geometry(Geometry,4326)"},
+                         ("id",))
+    assert fit_problems(meta, ("id",), other_srid, "postgresql") == [
+        "column p: geometry(Point,3857) takes only SRID 3857 values (PostGIS enforces it), the source "
+        "column declares SRID 4326",
+        "column g: geometry(Geometry,4326) takes only SRID 4326 values (PostGIS enforces it), the "
+        "source column declares no SRID"]

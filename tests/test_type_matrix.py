@@ -39,10 +39,12 @@ from libs.streams import ROWS_STREAM, rejected_subject
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from tests.helpers.definitions import (
+    assert_follows_source,
     mysql_checksum,
     mysql_definition,
     mysql_query,
     pg_columns,
+    pg_execute,
     pg_query,
     sqlite_columns,
     sqlite_query,
@@ -96,6 +98,13 @@ SPATIAL_ROWS = (f"INSERT INTO {DB}.{SPATIAL} VALUES"
                 f"UPDATE {DB}.{SPATIAL} SET p = ST_GeomFromText('POINT(2 2)', 4326), g = NULL WHERE id = 1",
                 f"DELETE FROM {DB}.{SPATIAL} WHERE id = 2")
 SINKS = ("mariadb", "postgres", "sqlite")
+# PostgreSQL with PostGIS in the target database: spatial columns land as geometry(Subtype,SRID).
+# Its changefeed takes only the tables with spatial columns.
+POSTGIS = "postgis"
+GIS_DB = "type_matrix_gis"
+SPATIAL_TYPES = ("point", "linestring", "polygon", "multipoint", "multilinestring", "multipolygon",
+                 "geometry", "geometrycollection")
+SPATIAL_CASES = [c for c in VALUE_CASES if c.sql_type.split()[0] in SPATIAL_TYPES]
 
 
 def _setup_statements() -> list[str]:
@@ -195,8 +204,21 @@ def _diff(source: MariaDB, sink_url: str, table: str, columns: list[str] | None 
     return compare_tables(rows, down, key, columns=wanted)
 
 
-def _tables() -> list[str]:
+def _tables(sink: str | None = None) -> list[str]:
+    if sink == POSTGIS:
+        return [WIDE, SPATIAL]
     return [WIDE, CHARSETS, GENERATED, SPATIAL, *(k.table for k in KEY_CASES)]
+
+
+def _postgis_url(postgres: PostgreSQL) -> str | None:
+    """A database of the test PostgreSQL with the postgis extension loaded; None when this
+    machine's PostgreSQL has no PostGIS (``infra/dev.sh setup`` installs it)."""
+    if not pg_query(postgres.url, "SELECT 1 FROM pg_available_extensions WHERE name = 'postgis'"):
+        return None
+    pg_execute(postgres.url, f"DROP DATABASE IF EXISTS {GIS_DB}", f"CREATE DATABASE {GIS_DB}")
+    url = postgres.url_for(GIS_DB)
+    pg_execute(url, "CREATE EXTENSION postgis")
+    return url
 
 
 async def _record_feeds(nats_url: str, sink_urls: dict[str, str], source: MariaDB) -> list[str]:
@@ -205,9 +227,10 @@ async def _record_feeds(nats_url: str, sink_urls: dict[str, str], source: MariaD
         js = nc.jetstream()
         ids = []
         for name, url in sink_urls.items():
+            include = [f"{DB}.{t}" for t in _tables(name)] if name == POSTGIS else [f"{DB}.*"]
             spec = ChangefeedSpecV2(id=f"typematrix-{name}",
                                     sources=[SourceRefV1(id=SOURCE_ID, url=source.url)],
-                                    filter=TableFilterV1(include=[f"{DB}.*"]), sink_url=url,
+                                    filter=TableFilterV1(include=include), sink_url=url,
                                     initial_load="binlog-only")
             await record_changefeed(js, spec, requested_by="test")
             ids.append(spec.id)
@@ -252,6 +275,9 @@ def replicated(mariadb: MariaDB, postgres: PostgreSQL, nats_server: NatsServer,
     downstream = MariaDB(data_dir=tmp / "down_mariadb", server_id=next(_server_ids)).start()
     sink_urls = {"mariadb": downstream.url, "postgres": postgres.url,
                  "sqlite": f"sqlite:///{tmp / 'down.db'}"}
+    gis = _postgis_url(postgres)
+    if gis is not None:
+        sink_urls[POSTGIS] = gis
     env = {"SLUICE_NATS_URL": nats_server.url, "SLUICE_LEASE_TTL_S": "1.5",
            "SLUICE_STATE_DB_URL": f"sqlite:///{tmp / 'state.db'}",
            "SLUICE_DOWNSTREAM_URL": f"sqlite:///{tmp / 'downstream.db'}", "SLUICE_LOG_JSON": "true"}
@@ -306,7 +332,7 @@ def _wait_converged(result: Replicated, procs: list[ServiceProcess], timeout: fl
     """Until every table equals upstream on every downstream, or the deadline; what stays
     different is left in ``result.converged`` for the matrix to report per case."""
     deadline = time.monotonic() + timeout
-    todo = {(sink, table) for sink in result.sink_urls for table in _tables()}
+    todo = {(sink, table) for sink in result.sink_urls for table in _tables(sink)}
     while todo and time.monotonic() < deadline:
         for p in procs:
             assert p.alive(), f"{p.instance_id} died:\n{p.tail_log()}"
@@ -401,6 +427,15 @@ def test_mariadb_targets_keep_each_columns_definition_and_checksum(replicated: R
     assert len(compared) >= len(_tables()) // 2, f"checksums compared only for {compared}"
 
 
+def test_postgres_and_sqlite_targets_keep_not_null_defaults_and_keys(replicated: Replicated) -> None:
+    """NOT NULL, literal defaults, primary key and secondary indexes of every table without a
+    SPATIAL index (that one: ``test_spatial_columns_...``), as upstream."""
+    for table in _tables():
+        if table != SPATIAL:
+            assert_follows_source(mysql_definition(replicated.source, DB, table), table,
+                                  replicated.sink_urls["postgres"], DB, replicated.sink_urls["sqlite"])
+
+
 @pytest.mark.parametrize("sink", ["postgres", "sqlite"])
 def test_postgres_and_sqlite_targets_keep_not_null(replicated: Replicated, sink: str) -> None:
     url = replicated.sink_urls[sink]
@@ -451,3 +486,43 @@ def test_spatial_columns_keep_their_type_srid_and_index_on_each_downstream(repli
     assert sqlite_types == {"id": "INTEGER", "p": "BLOB", "g": "BLOB", "c": "BLOB"}
     [(blob,)] = sqlite_query(replicated.sink_urls["sqlite"], f"SELECT c FROM {SPATIAL} WHERE id = 1")
     assert blob == bytes.fromhex("010700000000000000")  # empty collection, SRID 0: plain WKB
+
+
+def _postgis(replicated: Replicated) -> str:
+    url = replicated.sink_urls.get(POSTGIS)
+    if url is None:
+        pytest.skip("PostGIS is not installed for this machine's PostgreSQL (no 'postgis' in "
+                    "pg_available_extensions; infra/dev.sh setup installs postgresql-<major>-postgis-3)")
+    return url
+
+
+@pytest.mark.parametrize("case", SPATIAL_CASES, ids=lambda c: c.id)
+def test_spatial_edge_values_arrive_in_postgis(replicated: Replicated, case: ValueCase) -> None:
+    url = _postgis(replicated)
+    diff = _diff(replicated.source, url, WIDE, [f"c_{case.id}"])
+    assert diff.ok, _report(replicated, POSTGIS, WIDE, diff)
+    assert diff.upstream_count == max(len(c.values) for c in VALUE_CASES) + 2
+
+
+def test_postgis_target_has_geometry_columns_srids_not_null_and_a_gist_index(replicated: Replicated) -> None:
+    """Where the target database has PostGIS: geometry(Subtype,SRID) per column (the declared
+    SRID, the subtype), NOT NULL as upstream, the SPATIAL index as GiST, each value's SRID."""
+    url = _postgis(replicated)
+    diff = _diff(replicated.source, url, SPATIAL)
+    assert diff.ok and diff.upstream_count == 2, _report(replicated, POSTGIS, SPATIAL, diff)
+    types = dict(pg_query(url, "SELECT a.attname, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a"
+                               " WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped",
+                          (f'"{DB}"."{SPATIAL}"',)))
+    assert types == {"id": "integer", "p": "geometry(Point,4326)", "g": "geometry(Geometry,3857)",
+                     "c": "geometry(GeometryCollection)"}
+    assert {n for n, c in pg_columns(url, DB, SPATIAL).items() if c[0] == "NO"} == {"id", "p"}
+    indexes = pg_query(url, "SELECT indexdef FROM pg_indexes WHERE schemaname = %s AND tablename = %s",
+                       (DB, SPATIAL))
+    assert any("USING gist (p)" in str(d) for (d,) in indexes), indexes
+    srids = pg_query(url, "SELECT id, ST_SRID(p), ST_SRID(g), ST_AsText(c), ST_SRID(c)"
+                          f' FROM "{DB}"."{SPATIAL}" ORDER BY id')
+    assert srids == [(1, 4326, None, "GEOMETRYCOLLECTION EMPTY", 0),
+                     (3, 4326, 3857, "GEOMETRYCOLLECTION(POINT(1 2))", 4326)]
+    wide = dict(pg_query(url, "SELECT a.attname, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a"
+                              " WHERE a.attrelid = %s::regclass AND a.attnum > 0", (f'"{DB}"."{WIDE}"',)))
+    assert wide["c_point_4326"] == "geometry(Point,4326)" and wide["c_geometry"] == "geometry"

@@ -22,7 +22,7 @@ decodes them the same way:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -30,6 +30,7 @@ from contracts.registry import register, upcaster
 
 ColumnKind = Literal["int", "float", "decimal", "string", "set", "bytes", "date", "datetime",
                      "timestamp", "time", "json", "bit", "geometry"]
+"""``geometry`` came with rows.changed v4 and ddl.executed v3 (``_BeforeGeometry``)."""
 RowOp = Literal["insert", "update", "delete"]
 
 
@@ -121,6 +122,31 @@ def shape_of(meta: TableMetaV1) -> TableShapeV1 | None:
     return meta.shape if isinstance(meta, TableMetaV2) else None
 
 
+class _BeforeGeometry(BaseModel):
+    """The versions registered before the ``geometry`` kind (rows.changed v1-v3, ddl.executed
+    v1-v2) keep their meaning: a message of theirs with a geometry column is invalid, as a reader
+    of that version finds it, and their JSON Schemas list the kinds they always had. The versions
+    after set ``carries_geometry``."""
+
+    carries_geometry: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _kinds_of_this_version(self) -> Self:
+        if not self.carries_geometry:
+            for meta in (getattr(self, "meta", None), getattr(self, "meta_after", None)):
+                if meta is not None and any(c.kind == "geometry" for c in meta.columns):
+                    raise ValueError("a column of kind 'geometry' needs rows.changed v4 / ddl.executed v3")
+        return self
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        schema = super().model_json_schema(*args, **kwargs)
+        if not cls.carries_geometry:
+            kind = schema.get("$defs", {}).get("ColumnV1", {}).get("properties", {}).get("kind", {})
+            kind["enum"] = [k for k in kind.get("enum", []) if k != "geometry"]
+        return schema
+
+
 class SourcePositionV1(BaseModel):
     model_config = ConfigDict(extra="forbid", defer_build=True)
     binlog_file: str
@@ -129,7 +155,7 @@ class SourcePositionV1(BaseModel):
 
 
 @register("rows.changed", 1)
-class RowsChangedV1(BaseModel):
+class RowsChangedV1(_BeforeGeometry):
     """Rows of one table changed by one transaction (or part of it, ``part`` counts from 0)."""
 
     model_config = ConfigDict(extra="forbid", defer_build=True)
@@ -163,7 +189,7 @@ class RowImageV2(BaseModel):
 
 
 @register("rows.changed", 2)
-class RowsChangedV2(BaseModel):
+class RowsChangedV2(_BeforeGeometry):
     """Rows of one table changed by one transaction (or part of it, ``part`` counts from 0);
     as v1, and each row carries its ordinal within the transaction."""
 
@@ -188,7 +214,7 @@ def _rows_changed_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
 
 
 @register("ddl.executed", 1)
-class DdlExecutedV1(BaseModel):
+class DdlExecutedV1(_BeforeGeometry):
     """A schema change of one table, in stream order with its rows."""
 
     model_config = ConfigDict(extra="forbid", defer_build=True)
@@ -241,8 +267,12 @@ class RowsChangedV4(RowsChangedV3):
     envelope's id then names the message, not a transaction), None when it is the envelope's
     (a message of one part, which is exactly a v3 message). A consumer treats each part as the
     v3 message it would have been: deduplicate by its id, order by ``(ts, seq, part)``.
+
+    A column may be of kind ``geometry`` (spatial types: MariaDB's internal format, base64);
+    v3 never carried one (capture refused spatial tables then).
     """
 
+    carries_geometry: ClassVar[bool] = True
     event_id: str | None = Field(None, min_length=1, description="The first part's event id "
                                  "when the message carries ``more``; null: the envelope's id.")
     more: list[RowsPartV1] = Field(default_factory=list, description="The table's next "
@@ -291,6 +321,18 @@ class DdlExecutedV2(DdlExecutedV1):
 
 @upcaster("ddl.executed", 1)
 def _ddl_executed_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    return dict(data)
+
+
+@register("ddl.executed", 3)
+class DdlExecutedV3(DdlExecutedV2):
+    """As v2; a column of ``meta_after`` may be of kind ``geometry``."""
+
+    carries_geometry: ClassVar[bool] = True
+
+
+@upcaster("ddl.executed", 2)
+def _ddl_executed_v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
     return dict(data)
 
 

@@ -38,8 +38,8 @@ from libs.foreign_keys import ForeignKey, cascade_warnings, load_foreign_keys
 from libs.mysql_connection import connect as mysql_connect
 from libs.routing import Router, RouteRule, RoutingConfigError, TableFilter, TableRef, router_for
 from libs.table_rules import rule_column_problems
+from libs.target_definitions import read_target
 from libs.target_fit import TargetDefinition, fit_problems
-from services.api.target_definitions import read_target
 from services.capture.source import check_source, server_gtids
 from services.sink_worker.sinks.factory import sink_kind
 from services.sink_worker.sinks.nats_stream import (

@@ -46,7 +46,7 @@ from tenacity import Retrying, stop_after_attempt
 from contracts.events.rows import (
     CaptureRejectedV2,
     CaptureRejectKind,
-    DdlExecutedV2,
+    DdlExecutedV3,
     ForeignKeysChangedV1,
     ResolvedAdvancedV1,
     RowImageV2,
@@ -55,6 +55,7 @@ from contracts.events.rows import (
     RowsChangedV4,
     RowsPartV1,
     SourcePositionV1,
+    TableMetaV1,
 )
 from libs.codec.encode import UnsupportedValue, encode_value
 from libs.codec.table_meta import BinlogColumn, TableInfo, agrees, describe, load_table_info
@@ -593,12 +594,13 @@ class SourcePipeline:
             return
         # Anything else goes out as it is, after every open batch (a table's stream order stays seq order).
         await self.flush_batches()
-        event = _construct(RowsChangedV3, {
+        meta = buffer.info.meta()
+        event = _construct(one_part_version(meta), {
             "source": self.source, "database": key[0], "table": key[1], "ts": txn.ts, "seq": self.next_seq,
             "part": buffer.part, "last_part": last,
             "position": _construct(SourcePositionV1, {"binlog_file": txn.begin.file,
                                                       "binlog_pos": txn.begin.pos, "gtid": txn.gtid}),
-            "meta": buffer.info.meta(), "rows": rows})
+            "meta": meta, "rows": rows})
         msg_id = f"{self.source}:{txn.id_base()}:{key[0]}.{key[1]}:{buffer.part}"
         subject = self._subjects.get(key)
         if subject is None:
@@ -690,7 +692,7 @@ class SourcePipeline:
             except MessageTooLarge:
                 pass  # over a NATS message: the parts one by one (same input, same choice)
         for event_id, ts, seq, position, rows in batch.parts:
-            alone = _construct(RowsChangedV3, {
+            alone = _construct(one_part_version(meta), {
                 "source": self.source, "database": key[0], "table": key[1], "ts": ts, "seq": seq,
                 "part": 0, "last_part": True, "position": position, "meta": meta, "rows": rows})
             await self.publisher.send(subject, alone, event_id, rows=len(rows),
@@ -900,7 +902,7 @@ class SourcePipeline:
             info = await self.meta.catalog_at(key, item.position)
             if ts is None:
                 ts = self.clock.commit((txn.timestamp if txn else item.timestamp) * 1000)
-            event = DdlExecutedV2(
+            event = DdlExecutedV3(
                 source=self.source, database=key[0], table=key[1], ts=ts, seq=self.next_seq,
                 statement=item.query,
                 position=SourcePositionV1(binlog_file=item.position.file, binlog_pos=item.position.pos,
@@ -1025,6 +1027,12 @@ async def publish_rejection(publisher: Publisher, source: str, kind: RejectKind,
 
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def one_part_version(meta: TableMetaV1) -> type[RowsChangedV3]:
+    """The version of a message of one transaction part: v3, which readers older than batching
+    read, unless the table has a spatial column (the ``geometry`` kind came with v4)."""
+    return RowsChangedV4 if any(c.kind == "geometry" for c in meta.columns) else RowsChangedV3
 
 
 def _construct(model: type[M], values: dict[str, Any]) -> M:

@@ -41,13 +41,18 @@ def _meta(meta: TableMetaV1) -> dict[str, Any]:
     return found[1]
 
 
+def _has_geometry(meta: TableMetaV1) -> bool:
+    return any(c.kind == "geometry" for c in meta.columns)
+
+
 def _rows(rows: list[RowImageV2]) -> list[dict[str, Any]]:
     return [{"op": r.op, "before": r.before, "after": r.after, "ordinal": r.ordinal} for r in rows]
 
 
 def encode_rows(event: RowsChangedV2, *, producer: str, epoch: int, event_id: str) -> bytes:
     """A message of one transaction part as v3 (what a v4 message of one part is, so readers of
-    v3 read it unchanged); a ``RowsChangedV4`` with ``more`` as v4."""
+    v3 read it unchanged); a ``RowsChangedV4`` (with ``more``, or of a table with a spatial
+    column) as v4."""
     pos = event.position
     data = {
         "source": event.source, "database": event.database, "table": event.table, "ts": event.ts,
@@ -57,8 +62,9 @@ def encode_rows(event: RowsChangedV2, *, producer: str, epoch: int, event_id: st
         "rows": _rows(event.rows),
     }
     version = _VERSION
+    if (isinstance(event, RowsChangedV4) and event.more) or _has_geometry(event.meta):
+        version = _BATCH_VERSION  # several parts, or a spatial column (the kind came with v4)
     if isinstance(event, RowsChangedV4) and event.more:
-        version = _BATCH_VERSION
         data["event_id"] = event.event_id
         data["more"] = [
             {"event_id": p.event_id, "ts": p.ts, "seq": p.seq, "part": p.part, "last_part": p.last_part,

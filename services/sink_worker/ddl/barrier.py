@@ -22,8 +22,14 @@ from contracts.events.rows import DdlExecutedV1, TableMetaV1
 from libs.routing import Router
 from libs.table_rules import TableRulesError, rules_for
 from services.sink_worker import metrics as m
-from services.sink_worker.ddl.plan import ddl_action
-from services.sink_worker.ddl.policy import PolicyDecision, decide, removes_columns, stop_reason
+from services.sink_worker.ddl.plan import ddl_action, dropped_columns
+from services.sink_worker.ddl.policy import (
+    PolicyDecision,
+    column_renames,
+    decide,
+    removes_columns,
+    stop_reason,
+)
 from services.sink_worker.ddl.shard import ShardDdl, execute_on_target, rewritten
 from services.sink_worker.ddl.target_schemas import TargetSchemas
 from services.sink_worker.incidents.table_errors import ddl_failed
@@ -182,9 +188,12 @@ class DdlBarrier:
             failed("the DDL changes existing rows upstream, so the table must be copied again, but "
                    "this worker has no initial-load runner or no source URL for it")
             return
+        drops = (*dropped_columns(ddl.statement), *(old for old, _ in column_renames(ddl.statement) or ()))
         request = SnapshotRequest(span, rt.config.source_url, url, rt.config.key_policy, "snapshot",
                                   rt.shards, rt.config.router, recopy_of=head.stream_seq,
-                                  case_insensitive=rt.config.case_insensitive)
+                                  case_insensitive=rt.config.case_insensitive,
+                                  recopy_drops=drops,
+                                  keep_target=rt.config.schema_change_policy == "lenient")
         decision, start = await self.initial_loads.decide(request)
         if decision == "unreplicable":
             # The re-copy cannot copy the table as the changefeed says: stopped at the DDL.
@@ -197,6 +206,16 @@ class DdlBarrier:
                          extra={"span": span.name, "ts": head.ts, "statement": ddl.statement})
             w.head = Recopying()
             return
+        try:
+            restored = await asyncio.to_thread(_restore_kept, url, routed.schema, routed.table)
+        except Exception as exc:
+            m.ROUND_ERRORS.labels("ddl").inc()
+            failed("putting back the target's own columns after the re-copy failed: "
+                   f"{type(exc).__name__}: {exc}")
+            return
+        if restored:
+            log.info("re-copy: the target's own columns have their values back",
+                     extra={"span": span.name, "rows": restored})
         resume_ts = max(head.ts, start.ts)
         m.DDL_APPLIED.labels(span.changefeed, action).inc()
         log.info("re-copy after DDL done; streaming on from its low watermark",
@@ -208,6 +227,7 @@ class DdlBarrier:
                         decision: PolicyDecision) -> None:
         """The owner brings the target to the shard's schema after the DDL
         (``shard_ddl.execute_on_target``: idempotent, a re-run counts as done)."""
+        drop = dropped_columns(ddl.statement)
         if decision.keep_columns and (decision.renamed or removes_columns(ddl.statement)):
             statements = ()  # lenient: the text would drop; the reconcile keeps and adds
         if ddl.meta_after is None:
@@ -230,7 +250,7 @@ class DdlBarrier:
         table = w.routes.target(ddl.database, ddl.table, ddl.meta_after)
         self.schemas.forget(url, table.schema, table.name)
         sink = open_sink(url)
-        already = execute_on_target(sink, table, statements)
+        already = execute_on_target(sink, table, statements, drop)
         if decision.renamed:
             fill_renamed(sink, table, decision.renamed)
         if already:
@@ -362,7 +382,7 @@ class DdlBarrier:
             table = w.routes.target(ddl.database, ddl.table, ddl.meta_after)
             self.schemas.forget(sink_url, routed.schema, routed.table)
             sink.ensure_table(table)
-            sink.reconcile_schema(table)
+            sink.reconcile_schema(table, dropped_columns(ddl.statement))
             if decision is not None and decision.renamed:
                 fill_renamed(sink, table, decision.renamed)
             self.schemas.brought_to(sink_url, table)
@@ -376,11 +396,24 @@ class DdlBarrier:
             else:
                 sink.truncate_table(table)
         else:
-            log.warning("DDL without table metadata: nothing to change downstream",
+            # The span's next batch brings the target's columns to its rows' metadata; the
+            # columns this DDL drops go then (the target's own columns stay).
+            self.schemas.drop_next(sink_url, routed.schema, routed.table, dropped_columns(ddl.statement))
+            log.warning("DDL without table metadata: the target follows the next batch's rows",
                         extra={"span": w.rt.span.name, "statement": ddl.statement})
         m.DDL_APPLIED.labels(w.rt.span.changefeed, action).inc()
         log.info("DDL applied", extra={"span": w.rt.span.name, "action": action, "ts": ddl.ts,
                                        "statement": ddl.statement})
+
+
+def _restore_kept(url: str, schema: str | None, name: str) -> int:
+    """After a re-copy that kept its target (``initial_load.empty_for_recopy``): the values of
+    the target's columns the source lacks, saved before it was emptied, go back."""
+    sink = open_sink(url)
+    if not isinstance(sink, SqlSink):
+        return 0
+    return sink.restore_columns(TargetTable(schema=schema, name=name,
+                                            meta=TableMetaV1(columns=[], primary_key=[]), key=()))
 
 
 def shards_wait(ts: int | None, shards: int) -> str:

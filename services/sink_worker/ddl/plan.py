@@ -46,7 +46,7 @@ _KEEPS_ROWS = [re.compile(p, re.IGNORECASE | re.DOTALL) for p in (
     r"FORCE",
 )]
 _DROP_COLUMN = re.compile(r"DROP\s+(COLUMN\s+)?(IF\s+EXISTS\s+)?(?!(INDEX|KEY|PRIMARY|FOREIGN|CONSTRAINT|"
-                          r"CHECK|PARTITION|SYSTEM)\b)(" + IDENT + r")\s*(RESTRICT|CASCADE)?",
+                          r"CHECK|PARTITION|SYSTEM)\b)(?P<name>" + IDENT + r")\s*(RESTRICT|CASCADE)?",
                           re.IGNORECASE | re.DOTALL)
 _ADD_COLUMN = re.compile(r"ADD\s+(COLUMN\s+)?(IF\s+NOT\s+EXISTS\s+)?(?!(INDEX|KEY|FULLTEXT|SPATIAL|"
                          r"CONSTRAINT|UNIQUE|PRIMARY|FOREIGN|CHECK|PARTITION|PERIOD|SYSTEM)\b)"
@@ -54,6 +54,15 @@ _ADD_COLUMN = re.compile(r"ADD\s+(COLUMN\s+)?(IF\s+NOT\s+EXISTS\s+)?(?!(INDEX|KE
 # What an added column's definition may hold and still read NULL in every existing row.
 _FILLS_ROWS = re.compile(r"\b(DEFAULT\s+(?!NULL\b)|NOT\s+NULL|AUTO_INCREMENT|GENERATED|AS\s*\(|"
                          r"TIMESTAMP|SERIAL|PRIMARY|UNIQUE)", re.IGNORECASE)
+
+
+def dropped_columns(statement: str) -> tuple[str, ...]:
+    """The columns an ALTER TABLE drops (``DROP [COLUMN] [IF EXISTS] c``), unquoted: the only
+    columns a reconcile removes from a target, so a target's own columns (an operator's extra
+    columns on a table that existed before the changefeed) stay."""
+    clauses = alter_clauses(strip_comments(statement)) or []
+    found = (_DROP_COLUMN.fullmatch(c.strip()) for c in clauses)
+    return tuple(unquote(m.group("name")) for m in found if m is not None)
 
 
 def rename_role(ddl: DdlExecutedV1) -> Literal["unchanged", "renamed_away", "replaced"] | None:

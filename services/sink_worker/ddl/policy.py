@@ -8,7 +8,8 @@
   away are not applied; a reconcile keeps the target's columns the source no longer has
   (made nullable); a column rename (``RENAME COLUMN a TO b``, ``CHANGE a b ...``) adds the new
   column beside the old one and fills it from the old one in place, instead of copying the
-  table again. Any other DDL that copies the table again does so as under ``evolve``.
+  table again. Any other DDL that copies the table again keeps the target, widened where it
+  must be, with the kept columns' values (``initial_load.empty_for_recopy``).
 - ``ignore``: nothing is applied; rows are written with the columns the target has.
 - ``stop``: the table stops before the DDL with an incident; once an operator resumes it, that
   one DDL is applied as under ``evolve``. A DDL that changes nothing of the table (``ignore``)

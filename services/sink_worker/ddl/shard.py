@@ -55,6 +55,7 @@ from libs.shard_ddl.rerun import (
     rewrite_for_target,
 )
 from libs.streams import ROWS_STREAM, SHARD_DDL_OPS_SUBJECTS, SHARD_DDL_REPORT_SUBJECT
+from services.sink_worker.ddl.plan import dropped_columns
 from services.sink_worker.sinks.base import Sink, TargetTable
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ def rewritten(statement: str, database: str, table: str, target: Target) -> str:
         return statement
 
 
-def execute_on_target(sink: Sink, table: TargetTable, statements: Sequence[str]) -> list[str]:
+def execute_on_target(sink: Sink, table: TargetTable, statements: Sequence[str],
+                      drop: Sequence[str] | None = None) -> list[str]:
     """The owner's exec: bring the target to ``table`` (the shard's metadata after the DDL).
 
     MySQL/MariaDB targets run the DDL text rewritten to the target first, so what the metadata
@@ -88,7 +90,9 @@ def execute_on_target(sink: Sink, table: TargetTable, statements: Sequence[str])
     is checked with re-run detection against the target as it is, and "already applied" (a
     crash between executing and reporting done) counts as done, "unknown" fails the exec for an
     operator to look at. Every sink then reconciles the columns to the metadata, which is
-    idempotent. Returns what was recognised as already applied."""
+    idempotent, dropping only the columns the DDL drops (``drop``; default: those the
+    statements drop), so the target's own columns stay. Returns what was recognised as already
+    applied."""
     already: list[str] = []
     target = sink.statement_target()
     if target is not None:
@@ -102,8 +106,10 @@ def execute_on_target(sink: Sink, table: TargetTable, statements: Sequence[str])
                 if check.verdict != RerunVerdict.ALREADY_APPLIED:
                     raise RuntimeError(f"{exc!r}; re-run check: {check.verdict} ({check.reason})") from exc
                 already.append(sql)
+    if drop is None:
+        drop = [c for sql in statements for c in dropped_columns(sql)]
     sink.ensure_table(table)
-    sink.reconcile_schema(table)
+    sink.reconcile_schema(table, drop)
     return already
 
 

@@ -7,6 +7,8 @@ checks the target's schema again instead of trusting this memory.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from services.sink_worker.ddl.policy import as_target_has
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.sql_common import SqlSink
@@ -21,6 +23,9 @@ class TargetSchemas:
         self._reconcile_next: set[str] = set()
         # (sink url, schema, table) -> the target's column names (``fixed``: never altered).
         self._columns: dict[tuple[str, str | None, str], list[str]] = {}
+        # (sink url, schema, table) -> columns a DDL without metadata dropped: the next
+        # reconcile drops them (``drop_next``).
+        self._drops: dict[tuple[str, str | None, str], set[str]] = {}
 
     def ensure(self, sink: Sink, sink_url: str, table: TargetTable, *, reconcile: bool) -> None:
         """Create the target from the source schema when missing, and bring its columns to the
@@ -28,7 +33,9 @@ class TargetSchemas:
 
         Reconciling to the batch's metadata makes a replay from an older checkpoint converge:
         the target goes back to the schema those rows were written with, and the DDL after
-        them moves it forward again. Targets fed by several shards only get created here:
+        them moves it forward again. Only columns a DDL dropped are dropped (``drop_next``):
+        the others a target has beyond the metadata are its own (an operator's extra columns),
+        used as they are. Targets fed by several shards only get created here:
         shards may be at different schema versions, and reconciling to each in turn would
         flip columns back and forth (their DDL goes through the ddl-lock).
         """
@@ -38,7 +45,8 @@ class TargetSchemas:
             return
         sink.ensure_table(table)
         if reconcile:
-            sink.reconcile_schema(table)
+            sink.reconcile_schema(table, sorted(self._drops.get(cache_key, ())))
+            self._drops.pop(cache_key, None)
         self._known[cache_key] = meta_json
 
     def fixed(self, sink: SqlSink, sink_url: str, table: TargetTable) -> TargetTable:
@@ -50,6 +58,15 @@ class TargetSchemas:
             sink.ensure_table(table)
             names = self._columns[cache_key] = sink.target_columns(table) or []
         return as_target_has(table, names)
+
+    def drop_next(self, sink_url: str, schema: str | None, name: str, columns: Sequence[str]) -> None:
+        """A DDL without metadata (capture read it behind a later DDL) dropped ``columns``: the
+        target's next reconcile (its next batch) drops them. Kept in memory only: after a
+        restart they stay, as the target has them, until an operator drops them (a NOT NULL
+        one without a default then fails the table's writes, visibly)."""
+        if columns:
+            self._drops.setdefault((sink_url, schema, name), set()).update(columns)
+        self.forget(sink_url, schema, name)
 
     def forget(self, sink_url: str, schema: str | None, name: str) -> None:
         self._known.pop((sink_url, schema, name), None)

@@ -17,7 +17,7 @@ bytes, date, datetime, time as timedelta or str, JSON as str, None) by ``values.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -94,8 +94,11 @@ class Sink(ABC):
         """Create the target table from the source metadata when missing (idempotent)."""
 
     @abstractmethod
-    def reconcile_schema(self, table: TargetTable) -> list[str]:
-        """Bring the target's columns to ``table.meta`` (add/drop columns); return the SQL run.
+    def reconcile_schema(self, table: TargetTable, drop: Collection[str] = ()) -> list[str]:
+        """Bring the target's columns to ``table.meta``: add the missing ones, drop those of
+        ``drop`` (the columns a DDL dropped) it no longer has; return the SQL run. Other
+        columns the target has beyond the metadata are its own (an operator's extra columns)
+        and stay.
 
         This is how a single-shard DDL reaches the target: idempotent, so a crash between
         executing it and recording it re-runs it harmlessly.

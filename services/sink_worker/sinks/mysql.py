@@ -21,7 +21,7 @@ any unique key, which is the apply path's conflict delete plus upsert in one sta
 from __future__ import annotations
 
 import binascii
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from datetime import date, datetime, timedelta
 from decimal import Decimal
 from typing import Any, TypeVar
@@ -44,16 +44,25 @@ from libs.codec.decode import (
 )
 from libs.codec.table_shape import shape_from_rows
 from libs.mysql_connection import MySQLConnection
+from libs.target_definitions import mysql_definition_of
+from libs.target_fit import TargetDefinition, column_problem
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.shape_ddl import (
     index_changes,
     mysql_column_clauses,
     mysql_index_clause,
     mysql_table_options,
+    not_null,
     table_shape,
     target_indexes,
 )
-from services.sink_worker.sinks.sql_common import ByteEncoder, LiteralUpsert, SqlSink, source_text_files
+from services.sink_worker.sinks.sql_common import (
+    _KEY_PREFIX,
+    ByteEncoder,
+    LiteralUpsert,
+    SqlSink,
+    source_text_files,
+)
 from services.sink_worker.sinks.write_fence import FENCE_TABLE
 
 _SESSION_INIT = (
@@ -397,12 +406,7 @@ class MySQLSink(SqlSink):
 
     def ensure_table(self, table: TargetTable) -> None:
         statements = self.create_statements(table)
-
-        def work(cur: Any) -> None:
-            for sql in statements:
-                cur.execute(sql)
-
-        self._run(work, f"create {table.name!r}")
+        self._run(lambda cur: self._create_marked(cur, table, statements), f"create {table.name!r}")
 
     def _current(self, cur: Any, table: TargetTable) -> list[str] | None:
         cur.execute(
@@ -442,22 +446,20 @@ class MySQLSink(SqlSink):
             clauses.append(text)
         return clauses
 
-    def reconcile_schema(self, table: TargetTable) -> list[str]:
+    def reconcile_schema(self, table: TargetTable, drop: Collection[str] = ()) -> list[str]:
         self._validate(table)
+        named = {c.casefold() for c in drop}
 
         def work(cur: Any) -> list[str]:
             current = self._current(cur, table)
             if current is None:
-                statements = self.create_statements(table)
-                for sql in statements:
-                    cur.execute(sql)
-                return statements
+                return self._create_marked(cur, table, self.create_statements(table))
             # MySQL column names are case-insensitive: `Name` and `name` are one column.
             have = {c.casefold(): c for c in current}
             want = {c.name.casefold() for c in table.meta.columns}
             keep = {k.casefold() for k in table.key}
             actions: list[str] = []
-            drop = [c for f, c in have.items() if f not in want and f not in keep]
+            drop = [c for f, c in have.items() if f in named and f not in want and f not in keep]
             if drop and table.keep_columns:
                 actions += self._loosen(cur, table, drop)  # lenient: kept, nullable
                 drop = []
@@ -488,6 +490,43 @@ class MySQLSink(SqlSink):
             return done + self._sync_indexes(cur, table)
 
         return self._run(work, f"reconcile {table.name!r}")
+
+    def widen_in_place(self, table: TargetTable, types: Mapping[str, str]) -> list[str]:
+        self._validate(table)
+
+        def work(cur: Any) -> list[str]:
+            have = {n.casefold(): (n, t) for n, t in types.items()}
+            actions: list[str] = []
+            loose: list[str] = []
+            for column in table.meta.columns:
+                found = have.get(column.name.casefold())
+                if found is None:
+                    continue
+                if column_problem(column, found[1], self.dialect) is None:
+                    if not not_null(table, column):
+                        loose.append(found[0])
+                    continue
+                sql_type = self.column_type(table, column)
+                null = " NOT NULL" if not_null(table, column) else " NULL"
+                before, after = mysql_column_clauses(table, column, sql_type, added=True)
+                actions.append(f"MODIFY COLUMN {self.ident(found[0])} {sql_type}{before}{null}{after}")
+            actions += self._loosen(cur, table, loose) if loose else []
+            if not actions:
+                return []
+            sql = f"ALTER TABLE {self._table_ref(table)} " + ", ".join(actions)
+            cur.execute(sql)
+            return [sql]
+
+        return self._run(work, f"widen {table.name!r}")
+
+    def _definition(self, cur: Any, table: TargetTable) -> TargetDefinition | None:
+        return mysql_definition_of(cur, self._database(table), table.name)
+
+    def _restore_sql(self, table: TargetTable, kept: TargetTable, key: Sequence[str],
+                     cols: Sequence[str]) -> str:
+        on = " AND ".join(f"d.{self.ident(k)} = s.{self.ident(_KEY_PREFIX + k)}" for k in key)
+        sets = ", ".join(f"d.{self.ident(c)} = s.{self.ident(c)}" for c in cols)
+        return f"UPDATE {self._table_ref(table)} AS d JOIN {self._table_ref(kept)} AS s ON {on} SET {sets}"
 
     def _existing_indexes(self, cur: Any, table: TargetTable) -> list[IndexV1]:
         cur.execute(

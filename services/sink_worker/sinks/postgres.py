@@ -20,7 +20,7 @@ text for geometry, bytea's hex input otherwise).
 from __future__ import annotations
 
 import binascii
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -30,11 +30,14 @@ from psycopg.types.string import TextLoader
 from contracts.events.rows import ColumnV1
 from libs.codec.decode import postgis_type_for
 from libs.codec.geometry import internal_to_ewkb
+from libs.target_definitions import postgres_definition_of
+from libs.target_fit import TargetDefinition, column_problem
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.shape_ddl import (
     column_shapes,
     folds_case,
     missing_derived,
+    not_null,
     owned_index_drops,
     pg_collation_ref,
     pg_collation_statement,
@@ -210,10 +213,7 @@ class PostgresSink(SqlSink):
         return [sql for sql in found if sql is not None]
 
     def _create(self, cur: Any, table: TargetTable) -> list[str]:
-        statements = self.create_statements(table)
-        for sql in statements:
-            cur.execute(sql)
-        return statements
+        return self._create_marked(cur, table, self.create_statements(table))
 
     def _index_sync(self, cur: Any, table: TargetTable) -> list[str]:
         """Statements bringing the target's secondary indexes to the source's (when the
@@ -256,8 +256,10 @@ class PostgresSink(SqlSink):
         row = cur.fetchone()
         return [] if row and row[0] else None
 
-    def reconcile_schema(self, table: TargetTable) -> list[str]:
+    def reconcile_schema(self, table: TargetTable, drop: Collection[str] = ()) -> list[str]:
         self._validate(table)
+        # Named by a MySQL statement, whose column names are case-insensitive.
+        named = {c.casefold() for c in drop}
 
         def work(cur: Any) -> list[str]:
             current = self._current(cur, table)
@@ -266,7 +268,7 @@ class PostgresSink(SqlSink):
             want = {c.name for c in table.meta.columns}
             keep = set(table.key)
             # DROP COLUMN also drops the unique constraints that use it, as the source did.
-            gone = [c for c in current if c not in want and c not in keep]
+            gone = [c for c in current if c.casefold() in named and c not in want and c not in keep]
             # lenient keeps them, nullable (DROP NOT NULL on a nullable column is a no-op).
             actions = ([f"ALTER COLUMN {self.ident(c)} DROP NOT NULL" for c in gone] if table.keep_columns
                        else [f"DROP COLUMN {self.ident(c)}" for c in gone])
@@ -286,6 +288,37 @@ class PostgresSink(SqlSink):
             return statements
 
         return self._run(work, f"reconcile {table.name!r}", self._retryable_ddl)
+
+    def _definition(self, cur: Any, table: TargetTable) -> TargetDefinition | None:
+        return postgres_definition_of(cur, table.schema or "public", table.name)
+
+    def widen_in_place(self, table: TargetTable, types: Mapping[str, str]) -> list[str]:
+        self._validate(table)
+
+        def work(cur: Any) -> list[str]:
+            actions: list[str] = []
+            for column in table.meta.columns:
+                found = types.get(column.name)
+                if found is None:
+                    continue
+                name = self.ident(column.name)
+                if column_problem(column, found, self.dialect) is not None:
+                    # The target is empty (a re-copy emptied it): no value needs converting.
+                    sql_type = self.column_type(table, column)
+                    actions += [f"ALTER COLUMN {name} DROP DEFAULT",
+                                f"ALTER COLUMN {name} TYPE {sql_type} USING NULL::{sql_type}"]
+                    _, after = self._column_clauses(table, column, sql_type)
+                    if after:
+                        actions.append(f"ALTER COLUMN {name} SET{after}")
+                if not not_null(table, column):
+                    actions.append(f"ALTER COLUMN {name} DROP NOT NULL")
+            if not actions:
+                return []
+            sql = f"ALTER TABLE {self._table_ref(table)} " + ", ".join(actions)
+            cur.execute(sql)
+            return [sql]
+
+        return self._run(work, f"widen {table.name!r}", self._retryable_ddl)
 
     # ------------------------------------------------------------------ DML
 

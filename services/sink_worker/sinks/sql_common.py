@@ -28,6 +28,7 @@ idempotent, so re-running a partition from the start is always safe.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import operator
 import random
@@ -39,16 +40,21 @@ from typing import Any, TypeVar
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
-from contracts.events.rows import ColumnV1
+from contracts.events.rows import ColumnV1, TableMetaV1
 from libs.codec.decode import normalize_fetched, sql_type_for
 from libs.dburl import DatabaseUrl, parse_database_url
 from libs.sql_ident import quote_ident
+from libs.target_fit import TargetDefinition
 from services.sink_worker.sinks.base import Change, Delete, PartitionResult, Sink, TargetTable, Upsert
 from services.sink_worker.sinks.shape_ddl import not_null, unnamed_unique_keys
 from services.sink_worker.sinks.unique_guard import ConflictGuard, UniqueConflict, UniqueConflictError
 from services.sink_worker.sinks.write_fence import FENCE_TABLE, WriteFence, WriteFenceLost
 
 log = logging.getLogger("sluice.sink")
+
+_KEY_PREFIX = "sluice_key__"
+MADE_TABLE = "sluice_made_targets"
+"""Per downstream schema: the targets Sluice created (``SqlSink.made_by_sluice``)."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +190,12 @@ class SqlSink(Sink):
 
     def drop_table(self, table: TargetTable) -> None:
         sql = f"DROP TABLE IF EXISTS {self._table_ref(table)}"
-        self._run(lambda cur: cur.execute(sql), f"drop {table.name!r}")
+
+        def work(cur: Any) -> None:
+            cur.execute(sql)
+            self._unmark(cur, table)
+
+        self._run(work, f"drop {table.name!r}")
 
     def truncate_table(self, table: TargetTable) -> None:
         sql = f"{self.truncate_verb} {self._table_ref(table)}"
@@ -210,6 +221,120 @@ class SqlSink(Sink):
                 cur.execute(f"UPDATE {self._table_ref(table)} SET {sets}")
 
         self._run(work, f"fill renamed columns of {table.name!r}")
+
+    # ------------------------------------------------------------------ targets Sluice made
+
+    def _made_table(self, table: TargetTable) -> TargetTable:
+        return TargetTable(schema=table.schema, name=MADE_TABLE,
+                           meta=TableMetaV1(columns=[], primary_key=[]), key=())
+
+    def _create_marked(self, cur: Any, table: TargetTable, statements: Sequence[str]) -> list[str]:
+        """Run ``statements`` (the CREATE ... IF NOT EXISTS of ``table``) and, when they made
+        the table, record it in ``sluice_made_targets``: a target without that record existed
+        before (an operator's own) and is used as it is (``made_by_sluice``). A crash between
+        the CREATE and the record leaves a Sluice table that counts as an operator's: kept as it
+        is, never wrong."""
+        new = not self._current(cur, table)
+        for sql in statements:
+            cur.execute(sql)
+        if new:
+            made = self._made_table(table)
+            cur.execute(f"CREATE TABLE IF NOT EXISTS {self._table_ref(made)}"
+                        " (table_name VARCHAR(255) NOT NULL PRIMARY KEY)")
+            ref = self._table_ref(made, for_params=True)
+            cur.execute(f"DELETE FROM {ref} WHERE table_name = {self.placeholder}", (table.name,))
+            cur.execute(f"INSERT INTO {ref} (table_name) VALUES ({self.placeholder})", (table.name,))
+        return list(statements)
+
+    def _unmark(self, cur: Any, table: TargetTable) -> None:
+        if self._current(cur, self._made_table(table)):
+            ref = self._table_ref(self._made_table(table), for_params=True)
+            cur.execute(f"DELETE FROM {ref} WHERE table_name = {self.placeholder}", (table.name,))
+
+    def made_by_sluice(self, table: TargetTable) -> bool:
+        """Whether Sluice created the target (its ``sluice_made_targets`` record), rather than
+        finding it there (an operator's table, or one of a Sluice from before the record)."""
+        def work(cur: Any) -> bool:
+            if not self._current(cur, self._made_table(table)):
+                return False
+            ref = self._table_ref(self._made_table(table), for_params=True)
+            cur.execute(f"SELECT 1 FROM {ref} WHERE table_name = {self.placeholder}", (table.name,))
+            return cur.fetchone() is not None
+
+        return self._run(work, f"who made {table.name!r}")
+
+    # ------------------------------------------------------------------ a target kept as it is
+
+    def _kept_table(self, table: TargetTable) -> TargetTable:
+        name = f"sluice_kept__{table.name}"
+        if len(name) > 60:  # MySQL names stop at 64 characters
+            name = name[:51] + "_" + hashlib.sha256(table.name.encode()).hexdigest()[:8]
+        return TargetTable(schema=table.schema, name=name, meta=TableMetaV1(columns=[], primary_key=[]),
+                           key=())
+
+    def save_columns(self, table: TargetTable, key: Sequence[str], names: Sequence[str]) -> None:
+        """Copy ``key`` (as ``sluice_key__<column>``) and ``names`` of every row into a side
+        table, for ``restore_columns`` once a re-copy has emptied and filled the target again.
+        A side table already there is the save of an earlier run of the same re-copy (the target
+        may be half copied since): kept as it is."""
+        kept = self._kept_table(table)
+
+        def work(cur: Any) -> None:
+            if self._current(cur, kept):
+                return
+            cols = ", ".join([*(f"{self.ident(k)} AS {self.ident(_KEY_PREFIX + k)}" for k in key),
+                              *(self.ident(c) for c in names)])
+            cur.execute(f"CREATE TABLE {self._table_ref(kept)} AS SELECT {cols}"
+                        f" FROM {self._table_ref(table)}")
+
+        self._run(work, f"save columns of {table.name!r}")
+
+    def restore_columns(self, table: TargetTable) -> int:
+        """Put the saved columns (``save_columns``) back into the rows of the same key, then drop
+        the side table; idempotent, and nothing to do without one. Returns the rows restored."""
+        kept = self._kept_table(table)
+
+        def work(cur: Any) -> int:
+            saved = self._current(cur, kept)
+            if not saved:
+                return 0
+            have = {c.casefold() for c in self._current(cur, table) or []}
+            key = [c[len(_KEY_PREFIX):] for c in saved if c.startswith(_KEY_PREFIX)]
+            cols = [c for c in saved if not c.startswith(_KEY_PREFIX) and c.casefold() in have]
+            restored = 0
+            if key and cols and all(k.casefold() in have for k in key):
+                cur.execute(self._restore_sql(table, kept, key, cols))
+                restored = max(int(cur.rowcount or 0), 0)
+            else:
+                log.warning("re-copy: saved columns %s of %r not restored (the key or the columns "
+                            "are gone from the target)", cols, table.name)
+            cur.execute(f"DROP TABLE IF EXISTS {self._table_ref(kept)}")
+            return restored
+
+        return self._run(work, f"restore columns of {table.name!r}")
+
+    def _restore_sql(self, table: TargetTable, kept: TargetTable, key: Sequence[str],
+                     cols: Sequence[str]) -> str:
+        """PostgreSQL: UPDATE ... FROM."""
+        on = " AND ".join(f"d.{self.ident(k)} = s.{self.ident(_KEY_PREFIX + k)}" for k in key)
+        sets = ", ".join(f"{self.ident(c)} = s.{self.ident(c)}" for c in cols)
+        return f"UPDATE {self._table_ref(table)} AS d SET {sets} FROM {self._table_ref(kept)} AS s WHERE {on}"
+
+    def definition(self, table: TargetTable) -> TargetDefinition | None:
+        """The target as the downstream's catalog has it (``libs.target_definitions``), read
+        on the sink's own connection (its TLS and options)."""
+        return self._run(lambda cur: self._definition(cur, table), f"definition of {table.name!r}")
+
+    @abstractmethod
+    def _definition(self, cur: Any, table: TargetTable) -> TargetDefinition | None: ...
+
+    def widen_in_place(self, table: TargetTable, types: Mapping[str, str]) -> list[str]:
+        """Bring an existing, emptied target to hold ``table``'s rows without re-creating it:
+        each column whose type (``types``, as the catalog spells it) cannot hold the source's
+        values takes the sink's own type for it, and a NOT NULL column the source lets be NULL
+        becomes nullable. Everything else of the target stays (extra columns, wider types,
+        partitioning, its own indexes). Returns the SQL run."""
+        raise NotImplementedError(f"{type(self).__name__} cannot change a column in place")
 
     @abstractmethod
     def _current(self, cur: Any, table: TargetTable) -> list[str] | None:

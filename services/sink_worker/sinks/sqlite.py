@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import re
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import date, datetime, timedelta
 from decimal import Decimal, localcontext
 from pathlib import Path
@@ -39,18 +39,21 @@ from libs.codec.decode import (
     sql_type_for,
 )
 from libs.codec.geometry import internal_to_ewkb
+from libs.target_definitions import sqlite_definition_of
+from libs.target_fit import TargetDefinition
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.shape_ddl import (
     column_shapes,
     folds_case,
     missing_derived,
+    not_null,
     owned_index_drops,
     sqlite_default,
     sqlite_index_statement,
     table_shape,
     target_indexes,
 )
-from services.sink_worker.sinks.sql_common import SqlSink
+from services.sink_worker.sinks.sql_common import _KEY_PREFIX, SqlSink
 from services.sink_worker.sinks.write_fence import FENCE_TABLE
 
 _BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
@@ -174,38 +177,32 @@ class SQLiteSink(SqlSink):
 
     def ensure_table(self, table: TargetTable) -> None:
         statements = self.create_statements(table)
-
-        def work(cur: Any) -> None:
-            for sql in statements:
-                cur.execute(sql)
-
-        self._run(work, f"create {table.name!r}")
+        self._run(lambda cur: self._create_marked(cur, table, statements), f"create {table.name!r}")
 
     def _current(self, cur: Any, table: TargetTable) -> list[str] | None:
         cur.execute("SELECT name FROM pragma_table_info(?)", (table.name,))
         names = [str(r[0]) for r in cur.fetchall()]
         return names or None
 
-    def reconcile_schema(self, table: TargetTable) -> list[str]:
+    def reconcile_schema(self, table: TargetTable, drop: Collection[str] = ()) -> list[str]:
         self._validate(table)
+        named = {c.casefold() for c in drop}
 
         def work(cur: Any) -> list[str]:
             current = self._current(cur, table)
             if current is None:
-                created = self.create_statements(table)
-                for sql in created:
-                    cur.execute(sql)
-                return created
+                return self._create_marked(cur, table, self.create_statements(table))
             # SQLite column names are case-insensitive, like MySQL's.
             have = {c.casefold() for c in current}
             want = {c.name.casefold() for c in table.meta.columns}
             keep = {k.casefold() for k in table.key}
-            drop = [c for c in current if c.casefold() not in want and c.casefold() not in keep]
+            drop = [c for c in current
+                    if c.casefold() in named and c.casefold() not in want and c.casefold() not in keep]
             loosened: list[str] = []
             if drop and table.keep_columns:
                 loosened = self._loosen(cur, table, drop)  # lenient: kept, nullable (run already)
             elif drop:
-                return self._rebuild(cur, table, current)
+                return self._rebuild(cur, table, current, drop)
             statements = [f"ALTER TABLE {self._table_ref(table)} ADD COLUMN {self.ident(c.name)} "
                           f"{sql_type}{''.join(self._column_clauses(table, c, sql_type))}"
                           for c in table.meta.columns if c.name.casefold() not in have
@@ -216,6 +213,26 @@ class SQLiteSink(SqlSink):
             return loosened + statements
 
         return self._run(work, f"reconcile {table.name!r}")
+
+    def _definition(self, cur: Any, table: TargetTable) -> TargetDefinition | None:
+        return sqlite_definition_of(cur, table.name)
+
+    def widen_in_place(self, table: TargetTable, types: Mapping[str, str]) -> list[str]:
+        """SQLite columns take any value of any type: only a NOT NULL the source does not have
+        goes (``_loosen``: the table rebuilt from its own definition)."""
+        self._validate(table)
+        loose = [c.name for c in table.meta.columns if c.name.casefold() in {n.casefold() for n in types}
+                 and not not_null(table, c)]
+        return self._run(lambda cur: self._loosen(cur, table, loose) if loose else [],
+                         f"widen {table.name!r}")
+
+    def _restore_sql(self, table: TargetTable, kept: TargetTable, key: Sequence[str],
+                     cols: Sequence[str]) -> str:
+        # SQLite's UPDATE ... FROM names the updated table by its own name, not an alias.
+        ref = self._table_ref(table)
+        on = " AND ".join(f"{ref}.{self.ident(k)} = s.{self.ident(_KEY_PREFIX + k)}" for k in key)
+        sets = ", ".join(f"{self.ident(c)} = s.{self.ident(c)}" for c in cols)
+        return f"UPDATE {ref} SET {sets} FROM {self._table_ref(kept)} AS s WHERE {on}"
 
     def _index_sync(self, cur: Any, table: TargetTable) -> list[str]:
         """Statements bringing the target's secondary indexes to the source's (when the
@@ -260,15 +277,28 @@ class SQLiteSink(SqlSink):
             cur.execute(sql)
         return statements
 
-    def _rebuild(self, cur: Any, table: TargetTable, current: Sequence[str]) -> list[str]:
+    def _rebuild(self, cur: Any, table: TargetTable, current: Sequence[str],
+                 drop: Sequence[str]) -> list[str]:
         """Drop columns by copying into a new table: SQLite's DROP COLUMN refuses columns that an
-        index or UNIQUE constraint uses, and rewrites the whole table anyway."""
+        index or UNIQUE constraint uses, and rewrites the whole table anyway. The target's own
+        columns (neither the source's nor dropped) come along with their type and default."""
         temp = f"{table.name}__sluice_rebuild"
         have = {c.casefold() for c in current}
-        common = ", ".join(self.ident(c.name) for c in table.meta.columns if c.name.casefold() in have)
+        want = {c.name.casefold() for c in table.meta.columns}
+        gone = {c.casefold() for c in drop}
+        cur.execute("SELECT name, type, \"notnull\", dflt_value FROM pragma_table_info(?)", (table.name,))
+        extra = [(str(n), str(t or ""), bool(nn), d) for n, t, nn, d in cur.fetchall()
+                 if str(n).casefold() not in want and str(n).casefold() not in gone]
+        # ADD COLUMN takes NOT NULL only with a default.
+        add = [f"ALTER TABLE {self.ident(temp)} ADD COLUMN {self.ident(n)} {t}"
+               + (f" DEFAULT {d}" if d is not None else "") + (" NOT NULL" if nn and d is not None else "")
+               for n, t, nn, d in extra]
+        common = ", ".join([*(self.ident(c.name) for c in table.meta.columns if c.name.casefold() in have),
+                            *(self.ident(n) for n, _, _, _ in extra)])
         statements = [
             f"DROP TABLE IF EXISTS {self.ident(temp)}",
             *self.create_statements(table, name=temp),
+            *add,
             f"INSERT INTO {self.ident(temp)} ({common}) SELECT {common} FROM {self._table_ref(table)}",
             f"DROP TABLE {self._table_ref(table)}",
             f"ALTER TABLE {self.ident(temp)} RENAME TO {self._table_ref(table)}",

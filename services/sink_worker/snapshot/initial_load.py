@@ -47,11 +47,13 @@ from libs.scheduling.model import Span
 from libs.sql_ident import quote_ident
 from libs.streams import ROWS_STREAM, SNAPSHOT_BUCKET, token
 from libs.table_rules import TableRulesError, rules_for
+from libs.target_fit import fit_problems
 from libs.ts import LOGICAL_BITS
 from services.sink_worker import metrics as m
 from services.sink_worker.round.pull import ResolvedMark, latest_resolved
-from services.sink_worker.sinks.base import TargetTable
+from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.factory import open_sink
+from services.sink_worker.sinks.sql_common import SqlSink
 from services.sink_worker.sinks.write_fence import WriteFences
 from services.sink_worker.snapshot.job import (
     CopyJob,
@@ -73,7 +75,60 @@ log = logging.getLogger(__name__)
 
 class UncopyableTable(ValueError):
     """The table cannot be copied as the changefeed says (a column type capture does not carry,
-    computed columns): no retry fixes it."""
+    computed columns, an existing target that cannot hold the rows): no retry fixes it."""
+
+
+def empty_for_recopy(req: SnapshotRequest, sink: Sink, target: TargetTable) -> None:
+    """Empty the target before a re-copy's first chunk.
+
+    A target Sluice created is dropped (``ensure_table`` makes it again from the source's
+    metadata, exactly as the source now is). A target that existed before the changefeed (an
+    operator's: partitioned, extra columns, wider types) and, under ``schema_change_policy =
+    lenient``, any target, is kept and emptied instead: the columns the DDL dropped go (lenient:
+    they stay, nullable), missing ones are added, a column that cannot hold the source's new
+    type takes the sink's type for it, and the rest stays as it is. The columns the source does
+    not have keep their values (a side table holds them until the copy is done: ``DdlBarrier``
+    restores them). If the kept target still cannot hold the rows (a key changed), an
+    operator's target stops the span naming the column or key; a lenient Sluice-made one is
+    dropped and made again, losing the columns lenient kept."""
+    if not isinstance(sink, SqlSink):
+        sink.drop_table(target)
+        return
+    found = sink.definition(target)
+    if found is None:
+        return
+    made = sink.made_by_sluice(target)
+    if made and not req.keep_target:
+        sink.drop_table(target)
+        return
+    target = replace(target, keep_columns=req.keep_target)
+    want = {c.name.casefold() for c in target.meta.columns}
+    drops = set() if req.keep_target else {c.casefold() for c in req.recopy_drops}
+    names = [c.name for c in found.columns]
+    have = {n.casefold(): n for n in names}
+    keep = [n for n in names if n.casefold() not in want and n.casefold() not in drops]
+    if keep and all(k.casefold() in have for k in target.key):
+        sink.save_columns(target, [have[k.casefold()] for k in target.key], keep)
+    sink.truncate_table(target)
+    sink.reconcile_schema(target, req.recopy_drops)
+    now = sink.definition(target)
+    if now is not None:
+        sink.widen_in_place(target, {c.name: c.sql_type for c in now.columns})
+        now = sink.definition(target)
+    problems = fit_problems(target.meta, target.key, now, sink.dialect) if now is not None else []
+    if not problems:
+        log.info("re-copy keeps the existing target", extra={
+            "span": req.span.name, "target": target.name, "kept_columns": keep, "made_by_sluice": made})
+        return
+    if made:
+        log.warning("re-copy: the kept target cannot hold the rows after the DDL; made again, "
+                    "without the columns lenient kept", extra={"span": req.span.name, "problems": problems})
+        sink.restore_columns(target)  # drops the side table: nothing to put back into a new table
+        sink.drop_table(target)
+        return
+    raise UncopyableTable(f"the existing target {target.name!r} cannot hold the table's rows after the "
+                          f"DDL: {'; '.join(problems)}; change the target (or drop it to have Sluice "
+                          "create it) and resume")
 
 
 UNREPLICABLE = (KeylessTableError, TableRulesError, UncopyableTable)
@@ -177,6 +232,12 @@ class SnapshotRequest:
     the first chunk, and a table the source no longer has leaves no target."""
     case_insensitive: bool = False
     """The changefeed's ``text_comparison`` is ``case_insensitive`` (``span.target_for``)."""
+    recopy_drops: tuple[str, ...] = ()
+    """A re-copy: the columns its DDL drops or renames away (an existing target kept as it is
+    loses only those: ``empty_for_recopy``)."""
+    keep_target: bool = False
+    """A re-copy under ``schema_change_policy = lenient``: the target is kept, with the columns
+    the source no longer has and their values."""
 
     @property
     def progress_key(self) -> str:
@@ -395,7 +456,7 @@ class InitialLoads:
         if req.recopy_of is not None and not progress.done:
             # Nothing copied yet: empty the target, so no row of the name's former table (or of
             # its former shape) survives. Once a chunk is done, the target holds the copy.
-            sink.drop_table(target)
+            empty_for_recopy(req, sink, target)
         sink.ensure_table(target)
         if req.shards == 1:
             # As the stream does for a single-shard target: columns follow the source's metadata.
