@@ -83,6 +83,8 @@ BENCHES = (
     Bench("bench_shard_ddl", "Shard DDL coordination", (), ("--rounds", "1")),
     Bench("bench_spark_start", "A local Spark driver's start with and without the class archive", (),
           ("--pairs", "1")),
+    Bench("bench_system_start", "A whole system's start and stop: CPU of every service beside bare "
+          "interpreters", (), ("--repeat", "1")),
     Bench("bench_snapshot", "Initial load against LOAD DATA and COPY", ("--rows", "500000"),
           ("--rows", "50000", "--chunk-rows", "10000")),
     Bench("bench_capture_drain", "Capture drain of a sysbench backlog beside the binlog library's parse-only "
@@ -102,7 +104,8 @@ BENCHES = (
 )
 # Heavy multi-process benchmarks last: a failure there should not cost the quick ones.
 RUN_ORDER = ("bench_scheduling", "bench_rebuild", "bench_rebuild_memory", "bench_shard_ddl",
-             "bench_spark_start", "bench_snapshot", "bench_capture_drain", "apply", "bench_failover",
+             "bench_spark_start", "bench_system_start", "bench_snapshot", "bench_capture_drain", "apply",
+             "bench_failover",
              "bench_large_txn", "bench_e2e", "bench_e2e_shared", "bench_tables", "bench_oltp")
 
 
