@@ -42,8 +42,10 @@ pytestmark = pytest.mark.integration
 
 ROWS = 100_000
 # The lease is trusted for 0.8 * 1.5 s after a renew sent every 0.5 s: a stall under 0.7 s
-# cannot cost it, whatever its cause.
-MAX_STALL_S = 0.5
+# cannot cost it, whatever its cause. Before the pipeline yielded, stalls here passed it and
+# the lease was lost; with it, 0.13-0.58 s (the GC's full collections, stretched by the busy
+# cores: BENCHMARKS.md).
+MAX_STALL_S = 0.7
 # The loss was seen on a loaded 2-core machine: this many busy processes compete with capture
 # for the cores while it reads the transaction, whatever else the machine runs.
 BUSY_PROCESSES = 2
