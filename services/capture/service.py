@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import time
 from typing import Any
@@ -558,6 +559,12 @@ class Capture:
 
 
 async def main(runtime: ServiceRuntime) -> None:
+    # The cyclic GC's full collections walk every tracked object and hold the GIL throughout,
+    # from whichever thread allocates (the reader's unpickling thread, mostly): during a large
+    # transaction they come every few batches, and walking the start-up heap too made the
+    # longest one 0.26 s instead of 0.17 s with no load (BENCHMARKS.md). That heap lives as long
+    # as the process: out of the collector's walk, it walks only the transaction's objects.
+    gc.freeze()
     capture = Capture(runtime.settings, runtime.nc.jetstream(), producer=runtime.producer,
                       status=runtime.status, stopping=runtime.stopping)
     runtime.add_ready_check("capture", capture.ready)
