@@ -42,10 +42,12 @@ pytestmark = pytest.mark.integration
 
 ROWS = 100_000
 # The lease is trusted for 0.8 * 1.5 s after a renew sent every 0.5 s: a stall under 0.7 s
-# cannot cost it, whatever its cause. Before the pipeline yielded, stalls here passed it and
-# the lease was lost; with it, 0.13-0.58 s (the GC's full collections, stretched by the busy
-# cores: BENCHMARKS.md).
-MAX_STALL_S = 0.7
+# cannot cost it, one past the whole trust window always does. Before the pipeline yielded,
+# stalls here passed it and the lease was lost; with it, 0.13-0.58 s (the GC's full collections,
+# stretched by the busy cores: BENCHMARKS.md). The property is the lease kept (asserted below);
+# the stall bound is the window itself, so a slower machine's longer GC pause that the lease
+# survives does not fail the test, and one that it cannot survive is named.
+MAX_STALL_S = 1.2
 # The loss was seen on a loaded 2-core machine: this many busy processes compete with capture
 # for the cores while it reads the transaction, whatever else the machine runs.
 BUSY_PROCESSES = 2
