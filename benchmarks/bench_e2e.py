@@ -792,16 +792,7 @@ async def main_async(args: argparse.Namespace) -> int:
     run = Run(system, rec, out, args, spark)
 
     def targets() -> dict[str, int]:
-        pids = {}
-        for name, proc in list(system.processes.items()):
-            if proc.alive() and proc.proc is not None:
-                pids[name] = proc.proc.pid
-        if system.nats is not None and system.nats.proc is not None:
-            pids["nats-server"] = system.nats.proc.pid
-        for label, db in (("MariaDB source", system.source_dbs[0] if system.source_dbs else None),
-                          ("MariaDB downstream", system.downstream_db)):
-            if isinstance(db, MariaDB) and db.proc is not None:
-                pids[label] = db.proc.pid
+        pids = system.process_pids()
         if connect is not None and connect.processes and connect.processes[0].proc is not None:
             pids[SPARK_CONNECT] = connect.processes[0].proc.pid
         return pids

@@ -240,17 +240,7 @@ async def main_async(args: argparse.Namespace) -> int:
     rec = Recorder()
     watch = LoadWatch()
 
-    def roots() -> dict[str, int]:
-        pids = {n: p.proc.pid for n, p in list(system.processes.items()) if p.alive() and p.proc is not None}
-        if system.nats is not None and system.nats.proc is not None:
-            pids["nats-server"] = system.nats.proc.pid
-        for label, db in (("MariaDB source", system.source_dbs[0] if system.source_dbs else None),
-                          ("MariaDB downstream", system.downstream_db)):
-            if isinstance(db, MariaDB) and db.proc is not None:
-                pids[label] = db.proc.pid
-        return pids
-
-    memory = MemorySampler(roots, _part, interval=1.0, on_error=lambda exc: None)
+    memory = MemorySampler(system.process_pids, _part, interval=1.0, on_error=lambda exc: None)
     tag = f"{args.tables:,} tables, {args.workers} sink-workers"
     try:
         _say(f"starting nats-server, MariaDB source and downstream (load {_load()})")
@@ -339,7 +329,7 @@ async def main_async(args: argparse.Namespace) -> int:
         # --- idle ------------------------------------------------------------------------------
         _say(f"idle: settling {args.settle_s:.0f} s, then CPU over {args.idle_s:.0f} s")
         await asyncio.sleep(args.settle_s)  # the figure is of a system left alone: that is the wait
-        pids = roots()
+        pids = system.process_pids()
         children = children_by_parent()
         before = {n: tree_cpu(pid, children) for n, pid in pids.items()}
         t_idle = time.perf_counter()

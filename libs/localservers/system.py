@@ -151,6 +151,18 @@ class LocalSystem:
         env = {"SLUICE_SINK_STANDALONE": str(self.standalone_workers).lower(), **self.worker_env}
         return self._start(f"sink-worker-{n}", "services.sink_worker", env)
 
+    def process_pids(self) -> dict[str, int]:
+        """The pid of every live service process by name, of the nats-server, of the first source
+        and of a MariaDB downstream: the roots a benchmark samples memory and CPU under."""
+        pids = {n: p.proc.pid for n, p in list(self.processes.items()) if p.alive() and p.proc is not None}
+        if self.nats is not None and self.nats.proc is not None:
+            pids["nats-server"] = self.nats.proc.pid
+        for label, db in (("MariaDB source", self.source_dbs[0] if self.source_dbs else None),
+                          ("MariaDB downstream", self.downstream_db)):
+            if isinstance(db, MariaDB) and db.proc is not None:
+                pids[label] = db.proc.pid
+        return pids
+
     def wait_healthy(self, timeout: float = 90) -> None:
         for proc in self.processes.values():
             proc.wait_healthy(timeout)

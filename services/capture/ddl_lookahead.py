@@ -55,6 +55,10 @@ def ddl_of(position: Position, info: str) -> AheadDdl | None:
     """The DDL of a Query event as ``SHOW BINLOG EVENTS`` spells it ("use `db`; statement")."""
     match = _USE.match(info)
     schema, query = (match.group(1).replace("``", "`"), match.group(2)) if match else ("", info)
+    return _ahead(position, query, schema)
+
+
+def _ahead(position: Position, query: str, schema: str) -> AheadDdl | None:
     stmt = classify(query, schema)
     if stmt.kind == "ddl":
         return AheadDdl(position, frozenset(stmt.tables))
@@ -240,9 +244,4 @@ def _query_ddl(at: Position, data: bytes, checksum: int) -> AheadDdl | None:
     p += _QUERY_POST.size + status_length
     schema = data[p:p + schema_length].decode("utf-8", "replace")
     query = data[p + schema_length + 1:len(data) - checksum].decode("utf-8", "replace")
-    stmt = classify(query, schema)
-    if stmt.kind == "ddl":
-        return AheadDdl(at, frozenset(stmt.tables))
-    if stmt.kind == "drop_database":
-        return AheadDdl(at, database=stmt.database)
-    return None
+    return _ahead(at, query, schema)
