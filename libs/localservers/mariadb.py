@@ -33,7 +33,6 @@ from typing import Any
 import pymysql
 
 from libs.localservers.common import find_binary, free_port, wait_until
-from libs.mysql_connection import connect as mysql_connect
 
 _SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/usr/local/mysql/bin", "/usr/local/bin")
 # sun_path is 108 bytes on Linux; keep a margin.
@@ -243,7 +242,7 @@ class MariaDB:
         if database is not None:
             params["database"] = database
         params.update(kwargs)
-        return mysql_connect(**params)
+        return pymysql.connect(**params)
 
     def execute(self, *statements: str, database: str | None = None) -> list[tuple[Any, ...]]:
         """Run statements on a fresh connection; returns the rows of the last one."""
