@@ -336,3 +336,27 @@ async def test_a_reread_cuts_where_the_stored_messages_after_its_mark_were_cut()
         if i == 0:
             plain = await _drain_batched(rest, start, 9, window=16, resolve_every_s=3600)
             assert _messages(plain)[:len(stored)] != messages[at:stored_to]
+
+
+@pytest.mark.parametrize(("kinds", "version"), [(("int", "string"), 3), (("int", "geometry"), 4)])
+def test_a_message_of_one_part_is_v3_unless_its_table_has_a_spatial_column(
+        kinds: tuple[str, ...], version: int) -> None:
+    """``geometry`` came with rows.changed v4: a one-part message of a spatial table is v4 by
+    both encoders (the fast one and the registry's, which follows the event's class), any other
+    stays v3 for readers older than batching."""
+    from contracts.events.rows import ColumnV1, RowImageV2, SourcePositionV1, TableMetaV2
+    from contracts.registry import REGISTRY
+    from services.capture.pipeline import one_part_version
+
+    point = "5hAAAAEBAAAAAAAAAAAA8D8AAAAAAAAAQA=="
+    meta = TableMetaV2(columns=[ColumnV1(name=f"c{i}", kind=k, sql_type="point" if k == "geometry" else "int")
+                                for i, k in enumerate(kinds)], primary_key=["c0"])
+    after = {"c0": 1, "c1": point if "geometry" in kinds else "x"}
+    event = one_part_version(meta)(
+        source="s", database="d", table="t", ts=5 << 18, seq=1, part=0, last_part=True,
+        position=SourcePositionV1(binlog_file="binlog.000001", binlog_pos=4), meta=meta,
+        rows=[RowImageV2(op="insert", after=after, ordinal=0)])
+    fast = REGISTRY.decode(encode_rows(event, producer="capture/s", epoch=1, event_id="s:1"))
+    slow = REGISTRY.decode(REGISTRY.encode(event, producer="capture/s", epoch=1, event_id="s:1"))
+    assert fast.original_version == slow.original_version == version
+    assert fast.event == slow.event and fast.event.rows[0].after == after  # type: ignore[attr-defined]

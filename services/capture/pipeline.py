@@ -77,6 +77,7 @@ from services.capture.binlog_reader import (
 )
 from services.capture.ddl_lookahead import AheadDdl, DdlIndex, list_ddl
 from services.capture.publisher import MessageTooLarge, Publisher
+from services.capture.rows_encode import has_geometry
 from services.capture.source import current_position
 from services.capture.ts_clock import TsClock, wall_ms
 from services.capture.xa import PreparedXa, XaBook, XaResume, XaStatement, canonical_xid, parse_xa
@@ -1054,7 +1055,7 @@ M = TypeVar("M", bound=BaseModel)
 def one_part_version(meta: TableMetaV1) -> type[RowsChangedV3]:
     """The version of a message of one transaction part: v3, which readers older than batching
     read, unless the table has a spatial column (the ``geometry`` kind came with v4)."""
-    return RowsChangedV4 if any(c.kind == "geometry" for c in meta.columns) else RowsChangedV3
+    return RowsChangedV4 if has_geometry(meta) else RowsChangedV3
 
 
 def _construct(model: type[M], values: dict[str, Any]) -> M:

@@ -27,22 +27,25 @@ _BATCH_VERSION = REGISTRY.key_of(RowsChangedV4)[1]
 _MAX_METAS = 1024
 
 # id(meta) -> (meta, its JSON-ready dump); the meta is kept so its id cannot be reused.
-_metas: dict[int, tuple[TableMetaV1, dict[str, Any]]] = {}
+_metas: dict[int, tuple[TableMetaV1, dict[str, Any], bool]] = {}
 
 
-def _meta(meta: TableMetaV1) -> dict[str, Any]:
+def _cached(meta: TableMetaV1) -> tuple[TableMetaV1, dict[str, Any], bool]:
     # Fields at their defaults are left out (a shape's empty comments, absent prefixes, ...):
     # they decode to the same values, and every consumer parses the metadata of every message.
     found = _metas.get(id(meta))
     if found is None or found[0] is not meta:
         if len(_metas) >= _MAX_METAS:
             _metas.clear()
-        found = _metas[id(meta)] = (meta, meta.model_dump(mode="json", exclude_defaults=True))
-    return found[1]
+        found = _metas[id(meta)] = (meta, meta.model_dump(mode="json", exclude_defaults=True),
+                                    any(c.kind == "geometry" for c in meta.columns))
+    return found
 
 
-def _has_geometry(meta: TableMetaV1) -> bool:
-    return any(c.kind == "geometry" for c in meta.columns)
+def has_geometry(meta: TableMetaV1) -> bool:
+    """Whether the table has a spatial column (its messages need rows.changed v4), read once
+    per table map like the metadata's dump."""
+    return _cached(meta)[2]
 
 
 def _rows(rows: list[RowImageV2]) -> list[dict[str, Any]]:
@@ -58,11 +61,11 @@ def encode_rows(event: RowsChangedV2, *, producer: str, epoch: int, event_id: st
         "source": event.source, "database": event.database, "table": event.table, "ts": event.ts,
         "seq": event.seq, "part": event.part, "last_part": event.last_part,
         "position": {"binlog_file": pos.binlog_file, "binlog_pos": pos.binlog_pos, "gtid": pos.gtid},
-        "meta": _meta(event.meta),
+        "meta": _cached(event.meta)[1],
         "rows": _rows(event.rows),
     }
     version = _VERSION
-    if (isinstance(event, RowsChangedV4) and event.more) or _has_geometry(event.meta):
+    if (isinstance(event, RowsChangedV4) and event.more) or has_geometry(event.meta):
         version = _BATCH_VERSION  # several parts, or a spatial column (the kind came with v4)
     if isinstance(event, RowsChangedV4) and event.more:
         data["event_id"] = event.event_id

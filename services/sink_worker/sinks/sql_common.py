@@ -328,13 +328,13 @@ class SqlSink(Sink):
     @abstractmethod
     def _definition(self, cur: Any, table: TargetTable) -> TargetDefinition | None: ...
 
+    @abstractmethod
     def widen_in_place(self, table: TargetTable, types: Mapping[str, str]) -> list[str]:
         """Bring an existing, emptied target to hold ``table``'s rows without re-creating it:
         each column whose type (``types``, as the catalog spells it) cannot hold the source's
         values takes the sink's own type for it, and a NOT NULL column the source lets be NULL
         becomes nullable. Everything else of the target stays (extra columns, wider types,
         partitioning, its own indexes). Returns the SQL run."""
-        raise NotImplementedError(f"{type(self).__name__} cannot change a column in place")
 
     @abstractmethod
     def _current(self, cur: Any, table: TargetTable) -> list[str] | None:
