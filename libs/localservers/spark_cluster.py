@@ -132,7 +132,9 @@ class SparkStandalone(_Group):
     def _alive_workers(self) -> int:
         try:
             return int(self.status().get("aliveworkers", 0))
-        except OSError:
+        except (OSError, ValueError):
+            # Not up yet: no answer, or (seen under load) the web UI answering before its JSON
+            # handler does, with an empty body.
             return 0
 
     def start(self, timeout: float = 60) -> SparkStandalone:
