@@ -121,3 +121,16 @@ def test_compare_tables_gives_the_digests_table_checksum_gives() -> None:
     changed = compare_tables(up, [{"id": 2, "b": b"y"}, {"id": 1, "b": b"x" * 99_999 + b"z"}], ["id"],
                              columns=columns)
     assert not changed.ok and changed.upstream_digest != changed.downstream_digest
+
+
+def test_a_fetched_json_document_is_parsed_once_and_still_compares_with_the_raw_text() -> None:
+    from libs.codec.decode import CanonicalJson, canonical_json, normalize_fetched
+
+    doc = ColumnV1(name="doc", sql_type="json", kind="json")
+    fetched = normalize_fetched(doc, '{ "b": [1, 2],  "a": "é" }')
+    assert isinstance(fetched, CanonicalJson) and fetched == '{"a":"é","b":[1,2]}'
+    assert canonical_json(fetched) is fetched  # not parsed again
+    up = [{"id": 1, "doc": '{"a": "é", "b": [1, 2]}'}, {"id": 2, "doc": '{"a": 1}'}]
+    down = [{"id": 1, "doc": fetched}, {"id": 2, "doc": normalize_fetched(doc, '{"a": 2}')}]
+    diff = compare_tables(up, down, ["id"], columns=[ColumnV1(name="id", sql_type="int", kind="int"), doc])
+    assert [k for k, _ in diff.different] == [(2,)]

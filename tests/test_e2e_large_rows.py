@@ -30,7 +30,7 @@ from libs.localservers.service_process import ServiceProcess
 from libs.streams import ROWS_STREAM, rows_subject
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
-from services.sink_worker.validation.verify import ShardRef, verify_target
+from services.sink_worker.validation.verify import ShardRef, verify_targets
 from tests.helpers.e2e import _capture, _changefeed, _created, _delete_changefeeds_afterwards  # noqa: F401 - fixture
 from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 
@@ -142,7 +142,11 @@ def _wait_equal(source: MariaDB, db: str, sink_urls: list[str], timeout: float,
     else:
         logs = "\n".join(f"--- {p.instance_id}\n{p.tail_log(15)}\nhealth: {p.health()}" for p in procs)
         pytest.fail(f"downstream did not converge within {timeout}s:\n{last}\n{logs}")
-    results = [verify_target([ShardRef(source.url, db, t)], url, db, t) for url, t in pairs]
+    by_table: dict[str, list[str]] = {}
+    for url, t in pairs:
+        by_table.setdefault(t, []).append(url)
+    results = [r for t, urls in by_table.items()
+               for r in verify_targets([ShardRef(source.url, db, t)], urls, db, t)]
     assert all(r.ok for r in results), "\n".join(f"{r.target}: {r.diff}" for r in results if not r.ok)
 
 

@@ -22,7 +22,7 @@ from libs.changefeeds import record_changefeed
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.postgres import PostgreSQL
 from libs.localservers.service_process import ServiceProcess
-from services.sink_worker.validation.verify import ShardRef, Verification, verify_target
+from services.sink_worker.validation.verify import ShardRef, Verification, verify_targets
 from tests.helpers.capture import binlog_position, eventually, last_resolved, read_messages, rejections
 from tests.helpers.converge import wait_converged
 from tests.helpers.e2e import (  # noqa: F401 - fixtures
@@ -93,7 +93,7 @@ COMPARED = ("orders", "items", "ak", "dk", "rn2")  # gone_key is refused from it
 
 
 def _verify(source: MariaDB, sinks: list[str], tables: tuple[str, ...]) -> list[Verification]:
-    return [verify_target([ShardRef(source.url, DB, t)], url, DB, t) for url in sinks for t in tables]
+    return [r for t in tables for r in verify_targets([ShardRef(source.url, DB, t)], sinks, DB, t)]
 
 
 async def test_rows_keep_their_schema_when_capture_lags_behind_ddl(

@@ -28,7 +28,7 @@ from libs.nats_auth import ADMIN
 from libs.streams import ROWS_STREAM, resolved_subject
 from services.capture.publisher import XA_PREPARED_HEADER
 from services.capture.xa import XaResume
-from services.sink_worker.validation.verify import ShardRef, Verification, verify_target
+from services.sink_worker.validation.verify import ShardRef, Verification, verify_targets
 from tests.helpers.converge import wait_converged
 from tests.helpers.e2e import (  # noqa: F401 - fixtures
     _capture,
@@ -81,7 +81,7 @@ def _prepare(source: MariaDB, xid: str, *statements: str, rows: list[tuple[Any, 
 
 def _wait_equal(source: MariaDB, sinks: list[str], procs: list[ServiceProcess], timeout: float) -> None:
     def verify() -> list[Verification]:
-        return [verify_target([ShardRef(source.url, DB, t)], url, DB, t) for url in sinks for t in TABLES]
+        return [r for t in TABLES for r in verify_targets([ShardRef(source.url, DB, t)], sinks, DB, t)]
 
     wait_converged(verify, procs, timeout, interval=0.3, log_lines=10)
 

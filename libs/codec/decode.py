@@ -174,8 +174,17 @@ def format_datetime(value: datetime, fsp: int = 6) -> str:
     return text + (f".{value.microsecond:06d}"[: fsp + 1] if fsp > 0 else "")
 
 
+class CanonicalJson(str):
+    """A text ``canonical_json`` made: canonical already, so a checksum need not parse it again
+    (a JSON document of many MB costs about a second to parse and dump)."""
+
+    __slots__ = ()
+
+
 def canonical_json(value: Any) -> str:
     """One text per JSON document: keys sorted, no spaces, non-ASCII kept."""
+    if isinstance(value, CanonicalJson):
+        return value
     doc = json.loads(value) if isinstance(value, str | bytes | bytearray) else value
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
@@ -323,7 +332,7 @@ def normalize_fetched(column: ColumnV1, v: Any, dialect: str = "mysql") -> Any:
     if kind == "time":
         return v if isinstance(v, timedelta) else parse_time(str(v))
     if kind == "json":
-        return canonical_json(v)
+        return CanonicalJson(canonical_json(v))
     raise ValueError(f"unknown column kind {kind!r}")
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from libs.checksum import TableDiff, compare_tables
+from libs.codec.decode import CanonicalJson, canonical_json
 from libs.codec.table_meta import load_table_info
 from libs.dburl import parse_database_url
 from libs.sql_ident import quote_ident
@@ -68,6 +69,12 @@ def _source_rows(ref: ShardRef) -> tuple[list[dict[str, Any]], Any]:
 def verify_target(shards: Sequence[ShardRef], sink_url: str, target_schema: str, target_table: str,
                   ) -> Verification:
     """Checksum and diff of ``target_schema.target_table`` against the union of ``shards``."""
+    return verify_targets(shards, [sink_url], target_schema, target_table)[0]
+
+
+def verify_targets(shards: Sequence[ShardRef], sink_urls: Sequence[str], target_schema: str,
+                   target_table: str) -> list[Verification]:
+    """``verify_target`` against each of ``sink_urls``, the upstream read once for all of them."""
     upstream: list[dict[str, Any]] = []
     meta = None
     for ref in shards:
@@ -79,8 +86,19 @@ def verify_target(shards: Sequence[ShardRef], sink_url: str, target_schema: str,
     key = choose_key(meta, "primary", database=target_schema, table=target_table)
     unique = tuple(tuple(uk) for uk in meta.unique_keys if tuple(uk) != key)
     target = TargetTable(schema=target_schema, name=target_table, meta=meta, key=key, unique_keys=unique)
-    downstream = open_sink(sink_url).fetch_rows(target)
     columns = list(meta.columns)
-    # One normalisation of each row serves the diff and the checksums.
-    diff = compare_tables(upstream, downstream, key, columns=columns)
-    return Verification(f"{target_schema}.{target_table}", diff, diff.upstream_digest, diff.downstream_digest)
+    if len(sink_urls) > 1:
+        # Each JSON document parsed once, not once per downstream it is compared with.
+        docs = [c.name for c in columns if c.kind == "json"]
+        for row in upstream:
+            for name in docs:
+                if row.get(name) is not None:
+                    row[name] = CanonicalJson(canonical_json(row[name]))
+    results = []
+    for sink_url in sink_urls:
+        downstream = open_sink(sink_url).fetch_rows(target)
+        # One normalisation of each row serves the diff and the checksums.
+        diff = compare_tables(upstream, downstream, key, columns=columns)
+        results.append(Verification(f"{target_schema}.{target_table}", diff, diff.upstream_digest,
+                                    diff.downstream_digest))
+    return results
