@@ -45,8 +45,9 @@ LOW_MEMORY = {
 }
 # Growth of the worker process' peak RSS over what it held before the transactions, per span
 # (three here): each span's reader keeps its allowance and a window of the open transaction,
-# and its apply one window (measured: +58 MiB with one span, +153 MiB with three). Held whole,
-# each span's UPDATE (400 messages) decodes to a few hundred MB before Spark sees it.
+# and its apply one window (measured with 100,000 rows and three spans: +55 MiB streamed; held
+# whole, SLUICE_SINK_LARGE_TXN_STREAM=false, +496 MiB: each span's UPDATE decodes to more than
+# a hundred MB before Spark sees it).
 GROWTH_PER_SPAN = 80 * MIB
 
 
