@@ -16,11 +16,11 @@ from nats.js.errors import NotFoundError
 
 from contracts.events.changefeeds import (
     ChangefeedCheckV1,
-    ChangefeedCreatedV8,
+    ChangefeedCreated,
     ChangefeedSpec,
     ChangefeedSpecV2,
     ChangefeedStateChangedV1,
-    ChangefeedUpdatedV8,
+    ChangefeedUpdated,
     TableFilterV1,
     current_spec,
 )
@@ -63,7 +63,7 @@ async def record_changefeed(js: JetStreamContext, spec: ChangefeedSpecV2, reques
     test, a tool) passes the system's, so it does not reset the stream's replicas."""
     store = await _store(js, requested_by, settings)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedCreatedV8(spec=current_spec(spec), requested_by=requested_by,
+                              ChangefeedCreated(spec=current_spec(spec), requested_by=requested_by,
                                                   failed_checks=failed_checks or []),
                               expected_last_subject_seq=expected_last_subject_seq)
 
@@ -73,7 +73,7 @@ async def record_update(js: JetStreamContext, spec: ChangefeedSpecV2, requested_
                         failed_checks: list[ChangefeedCheckV1] | None = None) -> int:
     store = await _store(js, requested_by)
     return await store.append(domain_events_subject(DOMAIN),
-                              ChangefeedUpdatedV8(spec=current_spec(spec), requested_by=requested_by,
+                              ChangefeedUpdated(spec=current_spec(spec), requested_by=requested_by,
                                                   failed_checks=failed_checks or []),
                               expected_last_subject_seq=expected_last_subject_seq)
 

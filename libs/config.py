@@ -231,10 +231,6 @@ class Settings(BaseSettings):
     sink_large_txn_window_bytes: int = Field(
         32 * 1024 * 1024, ge=1024 * 1024,
         description="sink-worker: body bytes one window of a streamed large transaction keeps.")
-    sink_large_txn_split_rows: int = Field(
-        0, ge=0, description="sink-worker: 0 applies a large transaction as ONE downstream transaction; "
-                             "N commits it every N row changes (bounded lock time downstream, but a "
-                             "reader may see part of it; not atomic).")
     sink_large_value_bytes: int = Field(
         1024 * 1024, ge=1024,
         description="sink-worker: values longer than this (contract encoding: base64 for binary) "

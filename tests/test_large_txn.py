@@ -287,3 +287,51 @@ async def test_apply_large_writes_one_transaction_skips_copies_and_rolls_back_a_
                               None, LargeTxnOptions(window_events=1, split_rows=split))
         # split_rows: the windows committed before the failure stay (not atomic, documented).
         assert _state(sink) == [(i, i, "t" if i in kept else "s") for i in range(12)]
+
+
+def test_the_split_is_a_changefeed_setting_and_older_changefeeds_stay_atomic() -> None:
+    from datetime import datetime
+
+    from contracts import REGISTRY, Envelope
+    from contracts.events.changefeeds import (
+        ChangefeedCreatedV8,
+        ChangefeedCreatedV9,
+        ChangefeedSpecV8,
+        ChangefeedSpecV9,
+        SourceRefV1,
+    )
+    from services.sink_worker.span.runtime import SpanConfig
+
+    spec = ChangefeedSpecV8(id="cf", sources=[SourceRefV1(id="s1", url="mysql://u@h/")], sink_url="sqlite:///x")
+    old = Envelope(type="changefeed.created", version=8, id="e1", producer="test", epoch=0,
+                   time=datetime(2026, 11, 27), data=ChangefeedCreatedV8(spec=spec).model_dump(mode="json"))
+    event = REGISTRY.decode(old.model_dump_json().encode()).event
+    assert isinstance(event, ChangefeedCreatedV9) and event.spec.large_txn_split_rows is None
+    assert SpanConfig.of(event.spec, "s1").large_txn_split_rows == 0  # one downstream transaction
+    split = ChangefeedSpecV9.model_validate({**spec.model_dump(), "large_txn_split_rows": 50_000})
+    assert SpanConfig.of(split, "s1").large_txn_split_rows == 50_000
+    with pytest.raises(ValueError, match="large_txn_split_rows"):
+        ChangefeedSpecV9.model_validate({**spec.model_dump(), "large_txn_split_rows": 10})
+
+
+def test_the_api_takes_a_split_for_a_sql_downstream_and_refuses_it_for_a_stream() -> None:
+    from services.api.source_refs import ChangefeedSpecIn
+    from services.api.validation import spec_problems
+
+    body = {"id": "cf", "sources": [{"id": "s", "url": "mysql://u@h/"}], "sink_url": "sqlite:///x.db",
+            "large_txn_split_rows": 100_000}
+    sql = ChangefeedSpecIn.model_validate(body)
+    assert not [p for p in spec_problems(sql) if "large_txn_split_rows" in p["loc"]]
+    stream = sql.model_copy(update={"sink_url": "nats://127.0.0.1:4222/OUT?subject=out"})
+    [problem] = [p for p in spec_problems(stream) if "large_txn_split_rows" in p["loc"]]
+    assert "SQL downstreams" in problem["msg"]
+
+
+def test_changefeed_get_says_how_large_transactions_are_committed(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import render
+
+    render.changefeed({"id": "cf", "state": "running", "tables": 1,
+                       "spec": {"id": "cf", "large_txn_split_rows": 250000}})
+    assert "large transactions: committed every 250,000 row changes (not atomic" in capsys.readouterr().out
+    render.changefeed({"id": "cf", "state": "running", "tables": 1, "spec": {"id": "cf"}})
+    assert "large transactions: one downstream transaction each" in capsys.readouterr().out

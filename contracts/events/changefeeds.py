@@ -563,12 +563,69 @@ def _updated_v7_to_v8(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "spec": _spec_v7_to_v8(data["spec"])}
 
 
-ChangefeedSpec = ChangefeedSpecV8
+# v9 of changefeed.created / changefeed.updated: how a large transaction is committed downstream
+# (as TiCDC's ``transaction-atomicity``, but by size: an operator bounds lock time, not tables).
+
+
+class ChangefeedSpecV9(ChangefeedSpecV8):
+    """v9 adds ``large_txn_split_rows`` (unset by default: every transaction is atomic, as before)."""
+
+    large_txn_split_rows: int | None = Field(
+        None, ge=1000, le=100_000_000,
+        description="Unset (the default): every source transaction is ONE downstream transaction, "
+                    "however large (streamed in bounded memory). N: a transaction larger than its "
+                    "span's round is committed every N row changes instead, bounding the "
+                    "downstream's lock time and undo; a reader may then see part of it (never a "
+                    "later transaction before it ends), and a failure mid-way leaves the committed "
+                    "part until the retry applies it all again (SQL downstreams).")
+
+
+def _spec_v8_to_v9(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, "large_txn_split_rows": None}
+
+
+def spec_v9(spec: ChangefeedSpecV2) -> ChangefeedSpecV9:
+    """A spec as v9 (older ones apply every transaction whole)."""
+    if isinstance(spec, ChangefeedSpecV9):
+        return spec
+    return ChangefeedSpecV9.model_validate(_spec_v8_to_v9(spec_v8(spec).model_dump()))
+
+
+_V9_DOC = _V8_DOC + " v9: the spec gains ``large_txn_split_rows`` (large transactions committed in parts)."
+
+
+@register("changefeed.created", 9)
+class ChangefeedCreatedV9(ChangefeedCreatedV8):
+    __doc__ = _V9_DOC
+    spec: ChangefeedSpecV9
+
+
+@register("changefeed.updated", 9)
+class ChangefeedUpdatedV9(ChangefeedUpdatedV8):
+    __doc__ = _V9_DOC
+    spec: ChangefeedSpecV9
+
+
+# A v8 changefeed applied every transaction as one downstream transaction.
+@upcaster("changefeed.created", 8)
+def _created_v8_to_v9(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v8_to_v9(data["spec"])}
+
+
+@upcaster("changefeed.updated", 8)
+def _updated_v8_to_v9(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "spec": _spec_v8_to_v9(data["spec"])}
+
+
+ChangefeedSpec = ChangefeedSpecV9
 """The current spec, the one type every reader of a changefeed holds: events are upcast when
 they are read (the upcasters above), and ``current_spec`` upcasts a spec built in code from an
 older version the same way, so no reader asks whether a field exists."""
+ChangefeedCreated = ChangefeedCreatedV9
+"""The version of ``changefeed.created`` written now (``libs.changefeeds``)."""
+ChangefeedUpdated = ChangefeedUpdatedV9
 
 
 def current_spec(spec: ChangefeedSpecV2) -> ChangefeedSpec:
     """``spec`` as the current version (itself when it is one)."""
-    return spec_v8(spec)
+    return spec_v9(spec)

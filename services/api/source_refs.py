@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.events.changefeeds import ChangefeedSpecV8
+from contracts.events.changefeeds import ChangefeedSpec
 from contracts.events.sources import SOURCE_ID_PATTERN
 from libs.sources import resolve_sources
 from services.api.context import ApiContext, projections_of
@@ -21,18 +21,18 @@ class SourceRefIn(BaseModel):
         "Leave out to use the URL registered with `sluice source add` (POST /api/v1/sources)."))
 
 
-class ChangefeedSpecIn(ChangefeedSpecV8):
+class ChangefeedSpecIn(ChangefeedSpec):
     """A changefeed spec as the api takes it: sources may be given by id only."""
 
     sources: list[SourceRefIn] = Field(min_length=1)  # type: ignore[assignment]
 
 
-def resolve_spec(ctx: ApiContext, spec: ChangefeedSpecIn) -> ChangefeedSpecV8:
+def resolve_spec(ctx: ApiContext, spec: ChangefeedSpecIn) -> ChangefeedSpec:
     """The spec the changefeeds log records: every source with its URL (422 for an unknown id)."""
     view = projections_of(ctx).changefeeds.state
     refs, problems = resolve_sources(view, [(s.id, s.url) for s in spec.sources])
     if problems:
         raise RequestValidationError([{"loc": ["body", "sources", p.index, "url"], "msg": p.message,
                                        "type": "value_error"} for p in problems])
-    body = {name: getattr(spec, name) for name in ChangefeedSpecV8.model_fields}
-    return ChangefeedSpecV8.model_validate({**body, "sources": refs})
+    body = {name: getattr(spec, name) for name in ChangefeedSpec.model_fields}
+    return ChangefeedSpec.model_validate({**body, "sources": refs})

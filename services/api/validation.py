@@ -90,6 +90,10 @@ def spec_problems(spec: ChangefeedSpec) -> list[dict[str, Any]]:
             errors.append(_error(["schema_change_policy"], (
                 f"schema_change_policy {policy!r} applies to SQL downstreams; "
                 "a NATS sink publishes every DDL for its consumers to decide (use evolve)")))
+    if current_spec(spec).large_txn_split_rows is not None and sink_kind(spec.sink_url).stream:
+        errors.append(_error(["large_txn_split_rows"], "a NATS stream downstream publishes every "
+                                                       "transaction as it is; large_txn_split_rows "
+                                                       "applies to SQL downstreams"))
     if current_spec(spec).syncpoint_interval is not None and sink_kind(spec.sink_url).stream:
         errors.append(_error(["syncpoint_interval"], "syncpoints are written to a sluice_syncpoint "
                                                      "table: they need a SQL downstream, not a NATS stream"))

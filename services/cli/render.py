@@ -119,6 +119,9 @@ def changefeed(item: dict[str, Any]) -> None:
     changefeeds([item])
     policy = (item.get("spec") or {}).get("schema_change_policy") or "evolve"
     console.print(f"schema changes: {policy} ({_SCHEMA_CHANGES.get(policy, '?')})")
+    split = (item.get("spec") or {}).get("large_txn_split_rows")
+    console.print("large transactions: " + (f"committed every {split:,} row changes (not atomic downstream)"
+                                            if split else "one downstream transaction each"))
     for check in item.get("failed_checks") or []:
         console.print(f"failed check {check.get('check')} on {check.get('target')}: {check.get('message')}")
     console.print("spec (passwords redacted):")

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from sqlmodel import Session, select
 
-from contracts.events.changefeeds import ChangefeedSpec, ChangefeedSpecV8
+from contracts.events.changefeeds import ChangefeedSpec
 from contracts.events.table_incidents import TableStoppedV2
 from libs.changefeeds import record_changefeed, record_state, record_update
 from libs.eventstore import AppendConflict
@@ -47,7 +47,7 @@ _ATTEMPTS = 5
 
 
 def changefeed_out(row: ChangefeedRow, spans: list[SpanRow]) -> ChangefeedOut:
-    spec = ChangefeedSpecV8.model_validate_json(row.spec_json)
+    spec = ChangefeedSpec.model_validate_json(row.spec_json)
     by_state = Counter(s.state for s in spans)
     return ChangefeedOut(id=row.id, state=row.state, spec=redact_spec(spec),
                          checkpoint_ts=row.checkpoint_ts, resolved_ts=row.resolved_ts,

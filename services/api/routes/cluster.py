@@ -15,7 +15,7 @@ from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 from sqlmodel import Session, select
 
-from contracts.events.changefeeds import ChangefeedSpecV8
+from contracts.events.changefeeds import ChangefeedSpec
 from contracts.events.rows import CaptureRejectedV2
 from contracts.events.scheduling import ScheduleRequestV1, SpanRefV1
 from contracts.events.shard_ddl import DdlCommandV1
@@ -219,7 +219,7 @@ async def list_sources(ctx: ApiContext) -> list[SourceOut]:
         rows = list(session.exec(select(ChangefeedRow).order_by(ChangefeedRow.id)))
     sources: dict[str, tuple[str, list[str]]] = {}
     for row in rows:
-        for src in ChangefeedSpecV8.model_validate_json(row.spec_json).sources:
+        for src in ChangefeedSpec.model_validate_json(row.spec_json).sources:
             url, feeds = sources.setdefault(src.id, (redact_url(src.url), []))
             feeds.append(row.id)
     # Registered sources no changefeed reads yet are listed too (sources registry).

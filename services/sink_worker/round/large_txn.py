@@ -33,8 +33,8 @@ delete then an upsert in order.
 Crash anywhere before the commit: the downstream rolls the transaction back and the checkpoint
 has not moved, so the next owner applies the whole transaction again. Crash after the commit,
 before the checkpoint store: the transaction is applied again on its own result, which
-converges (final images per key, as for every batch). ``split_rows`` (``SLUICE_SINK_LARGE_TXN_
-SPLIT_ROWS``, off by default) commits every that many row changes instead: memory and lock time
+converges (final images per key, as for every batch). ``split_rows`` (the changefeed's
+``large_txn_split_rows``, unset by default) commits every that many row changes instead: memory and lock time
 on the downstream are bounded too, but a reader downstream may see part of the transaction, and
 after a crash the re-application starts again from its first part.
 """

@@ -455,7 +455,7 @@ class Pipeline:
                 cut, outcome = await apply_large(
                     reader, sink, table, w.large, w.start.stream_seq, w.origin,
                     LargeTxnOptions(options.large_txn_window_events, options.large_txn_window_bytes,
-                                    options.large_txn_split_rows))
+                                    w.rt.config.large_txn_split_rows))
         except Exception as exc:
             m.ROUND_ERRORS.labels("apply").inc()
             log.exception("a large transaction's apply failed", extra={"span": w.rt.span.name})

@@ -55,8 +55,6 @@ class PipelineOptions:
     """A transaction larger than its span's round is applied streamed (``large_txn``)."""
     large_txn_window_events: int = 64
     large_txn_window_bytes: int = 32 * 1024 * 1024
-    large_txn_split_rows: int = 0
-    """0: a large transaction is one downstream transaction; else committed every that many rows."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PipelineOptions:
@@ -73,7 +71,6 @@ class PipelineOptions:
             large_txn_stream=settings.sink_large_txn_stream,
             large_txn_window_events=settings.sink_large_txn_window_events,
             large_txn_window_bytes=settings.sink_large_txn_window_bytes,
-            large_txn_split_rows=settings.sink_large_txn_split_rows,
         )
 
 
@@ -100,6 +97,9 @@ class SpanConfig:
     """What a DDL does downstream (``services.sink_worker.ddl.policy``)."""
     syncpoints: bool = False
     """``syncpoint_interval`` is set: each round reads the changefeed's cap (``libs.syncpoints``)."""
+    large_txn_split_rows: int = 0
+    """0: a large transaction is one downstream transaction; N: committed every N row changes
+    (the changefeed's ``large_txn_split_rows``, ``round.large_txn``)."""
 
     @classmethod
     def of(cls, spec: ChangefeedSpec, source: str) -> SpanConfig:
@@ -113,7 +113,8 @@ class SpanConfig:
                    on_unique_conflict=spec.on_unique_conflict, validation=spec.validation.mode,
                    case_insensitive=spec.text_comparison == "case_insensitive",
                    schema_change_policy=spec.schema_change_policy,
-                   syncpoints=spec.syncpoint_interval is not None)
+                   syncpoints=spec.syncpoint_interval is not None,
+                   large_txn_split_rows=spec.large_txn_split_rows or 0)
 
 
 @dataclass
