@@ -101,12 +101,16 @@ BENCHES = (
     Bench("bench_oltp", "sysbench against a source: upstream TPS, lag and catch-up into MariaDB and "
           "PostgreSQL beside a native GTID replica", (),
           ("--table-size", "10000", "--write-s", "20", "--rw-s", "10", "--dir", ".sluice/bench-quick/oltp")),
+    Bench("bench_syncpoints", "Syncpoints' cost on lag: changefeeds with syncpoint_interval beside one "
+          "without, on one worker under the same sysbench load", (),
+          ("--load-s", "40", "--feeds", "0/0", "10/2", "--dir", ".sluice/bench-quick/syncpoints")),
 )
 # Heavy multi-process benchmarks last: a failure there should not cost the quick ones.
 RUN_ORDER = ("bench_scheduling", "bench_rebuild", "bench_rebuild_memory", "bench_shard_ddl",
              "bench_spark_start", "bench_system_start", "bench_snapshot", "bench_capture_drain", "apply",
              "bench_failover",
-             "bench_large_txn", "bench_e2e", "bench_e2e_shared", "bench_tables", "bench_oltp")
+             "bench_large_txn", "bench_e2e", "bench_e2e_shared", "bench_tables", "bench_oltp",
+             "bench_syncpoints")
 
 
 def _say(text: str) -> None:

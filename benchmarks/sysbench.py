@@ -70,11 +70,12 @@ def prepare(db: MariaDB, tables: int, table_size: int) -> None:
 
 
 def start_run(db: MariaDB, script: str, *, tables: int, table_size: int, threads: int,
-              seconds: int) -> subprocess.Popen[str]:
-    """sysbench ``run`` in the background; ``finish`` waits for it and reads its report."""
+              seconds: int, rate: float = 0) -> subprocess.Popen[str]:
+    """sysbench ``run`` in the background; ``finish`` waits for it and reads its report.
+    ``rate``: transactions a second, sysbench's own pacing (0: as fast as it can)."""
     # --report-interval=0 and --histogram off: only the final summary, parsed by ``finish``.
     return subprocess.Popen([*_args(db, script, tables, table_size, threads), f"--time={seconds}",
-                             "--rand-type=uniform", "run"],
+                             f"--rate={int(rate)}", "--rand-type=uniform", "run"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
