@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     scheduler_balance_interval_s: float = Field(60.0, gt=0, description="Automatic balance period.")
     scheduler_max_task_concurrency: int = Field(10, ge=1, description="Moves in flight at most.")
     scheduler_add_batch_size: int = Field(50, ge=1, description="Spans added per scheduler round at most.")
+    scheduler_max_adds_per_member: int = Field(
+        100, ge=1, description="Adds in flight (not yet replicating) per member at most: a changefeed "
+                               "of thousands of tables starts at the pace the workers prepare spans "
+                               "instead of piling prepares past their timeout.")
     scheduler_discovery_interval_s: float = Field(
         2.0, gt=0, description="How often the scheduler looks for new tables of the changefeeds."
     )

@@ -129,6 +129,34 @@ def test_basic_adds_in_batches_to_least_loaded_members() -> None:
     assert Coordinator(add_batch_size=7).schedule(view).__len__() == 7
 
 
+def test_a_member_gets_no_more_adds_in_flight_than_its_cap() -> None:
+    wanted = {span(i): 100 for i in range(400)}
+    # "a" has 8 adds in flight already, "b" 3: with a cap of 10, a round gives "a" 2 and "b" 7.
+    running: dict[Span, ScheduleTask] = {span(1000 + i): AddTable(span(1000 + i), "a", 0) for i in range(8)}
+    running.update({span(2000 + i): AddTable(span(2000 + i), "b", 0) for i in range(3)})
+    running[span(3000)] = MoveTable(span(3000), "b")  # a move is not an add: not counted
+    view = SchedulingView(members("a", "b"), wanted, {}, running=running)
+    tasks = Coordinator(rng=random.Random(3), max_adds_per_member=10).schedule(view)
+    assert Counter(t.member for t in tasks if isinstance(t, AddTable)) == {"a": 2, "b": 7}
+    assert [t.span for t in tasks] == sorted(wanted)[:9]  # smallest spans first, as always
+    full = {**running, **{span(4000 + i): AddTable(span(4000 + i), "b", 0) for i in range(7)},
+            **{span(5000 + i): AddTable(span(5000 + i), "a", 0) for i in range(2)}}
+    assert Coordinator(max_adds_per_member=10).schedule(
+        SchedulingView(members("a", "b"), wanted, {}, running=full)) == []
+
+
+def test_adds_wait_for_room_while_members_prepare_and_every_span_replicates_in_the_end() -> None:
+    cluster = Cluster(["a", "b", "c"], 500, max_adds_per_member=7)
+    for _ in range(3):  # the members do not answer: their adds stay in flight
+        cluster.round(settle=False)
+        adding = Counter(t.member for t in cluster.manager.running.values() if isinstance(t, AddTable))
+        assert max(adding.values()) <= 7
+    assert adding == {"a": 7, "b": 7, "c": 7}
+    cluster.deliver(cluster.manager.tick())  # resent and answered now
+    cluster.run()
+    assert all(cluster.manager.sets[s].state is SetState.REPLICATING for s in cluster.wanted)
+
+
 def test_basic_prefers_members_with_fewer_spans() -> None:
     placement = {span(i): "a" for i in range(6)}
     wanted = {**dict.fromkeys(placement, 100), span(10): 100, span(11): 100, span(12): 100}

@@ -31,6 +31,7 @@ from libs.scheduling.model import (
 )
 from libs.scheduling.replication_set import ReplicationSet, Role, SetIndex, SetLike, SetState
 from libs.scheduling.schedulers import (
+    DEFAULT_MAX_ADDS_PER_MEMBER,
     BalanceScheduler,
     BasicScheduler,
     Coordinator,
@@ -44,6 +45,7 @@ from libs.scheduling.schedulers import (
 from libs.scheduling.tasks import AddTable, Dispatch, DispatchAction, MoveTable, RemoveTable, ScheduleTask
 
 __all__ = [
+    "DEFAULT_MAX_ADDS_PER_MEMBER",
     "AddTable",
     "AgentOutcome",
     "AgentTable",

@@ -8,6 +8,10 @@ Limits, and why:
 - adds and removes come in batches of ``add_batch_size`` per round and are not counted against
   the move cap: they are how a changefeed starts or a dead member's spans come back, and
   holding them behind balancing moves would stall replication;
+- a member gets at most ``max_adds_per_member`` adds in flight: a changefeed of thousands of
+  tables would otherwise pile hundreds of prepares onto each worker in a few rounds, the slowest
+  of them would pass the replication-manager's prepare timeout and be rolled back, and planned
+  again, so the start took longer than adding them at the pace the worker prepares;
 - moves (drain, operator, balance) are capped at ``max_task_concurrency`` in flight, since each
   one doubles the work on the span for a while;
 - a span never gets a second task while one is running or its set is mid-transition.
@@ -26,6 +30,7 @@ from libs.scheduling.replication_set import SetIndex, SetLike, SetState
 from libs.scheduling.tasks import AddTable, MoveTable, RemoveTable, ScheduleTask
 
 DEFAULT_ADD_BATCH_SIZE = 50
+DEFAULT_MAX_ADDS_PER_MEMBER = 100
 DEFAULT_MAX_TASK_CONCURRENCY = 10
 DEFAULT_BALANCE_INTERVAL_S = 60.0
 
@@ -232,10 +237,14 @@ class _Unset:
 class BasicScheduler:
     """Add wanted spans that nobody replicates; remove spans that are no longer wanted."""
 
-    def __init__(self, add_batch_size: int = DEFAULT_ADD_BATCH_SIZE) -> None:
+    def __init__(self, add_batch_size: int = DEFAULT_ADD_BATCH_SIZE,
+                 max_adds_per_member: int = DEFAULT_MAX_ADDS_PER_MEMBER) -> None:
         if add_batch_size < 1:
             raise ValueError("add_batch_size must be at least 1")
+        if max_adds_per_member < 1:
+            raise ValueError("max_adds_per_member must be at least 1")
         self.add_batch_size = add_batch_size
+        self.max_adds_per_member = max_adds_per_member
         self._unset = _Unset()
 
     def schedule(self, view: SchedulingView, ctx: ScheduleContext) -> list[ScheduleTask]:
@@ -250,7 +259,12 @@ class BasicScheduler:
                 tasks.append(RemoveTable(span))
                 taken.add(span)
         eligible = view.eligible()
-        if not eligible:
+        adding: dict[MemberId, int] = {}
+        for task in view.running.values():
+            if isinstance(task, AddTable):
+                adding[task.member] = adding.get(task.member, 0) + 1
+        room = {m: self.max_adds_per_member - adding.get(m, 0) for m in eligible}
+        if not any(r > 0 for r in room.values()):
             return tasks
         candidates: set[Span]
         if incremental:
@@ -268,7 +282,7 @@ class BasicScheduler:
         chosen = heapq.nsmallest(self.add_batch_size, candidates)
         # Least loaded first, ties at random: the random key is drawn once per member and
         # re-drawn after each assignment.
-        heap = [(view.load(m), ctx.rng.random(), m) for m in eligible]
+        heap = [(view.load(m), ctx.rng.random(), m) for m in eligible if room[m] > 0]
         heapq.heapify(heap)
         for span in chosen:
             rs = sets.get(span)
@@ -281,7 +295,9 @@ class BasicScheduler:
                 load, _, member = heapq.heappop(heap)
                 tasks.append(AddTable(span, member, wanted[span]))
                 taken.add(span)
-                heapq.heappush(heap, (load + 1, ctx.rng.random(), member))
+                room[member] -= 1
+                if room[member] > 0:
+                    heapq.heappush(heap, (load + 1, ctx.rng.random(), member))
             for entry in skipped:
                 heapq.heappush(heap, entry)
         return tasks
@@ -479,10 +495,11 @@ class Coordinator:
         balance_interval_s: float = DEFAULT_BALANCE_INTERVAL_S,
         balance_enabled: bool = True,
         rng: random.Random | None = None,
+        max_adds_per_member: int = DEFAULT_MAX_ADDS_PER_MEMBER,
     ) -> None:
         self.max_task_concurrency = max_task_concurrency
         self.rng = rng if rng is not None else random.Random()
-        self.basic = BasicScheduler(add_batch_size)
+        self.basic = BasicScheduler(add_batch_size, max_adds_per_member)
         self.drain = DrainScheduler()
         self.operator = OperatorMoveScheduler()
         self.rebalance = RebalanceScheduler()

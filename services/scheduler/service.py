@@ -162,6 +162,7 @@ class SchedulerHandlers:
         self.publish_status = publish_status
         self.core = SchedulerCore(state, add_batch_size=settings.scheduler_add_batch_size,
                                   max_task_concurrency=settings.scheduler_max_task_concurrency,
+                                  max_adds_per_member=settings.scheduler_max_adds_per_member,
                                   balance_interval_s=settings.scheduler_balance_interval_s,
                                   task_timeout_s=settings.scheduler_task_timeout_s)
         self.core.replication_epoch = replication.state.epoch
