@@ -79,7 +79,8 @@ class Settings(BaseSettings):
         0.2, gt=0, description="How often the replication-manager leader looks at its changefeeds' "
                                "syncpoints (plans, reaches, releases).")
     replication_checkpoint_interval_s: float = Field(
-        1.0, gt=0, description="How often changefeed checkpoint advances are recorded at most."
+        0.25, gt=0, description="How often changefeed checkpoint advances are recorded at most (the "
+                                "published checkpoint lags the spans' by up to this much)."
     )
     dispatch_timeout_s: float = Field(2.0, gt=0, description="Wait for a dispatch answer.")
     dispatch_resend_s: float = Field(

@@ -8,6 +8,19 @@ events, and of decoding and writing rows in the Spark workers. The objects these
 are acyclic and alive, so a collection in the middle finds nothing to free; the collector
 runs as usual as soon as the loop is done.
 
+Switching the collector back on is not enough: everything the pause allocated that is still
+alive (a round's batch, the next round's read-ahead: ~750,000 objects for 48,000 transaction
+parts) sits in the young generation, and the first collection after the pause walks all of it,
+then the middle generation's walks it again: 2.4-3 s each on a loaded machine (load ~14),
+during which the GIL is held, the event loop stands still, heartbeats go unconfirmed and the
+sink-worker fences itself (BENCHMARKS.md, "The sink under sysbench"). So the last pause to end
+*freezes* what is alive (``gc.freeze``: into the permanent generation, which collections skip;
+an O(1) move), then switches the collector on: collections stay cheap, and the frozen objects
+are still freed by their reference counts as usual (the round's data is acyclic). Only a
+reference cycle that becomes garbage after it was frozen would wait; so at most every
+``unfreeze_every_s`` the frozen objects go back into the oldest generation
+(``gc.unfreeze``), where the collector's usual rules for long-lived objects apply.
+
 ``gc_paused()`` nests and may be used from several threads at once: the collector is switched
 back on only when the last pause ends, and only when it was on before the first one.
 """
@@ -17,11 +30,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import time
 from collections.abc import Iterator
 
 _lock = threading.Lock()
 _depth = 0
 _was_enabled = False
+unfreeze_every_s = 60.0
+"""The longest objects stay frozen (see the module docstring)."""
+_last_unfreeze = time.monotonic()
 
 
 @contextlib.contextmanager
@@ -38,4 +55,14 @@ def gc_paused() -> Iterator[None]:
         with _lock:
             _depth -= 1
             if _depth == 0 and _was_enabled:
+                _thaw_or_freeze()
                 gc.enable()
+
+
+def _thaw_or_freeze() -> None:
+    global _last_unfreeze
+    gc.freeze()
+    now = time.monotonic()
+    if now - _last_unfreeze >= unfreeze_every_s:
+        gc.unfreeze()
+        _last_unfreeze = now

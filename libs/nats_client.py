@@ -117,3 +117,30 @@ async def read_json(kv: KeyValue, key: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+# nats-py's own flush timeout when ``flush_within`` gives up waiting: a PONG later than this
+# means the connection is dead, and its ping timer reconnects it.
+_FLUSH_BACKSTOP_S = 60
+
+
+async def flush_within(nc: Client, timeout_s: float) -> None:
+    """``nc.flush()`` (the server answered a PING sent after everything published so far),
+    raising ``TimeoutError`` after ``timeout_s``, without cancelling the PING's future.
+
+    ``asyncio.wait_for(nc.flush(), t)`` cancels that future on timeout but leaves it in the
+    client's queue of PINGs; when the late PONG arrives, nats-py's read loop calls
+    ``set_result`` on the cancelled future, gets ``InvalidStateError``, logs "nats: encountered
+    error" and *stops reading*: every later fetch and request on the connection times out until
+    the ping timer reconnects it, minutes later. Seen under sysbench when a heartbeat's
+    confirmation took over its 1 s bound (BENCHMARKS.md, "The sink under sysbench"). Here the
+    flush goes on in its own task after the timeout and its PONG completes it normally."""
+    task = asyncio.ensure_future(nc.flush(timeout=_FLUSH_BACKSTOP_S))
+    task.add_done_callback(_retrieve)
+    await asyncio.wait_for(asyncio.shield(task), timeout_s)
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    # The result of a flush nobody waits for any more: retrieved, so asyncio does not report it.
+    if not task.cancelled():
+        task.exception()

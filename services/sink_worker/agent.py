@@ -60,6 +60,7 @@ from contracts.events.scheduling import (
 )
 from libs.changefeeds import ChangefeedView
 from libs.control.convert import dispatch_of, status_ref
+from libs.nats_client import flush_within
 from libs.scheduling import AgentOutcome, AgentVerdict, MemberAgentState, TableState, TableStatus
 from libs.scheduling.model import Span
 from libs.streams import (
@@ -242,7 +243,7 @@ class SinkAgent:
         if self.fence is not None:
             # Confirmed once the server answered the flush's PING: it has the heartbeat. Only on
             # the connection this incarnation started with (see services/sink_worker/fence.py).
-            await asyncio.wait_for(self.nc.flush(), max(0.05, self.fence.bound_s))
+            await flush_within(self.nc, max(0.05, self.fence.bound_s))
             if self.nc.stats.get("reconnects", 0) != self._reconnects:
                 self.fence.connection_lost()
             self.fence.confirm(sent_at)

@@ -20,6 +20,13 @@ BATCH_ROWS = Histogram("sluice_sink_batch_rows", "Final row images one apply job
 SORT_SECONDS = Histogram("sluice_sink_sort_seconds", "Duration of a round's cut (on the driver).")
 APPLY_SECONDS = Histogram("sluice_sink_apply_seconds", "Duration of one apply job (one sink).")
 ROUND_SECONDS = Histogram("sluice_sink_round_seconds", "Duration of a whole round with work.")
+STAGE_SECONDS = Histogram(
+    "sluice_sink_round_stage_seconds",
+    "Where a round with work spends its time, by stage: pull (the pull and plan of every span), "
+    "write (the worker thread: cut, apply jobs, DDL barriers), advance (checkpoint stores), "
+    "ahead_wait (the read-ahead still running once the rest is done), frame (the batch to a "
+    "DataFrame), job (the apply job's collect).", ["stage"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 ROUND_ERRORS = Counter("sluice_sink_round_errors", "Failures of a stage of a round.", ["stage"])
 DDL_APPLIED = Counter("sluice_sink_ddl_applied", "DDL events applied to a target.", ["changefeed", "action"])
 DDL_FAILURES = Counter("sluice_sink_ddl_failures",

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import operator
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -59,6 +60,7 @@ from contracts import REGISTRY
 from contracts.events.rows import RowsChangedV2
 from libs.table_rules import TableRules
 from services.sink_worker.incidents.poison import RowFailure, Statement
+from services.sink_worker.metrics import STAGE_SECONDS
 from services.sink_worker.round.key_buckets import key_bucket
 from services.sink_worker.round.large_values import LargeValues, holds_ref
 from services.sink_worker.round.sort_job import BatchEvent
@@ -866,7 +868,12 @@ def run_apply(spark: SparkSession, batch: Sequence[BatchEvent], span_plans: dict
                      extended=bool(row_rules), guards=guards, defer_large=defer, local_owners=True)
     split_targets = {span_targets[e[0]][0] for e in parts.split}
     if not (guards.keys() & split_targets):
-        reports = apply_frame(spark, plan, parts, partitions, row_rules).collect()
+        t0 = time.monotonic()
+        frame = apply_frame(spark, plan, parts, partitions, row_rules)
+        t1 = time.monotonic()
+        reports = frame.collect()
+        STAGE_SECONDS.labels("frame").observe(t1 - t0)
+        STAGE_SECONDS.labels("job").observe(time.monotonic() - t1)
     else:
         # A guarded target split over partitions: every partition's write must know the owner
         # of every key of it, so the final images are made (and kept) first, the owners

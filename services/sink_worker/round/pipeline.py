@@ -279,7 +279,9 @@ class Pipeline:
             if any(w.fresh and not w.refused for w in table_works):
                 try:
                     with batch_span(table_works):
+                        t_write = time.monotonic()
                         cuts, outcomes = await self._in_thread(table_works, stopping)
+                        report.write_s = time.monotonic() - t_write
                         if self.fence is not None:
                             self.fence.check()
                         await self.writers.after(table_works, outcomes)
@@ -317,14 +319,24 @@ class Pipeline:
                     if self.fence is not None:  # self-fence: before the transaction's write
                         self.fence.check()
                     cuts[w.rt.span.kv_key], outcomes[w.rt.span.kv_key] = await self._apply_large(w)
+            t_advance = time.monotonic()
             await settle([self.advance.finish(w, cuts.get(w.rt.span.kv_key), outcomes.get(w.rt.span.kv_key),
                                               report, self.validation) for w in works])
+            t_ahead = time.monotonic()
+            report.advance_s = t_ahead - t_advance
             await self._ahead_done()
+            report.ahead_wait_s = time.monotonic() - t_ahead
         report.duration_s = time.monotonic() - started
         if report.batch_events or report.ddl_applied:
             m.ROUND_SECONDS.observe(report.duration_s)
+            for stage, seconds in (("pull", report.pull_s), ("write", report.write_s),
+                                   ("advance", report.advance_s), ("ahead_wait", report.ahead_wait_s)):
+                m.STAGE_SECONDS.labels(stage).observe(seconds)
         log.debug("round done", extra={"events": report.events, "batch_events": report.batch_events,
                                        "rows": report.rows_written, "pull_s": round(report.pull_s, 3),
+                                       "write_s": round(report.write_s, 3),
+                                       "advance_s": round(report.advance_s, 3),
+                                       "ahead_wait_s": round(report.ahead_wait_s, 3),
                                        "duration_s": round(report.duration_s, 3)})
         self._count_states()
         self.last_report = report

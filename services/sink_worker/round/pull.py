@@ -36,11 +36,14 @@ Garbage met while reading ahead is dead-lettered then, once, and counted in the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 from uuid import uuid4
 
 import orjson
@@ -72,6 +75,16 @@ log = logging.getLogger(__name__)
 _FETCH_CHUNK = 256
 _FETCH_TIMEOUT_S = 2.0
 _MAX_FETCH_TIMEOUTS = 3
+# A fetch brings up to _FETCH_CHUNK messages, and decoding them on the event loop (v4 messages
+# of dozens of transaction parts) took a second and more on a loaded machine: the heartbeats'
+# confirmations waited behind it, the worker's self-fence tripped (``fence``), every span was
+# dropped and read again from its checkpoint, and the lag grew without bound (BENCHMARKS.md,
+# "The sink under sysbench"). So fetches of at least _DECODE_IN_THREAD messages are decoded in
+# a thread (``decode_fetched``; a thread hand-over costs more than decoding a few), and what
+# stays on the loop (small fetches, chunk sets, refills, the reader's bookkeeping) gives the
+# loop a turn at least every _LOOP_TURN_S.
+_DECODE_IN_THREAD = 8
+_LOOP_TURN_S = 0.02
 # An idle span's consumer must survive the pauses between rounds; a dead worker's vanishes.
 _CONSUMER_INACTIVE_S = 120.0
 # A dead letter carries the message's body only below this size: it must fit one NATS message.
@@ -176,6 +189,52 @@ class PulledEvent:
         return self.event.last_part if isinstance(self.event, RowsChangedV2) else True
 
 
+class LoopTurns:
+    """Gives the event loop a turn (``asyncio.sleep(0)``: one pass over the ready callbacks and
+    the sockets, not a wait) once ``every_s`` has passed since the last one, inside a loop that
+    otherwise only computes."""
+
+    def __init__(self, every_s: float = _LOOP_TURN_S) -> None:
+        self.every_s = every_s
+        self._last = time.monotonic()
+        self.turns = 0
+
+    async def maybe(self) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            await asyncio.sleep(0)
+            self.turns += 1
+            self._last = time.monotonic()
+
+
+def decode_traced(span: Span, msg: _Fetched) -> PulledEvent | Garbage:
+    """``decode_for_span`` of a freshly read message inside its process span; garbage is
+    returned, not raised (it is dead-lettered by the caller, on the event loop)."""
+    seq = int(msg.metadata.sequence.stream)
+    with process_span(msg.subject, msg.headers) as otel_span:
+        otel_span.set_attribute("messaging.nats.stream_sequence", seq)
+        try:
+            return decode_for_span(span, msg, seq)
+        except Garbage as exc:
+            otel_span.set_attribute("sluice.dead_letter.kind", exc.kind)
+            return exc
+
+
+def decode_fetched(span: Span, msgs: Sequence[_Fetched]) -> list[PulledEvent | Garbage | None]:
+    """``decode_traced`` of each message of a fetch that is a whole message (None for chunks
+    and invalid chunk headers: the reader joins or dead-letters those itself). Touches no
+    reader state, so it runs in a thread."""
+    out: list[PulledEvent | Garbage | None] = []
+    for msg in msgs:
+        try:
+            info = chunk_info(msg.headers)
+        except ChunkError:
+            out.append(None)
+            continue
+        out.append(None if info is not None else decode_traced(span, msg))
+    return out
+
+
 class _Message(Protocol):
     @property
     def subject(self) -> str: ...
@@ -185,6 +244,13 @@ class _Message(Protocol):
 
     @property
     def headers(self) -> dict[str, str] | None: ...
+
+
+class _Fetched(_Message, Protocol):
+    """A message as a fetch returns it: with its place in the stream."""
+
+    @property
+    def metadata(self) -> Any: ...
 
 
 def validate_rows(event: RowsChangedV2) -> None:
@@ -620,6 +686,7 @@ class SpanReader:
         dead = 0
         # Asking the consumer first avoids a fetch that waits out its timeout on an idle span.
         pending = await self._pending()
+        turns = LoopTurns()
         timeouts = 0
         while pending > 0:
             body = not self.ghosts and self._wants_body(limit)
@@ -644,7 +711,12 @@ class SpanReader:
                 pending = await self._pending()
                 continue
             timeouts = 0
-            for msg in msgs:
+            # Decoding is most of a pull's CPU: in a thread, the event loop stays free for the
+            # heartbeats (their confirmation is the worker's right to write, ``fence``).
+            decoded = (await asyncio.to_thread(decode_fetched, self.span, msgs)
+                       if len(msgs) >= _DECODE_IN_THREAD else [None] * len(msgs))
+            for msg, pre in zip(msgs, decoded, strict=True):
+                await turns.maybe()
                 pending = int(msg.metadata.num_pending or 0)
                 try:
                     info = chunk_info(msg.headers)
@@ -657,7 +729,7 @@ class SpanReader:
                     if event is None:
                         continue
                 else:
-                    event = await self._take(msg)
+                    event = await self._take(msg, pre)
                 if event is None or event.dead:
                     dead += 1
                 if event is None:
@@ -715,19 +787,18 @@ class SpanReader:
             parked = _Parked(parked.subject, b"", parked.headers)
         await dead_letter(self.js, parked, reason, kind, self.rows_stream, seq=seq, ack=False)
 
-    async def _take(self, msg: Msg) -> PulledEvent | None:
-        """Decode a freshly read message; garbage is dead-lettered (None)."""
+    async def _take(self, msg: Msg, decoded: PulledEvent | Garbage | None = None) -> PulledEvent | None:
+        """A freshly read message (``decoded``: decoded already, ``decode_fetched``); garbage
+        is dead-lettered (None, or its dead event)."""
         seq = int(msg.metadata.sequence.stream)
         self.read_upto = max(self.read_upto, seq)
-        with process_span(msg.subject, msg.headers) as otel_span:
-            otel_span.set_attribute("messaging.nats.stream_sequence", seq)
-            try:
-                return decode_for_span(self.span, msg, seq)
-            except Garbage as exc:
-                otel_span.set_attribute("sluice.dead_letter.kind", exc.kind)
-                await dead_letter(self.js, msg, exc.reason, exc.kind, self.rows_stream, seq=seq,
-                                  ack=False)
-                return exc.event
+        if decoded is None:
+            decoded = decode_traced(self.span, msg)
+        if isinstance(decoded, Garbage):
+            await dead_letter(self.js, msg, decoded.reason, decoded.kind, self.rows_stream, seq=seq,
+                              ack=False)
+            return decoded.event
+        return decoded
 
     async def _refill(self, limit: int) -> None:
         """Read the bodies of the first ghosts again while the buffer wants them."""
@@ -740,6 +811,7 @@ class SpanReader:
         try:
             sub = await self.js.pull_subscribe_bind(name, stream=self.rows_stream)
             joiner = ChunkJoiner()
+            turns = LoopTurns()
             try:
                 while self.ghosts and self._wants_body(limit):
                     try:
@@ -753,6 +825,7 @@ class SpanReader:
                                 "span": self.span.name, "from_seq": self.ghosts.first_seq()})
                         return
                     for msg in msgs:
+                        await turns.maybe()
                         seq = int(msg.metadata.sequence.stream)
                         try:
                             info = chunk_info(msg.headers)

@@ -66,6 +66,13 @@ class RoundReport:
     errors: list[str] = field(default_factory=list)
     abandoned: bool = False
     pull_s: float = 0.0
+    """Pull and plan of every span (``Pipeline._pull_all``)."""
+    write_s: float = 0.0
+    """The worker thread: the cut, each sink's write and the DDL barriers."""
+    advance_s: float = 0.0
+    """The spans' checkpoint decisions and stores, side by side."""
+    ahead_wait_s: float = 0.0
+    """Waiting, after all that, for the read-ahead of the next round to finish."""
     duration_s: float = 0.0
 
 
