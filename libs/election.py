@@ -48,6 +48,7 @@ from nats.js.kv import KeyValue
 
 from contracts.events.leadership import LeaderResignedV1
 from libs.eventstore.domain_log import DomainLog, Fenced
+from libs.nats_client import flush_within
 from libs.streams import LEADER_BUCKET, leader_command_subject, token
 from libs.telemetry.metrics import IS_LEADER, LEADER_EPOCH, LEADER_STEPDOWNS
 
@@ -506,7 +507,14 @@ async def serve_liveness(nc: Client, election: Election, leadership: Leadership)
                 await msg.respond(str(leadership.epoch).encode())
 
     sub = await nc.subscribe(election.liveness_subject(leadership.epoch), cb=on_probe)
-    await nc.flush(timeout=max(1, round(election.ttl)))
+    try:
+        # Not nc.flush(timeout=...): on a timeout it cancels its PING's future, and the late PONG
+        # then stops nats-py's read loop for good (libs.nats_client.flush_within).
+        await flush_within(nc, max(1, round(election.ttl)))
+    except TimeoutError:
+        # The subscription is on its way to the server all the same; until it is there,
+        # followers' probes go unanswered and they wait for the TTL, as without it.
+        log.warning("liveness subscription not confirmed within the TTL", extra={"service": election.service})
     return sub
 
 
