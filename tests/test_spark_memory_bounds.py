@@ -1,0 +1,97 @@
+"""How the local Spark driver's JVM flags are put together (``libs.spark.driver_java_options``),
+and when a quiet sink-worker gives memory back (``services.sink_worker.idle_trim``)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+from libs.config import DRIVER_MEMORY_OPTIONS, Settings
+from libs.spark import driver_java_options
+from services.sink_worker.idle_trim import IdleTrim, release_memory
+
+
+def test_the_memory_bounds_come_first_and_the_operators_flags_after_them() -> None:
+    flags = driver_java_options(Settings(spark_driver_java_options="-XX:TieredStopAtLevel=1 -Xms256m"), None)
+    assert flags == f"{DRIVER_MEMORY_OPTIONS} -XX:TieredStopAtLevel=1 -Xms256m"
+    # The JVM takes the last of a repeated flag: the operator's -Xms wins over the bounds' one.
+    assert flags.split().index("-Xms256m") > flags.split().index("-Xms32m")
+
+
+def test_the_class_archive_comes_last() -> None:
+    archive = Path("/venv/sluice-spark-classes.jsa")
+    flags = driver_java_options(Settings(), archive).split()
+    assert flags[-1] == f"-XX:SharedArchiveFile={archive}"
+    assert flags[:-1] == DRIVER_MEMORY_OPTIONS.split()
+
+
+def test_a_collector_the_operator_chooses_replaces_the_serial_one() -> None:
+    own = "-XX:+UseG1GC -XX:G1PeriodicGCInterval=5000"
+    flags = driver_java_options(Settings(spark_driver_java_options=own), None).split()
+    assert "-XX:+UseG1GC" in flags and "-XX:+UseSerialGC" not in flags
+    # The other bounds stay.
+    assert "-XX:MaxHeapFreeRatio=30" in flags and "-XX:ReservedCodeCacheSize=64m" in flags
+    # Turning a collector off is not choosing one.
+    kept = driver_java_options(Settings(spark_driver_java_options="-XX:-UseG1GC"), None).split()
+    assert "-XX:+UseSerialGC" in kept
+
+
+def test_empty_bounds_leave_the_jvm_its_defaults() -> None:
+    assert driver_java_options(Settings(spark_driver_memory_options=""), None) == ""
+    assert driver_java_options(Settings(spark_driver_memory_options="", spark_driver_java_options="-Xss1m"),
+                               None) == "-Xss1m"
+
+
+def test_the_defaults_bound_a_worker_under_its_memory_target() -> None:
+    settings = Settings()
+    assert settings.spark_driver_memory == "512m"
+    assert "-XX:+UseSerialGC" in settings.spark_driver_memory_options.split()
+
+
+def test_a_trim_is_due_once_per_quiet_spell_after_spark_was_used() -> None:
+    trim = IdleTrim(10.0)
+    assert not trim.due(100.0)  # Spark never used: nothing to give back
+    trim.used(100.0)
+    assert not trim.due(109.9)
+    assert trim.due(110.0)
+    trim.done()
+    assert not trim.due(500.0)  # given back already; quiet since
+    trim.used(600.0)
+    trim.used(605.0)  # used again meanwhile: the quiet spell starts over
+    assert not trim.due(614.0)
+    assert trim.due(615.0)
+
+
+def test_zero_never_trims() -> None:
+    trim = IdleTrim(0.0)
+    trim.used(1.0)
+    assert not trim.due(1e9)
+
+
+def test_release_memory_without_a_jvm_trims_this_process_only() -> None:
+    done = release_memory(None)
+    assert "jvm_gc_s" not in done and "jvm" not in done
+    assert isinstance(done["malloc_trim"], bool)
+
+
+@pytest.mark.integration
+def test_a_quiet_driver_gives_its_free_heap_back(spark: SparkSession) -> None:
+    """The suite's driver runs with the default bounds: after the trim's full collection its heap
+    keeps at most the free share MaxHeapFreeRatio allows (or its -Xms)."""
+    jvm = spark.sparkContext._jvm  # type: ignore[attr-defined]
+    args = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
+    assert "-XX:MaxHeapFreeRatio=30" in args and "-XX:-ShrinkHeapInSteps" in args, args
+    runtime = jvm.java.lang.Runtime.getRuntime()
+    block = jvm.java.nio.ByteBuffer.allocate(300 * 1024 * 1024)  # a heap array, as a round's batch
+    grown = runtime.totalMemory()
+    assert grown > 300 * 1024 * 1024
+    del block
+    gc.collect()  # py4j lets the JVM drop its reference when the Python proxy goes
+    done = release_memory(spark)
+    assert "jvm_gc_s" in done, done
+    total, free = runtime.totalMemory(), runtime.freeMemory()
+    assert total < grown - 200 * 1024 * 1024, (grown, total)
+    assert free <= 0.3 * total or total <= 40 * 1024 * 1024, (total, free)
