@@ -259,6 +259,10 @@ async def run(args: argparse.Namespace, work: Path, figures: Figures) -> None:
         _show(f"idle {args.idle:.0f}s after the writes", snaps[f"idle {args.idle:.0f}s"])
         sampler.done.set()
         sampler.join()
+        trims = [line.strip()[:300] for line in worker.log_path.read_text(errors="replace").splitlines()
+                 if "memory given back" in line or "giving memory back" in line]
+        _say(f"the worker gave memory back {len(trims)} times" + "".join(f"\n    {t}" for t in trims))
+        figures.extra["trims"] = trims
         peak = sampler.peaks.get("worker", 0)
         _say(f"peak tree RSS sum {peak / MIB:.0f} MiB by part "
              f"{ {k: round(v / MIB) for k, v in sampler.peak_parts.get('worker', {}).items()} }")

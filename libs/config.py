@@ -157,6 +157,10 @@ class Settings(BaseSettings):
         10.0, ge=0, description="sink-worker: after this many seconds without a Spark job, give the "
                                 "memory of the last busy spell back (a full GC of the driver JVM, "
                                 "malloc_trim); 0: never.")
+    sink_python_malloc: str = Field(
+        "malloc", description="sink-worker: PYTHONMALLOC its process re-executes itself with at start "
+                              "(unless PYTHONMALLOC is set): malloc lets the idle trim return what a busy "
+                              "spell freed; empty: Python's own pymalloc.")
     sink_writer_log: str | None = Field(
         None, description="Append one JSON line per span and round that wrote downstream (audit)."
     )

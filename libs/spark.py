@@ -48,6 +48,10 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def _prepare_environment() -> None:
     """Environment the JVM and the Python workers inherit; set before the JVM starts."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # A sink-worker runs on the C allocator for its idle trim (services/sink_worker/__main__.py);
+    # Spark's Python workers end when idle, so they keep pymalloc, faster for their small objects.
+    if os.environ.pop("SLUICE_INTERNAL_MALLOC_REEXEC", None):
+        os.environ.pop("PYTHONMALLOC", None)
     # PySpark marks a process that built a Spark Connect session with these, and every process
     # it starts inherits them; a classic session asked for by SLUICE_SPARK_MASTER would then be
     # refused as a Connect session without a URL (CONNECT_URL_NOT_SET).

@@ -4,6 +4,7 @@ and when a quiet sink-worker gives memory back (``services.sink_worker.idle_trim
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from pyspark.sql import SparkSession
 
 from libs.config import DRIVER_MEMORY_OPTIONS, Settings
 from libs.spark import driver_java_options
+from services.sink_worker.__main__ import MALLOC_REEXEC, reexec_args
 from services.sink_worker.idle_trim import IdleTrim, release_memory
 
 
@@ -95,3 +97,34 @@ def test_a_quiet_driver_gives_its_free_heap_back(spark: SparkSession) -> None:
     total, free = runtime.totalMemory(), runtime.freeMemory()
     assert total < grown - 200 * 1024 * 1024, (grown, total)
     assert free <= 0.3 * total or total <= 40 * 1024 * 1024, (total, free)
+
+
+def test_the_worker_reexecutes_itself_on_the_c_allocator_once() -> None:
+    argv = ["/venv/bin/python", "-m", "services.sink_worker"]
+    command = reexec_args({"PATH": "/bin"}, argv, "/venv/bin/python", "malloc")
+    assert command is not None
+    new_argv, env = command
+    assert new_argv == argv
+    assert env["PYTHONMALLOC"] == "malloc" and env[MALLOC_REEXEC] == "1" and env["PATH"] == "/bin"
+    # The new process has it: no second exec. An operator's own choice stands; empty opts out.
+    assert reexec_args(env, argv, "/venv/bin/python", "malloc") is None
+    assert reexec_args({"PYTHONMALLOC": "pymalloc_debug"}, argv, "/venv/bin/python", "malloc") is None
+    assert reexec_args({}, argv, "/venv/bin/python", "") is None
+    # The console script re-executes as itself.
+    script = ["/venv/bin/python", "/venv/bin/sluice-sink-worker"]
+    assert reexec_args({}, script, "/venv/bin/python", "malloc")[0] == script  # type: ignore[index]
+
+
+def test_sparks_python_processes_go_back_to_pymalloc(monkeypatch: pytest.MonkeyPatch) -> None:
+    from libs.spark import _prepare_environment
+
+    # _prepare_environment sets more than this (PYTHONPATH, PYSPARK_PYTHON): on a copy.
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setenv("PYTHONMALLOC", "malloc")
+    monkeypatch.setenv(MALLOC_REEXEC, "1")
+    _prepare_environment()
+    assert "PYTHONMALLOC" not in os.environ and MALLOC_REEXEC not in os.environ
+    # An operator's PYTHONMALLOC (no re-exec marker) reaches Spark's workers unchanged.
+    monkeypatch.setenv("PYTHONMALLOC", "malloc")
+    _prepare_environment()
+    assert os.environ["PYTHONMALLOC"] == "malloc"
