@@ -3,11 +3,11 @@ and when a quiet sink-worker gives memory back (``services.sink_worker.idle_trim
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 
 import pytest
+from pyspark import StorageLevel
 from pyspark.sql import SparkSession
 
 from libs.config import DRIVER_MEMORY_OPTIONS, Settings
@@ -81,22 +81,24 @@ def test_release_memory_without_a_jvm_trims_this_process_only() -> None:
 
 @pytest.mark.integration
 def test_a_quiet_driver_gives_its_free_heap_back(spark: SparkSession) -> None:
-    """The suite's driver runs with the default bounds: after the trim's full collection its heap
-    keeps at most the free share MaxHeapFreeRatio allows (or its -Xms)."""
+    """The suite's driver runs with the default bounds: a job's data grows its heap, and the trim's
+    full collection gives the free part back (the serial collector shrinks the old generation to
+    MaxHeapFreeRatio's share, in one step, and sizes the young one from it)."""
     jvm = spark.sparkContext._jvm  # type: ignore[attr-defined]
     args = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
     assert "-XX:MaxHeapFreeRatio=30" in args and "-XX:-ShrinkHeapInSteps" in args, args
     runtime = jvm.java.lang.Runtime.getRuntime()
-    block = jvm.java.nio.ByteBuffer.allocate(300 * 1024 * 1024)  # a heap array, as a round's batch
+    # A round's batch in the driver's heap, then garbage: a cached frame, unpersisted.
+    frame = spark.range(2_000_000).selectExpr("id", "repeat(cast(id as string), 10) AS s")
+    frame = frame.persist(StorageLevel.MEMORY_ONLY)
+    assert frame.count() == 2_000_000
     grown = runtime.totalMemory()
-    assert grown > 300 * 1024 * 1024
-    del block
-    gc.collect()  # py4j lets the JVM drop its reference when the Python proxy goes
+    assert grown > 200 * 1024 * 1024, grown
+    frame.unpersist(blocking=True)
     done = release_memory(spark)
     assert "jvm_gc_s" in done, done
-    total, free = runtime.totalMemory(), runtime.freeMemory()
-    assert total < grown - 200 * 1024 * 1024, (grown, total)
-    assert free <= 0.3 * total or total <= 40 * 1024 * 1024, (total, free)
+    total = runtime.totalMemory()
+    assert total < grown / 2, (grown, total)
 
 
 def test_the_worker_reexecutes_itself_on_the_c_allocator_once() -> None:
