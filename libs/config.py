@@ -130,7 +130,7 @@ class Settings(BaseSettings):
         100, ge=1, description="The least a caught-up span's per-round event allowance shrinks to."
     )
     sink_round_max_bytes: int = Field(
-        256 * 1024 * 1024, ge=1024 * 1024,
+        128 * 1024 * 1024, ge=1024 * 1024,
         description="Event bytes a round's allowances may bring into the driver, all spans together "
                     "(each span's allowance x its mean event size)."
     )
