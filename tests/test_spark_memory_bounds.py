@@ -12,7 +12,7 @@ from pyspark.sql import SparkSession
 
 from libs.config import DRIVER_MEMORY_OPTIONS, Settings
 from libs.spark import driver_java_options
-from services.sink_worker.__main__ import MALLOC_REEXEC, reexec_args
+from services.sink_worker.__main__ import DEFAULT_MALLOC, MALLOC_REEXEC, reexec_args
 from services.sink_worker.idle_trim import IdleTrim, release_memory
 
 
@@ -112,6 +112,8 @@ def test_the_worker_reexecutes_itself_on_the_c_allocator_once() -> None:
     assert reexec_args(env, argv, "/venv/bin/python", "malloc") is None
     assert reexec_args({"PYTHONMALLOC": "pymalloc_debug"}, argv, "/venv/bin/python", "malloc") is None
     assert reexec_args({}, argv, "/venv/bin/python", "") is None
+    # main() reads the setting before pydantic is imported: the same default as Settings.
+    assert Settings().sink_python_malloc == DEFAULT_MALLOC
     # The console script re-executes as itself.
     script = ["/venv/bin/python", "/venv/bin/sluice-sink-worker"]
     assert reexec_args({}, script, "/venv/bin/python", "malloc")[0] == script  # type: ignore[index]

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 # Set in the environment of a worker that re-executed itself for its allocator; Spark's Python
 # processes, which it starts, go back to Python's own (libs/spark.py).
 MALLOC_REEXEC = "SLUICE_INTERNAL_MALLOC_REEXEC"
+DEFAULT_MALLOC = "malloc"
 
 
 def reexec_args(environ: dict[str, str], orig_argv: list[str], executable: str,
@@ -75,10 +76,10 @@ async def run(runtime: ServiceRuntime) -> None:
 
 
 def main() -> None:
-    from libs.config import get_settings
-
-    # Before the service's own imports: the new process starts over from its first line.
-    command = reexec_args(dict(os.environ), sys.orig_argv, sys.executable, get_settings().sink_python_malloc)
+    # Before the service's own imports, and read from the environment as Settings reads it
+    # (``sink_python_malloc``) without importing pydantic: the new process starts over.
+    allocator = os.environ.get("SLUICE_SINK_PYTHON_MALLOC", DEFAULT_MALLOC)
+    command = reexec_args(dict(os.environ), sys.orig_argv, sys.executable, allocator)
     if command is not None:
         argv, env = command
         os.execve(argv[0], argv, env)
