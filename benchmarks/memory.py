@@ -161,3 +161,75 @@ class MemorySampler(threading.Thread):
             if total > self.peaks.get(name, 0):
                 self.peaks[name], self.peak_parts[name] = total, parts
         self.samples += 1
+
+
+def smaps_rollup(pid: int) -> dict[str, int]:
+    """A process' resident memory in bytes: ``rss``, ``pss`` (shared pages divided among the
+    processes sharing them, so a tree's PSS sums to what it really holds) and ``private`` (pages
+    only this process maps; what ending it would free). Empty when it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    fields: dict[str, int] = {}
+    for line in text.splitlines()[1:]:
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            fields[key] = int(parts[0]) * 1024
+    return {"rss": fields.get("Rss", 0), "pss": fields.get("Pss", 0),
+            "private": fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)}
+
+
+def jvm_native_memory(pid: int, jcmd: str = "jcmd") -> dict[str, int]:
+    """Committed bytes of a JVM by Native Memory Tracking category ("Java Heap", "Class",
+    "Thread", "Code", "GC", "Internal", "Other", ...; "Total" too), from ``jcmd <pid>
+    VM.native_memory summary``. The JVM must run with ``-XX:NativeMemoryTracking=summary``;
+    empty otherwise (or when jcmd cannot attach)."""
+    import subprocess
+
+    try:
+        done = subprocess.run([jcmd, str(pid), "VM.native_memory", "summary"], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return parse_native_memory(done.stdout)
+
+
+def parse_native_memory(text: str) -> dict[str, int]:
+    """``{category: committed bytes}`` of a ``VM.native_memory summary`` report."""
+    import re
+
+    out: dict[str, int] = {}
+    total = re.search(r"^Total: reserved=(\d+)KB, committed=(\d+)KB", text, re.MULTILINE)
+    if total:
+        out["Total"] = int(total.group(2)) * 1024
+    category = re.compile(r"^-\s+(.+?) \(reserved=\d+KB, committed=(\d+)KB\)", re.MULTILINE)
+    for name, committed in category.findall(text):
+        out[name.strip()] = int(committed) * 1024
+    return out
+
+
+def rss_by_mapping(pid: int, top: int = 6) -> dict[str, int]:
+    """A process' resident bytes by what is mapped: ``[heap]`` (glibc's main arena), ``anon``
+    (other anonymous mappings: other malloc arenas, mmap'd allocator segments, JVM heap and
+    thread stacks) and the ``top`` files by their resident bytes (a shared library, the JVM's
+    class archive); empty when the process is gone."""
+    out: dict[str, int] = {}
+    name = "anon"
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                first = line.split(maxsplit=1)[0]
+                if "-" in first and not first.endswith(":"):
+                    fields = line.split()
+                    name = fields[5].rsplit("/", 1)[-1] if len(fields) > 5 else "anon"
+                elif first == "Rss:":
+                    out[name] = out.get(name, 0) + int(line.split()[1]) * 1024
+    except OSError:
+        return {}
+    files = sorted(((k, v) for k, v in out.items() if k not in ("anon", "[heap]")), key=lambda kv: -kv[1])
+    kept = {k: v for k, v in out.items() if k in ("anon", "[heap]")} | dict(files[:top])
+    kept["other files"] = sum(v for _, v in files[top:])
+    return kept

@@ -89,6 +89,9 @@ BENCHES = (
           ("--rows", "50000", "--chunk-rows", "10000")),
     Bench("bench_capture_drain", "Capture drain of a sysbench backlog beside the binlog library's parse-only "
           "rate", (), ("--table-size", "10000", "--seconds", "10")),
+    Bench("bench_worker_memory", "A sink-worker's process tree by process and its Spark JVM by part: "
+          "after an initial load, after 100k changes, idle (the 1 GiB target)", ("--nmt",),
+          ("--tables", "5", "--rows", "2000", "--idle", "65")),
     # 10M changes take over half an hour on a loaded 2-core machine (a 10M-row load, its initial
     # copy, the UPDATE upstream, the streamed apply): the full run measures 1M, the quick 100k;
     # `python -m benchmarks.bench_large_txn --rows 10000000` for the 10M figure.
@@ -108,7 +111,7 @@ BENCHES = (
 # Heavy multi-process benchmarks last: a failure there should not cost the quick ones.
 RUN_ORDER = ("bench_scheduling", "bench_rebuild", "bench_rebuild_memory", "bench_shard_ddl",
              "bench_spark_start", "bench_system_start", "bench_snapshot", "bench_capture_drain", "apply",
-             "bench_failover",
+             "bench_failover", "bench_worker_memory",
              "bench_large_txn", "bench_e2e", "bench_e2e_shared", "bench_tables", "bench_oltp",
              "bench_syncpoints")
 

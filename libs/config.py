@@ -13,6 +13,15 @@ from functools import lru_cache
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# The local Spark driver's memory bounds (``libs/spark.py``, measured with
+# ``benchmarks/bench_worker_memory.py``, see BENCHMARKS.md): the serial collector (G1's own
+# structures took 80 MiB beside a 1 GiB heap, the serial one's 1 MiB, and the driver's heap work
+# is small: the rows are in the Python workers), a heap that starts small and gives back what is
+# free beyond 30 % at each full collection, in one step (``sink_idle_trim_s`` runs one when a
+# worker turns quiet), and a code cache capped well above the 15-20 MiB it fills.
+DRIVER_MEMORY_OPTIONS = ("-XX:+UseSerialGC -Xms32m -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30 "
+                         "-XX:-ShrinkHeapInSteps -XX:ReservedCodeCacheSize=64m")
+
 
 def _default_instance_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -99,7 +108,13 @@ class Settings(BaseSettings):
         pattern=r"^(local(\[(\*|\d+)\])?|spark://.+|sc://.+)$",
     )
     spark_shuffle_partitions: int = Field(8, ge=1, description="spark.sql.shuffle.partitions.")
-    spark_driver_memory: str = Field("2g", description="spark.driver.memory of the local driver.")
+    spark_driver_memory: str = Field(
+        "512m", description="spark.driver.memory of the local driver (its JVM's -Xmx).")
+    spark_driver_memory_options: str = Field(
+        DRIVER_MEMORY_OPTIONS,
+        description="JVM flags of the local driver that bound its memory beyond the heap's maximum and "
+                    "let the heap shrink when idle; before spark_driver_java_options (whose flags win). "
+                    "Empty: the JVM's own defaults.")
     spark_driver_java_options: str = Field(
         "", description="spark.driver.extraJavaOptions (JVM flags of the local driver, e.g. JIT settings)."
     )
@@ -120,7 +135,7 @@ class Settings(BaseSettings):
         100, ge=1, description="The least a caught-up span's per-round event allowance shrinks to."
     )
     sink_round_max_bytes: int = Field(
-        256 * 1024 * 1024, ge=1024 * 1024,
+        128 * 1024 * 1024, ge=1024 * 1024,
         description="Event bytes a round's allowances may bring into the driver, all spans together "
                     "(each span's allowance x its mean event size)."
     )
@@ -143,6 +158,14 @@ class Settings(BaseSettings):
     sink_drain_timeout_s: float = Field(
         5.0, gt=0, description="On SIGTERM, how long a worker waits for its spans to move elsewhere."
     )
+    sink_idle_trim_s: float = Field(
+        10.0, ge=0, description="sink-worker: after this many seconds without a Spark job, give the "
+                                "memory of the last busy spell back (a full GC of the driver JVM, "
+                                "malloc_trim); 0: never.")
+    sink_python_malloc: str = Field(
+        "malloc", description="sink-worker: PYTHONMALLOC its process re-executes itself with at start "
+                              "(unless PYTHONMALLOC is set): malloc lets the idle trim return what a busy "
+                              "spell freed; empty: Python's own pymalloc.")
     sink_writer_log: str | None = Field(
         None, description="Append one JSON line per span and round that wrote downstream (audit)."
     )

@@ -51,6 +51,7 @@ from libs.streams import (
 from services.sink_worker.agent import SinkAgent
 from services.sink_worker.ddl.shard import ShardDdl
 from services.sink_worker.fence import Fenced
+from services.sink_worker.idle_trim import IdleTrim, release_memory
 from services.sink_worker.incidents.log import carry_out, record_incidents
 from services.sink_worker.prepare_progress import Phase, PrepareProgress
 from services.sink_worker.round.pipeline import Pipeline
@@ -93,6 +94,7 @@ class SinkWorker:
         self._halt = asyncio.Event() if agent is not None else stopping
         self._spark_factory = spark
         self.spark_started = False
+        self.idle_trim = IdleTrim(settings.sink_idle_trim_s)
         self.status = status if status is not None else {}
         self.rows_stream = rows_stream
         self.changefeeds_stream = domain_stream(changefeeds_domain)
@@ -143,7 +145,21 @@ class SinkWorker:
     def _spark(self) -> SparkSession:
         session = self._spark_factory()
         self.spark_started = True
+        self.idle_trim.used()
         return session
+
+    async def _release_memory(self) -> None:
+        """Memory the last busy spell left in the JVM's heap and this process' allocators back
+        to the system (``idle_trim``)."""
+        self.idle_trim.done()
+        try:
+            done = await asyncio.to_thread(release_memory, self._spark_factory())
+        except Exception:
+            log.warning("giving memory back after a quiet spell failed", exc_info=True)
+            return
+        if "jvm_gc_s" not in done:
+            self.idle_trim.used()  # a job still ran: try again after another quiet spell
+        log.info("memory given back after a quiet spell", extra=done)
 
     def _warm_session(self) -> SparkSession:
         """The session, started and run once through a round's plans (``warm_up``)."""
@@ -291,6 +307,8 @@ class SinkWorker:
         failures = 0
         while not self._halt.is_set():
             now = time.monotonic()
+            if self.spark_started and self.idle_trim.due(now):
+                await self._release_memory()
             if self.agent is not None and self.agent.must_start_over():
                 try:
                     await self._start_over()
