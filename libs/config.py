@@ -163,9 +163,10 @@ class Settings(BaseSettings):
                                 "memory of the last busy spell back (a full GC of the driver JVM, "
                                 "malloc_trim); 0: never.")
     sink_python_malloc: str = Field(
-        "malloc", description="sink-worker: PYTHONMALLOC its process re-executes itself with at start "
-                              "(unless PYTHONMALLOC is set): malloc lets the idle trim return what a busy "
-                              "spell freed; empty: Python's own pymalloc.")
+        "", description="sink-worker: PYTHONMALLOC its process re-executes itself with at start "
+                        "(unless PYTHONMALLOC is set); empty (the default): Python's own pymalloc. "
+                        "malloc lets the idle trim return what a busy spell freed (a smaller idle "
+                        "worker) but keeps it until then (a higher peak under a large transaction).")
     sink_writer_log: str | None = Field(
         None, description="Append one JSON line per span and round that wrote downstream (audit)."
     )

@@ -119,7 +119,9 @@ async def _stream_messages(url: str, stream: str) -> list[tuple[str, dict[str, s
         except nats.js.errors.NotFoundError:
             return []
         out = []
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        # A stream the sink has just made and not written to yet says first_seq 0, and the
+        # server answers a read of sequence 0 with 400 "bad request": nothing to read then.
+        for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
             msg = await js.get_msg(stream, seq)
             out.append((msg.subject, dict(msg.headers or {}), msg.data or b""))
         return out

@@ -18,7 +18,6 @@ import pytest
 from pyspark.sql import SparkSession
 
 from contracts.events.rows import ColumnV1, TableMetaV1
-from libs.localservers.common import wait_until
 from services.sink_worker.round.apply_job import TargetPlan, run_apply
 from services.sink_worker.round.sort_job import SpanInput, run_sort
 from services.sink_worker.sinks.base import TargetTable, Upsert
@@ -91,20 +90,6 @@ def test_a_worker_takes_a_token_once_and_again_after_forgetting(target: Target) 
     assert back is not None and back.tokens == ((SPAN, 2),)
 
 
-def _lock_waits(target: Target) -> int:
-    if target.kind == "mariadb":
-        conn = target.server.connect()
-        try:
-            with conn.cursor() as cur:
-                cur.execute("SELECT COUNT(*) FROM information_schema.INNODB_TRX"
-                            " WHERE trx_state = 'LOCK WAIT'")
-                return int(cur.fetchone()[0])
-        finally:
-            conn.close()
-    rows = target.server.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
-    return int(rows[0][0])
-
-
 @pytest.mark.parametrize("kind", ["mariadb", "postgres"])
 def test_the_bump_waits_for_a_write_in_flight_and_refuses_the_next(kind: str, request: pytest.FixtureRequest,
                                                                    tmp_path: Path) -> None:
@@ -140,8 +125,13 @@ def test_the_bump_waits_for_a_write_in_flight_and_refuses_the_next(kind: str, re
         target=lambda: taken.append(sink.take_write_fences(target.schema, [SPAN], "new")))
     taker.start()
     try:
-        wait_until(lambda: _lock_waits(target) > 0, 60, "the new owner's bump waiting on the fence row")
-        assert not taken, "the token moved while a write holding the old one was in flight"
+        # Something must NOT happen here, so no condition to wait for: unheld, the bump is done
+        # in milliseconds; held by the write's shared lock on the fence row, it is still waiting
+        # after this window. (A probe of the server's lock waits was tried instead and missed the
+        # wait in about one run in five under load, for reasons not found.)
+        taker.join(3.0)
+        assert taker.is_alive() and not taken, \
+            "the token moved while a write holding the old one was in flight"
     finally:
         release.set()
         writer.join(60)
