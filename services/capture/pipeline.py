@@ -616,7 +616,7 @@ class SourcePipeline:
         # Anything else goes out as it is, after every open batch (a table's stream order stays seq order).
         await self.flush_batches()
         meta = buffer.info.meta()
-        event = _construct(one_part_version(meta), {
+        event = one_part(meta, {
             "source": self.source, "database": key[0], "table": key[1], "ts": txn.ts, "seq": self.next_seq,
             "part": buffer.part, "last_part": last,
             "position": _construct(SourcePositionV1, {"binlog_file": txn.begin.file,
@@ -714,7 +714,7 @@ class SourcePipeline:
             except MessageTooLarge:
                 pass  # over a NATS message: the parts one by one (same input, same choice)
         for event_id, ts, seq, position, rows in batch.parts:
-            alone = _construct(one_part_version(meta), {
+            alone = one_part(meta, {
                 "source": self.source, "database": key[0], "table": key[1], "ts": ts, "seq": seq,
                 "part": 0, "last_part": True, "position": position, "meta": meta, "rows": rows})
             await self.publisher.send(subject, alone, event_id, rows=len(rows),
@@ -1056,6 +1056,16 @@ def one_part_version(meta: TableMetaV1) -> type[RowsChangedV3]:
     """The version of a message of one transaction part: v3, which readers older than batching
     read, unless the table has a spatial column (the ``geometry`` kind came with v4)."""
     return RowsChangedV4 if has_geometry(meta) else RowsChangedV3
+
+
+def one_part(meta: TableMetaV1, values: dict[str, Any]) -> RowsChangedV3:
+    """A message of one transaction part, in ``one_part_version``: a v4 one (a spatial table)
+    gets v4's own fields too, unset, since ``_construct`` sets no defaults (the publisher and the
+    encoder read ``more``; without it every such message failed capture's session)."""
+    version = one_part_version(meta)
+    if version is RowsChangedV4:
+        values = {**values, "event_id": None, "more": []}
+    return _construct(version, values)
 
 
 def _construct(model: type[M], values: dict[str, Any]) -> M:
