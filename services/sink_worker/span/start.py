@@ -59,6 +59,13 @@ class SpanStarts:
                 initial = await start_at_time(self.js, rt.span, rt.config.start_time, self.rows_stream)
             await self.checkpoints.advance(rt.span, initial, expected=None)
             rt.stored = rt.checkpoint = initial
+            # Where a changefeed's start point put the span: what a missing or extra first row
+            # is traced back to.
+            log.info("span starts at its changefeed's start point", extra={
+                "span": rt.span.name, "stream_seq": initial.stream_seq, "checkpoint_ts": initial.ts,
+                "start_position": (rt.config.start_position.model_dump(mode="json")
+                                   if rt.config.start_position is not None else None),
+                "start_time": str(rt.config.start_time) if rt.config.start_time is not None else None})
             return
         if rt.config.start == "latest":
             # Start after the newest resolved mark: capture publishes a mark once everything
