@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import nats  # noqa: E402
 
-from benchmarks.memory import MemorySampler  # noqa: E402
+from benchmarks.memory import MemorySampler, wait_while_alive, worker_tree_part  # noqa: E402
 from benchmarks.output import Figures, add_json_option  # noqa: E402
 from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1  # noqa: E402
 from libs.changefeeds import record_changefeed  # noqa: E402
@@ -52,12 +52,6 @@ def _say(text: str) -> None:
     print(f"[bench_large_txn {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def _part(pid: int, root: int, argv: list[bytes]) -> str:
-    if pid == root:
-        return "service"
-    return "jvm" if argv and argv[0].endswith(b"java") else "python children"
-
-
 def _fill(server: MariaDB, rows: int) -> None:
     server.execute(f"DROP DATABASE IF EXISTS {DB}", f"CREATE DATABASE {DB}")
     server.execute("CREATE TABLE t (id INT PRIMARY KEY, k INT NOT NULL, c CHAR(60) NOT NULL, "
@@ -72,22 +66,6 @@ def _fill(server: MariaDB, rows: int) -> None:
 def _sum_k(server: MariaDB) -> tuple[int, int]:
     (count, total), = server.execute("SELECT COUNT(*), COALESCE(SUM(k), 0) FROM t", database=DB)
     return int(count), int(total)
-
-
-def _wait(check: object, within: float, what: str, procs: list[ServiceProcess]) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < within:
-        for p in procs:
-            if not p.alive():
-                raise RuntimeError(f"{p.instance_id} died:\n{p.tail_log(30)}")
-        try:
-            if check():  # type: ignore[operator]
-                return time.monotonic() - started
-        except Exception:  # the downstream table appears with the initial load
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"{what} not reached within {within:.0f}s:\n"
-                       + "\n".join(f"--- {p.instance_id}\n{p.tail_log(20)}" for p in procs))
 
 
 async def _one(rows: int, work: Path, figures: Figures, env_extra: dict[str, str], within: float) -> None:
@@ -122,12 +100,12 @@ async def _one(rows: int, work: Path, figures: Figures, env_extra: dict[str, str
         procs.append(worker)
         worker.wait_healthy(180)
         want = _sum_k(source)
-        took = _wait(lambda: _sum_k(down) == want, within, "initial load", procs)
+        took = wait_while_alive(lambda: _sum_k(down) == want, within, "initial load", procs)
         _say(f"initial load of {rows:,} rows done in {took:.0f}s")
         # Let the worker settle into idle rounds after the copy before the memory baseline.
         await asyncio.sleep(3)
         sampler = MemorySampler(lambda: {"capture": capture.proc.pid, "worker": worker.proc.pid},  # type: ignore[union-attr]
-                                _part, interval=0.25)
+                                worker_tree_part, interval=0.25)
         sampler.sample()
         before = dict(sampler.peaks)
         sampler.peaks, sampler.peak_parts = {}, {}
@@ -137,7 +115,7 @@ async def _one(rows: int, work: Path, figures: Figures, env_extra: dict[str, str
         upstream_s = time.monotonic() - t0
         want = _sum_k(source)
         _say(f"UPDATE of {rows:,} rows committed upstream in {upstream_s:.1f}s; waiting for the downstream")
-        _wait(lambda: _sum_k(down) == want, within, "the UPDATE downstream", procs)
+        wait_while_alive(lambda: _sum_k(down) == want, within, "the UPDATE downstream", procs)
         replicated_s = time.monotonic() - t0
         sampler.done.set()
         sampler.join()

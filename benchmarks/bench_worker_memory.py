@@ -50,6 +50,8 @@ from benchmarks.memory import (  # noqa: E402
     rss,
     rss_by_mapping,
     smaps_rollup,
+    wait_while_alive,
+    worker_tree_part,
 )
 from benchmarks.output import Figures, add_json_option  # noqa: E402
 from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1  # noqa: E402
@@ -169,26 +171,6 @@ def _sums(server: MariaDB, tables: int) -> list[tuple[int, int]]:
     return out
 
 
-def _wait(check: Any, within: float, what: str, procs: list[ServiceProcess]) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < within:
-        for p in procs:
-            if not p.alive():
-                raise RuntimeError(f"{p.instance_id} died:\n{p.tail_log(30)}")
-        try:
-            if check():
-                return time.monotonic() - started
-        except Exception:  # the downstream tables appear with the initial load
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"{what} not reached within {within:.0f}s:\n"
-                       + "\n".join(f"--- {p.instance_id}\n{p.tail_log(20)}" for p in procs))
-
-
-def _tree_part(pid: int, root: int, argv: list[bytes]) -> str:
-    return "service" if pid == root else ("jvm" if argv and argv[0].endswith(b"java") else "python children")
-
-
 async def run(args: argparse.Namespace, work: Path, figures: Figures) -> None:
     nats_server = NatsServer(data_dir=work / "nats").start()
     source = MariaDB(data_dir=work / "source", server_id=11).start()
@@ -228,13 +210,14 @@ async def run(args: argparse.Namespace, work: Path, figures: Figures) -> None:
         worker.wait_healthy(180)
         assert worker.proc is not None
         root = worker.proc.pid
-        sampler = MemorySampler(lambda: {"worker": root}, _tree_part, interval=0.5, on_error=lambda exc: None)
+        sampler = MemorySampler(lambda: {"worker": root}, worker_tree_part, interval=0.5,
+                                on_error=lambda exc: None)
         sampler.start()
         snaps: dict[str, dict[str, Any]] = {}
         snaps["healthy"] = tree_snapshot(root, args.nmt)
         _show("healthy", snaps["healthy"])
         want = _sums(source, args.tables)
-        took = _wait(lambda: _sums(down, args.tables) == want, args.within, "initial load", procs)
+        took = wait_while_alive(lambda: _sums(down, args.tables) == want, args.within, "initial load", procs)
         snaps["after initial load"] = tree_snapshot(root, args.nmt)
         _show(f"initial load of {args.tables} x {args.rows:,} rows downstream in {took:.0f}s",
               snaps["after initial load"])
@@ -246,7 +229,7 @@ async def run(args: argparse.Namespace, work: Path, figures: Figures) -> None:
                     cur.execute(f"UPDATE t{i} SET k = k + 1 WHERE id BETWEEN {lo} AND {lo + step - 1}")
                     conn.commit()
         want = _sums(source, args.tables)
-        took = _wait(lambda: _sums(down, args.tables) == want, args.within, "the writes", procs)
+        took = wait_while_alive(lambda: _sums(down, args.tables) == want, args.within, "the writes", procs)
         changes = args.tables * args.rows
         snaps["after writes"] = tree_snapshot(root, args.nmt)
         _show(f"{changes:,} row changes in {changes // step:,} transactions downstream "

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from libs.localservers.service_process import ServiceProcess
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICK = os.sysconf("SC_CLK_TCK")
@@ -233,3 +238,29 @@ def rss_by_mapping(pid: int, top: int = 6) -> dict[str, int]:
     kept = {k: v for k, v in out.items() if k in ("anon", "[heap]")} | dict(files[:top])
     kept["other files"] = sum(v for _, v in files[top:])
     return kept
+
+
+def worker_tree_part(pid: int, root: int, argv: list[bytes]) -> str:
+    """A sink-worker tree's parts for ``MemorySampler``: the service, its JVM, its Python children."""
+    if pid == root:
+        return "service"
+    return "jvm" if argv and argv[0].endswith(b"java") else "python children"
+
+
+def wait_while_alive(check: Callable[[], bool], within: float, what: str,
+                     procs: list[ServiceProcess]) -> float:
+    """Seconds until ``check()`` holds (an exception counts as not yet: downstream tables appear
+    with the initial load); raises if one of ``procs`` dies or ``within`` passes first."""
+    started = time.monotonic()
+    while time.monotonic() - started < within:
+        for p in procs:
+            if not p.alive():
+                raise RuntimeError(f"{p.instance_id} died:\n{p.tail_log(30)}")
+        try:
+            if check():
+                return time.monotonic() - started
+        except Exception:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"{what} not reached within {within:.0f}s:\n"
+                       + "\n".join(f"--- {p.instance_id}\n{p.tail_log(20)}" for p in procs))
