@@ -45,3 +45,13 @@ def behind_text(ts: int, now: float | None = None) -> str | None:
     if ts <= 0:
         return None
     return f"{utc_text(ts)}, {duration_text(lag_seconds(ts, now))} behind"
+
+
+def utc_moment(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)  # naive: UTC
+
+
+def ts_threshold(start_time: datetime) -> int:
+    """The highest ts a transaction committed before ``start_time``'s second has (naive: UTC)."""
+    ms = int(utc_moment(start_time).timestamp()) * 1000
+    return max(0, (ms << LOGICAL_BITS) - 1)

@@ -8,6 +8,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -17,15 +18,27 @@ from sqlmodel import create_engine
 
 from contracts import REGISTRY
 from contracts.events.changefeeds import ChangefeedCreatedV2, ChangefeedSpecV2, SourceRefV1
+from contracts.events.rows import ResolvedAdvancedV1, SourcePositionV1
 from libs.eventstore import EventStore
 from libs.eventstore.deadletter import dead_letter
 from libs.localservers.common import wait_until
 from libs.scheduling.model import Span as WorkerSpan
-from libs.streams import PREPARE_BUCKET, domain_events_subject
-from libs.ts import utc_text
+from libs.stream_origin import STREAM_ORIGIN_HEADER, StreamOrigin
+from libs.streams import PREPARE_BUCKET, ROWS_STREAM, domain_events_subject, resolved_subject
+from libs.ts import ts_seconds, utc_text
 from services.api.projections import Projections
 from services.sink_worker.prepare_progress import entry as prepare_entry
-from tests.api_stack import ALICE_TOKEN, CANARY, CF, TOKEN, VIEWER_TOKEN, ApiStack, lock_view, wait_ready
+from tests.api_stack import (
+    ALICE_TOKEN,
+    CANARY,
+    CF,
+    TOKEN,
+    VIEWER_TOKEN,
+    ApiStack,
+    lock_view,
+    stamp,
+    wait_ready,
+)
 from tests.helpers.api import _frames
 
 pytestmark = pytest.mark.integration
@@ -253,6 +266,41 @@ def test_changefeed_validation_is_field_level(api_stack: ApiStack) -> None:
             "v6", initial_load="sometimes")))
         for i in range(1, 7):
             assert c.get(f"{V1}/changefeeds/v{i}").status_code == 404
+
+
+def test_a_start_point_before_the_source_stream_begins_is_refused(api_stack: ApiStack) -> None:
+    """Capture began src-early at bin.000002:400: a binlog-only changefeed cannot start before
+    that (those changes were never captured), on any field that names a start point."""
+    began = stamp()
+    origin = StreamOrigin("bin.000002", 400, began)
+
+    async def mark() -> None:
+        await EventStore(api_stack.nc.jetstream(), ROWS_STREAM, producer="test-peer").append(
+            resolved_subject("src-early"), ResolvedAdvancedV1(
+                source="src-early", ts=began, position=SourcePositionV1(binlog_file="bin.000002",
+                                                                        binlog_pos=900)),
+            headers={STREAM_ORIGIN_HEADER: origin.header()})
+
+    api_stack.bg.run(mark())
+    sources = [{"id": "src-early", "url": _source["url"]}]
+    before = datetime.fromtimestamp(ts_seconds(began) - 3600, UTC).isoformat()
+    after = datetime.fromtimestamp(ts_seconds(began) + 2, UTC).isoformat()
+    def at(file: str, pos: int) -> dict[str, Any]:
+        return {"start_position": {"src-early": {"binlog_file": file, "binlog_pos": pos}}}
+
+    skip = {"skip_checks": "true"}
+    with api_stack.client() as c:
+        post = c.post
+        for cf, extra, field in (("early1", at("bin.000001", 9000), ("body", "start_position", "src-early")),
+                                 ("early2", at("bin.000002", 399), ("body", "start_position", "src-early")),
+                                 ("early3", {"start_time": before}, ("body", "start_time"))):
+            r = post(f"{V1}/changefeeds", json=spec(cf, sources=sources, **extra), params=skip)
+            assert field in errors_at(r) and "bin.000002:400" in r.text, r.text
+            assert c.get(f"{V1}/changefeeds/{cf}").status_code == 404
+        for cf, extra in (("early4", at("bin.000002", 400)), ("early5", {"start_time": after})):
+            r = post(f"{V1}/changefeeds", json=spec(cf, sources=sources, **extra), params=skip)
+            assert r.status_code == 202, r.text
+            assert c.delete(f"{V1}/changefeeds/{cf}").status_code == 202
 
 
 def test_syncpoint_settings_are_checked_and_the_last_syncpoint_is_shown(api_stack: ApiStack) -> None:

@@ -11,6 +11,7 @@ from nats.js import JetStreamContext
 from contracts.events.rows import DdlExecutedV1, ForeignKeysChangedV1, RowsChangedV2
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
+from libs.stream_origin import STREAM_ORIGIN_HEADER, StreamOrigin
 from services.capture.metrics import CASCADING_FOREIGN_KEYS
 from services.capture.ts_clock import physical_ms, wall_ms
 from tests.helpers.capture import (
@@ -159,9 +160,23 @@ async def test_resolved_ts_advances_while_idle(mariadb: MariaDB, nats_server: Na
         # A change after the idle marks gets a greater ts than every one of them.
         mariadb.execute("INSERT INTO t VALUES (2)", database=name)
         await wait_resolved_past(js, source, binlog_position(mariadb))
+        got = await last_resolved(js, source)
+        assert got is not None
+        origin = StreamOrigin.parse(got[1][STREAM_ORIGIN_HEADER])
     rows = rows_of(await source_messages(js, source))
     assert [r.rows[0].after for r in rows] == [{"id": 1}, {"id": 2}]
     assert rows[1].ts > seen[-1]
+    # Every mark says where the source's stream begins: before the first row, and the same
+    # after a restart (the marks are rolled up, so each one carries it on).
+    first = rows[0].position
+    assert (origin.binlog_file, origin.binlog_pos) <= (first.binlog_file, first.binlog_pos)
+    assert origin.ts < rows[0].ts
+    async with running_capture(settings) as capture:
+        await wait_reading(capture)
+        mariadb.execute("INSERT INTO t VALUES (3)", database=name)
+        await wait_resolved_past(js, source, binlog_position(mariadb))
+        got = await last_resolved(js, source)
+        assert got is not None and StreamOrigin.parse(got[1][STREAM_ORIGIN_HEADER]) == origin
 
 
 async def test_table_without_key_and_unsupported_type_are_rejected(

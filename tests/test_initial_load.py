@@ -30,6 +30,7 @@ from services.sink_worker.snapshot.job import CopyJob, connect_source, decode_ke
 from services.sink_worker.snapshot.plan import SnapshotProgress
 from services.sink_worker.span.checkpoints import CheckpointStore
 from services.sink_worker.span.runtime import SpanConfig
+from tests.helpers.capture import eventually, last_resolved, source_messages
 from tests.helpers.initial_load import (
     _capture,
     _changefeed,
@@ -152,6 +153,9 @@ async def test_snapshot_only_and_binlog_only_from_a_time_and_a_position(
     capture = _capture(service_env, logs, mariadb, "snapm", db)
     processes.append(capture)
     capture.wait_healthy(60)
+    # Capture pins the source's start with its first mark: rows committed before that are not
+    # in the stream (the "too-early" feed below shows what a start point before it gets).
+    await eventually(lambda: _has_mark(js, "snapm"), 60, "capture's first mark of snapm")
     await asyncio.to_thread(_insert, mariadb, db, range(1, 6))
     position = await asyncio.to_thread(_binlog_position, mariadb)
     await asyncio.to_thread(_insert, mariadb, db, range(6, 11))
@@ -167,6 +171,9 @@ async def test_snapshot_only_and_binlog_only_from_a_time_and_a_position(
                       start_time=start_time)
     await _changefeed(js, "from-pos", "snapm", mariadb, f"{db}.*", sinks["pos"], "binlog-only",
                       start_position={"snapm": position})
+    await _changefeed(js, "too-early", "snapm", mariadb, f"{db}.*", f"sqlite:///{tmp_path / 'early.db'}",
+                      "binlog-only", start_position={"snapm": SourcePositionV1(
+                          binlog_file=position.binlog_file, binlog_pos=4)})
     worker = _worker(service_env, logs, "worker-snapm")
     processes.append(worker)
     procs = [capture, worker]
@@ -179,7 +186,12 @@ async def test_snapshot_only_and_binlog_only_from_a_time_and_a_position(
         await asyncio.to_thread(wait_until, lambda: _ids(sinks["pos"], db) == list(range(6, 16)), 60,
                                 "binlog-only from a position: exactly the rows after it")
     except TimeoutError as exc:  # whether rows are missing, extra or only late
-        raise AssertionError(f"{exc}: ids {_ids(sinks['pos'], db)}\n{worker.tail_log(40)}") from None
+        stream = "\n".join(f"seq {m.seq} {m.subject} ts {getattr(m.event, 'ts', None)} "
+                           f"position {getattr(m.event, 'position', None)} "
+                           f"ids {[r.after.get('id') for r in getattr(m.event, 'rows', []) if r.after]}"
+                           for m in await source_messages(js, "snapm"))
+        raise AssertionError(f"{exc}: ids {_ids(sinks['pos'], db)}; start position {position}\n"
+                             f"the source's stream:\n{stream}\n{worker.tail_log(40)}") from None
     # Later writes stream to the binlog-only feeds but not to the snapshot-only one.
     await asyncio.to_thread(_insert, mariadb, db, range(16, 18))
     await asyncio.to_thread(wait_until, lambda: _ids(sinks["time"], db)[-1:] == [17], 60,
@@ -197,6 +209,15 @@ async def test_snapshot_only_and_binlog_only_from_a_time_and_a_position(
     await asyncio.to_thread(wait_until, lambda: state_of("snap-only") == "done", 60,
                             "the snapshot-only span reported done")
     assert state_of("from-time") == state_of("from-pos") == "replicating"
+    # A start position before the point capture began the source from is refused with the
+    # reason, not served from the stream's first event on (which would skip what was never read).
+    early = next(s for s in worker.health()["spans"] if s["changefeed"] == "too-early")
+    assert early["state"] == "error", early
+    assert "before the source's stream begins" in early["incident"]["error"], early
+
+
+async def _has_mark(js: JetStreamContext, source: str) -> bool:
+    return await last_resolved(js, source) is not None
 
 
 async def test_a_span_moved_mid_copy_hands_over_and_the_next_owner_resumes(

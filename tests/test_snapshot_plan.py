@@ -9,6 +9,8 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from contracts.events.rows import SourcePositionV1
+from libs.stream_origin import StreamOrigin, uncovered
+from libs.ts import ts_threshold
 from services.sink_worker.snapshot.plan import (
     Chunk,
     SnapshotProgress,
@@ -17,7 +19,7 @@ from services.sink_worker.snapshot.plan import (
     evenly_spread,
     range_condition,
 )
-from services.sink_worker.span.start_point import position_key, ts_threshold
+from services.sink_worker.span.start_point import position_key
 
 
 def _in(chunk: Chunk, key: tuple[int, ...]) -> bool:
@@ -155,3 +157,27 @@ def test_speed_and_time_left_of_a_run() -> None:
     p.state = "done"
     p.measure(run_started_at=100.0, rows_at_run_start=200, now=104.0)
     assert p.eta_s == 0.0 and p.rows_per_s == 75.0
+
+
+def test_a_start_point_before_the_source_stream_begins_is_refused_with_the_reason() -> None:
+    began = datetime(2026, 11, 22, 10, 0, 5, 300_000, tzinfo=UTC)
+    origin = StreamOrigin("mysql-bin.000010", 120, int(began.timestamp() * 1000) << 18)
+    assert StreamOrigin.parse(origin.header()) == origin
+    for bad in ("", "{}", "[1]", '{"binlog_file":"","binlog_pos":1,"ts":1}',
+                '{"binlog_file":"f","binlog_pos":-1,"ts":1}', "not json"):
+        with pytest.raises(ValueError, match="Sluice-Stream-Origin"):
+            StreamOrigin.parse(bad)
+    pos = [SourcePositionV1(binlog_file=f, binlog_pos=p) for f, p in
+           (("mysql-bin.000009", 9000), ("mysql-bin.000010", 4), ("mysql-bin.000010", 119),
+            ("mysql-bin.000010", 120), ("mysql-bin.000010", 121), ("mysql-bin.000011", 4))]
+    refused = [uncovered(origin, position=p) is not None for p in pos]
+    assert refused == [True, True, True, False, False, False]
+    reason = uncovered(origin, position=pos[0])
+    assert reason is not None and "mysql-bin.000010:120" in reason and "initial_load" in reason
+    # A start time: every transaction committed from the start of its second on must be in
+    # the stream, so the second must begin at or after capture began.
+    times = [began - timedelta(days=1), began.replace(microsecond=0), began,
+             began.replace(microsecond=0) + timedelta(seconds=1)]
+    assert [uncovered(origin, start_time=t) is not None for t in times] == [True, True, True, False]
+    # Nothing recorded (no mark yet, or a mark of an older capture): nothing to refuse by.
+    assert uncovered(None, position=pos[0], start_time=times[0]) is None

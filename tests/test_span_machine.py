@@ -128,9 +128,9 @@ def test_an_unreplicable_table_stops_with_one_incident_until_it_is_resumed() -> 
 def test_a_refused_copy_stops_the_span_before_any_checkpoint() -> None:
     span = SpanMachine()
     span.started("copying")
-    stop = span.copy_refused("columns of types capture does not carry: ['g']")
+    stop = span.refused_before_start("columns of types capture does not carry: ['g']")
     assert stop is not None and stop.kind == "unreplicable" and stop.upto_ts == 0
-    assert span.state is SpanState.ERROR and span.copy_refused("again") is None  # recorded once
+    assert span.state is SpanState.ERROR and span.refused_before_start("again") is None  # recorded once
     span.started("copying")
     assert span.incident is stop  # stays stopped until its operator action
     assert span.operator_action(stop.id, "resume") is not None and span.incident is None

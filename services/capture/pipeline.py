@@ -62,6 +62,7 @@ from libs.codec.table_meta import BinlogColumn, TableInfo, agrees, describe, loa
 from libs.foreign_keys import ForeignKey, ddl_may_change_keys, load_foreign_keys, referenced_tables
 from libs.gtid import Gtid, GtidError, GtidState
 from libs.mysql_statements import classify
+from libs.stream_origin import StreamOrigin
 from libs.streams import ddl_subject, rejected_subject, rows_subject
 from services.capture import metrics
 from services.capture.binlog_reader import (
@@ -118,6 +119,9 @@ class StartState:
     where it has none (MySQL, or a MariaDB position capture could not place)."""
     server: str | None = None
     """The server ``position`` is a position of (its @@server_id; None: a mark of an older capture)."""
+    origin: StreamOrigin | None = None
+    """Where the source's stream begins (capture's first start), carried by every mark; None
+    from a mark of an older capture that did not record it."""
     ids_by_gtid: bool = False
     """Messages are named by their transaction's GTID, not its binlog position (the mark said so,
     or the source is new): the same on every server of the topology (DESIGN.md, "Source failover

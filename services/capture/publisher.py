@@ -49,6 +49,7 @@ from pydantic import BaseModel
 from contracts.events.rows import ResolvedAdvancedV1, RowsChangedV2, RowsChangedV4
 from contracts.registry import REGISTRY
 from libs.chunks import chunk_size_for, digest_of, needs_chunks, split
+from libs.stream_origin import STREAM_ORIGIN_HEADER, StreamOrigin
 from libs.streams import ROWS_STREAM, resolved_subject
 from libs.telemetry.tracing import publish_span, start_publish_span
 from libs.ts import ts_seconds
@@ -240,6 +241,8 @@ class Publisher:
         self._window = window
         self._ack_timeout = ack_timeout
         self._in_flight: deque[_InFlight] = deque()
+        self.origin: StreamOrigin | None = None
+        """Where the source's stream begins: every mark says so (``libs.stream_origin``)."""
         self.resolved_stream_seq = 0  # stream sequence of the last resolved mark of the source
         self._resolved_subject = resolved_subject(source)
         self._latency = metrics.PUBLISH_LATENCY.labels(source)
@@ -431,6 +434,8 @@ class Publisher:
             headers[XA_PREPARED_HEADER] = xa.header()
         if server is not None:
             headers[SOURCE_SERVER_HEADER] = server
+        if self.origin is not None:
+            headers[STREAM_ORIGIN_HEADER] = self.origin.header()
         started = time.perf_counter()
         with publish_span(self._resolved_subject, headers) as (_span, traced):
             try:

@@ -39,6 +39,7 @@ from libs.gtid import move_refusal
 from libs.service import ServiceRuntime
 from libs.source_health import SourceHealth, utc_text
 from libs.sources import SourceUrlWatch, registered_url
+from libs.stream_origin import STREAM_ORIGIN_HEADER, StreamOrigin
 from libs.streams import ROWS_STREAM, rejected_subject, resolved_subject, token
 from libs.streams_setup import ensure_rows_stream
 from services.capture import metrics
@@ -131,9 +132,14 @@ async def load_start(js: JetStreamContext, source: str) -> tuple[StartState, int
     except (ValueError, KeyError, TypeError) as exc:
         raise ContractError("invalid_data", f"resolved mark at seq {raw.seq}: bad {XA_PREPARED_HEADER}: "
                                             f"{exc}") from None
+    origin_header = headers.get(STREAM_ORIGIN_HEADER)
+    try:
+        origin = StreamOrigin.parse(origin_header) if origin_header else None
+    except ValueError as exc:
+        raise ContractError("invalid_data", f"resolved mark at seq {raw.seq}: {exc}") from None
     gtid = event.position.gtid
     return StartState(position, event.ts, int(next_seq), xa, gtid=gtid, ids_by_gtid=gtid is not None,
-                      server=headers.get(SOURCE_SERVER_HEADER)), int(raw.seq or 0)
+                      server=headers.get(SOURCE_SERVER_HEADER), origin=origin), int(raw.seq or 0)
 
 
 async def load_tail_cuts(js: JetStreamContext, source: str, after_seq: int) -> dict[str, int]:
@@ -451,6 +457,7 @@ class Capture:
                 start = await self._first_start(conn, publisher, gtids)
             else:
                 start, publisher.resolved_stream_seq = restored
+                publisher.origin = start.origin
                 cuts = await load_tail_cuts(self.js, self.source, publisher.resolved_stream_seq)
                 start, start_gtid = await self._place(conn, start, gtids)
             stopped = await load_stopped(self.js, self.source)
@@ -544,6 +551,7 @@ class Capture:
         position = await asyncio.to_thread(locate, conn)
         gtid = await asyncio.to_thread(gtid_at, conn, position) if gtids.mariadb else None
         ts = TsClock(0).resolve(wall_ms())
+        origin = publisher.origin = StreamOrigin(position.file, position.pos, ts)
         mark = ResolvedAdvancedV1(source=self.source, ts=ts, position=SourcePositionV1(
             binlog_file=position.file, binlog_pos=position.pos, gtid=gtid))
         await publisher.resolved(mark, f"{self.source}:resolved:{position.file}:{position.pos}:{ts}", 0,
@@ -555,7 +563,8 @@ class Capture:
                         "file and position only, and cannot move to another server "
                         "(`sluice source set-url`) without a new initial load",
                         extra={"source": self.source})
-        return StartState(position, ts, 0, gtid=gtid, ids_by_gtid=gtid is not None, server=gtids.server_id)
+        return StartState(position, ts, 0, gtid=gtid, ids_by_gtid=gtid is not None, server=gtids.server_id,
+                          origin=origin)
 
 
 async def main(runtime: ServiceRuntime) -> None:

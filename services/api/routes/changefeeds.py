@@ -23,6 +23,7 @@ from libs.changefeeds import record_changefeed, record_state, record_update
 from libs.eventstore import AppendConflict
 from libs.routing import unique_conflict_warnings
 from libs.scheduling.model import Span as WorkerSpan
+from libs.stream_origin import stream_origin, uncovered
 from libs.streams import SYNCPOINT_BUCKET, token
 from libs.syncpoints import SyncpointRecord
 from services.api.auth import require_read, require_write
@@ -199,6 +200,7 @@ async def create_changefeed(spec_in: ChangefeedSpecIn, response: Response,
     if spec.id in view.state.specs:  # before connecting anywhere; checked again when appending
         raise HTTPException(409, f"changefeed {spec.id!r} exists "
                                  f"({view.state.states.get(spec.id, 'running')})")
+    await _start_points_in_stream(ctx, spec)
     checks = await _prechecks(spec, skip_checks)
     failed = checks.failed
 
@@ -216,6 +218,26 @@ async def create_changefeed(spec_in: ChangefeedSpecIn, response: Response,
                             if failed else ""))
     accepted.warnings = unique_conflict_warnings(spec) + checks.warnings
     return accepted
+
+
+async def _start_points_in_stream(ctx: ApiContext, spec: ChangefeedSpec) -> None:
+    """A binlog-only changefeed's start position or time must lie within each source's stream
+    (``libs.stream_origin``): refused here with the reason, as each span would refuse it."""
+    if spec.initial_load != "binlog-only" or (not spec.start_position and spec.start_time is None):
+        return
+    errors = []
+    for source in spec.sources:
+        position = spec.start_position.get(source.id)
+        if position is None and spec.start_time is None:
+            continue
+        # A source's start position, where given, is where it starts (not the time).
+        reason = uncovered(await stream_origin(js_of(ctx), source.id), position=position,
+                           start_time=spec.start_time if position is None else None)
+        if reason is not None:
+            field = ["start_position", source.id] if position is not None else ["start_time"]
+            errors.append({"loc": ["body", *field], "type": "value_error", "msg": reason})
+    if errors:
+        raise RequestValidationError(errors)
 
 
 @router.put("/{changefeed_id}", status_code=202, response_model=Accepted,

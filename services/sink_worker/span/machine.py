@@ -258,9 +258,11 @@ class SpanMachine:
                      "stream": SpanState.REPLICATING}[decision])
 
     @_step
-    def copy_refused(self, reason: str) -> TableIncident | None:
-        """Its initial load cannot copy the table as the changefeed says (no usable key, a column
-        type capture does not carry): stopped with an incident before any checkpoint (ts 0)."""
+    def refused_before_start(self, reason: str) -> TableIncident | None:
+        """The span cannot start as its changefeed says: its initial load cannot copy the table
+        (no usable key, a column type capture does not carry), or its start position or time
+        lies before the source's stream begins. Stopped with an incident before any checkpoint
+        (ts 0)."""
         if self.incident is not None:
             return None
         return self._stop(unreplicable(reason, 0)).incident

@@ -13,6 +13,7 @@ from typing import Literal
 from nats.js import JetStreamContext
 
 from libs.scheduling.model import Span
+from libs.stream_origin import stream_origin, uncovered
 from services.sink_worker.incidents.poison import TableIncident
 from services.sink_worker.round.pull import latest_resolved
 from services.sink_worker.snapshot.initial_load import InitialLoads, SnapshotRequest, snapshot_mode
@@ -51,6 +52,16 @@ class SpanStarts:
             rt.checkpoint = stored
             return
         if rt.config.start_position is not None or rt.config.start_time is not None:
+            origin = await stream_origin(self.js, rt.span.source, self.rows_stream)
+            reason = uncovered(origin, position=rt.config.start_position,
+                               start_time=rt.config.start_time if rt.config.start_position is None else None)
+            if reason is not None:
+                # No checkpoint: the span stays stopped until the changefeed is made again.
+                rt.checkpoint = None
+                incident = rt.refused_before_start(reason)
+                if incident is not None:
+                    self.stopped(rt, incident)
+                return
             if rt.config.start_position is not None:
                 initial = await start_at_position(self.js, rt.span, rt.config.start_position,
                                                   self.rows_stream)
@@ -128,7 +139,7 @@ class SpanStarts:
         if reasons:
             # The table cannot be copied as the changefeed says: stopped before any checkpoint.
             rt.checkpoint = None
-            incident = rt.copy_refused("; ".join(reasons))
+            incident = rt.refused_before_start("; ".join(reasons))
             if incident is not None:
                 self.stopped(rt, incident)
             return

@@ -14,14 +14,17 @@ sequence before the first event above it:
   stream order up to the first one past the position; ts grows with the binlog order, so the
   threshold is that event's ts minus one. When nothing past the position is in the stream yet,
   the span starts after what is there (capture has not read past the position).
+
+Either start point must lie within the source's stream: capture records where it began the
+source (``libs.stream_origin``), and a start point before that is refused (``uncovered``) rather
+than served from the stream's first event on, which would skip what capture never read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import re
-from datetime import UTC, datetime
+from datetime import datetime
 from uuid import uuid4
 
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -30,28 +33,18 @@ from nats.js import JetStreamContext, api
 from contracts.events.rows import SourcePositionV1
 from libs.chunks import ChunkError, ChunkJoiner, chunk_info
 from libs.scheduling.model import Span
+from libs.stream_origin import binlog_order
 from libs.streams import ROWS_STREAM, token
-from libs.ts import LOGICAL_BITS
+from libs.ts import ts_threshold, utc_moment
 from services.sink_worker.span.checkpoints import Checkpoint
 
 _FETCH = 256
 _FETCH_TIMEOUT_S = 1.0
 
 
-def _utc(value: datetime) -> datetime:
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)  # naive: UTC
-
-
-def ts_threshold(start_time: datetime) -> int:
-    """The highest ts a transaction committed before ``start_time``'s second has (naive: UTC)."""
-    ms = int(_utc(start_time).timestamp()) * 1000
-    return max(0, (ms << LOGICAL_BITS) - 1)
-
-
 def position_key(position: SourcePositionV1) -> tuple[int, str, int]:
     """Binlog positions in binlog order: the file's numeric suffix, then the offset."""
-    match = re.search(r"(\d+)$", position.binlog_file)
-    return (int(match.group(1)) if match else -1, position.binlog_file, position.binlog_pos)
+    return binlog_order(position.binlog_file, position.binlog_pos)
 
 
 async def _stream_last_seq(js: JetStreamContext, stream: str) -> int:
@@ -65,7 +58,7 @@ async def start_at_time(js: JetStreamContext, span: Span, start_time: datetime,
     name = f"sink_start_{uuid4().hex}"
     await js.add_consumer(rows_stream, api.ConsumerConfig(
         name=name, ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.BY_START_TIME,
-        opt_start_time=_utc(start_time), filter_subjects=span.subjects(),
+        opt_start_time=utc_moment(start_time), filter_subjects=span.subjects(),
         inactive_threshold=30.0, mem_storage=True, num_replicas=1))
     try:
         sub = await js.pull_subscribe_bind(name, stream=rows_stream)
