@@ -6,10 +6,10 @@ An INSERT of 100,000 rows and two UPDATEs of all of them, each one transaction, 
 worker's round and window settings turned low (a few MiB); the worker is killed (SIGKILL) in
 the middle of writing the second UPDATE and another one started. Each transaction reaches the
 downstream whole and at once (a reader polling each downstream never sees part of one, nor any
-of the killed write), every target equals the source by checksum, and the first worker process'
-peak resident memory grows by less than a bound per span that the
-transaction (about 17 MB of messages for the UPDATE; 2.6 GB of worker memory and a Spark
-driver out of heap for 1M changes before it was streamed) would break if it were held whole."""
+of the killed write), every target equals the source by checksum, the worker applied them by
+the streamed path, and the first worker process' peak resident memory stays under the worker's
+1 GiB target (about 17 MB of messages for the UPDATE; 2.6 GB of worker memory and a Spark
+driver out of heap for 1M changes before it was streamed)."""
 
 from __future__ import annotations
 
@@ -43,13 +43,12 @@ LOW_MEMORY = {
     "SLUICE_SINK_LARGE_TXN_WINDOW_EVENTS": "8",
     "SLUICE_SINK_LARGE_TXN_WINDOW_BYTES": str(2 * MIB),
 }
-# Growth of the worker process' peak RSS over what it held before the transactions, per span
-# (three here): each span's reader keeps its allowance and a window of the open transaction,
-# and its apply one window (measured with 100,000 rows and three spans: +55 MiB streamed alone,
-# +159 alone and +263 in a suite run at load 5 once the collector froze what a round left alive
-# (libs/gc_pause); held whole, SLUICE_SINK_LARGE_TXN_STREAM=false, +496 MiB: each span's UPDATE
-# decodes to more than a hundred MB before Spark sees it).
-GROWTH_PER_SPAN = 110 * MIB
+# The worker process' peak RSS while three spans apply the transactions, against the worker's
+# memory target (issue: 1 GiB). Its growth over what it held before is load-dependent (measured
+# with 100,000 rows and three spans: +55 MiB streamed alone, +159 alone, +266 beside the fast
+# lane, +416 in a CI run; held whole, SLUICE_SINK_LARGE_TXN_STREAM=false, +496 alone), so a
+# growth bound flaked; that the streamed path ran is asserted from the worker's log.
+PEAK_TARGET = 1024 * MIB
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -179,9 +178,9 @@ def _transactions(mariadb: MariaDB, sinks: dict[str, str], watchers: list[Watche
         peak = _status(worker.proc.pid)["VmHWM"]
         print(f"worker RSS before {before / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB")  # shown with -s
         assert _log_count(worker, "large transaction applied") >= 2 * spans, "not applied streamed"
-        assert peak - before < GROWTH_PER_SPAN * spans, (
-            f"worker peak RSS grew by {(peak - before) / MIB:.0f} MiB "
-            f"({before / MIB:.0f} -> {peak / MIB:.0f} MiB)")
+        assert peak < PEAK_TARGET, (
+            f"worker peak RSS {peak / MIB:.0f} MiB over its {PEAK_TARGET / MIB:.0f} MiB target "
+            f"(grew by {(peak - before) / MIB:.0f} MiB from {before / MIB:.0f} MiB)")
 
         # kill -9 while the next one is written: the downstream rolls it back, the checkpoint
         # has not moved, and the next worker applies all of it again.
