@@ -1,15 +1,17 @@
 """A transaction larger than the sink-worker's round, end to end with real processes: MariaDB
 binlog -> capture -> JetStream -> one sink-worker (streamed, ``round/large_txn``) -> MariaDB,
-PostgreSQL and SQLite (one changefeed each).
+PostgreSQL and SQLite (one changefeed each), and a second SQLite whose changefeed splits large
+transactions (``large_txn_split_rows``).
 
-An INSERT of 100,000 rows and two UPDATEs of all of them, each one transaction, with the
+An INSERT of 60,000 rows and two UPDATEs of all of them, each one transaction, with the
 worker's round and window settings turned low (a few MiB); the worker is killed (SIGKILL) in
 the middle of writing the second UPDATE and another one started. Each transaction reaches the
 downstream whole and at once (a reader polling each downstream never sees part of one, nor any
-of the killed write), every target equals the source by checksum, the worker applied them by
-the streamed path, and the first worker process' peak resident memory stays under the worker's
-1 GiB target (about 17 MB of messages for the UPDATE; 2.6 GB of worker memory and a Spark
-driver out of heap for 1M changes before it was streamed)."""
+of the killed write; on the split feed's downstream it does, and that one converges too),
+every target equals the source by checksum, the worker applied them by the streamed path, and
+the first worker process' peak resident memory stays under the worker's 1 GiB target (about
+10 MB of messages for an UPDATE; 2.6 GB of worker memory and a Spark driver out of heap for 1M
+changes before it was streamed)."""
 
 from __future__ import annotations
 
@@ -34,7 +36,10 @@ from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 pytestmark = pytest.mark.integration
 
 MIB = 1024 * 1024
-ROWS = 100_000
+ROWS = 60_000
+# The fourth feed commits every SPLIT_ROWS row changes (large_txn_split_rows): a reader of its
+# downstream may see part of a transaction, and everything still converges after the kill.
+SPLIT_ROWS = 10_000
 DB = "bigtxn"
 # Low memory targets: a span's reader keeps 4 MiB of bodies, a window 8 messages / 2 MiB.
 LOW_MEMORY = {
@@ -119,12 +124,14 @@ async def test_large_transactions_arrive_whole_in_bounded_worker_memory(
     mariadb.execute("CREATE TABLE t (id INT PRIMARY KEY, k INT NOT NULL, c CHAR(60) NOT NULL)", database=DB)
     downstream_mariadb.execute(f"CREATE DATABASE IF NOT EXISTS {DB}")
     sqlite_path = tmp_path / "down.db"
+    split_path = tmp_path / "split.db"
     sinks = {"mariadb": downstream_mariadb.url_for(DB), "postgres": postgres.url,
-             "sqlite": f"sqlite:///{sqlite_path}"}
+             "sqlite": f"sqlite:///{sqlite_path}", "split": f"sqlite:///{split_path}"}
     watchers = [
         Watcher("mariadb", lambda: downstream_mariadb.connect(DB, autocommit=True), "t"),
         Watcher("postgres", lambda: postgres.connect(), f"{DB}.t"),
         Watcher("sqlite", lambda: sqlite3.connect(sqlite_path, timeout=0.2), "t"),
+        Watcher("split", lambda: sqlite3.connect(split_path, timeout=0.2), "t"),
     ]
     logs = tmp_path / "logs"
     # Capture encodes a reader batch (up to 500 rows events) on its event loop between lease
@@ -135,7 +142,8 @@ async def test_large_transactions_arrive_whole_in_bounded_worker_memory(
     processes.append(capture)
     capture.wait_healthy(60)
     for kind, url in sinks.items():
-        await _changefeed(js, f"bigtxn-{kind}", "bigtxn", mariadb, DB, url)
+        extra = {"large_txn_split_rows": SPLIT_ROWS} if kind == "split" else {}
+        await _changefeed(js, f"bigtxn-{kind}", "bigtxn", mariadb, DB, url, **extra)
 
     def start(name: str) -> ServiceProcess:
         proc = ServiceProcess("services.sink_worker", {**service_env, **STANDALONE_WORKER_ENV, **LOW_MEMORY},
@@ -201,9 +209,15 @@ def _transactions(mariadb: MariaDB, sinks: dict[str, str], watchers: list[Watche
             w.stop.set()
             w.join()
 
-    # Each transaction arrived at once: only the states between whole transactions were seen.
+    # Each transaction arrived at once: only the states between whole transactions were seen;
+    # the split feed's reader saw some in between (its commits of SPLIT_ROWS changes each).
+    whole = {(1, 0), inserted, updated, again}
     for w in watchers:
-        assert set(w.seen) <= {(1, 0), inserted, updated, again}, (w.name, w.seen)
+        if w.name == "watch-split":
+            assert set(w.seen) - whole, (w.name, w.seen)
+        else:
+            assert set(w.seen) <= whole, (w.name, w.seen)
+    assert _log_count(worker, f'"split_rows": {SPLIT_ROWS}') >= 2, "the split feed not applied split"
     results = verify_targets([ShardRef(mariadb.url, DB, "t")], list(sinks.values()), DB, "t")
     assert all(r.ok for r in results), [r.diff for r in results if not r.ok]
 

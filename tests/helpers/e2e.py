@@ -6,11 +6,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.js import JetStreamContext
 
-from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1
+from contracts.events.changefeeds import ChangefeedSpec, SourceRefV1, TableFilterV1
 from libs.changefeeds import record_changefeed, record_state
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.service_process import ServiceProcess
@@ -39,10 +40,10 @@ _created: list[str] = []
 
 
 async def _changefeed(js: JetStreamContext, cf_id: str, source_id: str, source: MariaDB, db: str,
-                      sink_url: str) -> None:
-    spec = ChangefeedSpecV2(id=cf_id, sources=[SourceRefV1(id=source_id, url=source.url)],
-                            filter=TableFilterV1(include=[f"{db}.*"]), sink_url=sink_url,
-                            initial_load="binlog-only")
+                      sink_url: str, **extra: Any) -> None:
+    spec = ChangefeedSpec(id=cf_id, sources=[SourceRefV1(id=source_id, url=source.url)],
+                          filter=TableFilterV1(include=[f"{db}.*"]), sink_url=sink_url,
+                          initial_load="binlog-only", **extra)
     await record_changefeed(js, spec, requested_by="test")
     _created.append(cf_id)
 
