@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from contracts.events.rows import SourcePositionV1
 from libs.streams import ROWS_STREAM, resolved_subject
-from libs.ts import LOGICAL_BITS, ts_threshold, utc_moment
+from libs.ts import ts_threshold, utc_moment, utc_text
 
 STREAM_ORIGIN_HEADER = "Sluice-Stream-Origin"
 
@@ -81,7 +81,7 @@ def uncovered(origin: StreamOrigin | None, *, position: SourcePositionV1 | None 
     if origin is None:
         return None
     began = (f"capture began reading source at binlog {origin.binlog_file}:{origin.binlog_pos} "
-             f"({datetime.fromtimestamp((origin.ts >> LOGICAL_BITS) / 1000, UTC).isoformat()})")
+             f"({utc_text(origin.ts)})")
     fix = ("; nothing committed before that is in the stream: create the changefeed with "
            "initial_load 'snapshot', or with a start point at or after where capture began")
     if position is not None and (binlog_order(position.binlog_file, position.binlog_pos)
