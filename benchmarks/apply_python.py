@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         event = REGISTRY.decode(data).event
         assert isinstance(event, RowsChangedV2)
         span = f"bench/{work.source}/{DATABASE}/{event.table}"
-        events.append((span, event.ts, event.seq, event.part, data))
+        events.append((span, event.ts, event.seq, event.part, data, []))
     events.sort(key=lambda e: (e[0], e[1], e[2], e[3]))
     tmp = Path(tempfile.mkdtemp(prefix="sluice-bench-apply-python-"))
     db = MariaDB(tmp / "mariadb", durable=True,

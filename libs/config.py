@@ -18,9 +18,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # structures took 80 MiB beside a 1 GiB heap, the serial one's 1 MiB, and the driver's heap work
 # is small: the rows are in the Python workers), a heap that starts small and gives back what is
 # free beyond 30 % at each full collection, in one step (``sink_idle_trim_s`` runs one when a
-# worker turns quiet), and a code cache capped well above the 15-20 MiB it fills.
+# worker turns quiet), and a code cache capped well above the 15-20 MiB it fills. A heap that
+# runs out ends the JVM: an OutOfMemoryError in one of Spark's own threads (its scheduler's
+# dispatcher, serialising a round's tasks) otherwise leaves the driver alive but never finishing
+# a job, and the worker waiting on it for good; a JVM that is gone makes the worker exit to be
+# restarted (``spark_gone``), and the control plane moves its spans meanwhile.
 DRIVER_MEMORY_OPTIONS = ("-XX:+UseSerialGC -Xms32m -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30 "
-                         "-XX:-ShrinkHeapInSteps -XX:ReservedCodeCacheSize=64m")
+                         "-XX:-ShrinkHeapInSteps -XX:ReservedCodeCacheSize=64m -XX:+ExitOnOutOfMemoryError")
 
 
 def _default_instance_id() -> str:

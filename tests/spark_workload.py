@@ -87,7 +87,7 @@ def records() -> list[EventRecord]:
                                   meta=_meta(table), rows=rows)
             body = REGISTRY.encode(event, producer="tests/spark_workload")
             last = part == len(parts) - 1
-            out.append((span, "rows", f"{span}-{ts}-{part}", ts, seq, part, last, seq, body))
+            out.append((span, "rows", f"{span}-{ts}-{part}", ts, seq, part, last, seq, body, -1))
     # At-least-once: a copy of an event, later in the stream.
     out.append(out[1])
     # A transaction beyond the horizon, and one whose last part is missing: neither applies.
@@ -97,7 +97,7 @@ def records() -> list[EventRecord]:
                              position=SourcePositionV1(binlog_file="b", binlog_pos=seq), meta=PEOPLE,
                              rows=[RowImageV2(op="insert", after={"id": 999, "name": "no", "email": "no"})])
         out.append(("shop/people", "rows", f"late-{ts}", ts, seq, 0, last, seq,
-                    REGISTRY.encode(late, producer="tests/spark_workload")))
+                    REGISTRY.encode(late, producer="tests/spark_workload"), -1))
     return out
 
 

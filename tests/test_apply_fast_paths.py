@@ -1,7 +1,8 @@
 """Unit tests: the apply path's fast paths give exactly what the general code they stand for gives.
 
 - ``apply_job.explode_collapse`` (one loop) equals ``collapse(explode_events(...))``, with key
-  changes, deletes, two shards of one target, an operator's skips and an origin column;
+  changes, deletes, two shards of one target, an operator's skips and an origin column; a
+  message of several transaction parts (``picks``) collapses exactly as its parts apart;
 - ``mysql._row_literal`` spells values exactly as pymysql's own interpolation does;
 - ``sql_common._key_order`` orders changes as ``sort_key`` does;
 - ``RowDecoder``'s no-call path for values already of their column's type equals ``decode_value``.
@@ -9,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from datetime import date, datetime, timedelta
 from decimal import Decimal
@@ -38,7 +40,10 @@ def _event(ts: int, seq: int, rows: list[RowImageV2]) -> bytes:
         "rows": [r.model_dump() for r in rows]}), producer="test")
 
 
-def _random_events(rnd: random.Random, span: str, n: int) -> list[tuple[str, int, int, int, bytes]]:
+Event = tuple[str, int, int, int, bytes, list[int]]
+
+
+def _random_events(rnd: random.Random, span: str, n: int) -> list[Event]:
     rows: dict[tuple[int, str], int] = {}
     events = []
     for i in range(n):
@@ -62,7 +67,7 @@ def _random_events(rnd: random.Random, span: str, n: int) -> list[tuple[str, int
         if images:
             # Two shards interleave in ts: the collapse must order across spans, not by position.
             ts = 10 * i + (3 if span.endswith("2") else 0)
-            events.append((span, ts, i, 0, _event(ts, i, images)))
+            events.append((span, ts, i, 0, _event(ts, i, images), []))
     return events
 
 
@@ -83,6 +88,52 @@ def test_explode_collapse_equals_explode_then_collapse() -> None:
         assert got == expected
         assert {op for _, _, op, *_ in got} == {"upsert", "delete"}
         assert {shard for *_, shard, _ in got} == {0, 1}
+
+
+def _as_messages(rnd: random.Random, events: list[Event]) -> list[Event]:
+    """The same events, runs of up to 5 of one span as ``rows.changed`` v4 messages of several
+    parts (what capture publishes under many small transactions), each batch event taking all
+    of its message's parts or, for some, only a later run of them (a checkpoint inside it)."""
+    out: list[Event] = []
+    i = 0
+    while i < len(events):
+        run = [events[i]]
+        while (len(run) < 5 and i + len(run) < len(events) and events[i + len(run)][0] == run[0][0]):
+            run.append(events[i + len(run)])
+        i += len(run)
+        obj = json.loads(run[0][4])
+        data = obj["data"]
+        data["event_id"] = f"{obj['id']}-0"
+        data["more"] = [{"event_id": f"{obj['id']}-{k}", "ts": e[1], "seq": e[2], "part": 0,
+                         "last_part": True, "position": data["position"],
+                         "rows": json.loads(e[4])["data"]["rows"]} for k, e in enumerate(run[1:], 1)]
+        obj["version"] = 4
+        body = json.dumps(obj).encode()
+        out.append((run[0][0], run[0][1], run[0][2], 0, body, list(range(len(run)))))
+    return out
+
+
+def test_a_message_of_several_parts_collapses_as_its_parts_apart() -> None:
+    rnd = random.Random(11)
+    events = _random_events(rnd, "s1", 80) + _random_events(rnd, "s2", 80)
+    messages = _as_messages(rnd, events)
+    assert any(len(m[5]) > 1 for m in messages) and len(messages) < len(events)
+    span_targets: dict[str, tuple[int, tuple[str, ...], tuple[str, str] | None]] = {
+        "s1": (0, ("id", "k"), None), "s2": (0, ("id", "k"), None)}
+    for plan in (ApplyPlan(span_targets=span_targets, plans=[]),
+                 ApplyPlan(span_targets=span_targets, plans=[], skips={"s1": {'[3,"a"]': 10**9}}),
+                 ApplyPlan(span_targets={"s1": (0, ("_o", "id", "k"), ("_o", "x")),
+                                         "s2": (0, ("id", "k"), None)}, plans=[])):
+        apart = sorted(explode_collapse(plan, events), key=repr)
+        assert sorted(explode_collapse(plan, messages), key=repr) == apart
+        assert sorted(collapse(explode_events(plan, messages, buckets=False)), key=repr) == apart
+    # Only later parts of each message (as after a checkpoint inside it): the same as those alone.
+    tails = [(m[0], m[1], m[2], m[3], m[4], m[5][1:]) for m in messages if len(m[5]) > 1]
+    tail_places = {(m[0], part["seq"]) for m in tails for part in json.loads(m[4])["data"]["more"]}
+    alone = [e for e in events if (e[0], e[2]) in tail_places]
+    assert len(alone) == sum(len(m[5]) for m in tails)
+    plan = ApplyPlan(span_targets=span_targets, plans=[])
+    assert sorted(explode_collapse(plan, tails), key=repr) == sorted(explode_collapse(plan, alone), key=repr)
 
 
 def test_row_literal_equals_pymysql_interpolation() -> None:

@@ -21,6 +21,7 @@ from contracts.events.rows import ColumnV1, RowImageV2, TableMetaV1
 from libs.eventstore import EventStore
 from libs.streams import ROWS_STREAM, ROWS_SUBJECTS
 from services.sink_worker.round.apply_job import SpanTargets, final_images, plan_partitions
+from services.sink_worker.round.sort_job import BatchEvent
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.sinks.factory import open_sink
 from services.sink_worker.span.checkpoints import CheckpointStore
@@ -137,7 +138,7 @@ def test_small_units_need_no_shuffle_and_a_split_unit_one(spark: SparkSession) -
     # Units (a target's spans) within SPLIT_EVENTS arrive whole in one row and are not
     # moved; a bigger one is hash-partitioned by (target, bucket) once, and nothing else is.
     body = json.dumps({"type": "rows.changed", "version": 1, "data": {"rows": []}}).encode()
-    events = [("s", 1, 1, 0, body), ("t", 1, 1, 0, body)]
+    events = [("s", 1, 1, 0, body, []), ("t", 1, 1, 0, body, [])]
     targets: SpanTargets = {"s": (0, ("id",), None), "t": (1, ("id",), None)}
 
     def exchanges(split_events: int) -> int:
@@ -151,10 +152,14 @@ def test_small_units_need_no_shuffle_and_a_split_unit_one(spark: SparkSession) -
 def test_plan_partitions_keeps_a_target_whole_and_splits_big_units() -> None:
     targets: SpanTargets = {"a1": (0, ("id",), None), "a2": (0, ("id",), None), "b": (1, ("id",), None),
                             "c": (2, ("id",), None)}
-    events = ([("a1", 1, 1, 0, b"x")] * 2 + [("a2", 2, 1, 0, b"x")] * 2 + [("b", 1, 1, 0, b"xx")] * 3
-              + [("c", 1, 1, 0, b"x")] * 7)
+    events: list[BatchEvent] = ([("a1", 1, 1, 0, b"x", [])] * 2 + [("a2", 2, 1, 0, b"x", [])] * 2
+                                + [("b", 1, 1, 0, b"xx", [])] * 3 + [("c", 1, 1, 0, b"x", [])] * 7)
     plan = plan_partitions(events, targets, 2, split_events=5)
     # The two shards of target 0 share a group; target 2 (7 events) is split, in order.
     assert sorted(sorted({e[0] for e in p}) for p in plan.local) == [["a1", "a2"], ["b"]]
-    assert plan.split == [("c", 1, 1, 0, b"x")] * 7
+    assert plan.split == [("c", 1, 1, 0, b"x", [])] * 7
     assert len(plan_partitions(events, targets, 1, split_events=5).local) == 1
+    # A message of several parts counts each part it holds: two messages of 3 parts are 6 events.
+    messages: list[BatchEvent] = [("b", 1, 1, 0, b"m", [0, 1, 2]), ("b", 2, 4, 0, b"n", [0, 1, 2])]
+    assert plan_partitions(messages, targets, 2, split_events=5).split == messages
+    assert plan_partitions(messages[:1], targets, 2, split_events=5).local == [messages[:1]]

@@ -1,6 +1,7 @@
 """The sink's reader and ``rows.changed`` v4 messages of several transactions (no servers): one
-reader entry per message, each part an event of its own with its own id, ts, seq and body,
-parts at or below a checkpoint ts dropped, a part dead alone."""
+reader entry per message, each part an event of its own with its own id, ts and seq sharing
+the message's bytes, the batch holding a message once with the parts it takes, parts at or
+below a checkpoint ts dropped, a part dead alone."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from contracts import REGISTRY
 from contracts.events.rows import RowsChangedV2, RowsChangedV4
 from libs.scheduling.model import Span
 from libs.streams import rows_subject
-from services.sink_worker.round.apply_job import event_rows
+from services.sink_worker.round.apply_job import event_images, event_rows
 from services.sink_worker.round.pull import Garbage, _dead_in, decode_for_span
+from services.sink_worker.round.sort_job import SpanInput, event_records, run_sort
 
 FIXTURES = Path(__file__).parent / "fixtures" / "contracts"
 SPAN = Span.of("cf1", "src1", "shop", "orders")
@@ -44,18 +45,37 @@ def test_a_message_of_several_transactions_is_one_entry_of_parts() -> None:
     assert [(p.ts, p.seq) for p in parts] == [(data["ts"], data["seq"]),
                                               *((m["ts"], m["seq"]) for m in data["more"])]
     assert (entry.ts, entry.ts_last, entry.last_part) == (data["ts"], data["more"][-1]["ts"], True)
-    # Only the parts' bodies are kept, and they are what counts against the reader's budget.
-    assert entry.data == b"" and entry.body_bytes == sum(len(p.data) for p in parts) > 0
+    # The parts share the message's bytes (no copy, no re-encoding): counted once.
+    assert entry.body_bytes == len(raw) and all(p.data is entry.data for p in parts)
+    assert [p.index for p in parts] == [0, 1, 2] and entry.index == -1
     for part in parts:
-        # Each body is a v4 message of one part: the registry and the apply job read it alone.
-        decoded = REGISTRY.decode(part.data)
-        assert decoded.envelope.id == part.event_id
-        assert isinstance(decoded.event, RowsChangedV4) and decoded.event.more == []
-        assert decoded.event == part.event
-        assert isinstance(part.event, RowsChangedV2)
-        assert event_rows(part.data) == [r.model_dump(mode="json") for r in part.event.rows]
+        assert isinstance(part.event, RowsChangedV2) and isinstance(part.event, RowsChangedV4)
+        assert part.event.more == [] and part.event.event_id is None
+        # The apply job reads each part from the message's bytes by its index, at its own place.
+        [(ts, seq, part_no, images)] = event_images(0, 0, 0, part.data, [part.index])
+        assert (ts, seq, part_no) == (part.ts, part.seq, part.part)
+        assert images == [r.model_dump(mode="json") for r in part.event.rows]
+    # Several picks of one message: parsed once, in the order asked.
+    assert [p[:3] for p in event_images(0, 0, 0, raw, [2, 0])] == [
+        (parts[2].ts, parts[2].seq, parts[2].part), (parts[0].ts, parts[0].seq, parts[0].part)]
     with pytest.raises(ValueError):
-        event_rows(raw)  # a whole message of several would apply only its first part
+        event_rows(raw)  # a whole message of several without picks would apply only its first part
+
+
+def test_the_batch_holds_a_message_once_with_the_parts_it_takes() -> None:
+    raw = (FIXTURES / "rows.changed.v4.json").read_bytes()
+    entry = decode_for_span(SPAN, Msg(rows_subject("src1", "shop", "orders"), raw), 7)
+    first, second, third = entry.expanded()
+    records = event_records("span", entry.expanded())
+    assert all(r[8] is entry.data for r in records) and [r[9] for r in records] == [0, 1, 2]
+    # The cut stops after the second part's transaction: one batch event, the message's bytes
+    # once, the two parts it takes.
+    cut = run_sort(records, [SpanInput("span", first.ts - 1, second.ts)])
+    [(span, ts, seq, part, body, picks)] = cut.batch(["span"])
+    assert (span, ts, seq, part, body, picks) == ("span", first.ts, first.seq, first.part, raw, [0, 1])
+    # Read after a checkpoint inside the message: only what is left of it.
+    later = run_sort(event_records("span", entry.expanded()), [SpanInput("span", first.ts, third.ts)])
+    assert [e[5] for e in later.batch(["span"])] == [[1, 2]]
 
 
 def test_parts_at_or_below_the_checkpoint_are_dropped() -> None:

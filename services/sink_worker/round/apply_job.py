@@ -182,13 +182,32 @@ def event_rows(body: bytes | str) -> list[dict[str, Any]]:
     type_, version = obj["type"], obj["version"]
     if version == _latest(type_) or (type_, version) in _PARSE_ONLY:
         if obj["data"].get("more"):
-            # The reader gives each part of a message of several transactions a body of its
-            # own (pull._with_parts): a whole one here would apply only its first part.
+            # A message of several transactions comes with the parts the batch takes from it
+            # (``event_images``): whole, only its first part would be applied.
             raise ValueError("rows.changed message of several transactions given whole")
         return list(obj["data"]["rows"])
     event = REGISTRY.decode(body).event
     assert isinstance(event, RowsChangedV2)
     return [image.model_dump(mode="json") for image in event.rows]
+
+
+def event_images(ts: int, seq: int, part: int, body: bytes,
+                 picks: Sequence[int]) -> Iterator[tuple[int, int, int, list[dict[str, Any]]]]:
+    """``(ts, seq, part, row images)`` of each event a batch event holds (``sort_job.BatchEvent``):
+    the body itself at ``(ts, seq, part)`` without ``picks``, else each picked part of the
+    message, at the place the message gives it. The message is parsed once for all its parts."""
+    if not picks:
+        yield ts, seq, part, event_rows(body)
+        return
+    obj = _parse(body)
+    if obj["version"] == _latest(obj["type"]):
+        data = obj["data"]
+    else:  # a later contract version than this job's fast path knows: through the registry
+        data = REGISTRY.decode(body).event.model_dump(mode="json")
+    more = data.get("more") or []
+    for i in picks:
+        p = data if i == 0 else more[i - 1]
+        yield p["ts"], p["seq"], p.get("part", 0), list(p["rows"])
 
 
 def _parse(body: bytes | str) -> dict[str, Any]:
@@ -225,18 +244,26 @@ def _no_bucket(image: dict[str, Any], key: tuple[str, ...]) -> int:
 
 
 def explode_event(span_targets: SpanTargets, span: str, ts: int, seq: int, part: int,
-                  body: bytes, skips: Skips | None = None, shard: int = 0,
+                  body: bytes, picks: Sequence[int] = (), skips: Skips | None = None, shard: int = 0,
                   rules: SpanRules | None = None, extended: bool = False,
                   buckets: bool = True) -> Iterator[tuple[Any, ...]]:
-    """One rows event to its row records (see ``RECORD_SCHEMA``), without skipped keys and the
-    row events its table rules ignore by type, its images without the columns they leave out;
-    ``extended`` adds ``row_rules.RULE_FIELDS`` to every record (null for spans without
-    expressions). Without ``buckets`` every record's bucket is 0: records that are never
-    shuffled (a whole unit in its partition) need none."""
+    """One batch event (``event_images``) to its row records (see ``RECORD_SCHEMA``), without
+    skipped keys and the row events its table rules ignore by type, its images without the
+    columns they leave out; ``extended`` adds ``row_rules.RULE_FIELDS`` to every record (null
+    for spans without expressions). Without ``buckets`` every record's bucket is 0: records
+    that are never shuffled (a whole unit in its partition) need none."""
+    for ts_, seq_, part_, images in event_images(ts, seq, part, body, picks):
+        yield from _explode_images(span_targets, span, ts_, seq_, part_, images, skips, shard, rules,
+                                   extended, buckets)
+
+
+def _explode_images(span_targets: SpanTargets, span: str, ts: int, seq: int, part: int,
+                    images: list[dict[str, Any]], skips: Skips | None, shard: int,
+                    rules: SpanRules | None, extended: bool, buckets: bool) -> Iterator[tuple[Any, ...]]:
     skipped = (skips or {}).get(span)
     if skipped:
-        for record in explode_event(span_targets, span, ts, seq, part, body, shard=shard, rules=rules,
-                                    extended=extended, buckets=buckets):
+        for record in _explode_images(span_targets, span, ts, seq, part, images, None, shard, rules,
+                                      extended, buckets):
             upto = skipped.get(record[1])
             if upto is None or ts > upto:
                 yield record
@@ -245,7 +272,7 @@ def explode_event(span_targets: SpanTargets, span: str, ts: int, seq: int, part:
     _bucket = _key_bucket if buckets else _no_bucket
     span_rules = (rules or {}).get(span)
     extra: tuple[Any, ...] = (None, None, None)
-    for idx, image in enumerate(event_rows(body)):
+    for idx, image in enumerate(images):
         op, before, after = image["op"], image.get("before"), image.get("after")
         if span_rules is not None:
             if span_rules.ignores(op):
@@ -431,6 +458,7 @@ EVENT_SCHEMA = StructType([
     StructField("seq", LongType(), False),
     StructField("part", IntegerType(), False),
     StructField("body", BinaryType(), False),
+    StructField("picks", ArrayType(IntegerType(), False), False),
 ])
 """A batch event as Spark gets it (``sort_job.BatchEvent``), one per row: a chunk of a split unit."""
 
@@ -536,11 +564,11 @@ def _grouped_rows(batches: Iterable[pa.RecordBatch]) -> Iterator[tuple[Any, ...]
 
 def explode_events(plan: ApplyPlan, events: Iterable[Sequence[Any]],
                    buckets: bool = True) -> Iterator[tuple[Any, ...]]:
-    """``explode_event`` over batch events ``(span, ts, seq, part, body)``."""
+    """``explode_event`` over batch events ``(span, ts, seq, part, body, picks)``."""
     shard_of = shard_indexes(plan.span_targets)
-    for span, ts, seq, part, body in events:
-        yield from explode_event(plan.span_targets, span, ts, seq, part, body, plan.skips, shard_of[span],
-                                 plan.rules, plan.extended, buckets)
+    for span, ts, seq, part, body, picks in events:
+        yield from explode_event(plan.span_targets, span, ts, seq, part, body, picks, plan.skips,
+                                 shard_of[span], plan.rules, plan.extended, buckets)
 
 
 def collapse(records: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
@@ -570,49 +598,58 @@ def explode_collapse(plan: ApplyPlan, events: Iterable[Sequence[Any]]) -> Iterat
     skips, rules = plan.skips or {}, plan.rules or {}
     last: dict[tuple[int, str], tuple[tuple[int, int, int, int, int], str, Any, int]] = {}
     get = last.get
-    for span, ts, seq, part, body in events:
+    for span, ts0, seq0, part0, body, picks in events:
         target, key, origin = plan.span_targets[span]
         shard = shard_of[span]
         if origin is not None or skips.get(span) or span in rules:
-            for r in explode_event(plan.span_targets, span, ts, seq, part, body, plan.skips, shard,
-                                   plan.rules, buckets=False):
+            for r in explode_event(plan.span_targets, span, ts0, seq0, part0, body, picks, plan.skips,
+                                   shard, plan.rules, buckets=False):
                 k = (r[0], r[1])
                 order = (r[2], r[3], r[4], r[5], r[6])
                 seen = get(k)
                 if seen is None or order > seen[0]:
                     last[k] = (order, r[7], r[8], r[10])
             continue
-        for idx, image in enumerate(event_rows(body)):
-            op = image["op"]
-            if op == "insert":
-                after = image["after"]
-                k = (target, key_json(after, key))
-                order = (ts, seq, part, idx, 0)
-                seen = get(k)
-                if seen is None or order > seen[0]:
-                    last[k] = (order, "upsert", after, shard)
-            elif op == "delete":
-                k = (target, key_json(image["before"], key))
+        for ts, seq, part, images in event_images(ts0, seq0, part0, body, picks):
+            _collapse_images(last, target, key, shard, ts, seq, part, images)
+    for (target, key_text), (_, op, image, shard) in last.items():
+        yield (target, key_text, op, image, shard, None)
+
+
+def _collapse_images(last: dict[tuple[int, str], tuple[tuple[int, int, int, int, int], str, Any, int]],
+                     target: int, key: tuple[str, ...], shard: int, ts: int, seq: int, part: int,
+                     images: list[dict[str, Any]]) -> None:
+    """``explode_collapse``'s inner loop over one event's images, into ``last``."""
+    get = last.get
+    for idx, image in enumerate(images):
+        op = image["op"]
+        if op == "insert":
+            after = image["after"]
+            k = (target, key_json(after, key))
+            order = (ts, seq, part, idx, 0)
+            seen = get(k)
+            if seen is None or order > seen[0]:
+                last[k] = (order, "upsert", after, shard)
+        elif op == "delete":
+            k = (target, key_json(image["before"], key))
+            order = (ts, seq, part, idx, 0)
+            seen = get(k)
+            if seen is None or order > seen[0]:
+                last[k] = (order, "delete", None, shard)
+        else:
+            after = image["after"]
+            old, new = key_json(image["before"], key), key_json(after, key)
+            if old != new:
+                k = (target, old)
                 order = (ts, seq, part, idx, 0)
                 seen = get(k)
                 if seen is None or order > seen[0]:
                     last[k] = (order, "delete", None, shard)
-            else:
-                after = image["after"]
-                old, new = key_json(image["before"], key), key_json(after, key)
-                if old != new:
-                    k = (target, old)
-                    order = (ts, seq, part, idx, 0)
-                    seen = get(k)
-                    if seen is None or order > seen[0]:
-                        last[k] = (order, "delete", None, shard)
-                k = (target, new)
-                order = (ts, seq, part, idx, 1)
-                seen = get(k)
-                if seen is None or order > seen[0]:
-                    last[k] = (order, "upsert", after, shard)
-    for (target, key_text), (_, op, image, shard) in last.items():
-        yield (target, key_text, op, image, shard, None)
+            k = (target, new)
+            order = (ts, seq, part, idx, 1)
+            seen = get(k)
+            if seen is None or order > seen[0]:
+                last[k] = (order, "upsert", after, shard)
 
 
 def write_finals(plan: ApplyPlan, finals: Iterable[Sequence[Any]]) -> Iterator[PartitionReport]:
@@ -745,8 +782,10 @@ def plan_partitions(events: Sequence[BatchEvent], span_targets: SpanTargets, par
     units: dict[int, list[BatchEvent]] = {}
     for e in events:
         units.setdefault(span_targets[e[0]][0], []).append(e)
-    small = [u for u in units.values() if len(u) <= split_events]
-    big = [e for u in units.values() if len(u) > split_events for e in u]
+    # A unit's size in events: a message of several parts counts each part it holds.
+    sizes = {target: sum(len(e[5]) or 1 for e in u) for target, u in units.items()}
+    small = [u for t, u in units.items() if sizes[t] <= split_events]
+    big = [e for t, u in units.items() if sizes[t] > split_events for e in u]
     # The small units packed into at most ``partitions`` partitions of about equal bytes,
     # largest first, each into the lightest partition so far.
     bins: list[list[BatchEvent]] = [[] for _ in range(min(partitions, len(small)))]

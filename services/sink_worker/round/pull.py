@@ -46,7 +46,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 from uuid import uuid4
 
-import orjson
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
@@ -133,9 +132,13 @@ class PulledEvent:
     transaction with one bad message would stay incomplete, and its span stuck, forever)."""
     parts: tuple[PulledEvent, ...] = field(default=(), repr=False)
     """A ``rows.changed`` v4 message of several transaction parts: each part as the event of
-    its own it would have been (its id, ts, seq; a body of its own), all at this message's
-    stream sequence. The reader keeps the message as one entry (one stream sequence) and hands
-    its parts over (``expanded``), without those at or below the checkpoint ts."""
+    its own it would have been (its id, ts, seq), all at this message's stream sequence and
+    sharing its bytes (``data``, not a copy; ``index`` says which part of them it is). The
+    reader keeps the message as one entry (one stream sequence) and hands its parts over
+    (``expanded``), without those at or below the checkpoint ts."""
+    index: int = -1
+    """Which part of ``data`` this event is (0: the message's top-level part, i: ``more[i-1]``);
+    -1: ``data`` is this event alone."""
 
     @property
     def is_ddl(self) -> bool:
@@ -163,8 +166,8 @@ class PulledEvent:
 
     @property
     def body_bytes(self) -> int:
-        """Bytes of body it holds in memory (its parts' bodies, for a message of several)."""
-        return sum(len(p.data) for p in self.parts) if self.parts else len(self.data)
+        """Bytes of body it holds in memory (a message of several: once, its parts share them)."""
+        return len(self.data)
 
     def expanded(self) -> tuple[PulledEvent, ...]:
         """The events a round works with: its parts, or itself."""
@@ -308,31 +311,19 @@ def _rows_fast(raw: bytes) -> tuple[str, RowsChangedV2] | None:
     return env.id, env.data
 
 
-def _part_bodies(raw: bytes, ids: list[str]) -> list[bytes]:
-    """Each part of a v4 message of several as the envelope of a v4 message of one part (what
-    the apply job and the dead letters read), from the message's bytes."""
-    obj = orjson.loads(raw)
-    data = obj["data"]
-    more = data.pop("more")
-    data.pop("event_id", None)
-    bodies = [orjson.dumps({**obj, "id": ids[0], "data": data})]
-    for part_id, part in zip(ids[1:], more, strict=True):
-        part.pop("event_id", None)
-        bodies.append(orjson.dumps({**obj, "id": part_id, "data": {**data, **part}}))
-    return bodies
-
-
 def _with_parts(pulled: PulledEvent) -> PulledEvent:
-    """A v4 message of several parts as one entry holding each part as an event of its own."""
+    """A v4 message of several parts as one entry holding each part as an event of its own.
+
+    The parts share the message's bytes: the apply job reads each part from them by its index
+    (``apply_job.event_images``), so a part is neither re-encoded nor carries the table's
+    metadata again (a sysbench part is a row or two beside metadata several times its size:
+    per-part bodies cost most of the driver's decode and made the round's Arrow table, and the
+    Spark driver's heap that carries it, several times the stream's bytes)."""
     event = pulled.event
     assert isinstance(event, RowsChangedV4)
-    split = parts_of(event, pulled.event_id)
-    bodies = _part_bodies(pulled.data, [i for i, _ in split])
-    parts = tuple(replace(pulled, event_id=i, event=e, data=b)
-                  for (i, e), b in zip(split, bodies, strict=True))
-    # The message's own bytes are not kept: its parts' bodies are what is applied, parked or
-    # counted against the reader's budget (``body_bytes``).
-    return replace(pulled, parts=parts, data=b"")
+    parts = tuple(replace(pulled, event_id=i, event=e, index=k)
+                  for k, (i, e) in enumerate(parts_of(event, pulled.event_id)))
+    return replace(pulled, parts=parts)
 
 
 def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
@@ -367,10 +358,7 @@ def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
     pulled = PulledEvent(stream_seq=seq, subject=msg.subject, event_id=event_id, event=event,
                          data=raw, headers=dict(msg.headers or {}))
     if isinstance(event, RowsChangedV4) and event.more:
-        try:
-            pulled = _with_parts(pulled)
-        except (ValueError, KeyError, TypeError) as exc:  # bytes that are not the event validated
-            raise Garbage("invalid_data", f"rows.changed parts: {exc}") from None
+        pulled = _with_parts(pulled)
         try:
             for part in pulled.parts:
                 assert isinstance(part.event, RowsChangedV2)

@@ -16,7 +16,8 @@ The order of changes, ``(ts, seq, part)`` and then row order inside a message, i
 it matters: the apply job's collapse keeps the last image per key by it, and the cut only ever
 ends at a transaction boundary of that order. The batch holds the bodies as the pull received
 them (or with large values as references, ``large_values``); the apply job hands them to
-Spark as one Arrow table.
+Spark as one Arrow table. A message of several transaction parts is one batch event: its
+bytes once, with the indexes of the parts the batch takes from it (``picks``).
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ from dataclasses import dataclass, field
 from services.sink_worker.round.large_values import LargeValues
 from services.sink_worker.round.pull import PulledEvent
 
-EventRecord = tuple[str, str, str, int, int, int, bool, int, bytes]
-"""``(span, kind, id, ts, seq, part, last_part, stream_seq, body)``; kind: "rows" | "ddl" |
-"dead" (a dead-lettered part)."""
+EventRecord = tuple[str, str, str, int, int, int, bool, int, bytes, int]
+"""``(span, kind, id, ts, seq, part, last_part, stream_seq, body, index)``; kind: "rows" |
+"ddl" | "dead" (a dead-lettered part); index: which part of ``body`` the event is (-1: the
+body is the event alone; ``PulledEvent.index``)."""
 
-BatchEvent = tuple[str, int, int, int, bytes]
-"""A rows event of a batch, as the apply job reads it: ``(span, ts, seq, part, body)``."""
+BatchEvent = tuple[str, int, int, int, bytes, list[int]]
+"""Rows of a batch, as the apply job reads them: ``(span, ts, seq, part, body, picks)``. With
+``picks`` empty the body is one event, at ``(ts, seq, part)``; else the body is a message of
+several parts and ``picks`` the indexes of those in the batch, each at the ``(ts, seq, part)``
+the message gives it (the tuple's are its first pick's)."""
 
 
 @dataclass(frozen=True)
@@ -70,13 +75,18 @@ def event_records(span_key: str, events: Iterable[PulledEvent], large: LargeValu
     """The records of one span's events (the body is the message's bytes, not a copy), with
     ``large``: a body that may hold large values has them as references instead
     (``large_values``; raises ``LargeKeyError`` when one is in a ``key`` column)."""
-    def body(e: PulledEvent) -> bytes:
+    def record(e: PulledEvent) -> EventRecord:
+        body, index = e.data, e.index
         if e.dead:
-            return b""
-        return large.strip(e, key) if large is not None and large.needs_strip(e) else e.data
+            body, index = b"", -1
+        elif large is not None and large.needs_strip(e):
+            body = large.strip(e, key)
+            if body is not e.data:  # rewritten: the part alone
+                index = -1
+        return (span_key, "dead" if e.dead else "ddl" if e.is_ddl else "rows", e.event_id, e.ts, e.seq,
+                e.part, e.last_part, e.stream_seq, body, index)
 
-    return [(span_key, "dead" if e.dead else "ddl" if e.is_ddl else "rows", e.event_id, e.ts, e.seq,
-             e.part, e.last_part, e.stream_seq, body(e)) for e in events]
+    return [record(e) for e in events]
 
 
 @dataclass(frozen=True)
@@ -118,7 +128,7 @@ def summarise(records: Iterable[EventRecord]) -> list[TxnSummary]:
     flagged part and every part before it are present. A DDL is a transaction of its own."""
     groups: dict[int, tuple[set[int], list[bool], list[str]]] = {}
     rows: dict[int, int] = {}
-    for _, kind, id_, ts, _, part, last_part, _, _ in records:
+    for _, kind, id_, ts, _, part, last_part, _, _, _ in records:
         parts, flags, ddl_ids = groups.setdefault(ts, (set(), [False, False], []))
         parts.add(part)
         if last_part:
@@ -153,5 +163,24 @@ def run_sort(records: Iterable[EventRecord], spans: list[SpanInput]) -> SortResu
         batch = sorted((r for r in events if r[1] == "rows" and r[3] <= cut.limit_ts),
                        key=lambda r: (r[3], r[4], r[5]))
         if batch:
-            batches[s.span] = [(r[0], r[3], r[4], r[5], r[8]) for r in batch]
+            batches[s.span] = batch_events(batch)
     return SortResult(cuts=cuts, batches=batches)
+
+
+def batch_events(records: list[EventRecord]) -> list[BatchEvent]:
+    """Records in batch order as batch events: consecutive parts of one message as one event
+    holding the message's bytes once."""
+    out: list[BatchEvent] = []
+    last: EventRecord | None = None
+    for r in records:
+        index = r[9]
+        if index < 0:
+            out.append((r[0], r[3], r[4], r[5], r[8], []))
+            last = None
+            continue
+        if last is not None and last[7] == r[7] and last[8] is r[8]:
+            out[-1][5].append(index)
+        else:
+            out.append((r[0], r[3], r[4], r[5], r[8], [index]))
+        last = r
+    return out

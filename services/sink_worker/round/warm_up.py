@@ -36,7 +36,7 @@ def warm_up(spark: SparkSession, partitions: int) -> float:
     """Run the cut and the final-image job of one synthetic transaction, in both of the apply's
     shapes (its last step counts instead of writing); returns the seconds it took."""
     t0 = time.monotonic()
-    records: list[EventRecord] = [(_SPAN, "rows", "warm-up-1", 2, 1, 0, True, 1, _body())]
+    records: list[EventRecord] = [(_SPAN, "rows", "warm-up-1", 2, 1, 0, True, 1, _body(), -1)]
     sort = run_sort(records, [SpanInput(_SPAN, 1, 10)])
     span_targets: SpanTargets = {_SPAN: (0, ("id",), None)}
     batch = sort.batch([_SPAN])
