@@ -138,8 +138,12 @@ class Settings(BaseSettings):
     sink_min_events_per_round: int = Field(
         100, ge=1, description="The least a caught-up span's per-round event allowance shrinks to."
     )
+    # A round's event bytes cross the local driver's heap several times over at once (read from
+    # PySpark's Arrow file, sliced into tasks, each task serialised into a growing buffer): 128 MiB
+    # rounds of a sysbench backlog ran a 512 MiB heap out of memory. A quarter of that is still
+    # ~100,000 sysbench transaction parts a round.
     sink_round_max_bytes: int = Field(
-        128 * 1024 * 1024, ge=1024 * 1024,
+        32 * 1024 * 1024, ge=1024 * 1024,
         description="Event bytes a round's allowances may bring into the driver, all spans together "
                     "(each span's allowance x its mean event size)."
     )

@@ -21,6 +21,14 @@ reference cycle that becomes garbage after it was frozen would wait; so at most 
 ``unfreeze_every_s`` the frozen objects go back into the oldest generation
 (``gc.unfreeze``), where the collector's usual rules for long-lived objects apply.
 
+A freeze also keeps whatever *cyclic garbage* is in the young generation at that moment, until
+the next unfreeze. That is harmless for plain Python objects, but not for proxies of resources
+elsewhere: every py4j proxy of a JVM object whose method was called is in a cycle with its
+method cache, so the Spark driver's datasets, RDDs and Arrow batches of a round's jobs stayed
+pinned in the JVM for up to ``unfreeze_every_s`` and ran a 512 MiB driver heap out of memory
+under a sysbench backlog. Code that owns such proxies registers a breaker (``before_freeze``)
+that runs right before each freeze (``libs.spark.release_jvm_refs``).
+
 ``gc_paused()`` nests and may be used from several threads at once: the collector is switched
 back on only when the last pause ends, and only when it was on before the first one.
 """
@@ -31,7 +39,7 @@ import contextlib
 import gc
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 _lock = threading.Lock()
 _depth = 0
@@ -39,6 +47,15 @@ _was_enabled = False
 unfreeze_every_s = 60.0
 """The longest objects stay frozen (see the module docstring)."""
 _last_unfreeze = time.monotonic()
+_before_freeze: list[Callable[[], object]] = []
+
+
+def before_freeze(hook: Callable[[], object]) -> None:
+    """Run ``hook`` right before each freeze (once per hook, however often registered): it
+    breaks reference cycles that hold resources outside this process (see the module
+    docstring), so their garbage is freed by reference counting instead of frozen."""
+    if hook not in _before_freeze:
+        _before_freeze.append(hook)
 
 
 @contextlib.contextmanager
@@ -61,6 +78,8 @@ def gc_paused() -> Iterator[None]:
 
 def _thaw_or_freeze() -> None:
     global _last_unfreeze
+    for hook in _before_freeze:
+        hook()
     gc.freeze()
     now = time.monotonic()
     if now - _last_unfreeze >= unfreeze_every_s:

@@ -36,6 +36,7 @@ from typing import Any
 from pyspark.sql import SparkSession
 
 from libs.config import Settings, get_settings
+from libs.gc_pause import before_freeze
 from libs.project_path import PROJECT_ROOT, pythonpath_with_project
 from libs.spark_class_archive import archive_for
 
@@ -139,7 +140,32 @@ def get_spark(settings: Settings | None = None) -> SparkSession:
     with _lock:
         if _session is None:
             _session = _build(settings or get_settings())
+            before_freeze(release_jvm_refs)
         return _session
+
+
+def release_jvm_refs() -> int:
+    """Break the reference cycle of every live py4j proxy (its cached method objects point back
+    at it); returns how many it broke.
+
+    py4j frees a JVM object once Python frees its proxy, but a proxy whose method was called is
+    in a cycle, so only CPython's cyclic collector frees it: while the collector is paused or
+    the proxy is frozen (``libs.gc_pause``), every finished job's datasets and the Arrow batches
+    it read stay pinned in the driver's heap. Emptying the method caches (they only save a
+    lookup; a call re-creates its method) lets reference counting free the proxies nothing else
+    holds, which releases their JVM objects at once. Runs before every freeze
+    (``gc_pause.before_freeze``, registered when the session is built)."""
+    from py4j.finalizer import ThreadSafeFinalizer
+
+    with ThreadSafeFinalizer.lock:
+        refs = list(ThreadSafeFinalizer.finalizers.values())
+    broken = 0
+    for ref in refs:
+        methods = getattr(ref(), "_methods", None)
+        if methods:
+            methods.clear()
+            broken += 1
+    return broken
 
 
 def stop_spark() -> None:

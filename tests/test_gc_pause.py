@@ -1,6 +1,7 @@
 """``gc_paused`` (no servers): after the last pause ends the collector is on again, what the
 pause allocated is frozen (the next collection does not walk it) and still freed by reference
-counting, and frozen objects go back to the collector at most every ``unfreeze_every_s``."""
+counting, frozen objects go back to the collector at most every ``unfreeze_every_s``, and a
+registered cycle breaker runs before each freeze, so the garbage it frees is never frozen."""
 
 from __future__ import annotations
 
@@ -65,3 +66,32 @@ def test_frozen_cycles_go_back_to_the_collector_after_the_interval(collector_on:
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert ref() is None
+
+
+def test_a_cycle_breaker_runs_before_the_freeze_so_its_garbage_is_not_frozen(collector_on: None) -> None:
+    gc_pause.unfreeze_every_s = 3600.0
+    proxies: list[_Node] = []
+
+    def break_cycles() -> None:
+        for node in proxies:
+            node.other = None
+
+    gc_pause.before_freeze(break_cycles)
+    gc_pause.before_freeze(break_cycles)  # once, however often registered
+    try:
+        with gc_paused():
+            a = _Node()
+            a.other = a  # a proxy in a cycle with itself, as py4j's are
+            proxies.append(a)
+            ref = weakref.ref(a)
+            del a
+            assert ref() is not None
+            proxies.clear()  # only the cycle holds it now
+            proxies.append(ref())  # type: ignore[arg-type]  # the breaker still sees it
+        # The breaker ran at the pause's end: the cycle is gone and reference counting freed it
+        # once the breaker's own list let go, with no collection and nothing frozen waiting.
+        proxies.clear()
+        assert ref() is None
+        assert gc_pause._before_freeze.count(break_cycles) == 1
+    finally:
+        gc_pause._before_freeze.remove(break_cycles)

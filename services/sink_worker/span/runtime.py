@@ -40,7 +40,7 @@ class PipelineOptions:
     max_events_per_round: int = 2000
     """The most events a round pulls, all spans together (``round_size``)."""
     min_events_per_round: int = 100
-    round_max_bytes: int = 128 * 1024 * 1024
+    round_max_bytes: int = 32 * 1024 * 1024
     apply_partitions: int = 4
     stop_grace_s: float = 4.0
     checkpoint_interval_s: float = 1.0
