@@ -69,6 +69,11 @@ def is_connect(master: str) -> bool:
     return master.startswith("sc://")
 
 
+def is_connect_session(spark: SparkSession) -> bool:
+    """Whether ``spark`` is a Spark Connect session: no ``sparkContext``, so no RDDs."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
 def _build(settings: Settings) -> SparkSession:
     if is_connect(settings.spark_master):
         session = SparkSession.builder.remote(settings.spark_master).getOrCreate()

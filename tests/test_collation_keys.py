@@ -154,12 +154,18 @@ def test_plan_partitions_keeps_a_target_whole_and_splits_big_units() -> None:
                             "c": (2, ("id",), None)}
     events: list[BatchEvent] = ([("a1", 1, 1, 0, b"x", [])] * 2 + [("a2", 2, 1, 0, b"x", [])] * 2
                                 + [("b", 1, 1, 0, b"xx", [])] * 3 + [("c", 1, 1, 0, b"x", [])] * 7)
-    plan = plan_partitions(events, targets, 2, split_events=5)
-    # The two shards of target 0 share a group; target 2 (7 events) is split, in order.
+    plan = plan_partitions(events, targets, 3, split_events=5)
+    # The two shards of target 0 share a group; target 2 (7 events, more than a third of the
+    # batch's 14) is split, in order.
     assert sorted(sorted({e[0] for e in p}) for p in plan.local) == [["a1", "a2"], ["b"]]
     assert plan.split == [("c", 1, 1, 0, b"x", [])] * 7
     assert len(plan_partitions(events, targets, 1, split_events=5).local) == 1
+    # Two partitions: target 2 is no more than its fair share (7 of 14), so nothing is split:
+    # units that fill the partitions between them need no shuffle.
+    halves = plan_partitions(events, targets, 2, split_events=5)
+    assert halves.split == [] and sorted(len(p) for p in halves.local) == [7, 7]
     # A message of several parts counts each part it holds: two messages of 3 parts are 6 events.
     messages: list[BatchEvent] = [("b", 1, 1, 0, b"m", [0, 1, 2]), ("b", 2, 4, 0, b"n", [0, 1, 2])]
     assert plan_partitions(messages, targets, 2, split_events=5).split == messages
+    assert plan_partitions(messages, targets, 1, split_events=5).split == []  # the only partition
     assert plan_partitions(messages[:1], targets, 2, split_events=5).local == [messages[:1]]

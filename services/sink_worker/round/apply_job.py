@@ -1,8 +1,9 @@
 """The apply job (Spark): a round's batch to the final image per key, written, in one Spark job.
 
 The batch (``sort_job.SortResult``: rows events in order, per span) goes to Spark as one
-pyarrow Table (``createDataFrame``); every step runs in Python workers over Arrow batches
-(``mapInArrow``): no RDD, no pickled rows.
+pyarrow Table (``createDataFrame``), every step running in Python workers over Arrow batches
+(``mapInArrow``); a batch of whole units only (below) on a classic session goes as an RDD of
+its groups instead, which the JVM carries as opaque bytes (``groups_to_reports``).
 
 1. Explode: every row image of every event becomes a record keyed by ``(target, key)``; an
    update that changes the key becomes a delete of the old key followed by an upsert of the new
@@ -18,11 +19,12 @@ pyarrow Table (``createDataFrame``); every step runs in Python workers over Arro
    sums the counts each partition returns.
 
 Where the records of a key meet (``plan_partitions``): a target's spans (its upstream shards
-too) are one unit. Units of at most ``SPLIT_EVENTS`` events are packed into as many groups as
-partitions, and each group goes to Spark as *one row* (its events' fields as arrays): a row is
-never cut, so whatever partition Spark (or a Spark Connect server) puts it in holds its units
-whole, and explode, collapse and write run in one Python pass with no shuffle; the images
-never leave the Python worker. A bigger unit goes as one row per event, its events explode in
+too) are one unit. Units of at most ``SPLIT_EVENTS`` events, or of at most a partition's fair
+share of the batch, are packed into as many groups as partitions, and each group goes to Spark
+as *one row* (its events' fields as arrays; one element of the RDD): a row is never cut, so
+whatever partition Spark (or a Spark Connect server) puts it in holds its units whole, and
+explode, collapse and write run in one Python pass with no shuffle; the images never leave the
+Python worker. A bigger unit goes as one row per event, its events explode in
 parallel, and its records are hash-partitioned by ``(target, bucket)`` (``key_buckets``: keys
 a downstream collation may compare as equal share a bucket) so its write is spread over
 several partitions: the one shuffle of the job, of records, not bodies. Both paths are one
@@ -58,6 +60,7 @@ from pyspark.sql.types import (
 
 from contracts import REGISTRY
 from contracts.events.rows import RowsChangedV2
+from libs.spark import is_connect_session
 from libs.table_rules import TableRules
 from services.sink_worker.incidents.poison import RowFailure, Statement
 from services.sink_worker.metrics import STAGE_SECONDS
@@ -741,6 +744,16 @@ def events_to_reports(plan: ApplyPlan, batches: Iterator[pa.RecordBatch]) -> Ite
     return _gc_paused(_batches(REPORT_SCHEMA, _report_rows(write_finals(plan, finals))))
 
 
+def groups_to_reports(plan: ApplyPlan, groups: Iterable[list[BatchEvent]]) -> Iterator[tuple[Any, ...]]:
+    """Whole units as plain Python lists (an RDD partition of ``parallelize``): explode, collapse
+    and write in one pass, as ``events_to_reports`` does from Arrow; report rows as tuples."""
+    from libs.gc_pause import gc_paused
+
+    with gc_paused():
+        for group in groups:
+            yield from _report_rows(write_finals(plan, explode_collapse(plan, group)))
+
+
 def events_to_records(plan: ApplyPlan, grouped: bool,
                       batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     events = _grouped_rows(batches) if grouped else _rows(batches)
@@ -782,10 +795,15 @@ def plan_partitions(events: Sequence[BatchEvent], span_targets: SpanTargets, par
     units: dict[int, list[BatchEvent]] = {}
     for e in events:
         units.setdefault(span_targets[e[0]][0], []).append(e)
-    # A unit's size in events: a message of several parts counts each part it holds.
+    # A unit's size in events: a message of several parts counts each part it holds. A unit is
+    # split only when it is big and more than a partition's fair share of the batch: units that
+    # fill the partitions between them (a round of many busy tables) are parallel already, and
+    # splitting them only added the job's one shuffle, of every row change, through the JVM.
     sizes = {target: sum(len(e[5]) or 1 for e in u) for target, u in units.items()}
-    small = [u for t, u in units.items() if sizes[t] <= split_events]
-    big = [e for t, u in units.items() if sizes[t] > split_events for e in u]
+    share = sum(sizes.values()) / max(1, partitions)
+    split = {t for t, n in sizes.items() if n > split_events and n > share}
+    small = [u for t, u in units.items() if t not in split]
+    big = [e for t, u in units.items() if t in split for e in u]
     # The small units packed into at most ``partitions`` partitions of about equal bytes,
     # largest first, each into the lightest partition so far.
     bins: list[list[BatchEvent]] = [[] for _ in range(min(partitions, len(small)))]
@@ -906,7 +924,19 @@ def run_apply(spark: SparkSession, batch: Sequence[BatchEvent], span_plans: dict
     plan = ApplyPlan(span_targets=span_targets, plans=plans, skips=skips, rules=rules,
                      extended=bool(row_rules), guards=guards, defer_large=defer, local_owners=True)
     split_targets = {span_targets[e[0]][0] for e in parts.split}
-    if not (guards.keys() & split_targets):
+    reports: list[Any]
+    if not parts.split and not row_rules and not is_connect_session(spark):
+        # Only whole units: on a classic session an RDD of the groups, which the JVM carries as
+        # opaque pickled bytes. Through a DataFrame (``apply_frame``) every event was converted
+        # from Arrow to Spark's rows and back to Arrow on its way to the Python worker: under
+        # sysbench the driver's JVM spent more CPU on a round than the workers' apply itself.
+        t0 = time.monotonic()
+        rdd = spark.sparkContext.parallelize(parts.local, len(parts.local))
+        t1 = time.monotonic()
+        reports = rdd.mapPartitions(partial(groups_to_reports, plan)).collect()
+        STAGE_SECONDS.labels("frame").observe(t1 - t0)
+        STAGE_SECONDS.labels("job").observe(time.monotonic() - t1)
+    elif not (guards.keys() & split_targets):
         t0 = time.monotonic()
         frame = apply_frame(spark, plan, parts, partitions, row_rules)
         t1 = time.monotonic()

@@ -44,6 +44,7 @@ from libs.codec.decode import decode_value
 from libs.codec.encode import encode_value
 from libs.dburl import parse_database_url
 from libs.mysql_connection import connect as mysql_connect
+from libs.spark import is_connect_session
 from libs.sql_ident import mysql_ident as quote
 from services.sink_worker.sinks.base import TargetTable
 from services.sink_worker.snapshot import source_read
@@ -327,10 +328,6 @@ def copy_partition(job: CopyJob, tasks: Iterator[Sequence[Chunk]]) -> Iterator[t
             yield chunk.id, rows
 
 
-def _is_connect(spark: SparkSession) -> bool:
-    return type(spark).__module__.startswith("pyspark.sql.connect")
-
-
 def run_copy(spark: SparkSession, job: CopyJob, tasks: Sequence[Sequence[Chunk]]) -> dict[int, int]:
     """One Spark job of one task per item of ``tasks``, each copying its chunks in turn; rows
     written per chunk id.
@@ -343,7 +340,7 @@ def run_copy(spark: SparkSession, job: CopyJob, tasks: Sequence[Sequence[Chunk]]
     moves two numbers per chunk through Spark; the rows never pass through it)."""
     if not tasks:
         return {}
-    if _is_connect(spark):
+    if is_connect_session(spark):
         frame = spark.range(0, len(tasks), 1, len(tasks))
         copy = partial(copy_arrow, job, tuple(tuple(t) for t in tasks))
         rows = frame.mapInArrow(copy, COPY_SCHEMA).collect()
