@@ -22,9 +22,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # runs out ends the JVM: an OutOfMemoryError in one of Spark's own threads (its scheduler's
 # dispatcher, serialising a round's tasks) otherwise leaves the driver alive but never finishing
 # a job, and the worker waiting on it for good; a JVM that is gone makes the worker exit to be
-# restarted (``spark_gone``), and the control plane moves its spans meanwhile.
+# restarted (``spark_gone``), and the control plane moves its spans meanwhile. The JIT stops at
+# C1: the driver carries rows as opaque bytes and schedules tasks, and C2's compilations were a
+# quarter of its CPU under sysbench (10.2 -> 7.7 CPU seconds in 45 s, BENCHMARKS.md) on a machine
+# where every core was taken, besides the compiler's own memory.
 DRIVER_MEMORY_OPTIONS = ("-XX:+UseSerialGC -Xms32m -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30 "
-                         "-XX:-ShrinkHeapInSteps -XX:ReservedCodeCacheSize=64m -XX:+ExitOnOutOfMemoryError")
+                         "-XX:-ShrinkHeapInSteps -XX:ReservedCodeCacheSize=64m -XX:+ExitOnOutOfMemoryError "
+                         "-XX:TieredStopAtLevel=1")
 
 
 def _default_instance_id() -> str:

@@ -59,6 +59,7 @@ from contracts.events.rows import (
     ResolvedAdvancedV1,
     RowsChangedV2,
     RowsChangedV4,
+    TableMetaV1,
     parts_of,
 )
 from libs.chunks import ChunkError, ChunkInfo, ChunkJoiner, Joined, chunk_info
@@ -256,14 +257,11 @@ class _Fetched(_Message, Protocol):
     def metadata(self) -> Any: ...
 
 
-def validate_rows(event: RowsChangedV2) -> None:
-    """Structural checks the contract cannot express: the images an op needs, known columns."""
-    columns = {c.name for c in event.meta.columns}
-    if not columns:
-        raise Garbage("invalid_data", "rows.changed without columns in meta")
-    for col in [*event.meta.primary_key, *(c for uk in event.meta.unique_keys for c in uk)]:
-        if col not in columns:
-            raise Garbage("invalid_data", f"key column {col!r} is not a column of the table")
+def validate_rows(event: RowsChangedV2, columns: frozenset[str] | None = None) -> None:
+    """Structural checks the contract cannot express: the images an op needs, known columns.
+    ``columns``: ``meta_columns(event.meta)``, when the parts of one message share it."""
+    if columns is None:
+        columns = meta_columns(event.meta)
     for i, row in enumerate(event.rows):
         needs_before = row.op in ("update", "delete")
         needs_after = row.op in ("insert", "update")
@@ -272,10 +270,20 @@ def validate_rows(event: RowsChangedV2) -> None:
         if needs_after and row.after is None:
             raise Garbage("invalid_data", f"row {i}: {row.op} without an after image")
         for image in (row.before, row.after):
-            if image is not None:
+            if image is not None and not columns.issuperset(image):
                 unknown = set(image) - columns
-                if unknown:
-                    raise Garbage("invalid_data", f"row {i}: columns not in meta: {sorted(unknown)}")
+                raise Garbage("invalid_data", f"row {i}: columns not in meta: {sorted(unknown)}")
+
+
+def meta_columns(meta: TableMetaV1) -> frozenset[str]:
+    """The column names of a rows event's metadata, checked: some, and every key column one."""
+    columns = frozenset(c.name for c in meta.columns)
+    if not columns:
+        raise Garbage("invalid_data", "rows.changed without columns in meta")
+    for col in [*meta.primary_key, *(c for uk in meta.unique_keys for c in uk)]:
+        if col not in columns:
+            raise Garbage("invalid_data", f"key column {col!r} is not a column of the table")
+    return columns
 
 
 class _RowsEnvelope(Envelope):
@@ -360,9 +368,10 @@ def decode_for_span(span: Span, msg: _Message, seq: int) -> PulledEvent:
     if isinstance(event, RowsChangedV4) and event.more:
         pulled = _with_parts(pulled)
         try:
+            columns = meta_columns(event.meta)  # the parts share the message's metadata
             for part in pulled.parts:
                 assert isinstance(part.event, RowsChangedV2)
-                validate_rows(part.event)
+                validate_rows(part.event, columns)
         except Garbage as exc:
             # One message: dead-lettered whole, every part present but never applied.
             raise Garbage(exc.kind, exc.reason, replace(pulled, dead=True)) from None
