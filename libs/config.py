@@ -16,9 +16,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # The local Spark driver's memory bounds (``libs/spark.py``, measured with
 # ``benchmarks/bench_worker_memory.py``, see BENCHMARKS.md): the serial collector (G1's own
 # structures took 80 MiB beside a 1 GiB heap, the serial one's 1 MiB, and the driver's heap work
-# is small: the rows are in the Python workers), a heap that starts small and gives back what is
-# free beyond 30 % at each full collection, in one step (``sink_idle_trim_s`` runs one when a
-# worker turns quiet), and a code cache capped well above the 15-20 MiB it fills. A heap that
+# is small: the rows are in the Python workers), a heap that starts small, resized in one step,
+# and a code cache capped well above the 15-20 MiB it fills. While busy the heap keeps the JVM's
+# usual 40-70 % free after a full collection: held to 10-30 % it was collected fully 23-25 times
+# in 45 s of a sysbench backlog (6-7 s stopped), 9 times with these. When a worker turns quiet
+# ``sink_idle_trim_s``'s full collection runs with 10-30 % (``idle_trim.IDLE_HEAP_FREE``, both
+# flags are manageable at run time), which gives the free heap back. A heap that
 # runs out ends the JVM: an OutOfMemoryError in one of Spark's own threads (its scheduler's
 # dispatcher, serialising a round's tasks) otherwise leaves the driver alive but never finishing
 # a job, and the worker waiting on it for good; a JVM that is gone makes the worker exit to be
@@ -26,7 +29,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # C1: the driver carries rows as opaque bytes and schedules tasks, and C2's compilations were a
 # quarter of its CPU under sysbench (10.2 -> 7.7 CPU seconds in 45 s, BENCHMARKS.md) on a machine
 # where every core was taken, besides the compiler's own memory.
-DRIVER_MEMORY_OPTIONS = ("-XX:+UseSerialGC -Xms32m -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30 "
+DRIVER_MEMORY_OPTIONS = ("-XX:+UseSerialGC -Xms32m -XX:MinHeapFreeRatio=40 -XX:MaxHeapFreeRatio=70 "
                          "-XX:-ShrinkHeapInSteps -XX:ReservedCodeCacheSize=64m -XX:+ExitOnOutOfMemoryError "
                          "-XX:TieredStopAtLevel=1")
 

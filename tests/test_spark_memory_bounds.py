@@ -35,7 +35,7 @@ def test_a_collector_the_operator_chooses_replaces_the_serial_one() -> None:
     flags = driver_java_options(Settings(spark_driver_java_options=own), None).split()
     assert "-XX:+UseG1GC" in flags and "-XX:+UseSerialGC" not in flags
     # The other bounds stay.
-    assert "-XX:MaxHeapFreeRatio=30" in flags and "-XX:ReservedCodeCacheSize=64m" in flags
+    assert "-XX:MaxHeapFreeRatio=70" in flags and "-XX:ReservedCodeCacheSize=64m" in flags
     # Turning a collector off is not choosing one.
     kept = driver_java_options(Settings(spark_driver_java_options="-XX:-UseG1GC"), None).split()
     assert "-XX:+UseSerialGC" in kept
@@ -82,11 +82,14 @@ def test_release_memory_without_a_jvm_trims_this_process_only() -> None:
 @pytest.mark.integration
 def test_a_quiet_driver_gives_its_free_heap_back(spark: SparkSession) -> None:
     """The suite's driver runs with the default bounds: a job's data grows its heap, and the trim's
-    full collection gives the free part back (the serial collector shrinks the old generation to
-    MaxHeapFreeRatio's share, in one step, and sizes the young one from it)."""
+    full collection gives the free part back (with the idle ratios the trim sets for it, the
+    serial collector shrinks the old generation to MaxHeapFreeRatio's share, in one step, and
+    sizes the young one from it); the busy ratios are back afterwards."""
     jvm = spark.sparkContext._jvm  # type: ignore[attr-defined]
     args = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
-    assert "-XX:MaxHeapFreeRatio=30" in args and "-XX:-ShrinkHeapInSteps" in args, args
+    assert "-XX:MaxHeapFreeRatio=70" in args and "-XX:-ShrinkHeapInSteps" in args, args
+    bean = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
+        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
     runtime = jvm.java.lang.Runtime.getRuntime()
     # The suite's session has run other modules' jobs before this one: the heap is measured
     # from where a trim leaves it now, not from a size it had when the session was new.
@@ -103,6 +106,7 @@ def test_a_quiet_driver_gives_its_free_heap_back(spark: SparkSession) -> None:
     assert "jvm_gc_s" in done, done
     total = runtime.totalMemory()
     assert total - before < (grown - before) / 2, (before, grown, total)
+    assert [bean.getVMOption(f).getValue() for f in ("MinHeapFreeRatio", "MaxHeapFreeRatio")] == ["40", "70"]
 
 
 def test_the_worker_reexecutes_itself_on_the_c_allocator_once() -> None:

@@ -10,21 +10,30 @@ heap and the initial load's leftovers).
 
 ``IdleTrim`` decides when: once Spark was used, after ``after_s`` seconds without a Spark job
 started, once per busy spell. ``release_memory`` does it: a full collection in the driver JVM
-(which, with the heap-free ratios of the default JVM options, returns the free heap to the
-system at once) unless a Spark job is still running, then the Python side (a collection,
-pyarrow's pool, glibc's ``malloc_trim``).
+unless a Spark job is still running, then the Python side (a collection, pyarrow's pool,
+glibc's ``malloc_trim``). The JVM's collection runs with the tight heap-free ratios of
+``IDLE_HEAP_FREE`` (``MinHeapFreeRatio``/``MaxHeapFreeRatio`` are manageable flags), so the
+serial collector returns the free heap at once, and the ratios the JVM had (the busy ones,
+``libs.config.DRIVER_MEMORY_OPTIONS``) are put back after it: tight ratios while busy made it
+collect fully after every round.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+IDLE_HEAP_FREE = (10, 30)
+"""``(MinHeapFreeRatio, MaxHeapFreeRatio)`` of the idle trim's full collection: the old
+generation shrinks to its live data plus 30 % (plus at least 10 %)."""
 
 
 class IdleTrim:
@@ -64,6 +73,30 @@ def _malloc_trim() -> bool:
     return bool(trim(0))
 
 
+@contextlib.contextmanager
+def heap_free_ratios(jvm: Any, min_free: int, max_free: int) -> Iterator[None]:
+    """The JVM's ``MinHeapFreeRatio``/``MaxHeapFreeRatio`` set to these meanwhile, then back to
+    what they were (each change keeps min <= max, which the JVM insists on)."""
+    bean = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
+        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
+    was = (int(bean.getVMOption("MinHeapFreeRatio").getValue()),
+           int(bean.getVMOption("MaxHeapFreeRatio").getValue()))
+
+    def put(low: int, high: int) -> None:
+        if low <= int(bean.getVMOption("MaxHeapFreeRatio").getValue()):
+            bean.setVMOption("MinHeapFreeRatio", str(low))
+            bean.setVMOption("MaxHeapFreeRatio", str(high))
+        else:
+            bean.setVMOption("MaxHeapFreeRatio", str(high))
+            bean.setVMOption("MinHeapFreeRatio", str(low))
+
+    put(min_free, max_free)
+    try:
+        yield
+    finally:
+        put(*was)
+
+
 def release_memory(spark: Any | None) -> dict[str, Any]:
     """A full collection in the driver JVM of ``spark`` (a classic session; skipped while one of
     its jobs runs, and for a Spark Connect session, which has no JVM here), then the worker
@@ -76,7 +109,8 @@ def release_memory(spark: Any | None) -> dict[str, Any]:
             done["jvm"] = f"skipped: {len(active)} jobs running"
         else:
             t0 = time.monotonic()
-            jvm.java.lang.System.gc()
+            with heap_free_ratios(jvm, *IDLE_HEAP_FREE):
+                jvm.java.lang.System.gc()
             done["jvm_gc_s"] = round(time.monotonic() - t0, 3)
     gc.collect()
     try:
