@@ -156,9 +156,11 @@ def release_jvm_refs() -> int:
     py4j frees a JVM object once Python frees its proxy, but a proxy whose method was called is
     in a cycle, so only CPython's cyclic collector frees it: while the collector is paused or
     the proxy is frozen (``libs.gc_pause``), every finished job's datasets and the Arrow batches
-    it read stay pinned in the driver's heap. Emptying the method caches (they only save a
-    lookup; a call re-creates its method) lets reference counting free the proxies nothing else
-    holds, which releases their JVM objects at once. Runs before every freeze
+    it read stay pinned in the driver's heap. Emptying the method cache of a proxy held by
+    nothing but that cache lets reference counting free it, which releases its JVM object at
+    once. A proxy anything else holds keeps its cache: py4j fills and reads it without a lock
+    (``JavaObject.__getattr__`` stores a method, then looks it up again), so emptying the cache
+    of one in use by another thread could fail that thread's call. Runs before every freeze
     (``gc_pause.before_freeze``, registered when the session is built)."""
     from py4j.finalizer import ThreadSafeFinalizer
 
@@ -166,10 +168,14 @@ def release_jvm_refs() -> int:
         refs = list(ThreadSafeFinalizer.finalizers.values())
     broken = 0
     for ref in refs:
-        methods = getattr(ref(), "_methods", None)
-        if methods:
+        proxy = ref()
+        methods = getattr(proxy, "_methods", None)
+        # Referenced by this frame's ``proxy``, getrefcount's argument and each cached method's
+        # ``container``: nothing else, so no thread can be using it.
+        if methods and sys.getrefcount(proxy) - 2 == len(methods):
             methods.clear()
             broken += 1
+        del proxy
     return broken
 
 

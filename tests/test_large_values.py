@@ -1,14 +1,15 @@
 """Large values stay out of the Spark jobs (``services/sink_worker/round/large_values.py``): the
-substitution itself (pure), a pipeline round with a real SparkSession and SQLite that writes
-rows whose values went through the jobs as references (a threshold of 1 KiB stands in for the
-1 MiB default, so the rows stay small), and a MariaDB downstream refusing a row above its
-max_allowed_packet for good."""
+substitution itself (pure; in one part of a message of several too), a pipeline round with a
+real SparkSession and SQLite that writes rows whose values went through the jobs as references
+(a threshold of 1 KiB stands in for the 1 MiB default, so the rows stay small), and a MariaDB
+downstream refusing a row above its max_allowed_packet for good."""
 
 from __future__ import annotations
 
 import base64
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pymysql
 import pytest
@@ -16,13 +17,15 @@ from nats.js import JetStreamContext
 from pyspark.sql import SparkSession
 
 from contracts import REGISTRY
-from contracts.events.rows import RowImageV2, RowsChangedV2, TableMetaV1
+from contracts.events.rows import RowImageV2, RowsChangedV2, RowsChangedV4, TableMetaV1
 from libs.localservers.mariadb import MariaDB
-from services.sink_worker.round.apply_job import event_rows, explode_event
+from libs.scheduling.model import Span
+from libs.streams import rows_subject
+from services.sink_worker.round.apply_job import event_images, event_rows, explode_event
 from services.sink_worker.round.large_values import REF_FIELD, LargeKeyError, LargeValues, holds_ref
 from services.sink_worker.round.pipeline import Pipeline
-from services.sink_worker.round.pull import PulledEvent
-from services.sink_worker.round.sort_job import event_records
+from services.sink_worker.round.pull import PulledEvent, decode_for_span
+from services.sink_worker.round.sort_job import SpanInput, event_records, run_sort
 from services.sink_worker.sinks.base import TargetTable, Upsert
 from services.sink_worker.sinks.error_class import classify
 from services.sink_worker.sinks.factory import open_sink
@@ -40,6 +43,13 @@ DOCS = TableMetaV1(columns=[col("id", nullable=False), col("note", "string", "va
                    primary_key=["id"])
 TAGS = TableMetaV1(columns=[col("tag", "string", "varchar(4000)", nullable=False), col("n")],
                    primary_key=["tag"])
+
+
+@dataclass
+class _Msg:
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None = None
 
 
 def _event(rows: list[RowImageV2], meta: TableMetaV1 = DOCS) -> PulledEvent:
@@ -171,3 +181,35 @@ def test_a_row_above_the_downstreams_max_allowed_packet_is_a_permanent_refusal(
         sink.apply_partition(table, [Upsert(key=(2,), row=too_large)])
     assert classify("mysql", refused.value) == "permanent"
     assert [r["id"] for r in sink.fetch_rows(table)] == [1]
+
+
+def test_a_large_value_in_one_part_of_a_message_of_several_makes_only_that_part_its_own_body() -> None:
+    text = "ü" * 2000
+
+    def part(i: int, t: str) -> dict[str, object]:
+        return {"event_id": f"p{i}", "ts": 10 + i, "seq": 20 + i, "part": 0, "last_part": True,
+                "position": _POS.model_dump(),
+                "rows": [{"op": "insert", "after": {"id": i, "note": "n", "b": None, "t": t}, "ordinal": 0}]}
+
+    first = part(0, "small")
+    data = {"source": "s", "database": "d", "table": "t", "meta": DOCS.model_dump(), "event_id": "p0",
+            **{k: first[k] for k in ("ts", "seq", "part", "last_part", "position", "rows")},
+            "more": [part(1, text), part(2, "small")]}
+    raw = json.dumps({"type": "rows.changed", "version": 4, "id": "m", "time": "2026-11-28T00:00:00Z",
+                      "producer": "test", "epoch": 0, "data": data}).encode()
+
+    entry = decode_for_span(Span.of("cf", "s", "d", "t"), _Msg(rows_subject("s", "d", "t"), raw), 5)
+    assert isinstance(entry.event, RowsChangedV4) and len(entry.expanded()) == 3
+    large = LargeValues(1024)
+    records = event_records("span", entry.expanded(), large, ("id",))
+    # The part with the large value has a body of its own with a reference; the others stay
+    # parts of the message's bytes.
+    assert [r[9] for r in records] == [0, -1, 2]
+    assert records[0][8] is raw and records[2][8] is raw and records[1][8] is not raw
+    assert len(large) == 1 and large.bytes_held == len(text)
+    batch = run_sort(records, [SpanInput("span", 0, 100)]).batch(["span"])
+    assert [(e[1], e[5]) for e in batch] == [(10, [0]), (11, []), (12, [2])]
+    images = [(ts, rows[0]["after"]) for e in batch for ts, _, _, rows in event_images(*e[1:])]
+    assert [ts for ts, _ in images] == [10, 11, 12]
+    assert large.is_ref(images[1][1]["t"]) and large.resolve(images[1][1])["t"] == text
+    assert images[0][1]["t"] == images[2][1]["t"] == "small"

@@ -47,6 +47,11 @@ def test_a_finished_jobs_proxies_are_freed_without_the_collector(spark: SparkSes
     assert live.count() == 3
     release_jvm_refs()
     assert live.count() == 3
+    # A proxy something else holds keeps its method cache: another thread may be reading it.
+    assert live._jdf._methods
+    held = live._jdf
+    release_jvm_refs()
+    assert held._methods and "count" in held._methods
 
 
 def test_the_pause_releases_them_before_it_freezes(spark: SparkSession) -> None:

@@ -890,6 +890,18 @@ def final_images(spark: SparkSession, events: Sequence[BatchEvent], span_targets
     return _records(spark, plan, parts, partitions, row_rules).mapInArrow(records_to_finals, FINAL_SCHEMA)
 
 
+def _timed_collect(job: Callable[[], Any]) -> list[Any]:
+    """``job()``'s plan (a DataFrame or an RDD, its data handed to Spark) collected, the two
+    steps timed as the round's ``frame`` and ``job`` stages."""
+    t0 = time.monotonic()
+    planned = job()
+    t1 = time.monotonic()
+    out: list[Any] = planned.collect()
+    STAGE_SECONDS.labels("frame").observe(t1 - t0)
+    STAGE_SECONDS.labels("job").observe(time.monotonic() - t1)
+    return out
+
+
 def run_apply(spark: SparkSession, batch: Sequence[BatchEvent], span_plans: dict[str, TargetPlan],
               partitions: int, origins: dict[str, tuple[str, str]] | None = None,
               skips: Skips | None = None, guarded: dict[str, UniqueConflictPolicy] | None = None,
@@ -927,22 +939,12 @@ def run_apply(spark: SparkSession, batch: Sequence[BatchEvent], span_plans: dict
     reports: list[Any]
     if not parts.split and not row_rules and not is_connect_session(spark):
         # Only whole units: on a classic session an RDD of the groups, which the JVM carries as
-        # opaque pickled bytes. Through a DataFrame (``apply_frame``) every event was converted
-        # from Arrow to Spark's rows and back to Arrow on its way to the Python worker: under
-        # sysbench the driver's JVM spent more CPU on a round than the workers' apply itself.
-        t0 = time.monotonic()
-        rdd = spark.sparkContext.parallelize(parts.local, len(parts.local))
-        t1 = time.monotonic()
-        reports = rdd.mapPartitions(partial(groups_to_reports, plan)).collect()
-        STAGE_SECONDS.labels("frame").observe(t1 - t0)
-        STAGE_SECONDS.labels("job").observe(time.monotonic() - t1)
+        # opaque pickled bytes, where a DataFrame (``apply_frame``) has it convert every event
+        # from Arrow to Spark's rows and back to Arrow on its way to the Python worker.
+        reports = _timed_collect(lambda: spark.sparkContext.parallelize(parts.local, len(parts.local))
+                                 .mapPartitions(partial(groups_to_reports, plan)))
     elif not (guards.keys() & split_targets):
-        t0 = time.monotonic()
-        frame = apply_frame(spark, plan, parts, partitions, row_rules)
-        t1 = time.monotonic()
-        reports = frame.collect()
-        STAGE_SECONDS.labels("frame").observe(t1 - t0)
-        STAGE_SECONDS.labels("job").observe(time.monotonic() - t1)
+        reports = _timed_collect(lambda: apply_frame(spark, plan, parts, partitions, row_rules))
     else:
         # A guarded target split over partitions: every partition's write must know the owner
         # of every key of it, so the final images are made (and kept) first, the owners
