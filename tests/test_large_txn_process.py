@@ -3,14 +3,14 @@ binlog -> capture -> JetStream -> one sink-worker (streamed, ``round/large_txn``
 PostgreSQL and SQLite (one changefeed each), and a second SQLite whose changefeed splits large
 transactions (``large_txn_split_rows``).
 
-An INSERT of 60,000 rows and two UPDATEs of all of them, each one transaction, with the
-worker's round and window settings turned low (a few MiB); the worker is killed (SIGKILL) in
+An INSERT of 24,000 rows and two UPDATEs of all of them, each one transaction, with the
+worker's round and window settings turned low (about a MiB); the worker is killed (SIGKILL) in
 the middle of writing the second UPDATE and another one started. Each transaction reaches the
 downstream whole and at once (a reader polling each downstream never sees part of one, nor any
 of the killed write; on the split feed's downstream it does, and that one converges too),
 every target equals the source by checksum, the worker applied them by the streamed path, and
 the first worker process' peak resident memory stays under the worker's 1 GiB target (about
-10 MB of messages for an UPDATE; 2.6 GB of worker memory and a Spark driver out of heap for 1M
+4 MB of messages for an UPDATE here, 10 MB for 60,000 rows; 2.6 GB of worker memory and a Spark driver out of heap for 1M
 changes before it was streamed)."""
 
 from __future__ import annotations
@@ -36,17 +36,20 @@ from tests.helpers.worker_env import STANDALONE_WORKER_ENV
 pytestmark = pytest.mark.integration
 
 MIB = 1024 * 1024
-ROWS = 60_000
+ROWS = 24_000
 # The fourth feed commits every SPLIT_ROWS row changes (large_txn_split_rows): a reader of its
 # downstream may see part of a transaction, and everything still converges after the kill.
-SPLIT_ROWS = 10_000
+SPLIT_ROWS = 4_000
 DB = "bigtxn"
-# Low memory targets: a span's reader keeps 4 MiB of bodies, a window 8 messages / 2 MiB.
+# Low memory targets, so that each transaction is several times a round: a span's reader keeps
+# 1 MiB of bodies, a window 4 messages / 1 MiB (the least each may be). (The transactions' sizes and these bounds
+# scale together: 60,000 rows with 4 MiB bounds took the suite's longest test twice as long to
+# prove the same.)
 LOW_MEMORY = {
-    "SLUICE_SINK_PULL_MAX_BYTES": str(4 * MIB),
-    "SLUICE_SINK_ROUND_MAX_BYTES": str(4 * MIB),
-    "SLUICE_SINK_LARGE_TXN_WINDOW_EVENTS": "8",
-    "SLUICE_SINK_LARGE_TXN_WINDOW_BYTES": str(2 * MIB),
+    "SLUICE_SINK_PULL_MAX_BYTES": str(MIB),
+    "SLUICE_SINK_ROUND_MAX_BYTES": str(MIB),
+    "SLUICE_SINK_LARGE_TXN_WINDOW_EVENTS": "4",
+    "SLUICE_SINK_LARGE_TXN_WINDOW_BYTES": str(MIB),
 }
 # The worker process' peak RSS while three spans apply the transactions, against the worker's
 # memory target (issue: 1 GiB). Its growth over what it held before is load-dependent (measured
@@ -198,7 +201,7 @@ def _transactions(mariadb: MariaDB, sinks: dict[str, str], watchers: list[Watche
         deadline = time.monotonic() + 600
         while _log_count(worker, "applying a large transaction") <= applied:
             assert worker.alive() and time.monotonic() < deadline, worker.tail_log(30)
-            time.sleep(0.1)
+            time.sleep(0.02)
         worker.kill()
         finished = _log_count(worker, "large transaction applied")
         assert finished < applied + spans, "every span finished before the kill"
