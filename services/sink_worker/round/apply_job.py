@@ -3,7 +3,8 @@
 The batch (``sort_job.SortResult``: rows events in order, per span) goes to Spark as one
 pyarrow Table (``createDataFrame``), every step running in Python workers over Arrow batches
 (``mapInArrow``); a batch of whole units only (below) on a classic session goes as an RDD of
-its groups instead, which the JVM carries as opaque bytes (``groups_to_reports``).
+its groups instead, which the JVM carries as opaque bytes, or in local mode only the paths of
+files holding them (``groups_to_reports``, ``libs.spark_handoff``).
 
 1. Explode: every row image of every event becomes a record keyed by ``(target, key)``; an
    update that changes the key becomes a delete of the old key followed by an upsert of the new
@@ -37,6 +38,7 @@ JVM carries its image as JSON text.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import operator
 import time
@@ -61,6 +63,7 @@ from pyspark.sql.types import (
 from contracts import REGISTRY
 from contracts.events.rows import RowsChangedV2
 from libs.spark import is_connect_session
+from libs.spark_handoff import partition_rdd
 from libs.table_rules import TableRules
 from services.sink_worker.incidents.poison import RowFailure, Statement
 from services.sink_worker.metrics import STAGE_SECONDS
@@ -941,8 +944,11 @@ def run_apply(spark: SparkSession, batch: Sequence[BatchEvent], span_plans: dict
         # Only whole units: on a classic session an RDD of the groups, which the JVM carries as
         # opaque pickled bytes, where a DataFrame (``apply_frame``) has it convert every event
         # from Arrow to Spark's rows and back to Arrow on its way to the Python worker.
-        reports = _timed_collect(lambda: spark.sparkContext.parallelize(parts.local, len(parts.local))
-                                 .mapPartitions(partial(groups_to_reports, plan)))
+        # In local mode the groups reach the tasks by file, not through the JVM's heap at all
+        # (``libs.spark_handoff``).
+        with contextlib.ExitStack() as files:
+            reports = _timed_collect(lambda: files.enter_context(partition_rdd(spark.sparkContext, parts.local))
+                                     .mapPartitions(partial(groups_to_reports, plan)))
     elif not (guards.keys() & split_targets):
         reports = _timed_collect(lambda: apply_frame(spark, plan, parts, partitions, row_rules))
     else:
