@@ -10,8 +10,8 @@ downstream whole and at once (a reader polling each downstream never sees part o
 of the killed write; on the split feed's downstream it does, and that one converges too),
 every target equals the source by checksum, the worker applied them by the streamed path, and
 the first worker process' peak resident memory stays under the worker's 1 GiB target (about
-4 MB of messages for an UPDATE here, 10 MB for 60,000 rows; 2.6 GB of worker memory and a Spark driver out of heap for 1M
-changes before it was streamed)."""
+4 MB of messages for an UPDATE here, 10 MB for 60,000 rows; 2.6 GB of worker memory and a
+Spark driver out of heap for 1M changes before it was streamed)."""
 
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ ROWS = 24_000
 SPLIT_ROWS = 4_000
 DB = "bigtxn"
 # Low memory targets, so that each transaction is several times a round: a span's reader keeps
-# 1 MiB of bodies, a window 4 messages / 1 MiB (the least each may be). (The transactions' sizes and these bounds
-# scale together: 60,000 rows with 4 MiB bounds took the suite's longest test twice as long to
-# prove the same.)
+# 1 MiB of bodies, a window 4 messages / 1 MiB (the least each may be). The transactions' sizes
+# and these bounds scale together: 60,000 rows with 4 MiB bounds took this test four times as
+# long to prove the same.
 LOW_MEMORY = {
     "SLUICE_SINK_PULL_MAX_BYTES": str(MIB),
     "SLUICE_SINK_ROUND_MAX_BYTES": str(MIB),

@@ -947,8 +947,9 @@ def run_apply(spark: SparkSession, batch: Sequence[BatchEvent], span_plans: dict
         # In local mode the groups reach the tasks by file, not through the JVM's heap at all
         # (``libs.spark_handoff``).
         with contextlib.ExitStack() as files:
-            reports = _timed_collect(lambda: files.enter_context(partition_rdd(spark.sparkContext, parts.local))
-                                     .mapPartitions(partial(groups_to_reports, plan)))
+            reports = _timed_collect(
+                lambda: files.enter_context(partition_rdd(spark.sparkContext, parts.local))
+                .mapPartitions(partial(groups_to_reports, plan)))
     elif not (guards.keys() & split_targets):
         reports = _timed_collect(lambda: apply_frame(spark, plan, parts, partitions, row_rules))
     else:
