@@ -33,10 +33,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
-import pyarrow as pa
 from pyspark.sql import SparkSession
 
 from contracts.events.rows import ColumnV1, TableMetaV1
@@ -57,6 +56,9 @@ from services.sink_worker.snapshot.plan import (
     key_after,
     range_condition,
 )
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 def connect_source(url: str) -> Any:
@@ -303,6 +305,10 @@ def copy_arrow(job: CopyJob, tasks: tuple[tuple[Chunk, ...], ...],
     """Runs in a Python worker (``mapInArrow``): the input rows are indexes into ``tasks``
     (``spark.range``); copies each of that task's chunks in turn and returns ``(chunk id, rows
     written)`` for each."""
+    # Imported here: pyarrow is ~70 MiB of a Python worker's memory, and the classic path's
+    # workers (RDD, ``copy_partition``) never need it.
+    import pyarrow as pa
+
     from libs.gc_pause import gc_paused
 
     for batch in batches:
