@@ -13,13 +13,14 @@ whose executors may be elsewhere) it is ``parallelize`` as before. Either way th
 partition per item, holding that item alone.
 
 The files live in a directory of this process (``sluice-handoff-<pid>`` under the temporary
-directory) and are removed when the job's ``with`` block ends, however it ends; the directory of
-a process that died (kill -9 in the middle of a job) is removed by the next process that hands
-something off.
+directory) and are removed when the job's ``with`` block ends, however it ends; the directory
+goes when the process exits, and that of a process that died (kill -9 in the middle of a job) is
+removed by the next process that hands something off.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -65,6 +66,7 @@ def handoff_dir() -> Path:
                     shutil.rmtree(stale, ignore_errors=True)
             _dir = base / f"{_PREFIX}{os.getpid()}"
             _dir.mkdir(mode=0o700, exist_ok=True)
+            atexit.register(shutil.rmtree, _dir, True)
         return _dir
 
 

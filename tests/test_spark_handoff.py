@@ -76,3 +76,12 @@ def test_a_dead_process_directory_is_cleared_and_a_live_ones_kept(
     assert mine == tmp_path / f"sluice-handoff-{os.getpid()}" and mine.is_dir()
     assert oct(mine.stat().st_mode & 0o777) == "0o700"
     assert not stale.exists() and live.is_dir() and other.is_dir()
+
+
+def test_a_process_directory_goes_when_it_exits(tmp_path: Path) -> None:
+    made = subprocess.run(
+        [sys.executable, "-c", "from libs.spark_handoff import handoff_dir; print(handoff_dir())"],
+        capture_output=True, text=True, check=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    directory = Path(made.stdout.strip())
+    assert directory.parent == tmp_path and directory.name.startswith("sluice-handoff-")
+    assert not directory.exists()
