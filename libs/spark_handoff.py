@@ -33,6 +33,8 @@ from typing import Any
 
 from pyspark import RDD, SparkContext
 
+from libs.process_alive import pid_alive
+
 _PREFIX = "sluice-handoff-"
 _lock = threading.Lock()
 _dir: Path | None = None
@@ -41,16 +43,6 @@ _dir: Path | None = None
 def is_local(sc: SparkContext) -> bool:
     """Whether the executors are this process' JVM (``local``, ``local[N]``, ``local[*]``)."""
     return str(sc.master).startswith("local")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def handoff_dir() -> Path:
@@ -62,7 +54,7 @@ def handoff_dir() -> Path:
             base = Path(tempfile.gettempdir())
             for stale in base.glob(_PREFIX + "*"):
                 pid = stale.name.removeprefix(_PREFIX)
-                if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
                     shutil.rmtree(stale, ignore_errors=True)
             _dir = base / f"{_PREFIX}{os.getpid()}"
             _dir.mkdir(mode=0o700, exist_ok=True)

@@ -36,6 +36,7 @@ from typing import Any
 import psycopg
 
 from libs.localservers.common import find_binary, free_port, wait_until
+from libs.process_alive import pid_alive
 
 _PG_DIRS = ("/usr/lib/postgresql/*/bin", "/usr/local/pgsql/bin", "/usr/pgsql-*/bin", "/usr/local/bin")
 _MAX_SOCKET_DIR = 90  # + "/.s.PGSQL.NNNNN" must stay under sun_path's 108 bytes
@@ -71,20 +72,6 @@ def _children(pid: int) -> list[int]:
         if len(fields) > 1 and fields[1] == str(pid):
             found.append(int(entry.name))
     return found
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 @dataclass
@@ -252,7 +239,7 @@ class PostgreSQL:
                     os.kill(pid, signal.SIGKILL)
             self.proc.wait()
             # The old backends must be gone before a new postmaster may use the data dir.
-            wait_until(lambda: not any(_pid_alive(p) for p in children), 10,
+            wait_until(lambda: not any(pid_alive(p) for p in children), 10,
                        "the killed postgres backends to exit")
         self.proc = None
 
