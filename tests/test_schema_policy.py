@@ -14,6 +14,7 @@ from services.sink_worker.ddl.policy import (
     as_target_has,
     column_renames,
     decide,
+    recopy_drops,
     removes_columns,
     stop_reason,
 )
@@ -82,6 +83,17 @@ def test_column_renames_only_for_pure_renames() -> None:
     assert column_renames("ALTER TABLE t RENAME COLUMN a TO b, DROP COLUMN c") is None
     assert column_renames("ALTER TABLE t RENAME TO u") is None
     assert column_renames("DROP TABLE t") is None
+
+
+def test_a_recopy_drops_the_columns_the_source_had_after_its_ddl() -> None:
+    # The DDL's own drop and rename, and every column the source had right after it: a later
+    # DDL the copy jumps over (CHANGE s2 s3) leaves s2 in neither the source nor the target.
+    with_meta = _ddl("ALTER TABLE t CHANGE s s2 VARCHAR(20), DROP COLUMN z")
+    assert recopy_drops(with_meta) == ("z", "s", "id", "n", "s2", "c")
+    # Without metadata (capture read the table behind a later DDL): the statement's own.
+    bare = _ddl("ALTER TABLE t RENAME COLUMN a TO b").model_copy(update={"meta_after": None})
+    assert recopy_drops(bare) == ("a",)
+    assert recopy_drops(_ddl("ALTER TABLE t MODIFY n BIGINT")) == ("id", "n", "s2", "c")
 
 
 def test_removes_columns() -> None:

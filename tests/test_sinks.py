@@ -466,6 +466,29 @@ def test_a_user_made_target_is_kept_through_a_recopy(target: Target) -> None:
     assert sink.made_by_sluice(remade)
 
 
+def test_a_target_that_exists_after_a_failed_create_is_still_sluices(target: Target) -> None:
+    """The record that Sluice made a target is never behind the table: a CREATE whose
+    transaction fails after the CREATE ran (MySQL has committed it by then, as when the worker
+    is killed there) leaves either no table or one recorded as Sluice's, never an unrecorded
+    table that a re-copy would keep as an operator's, with columns the source no longer has."""
+    from services.sink_worker.sinks.sql_common import SqlSink
+
+    sink = target.sink
+    assert isinstance(sink, SqlSink)
+    table = target.table("halfmade", SIMPLE, create=False)
+    if target.kind == "postgres":
+        sink._run(lambda cur: cur.execute(f'CREATE SCHEMA IF NOT EXISTS "{target.schema}"'), "schema")
+    if target.kind == "mariadb":
+        sink._run(lambda cur: cur.execute(f"CREATE DATABASE IF NOT EXISTS `{target.schema}`"), "database")
+    statements = [*sink.create_statements(table), "SELECT no_such_column"]
+    with pytest.raises(Exception, match="no_such"):
+        sink._run(lambda cur: sink._create_marked(cur, table, statements), "create, then fail")
+    columns = sink.target_columns(table)
+    if target.kind == "mariadb":
+        assert columns is not None  # the CREATE committed itself: the case that matters
+    assert columns is None or sink.made_by_sluice(table)
+
+
 def test_text_and_blob_key_columns(target: Target) -> None:
     # MySQL cannot index TEXT/BLOB whole: the MySQL sink maps them to VARCHAR/VARBINARY.
     meta = TableMetaV1(

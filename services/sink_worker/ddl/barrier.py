@@ -25,8 +25,8 @@ from services.sink_worker import metrics as m
 from services.sink_worker.ddl.plan import ddl_action, dropped_columns
 from services.sink_worker.ddl.policy import (
     PolicyDecision,
-    column_renames,
     decide,
+    recopy_drops,
     removes_columns,
     stop_reason,
 )
@@ -188,7 +188,7 @@ class DdlBarrier:
             failed("the DDL changes existing rows upstream, so the table must be copied again, but "
                    "this worker has no initial-load runner or no source URL for it")
             return
-        drops = (*dropped_columns(ddl.statement), *(old for old, _ in column_renames(ddl.statement) or ()))
+        drops = recopy_drops(ddl)
         request = SnapshotRequest(span, rt.config.source_url, url, rt.config.key_policy, "snapshot",
                                   rt.shards, rt.config.router, recopy_of=head.stream_seq,
                                   case_insensitive=rt.config.case_insensitive,

@@ -24,8 +24,9 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from contracts.events.changefeeds import SchemaChangePolicy
+from contracts.events.rows import DdlExecutedV1
 from libs.mysql_statements import IDENT, alter_clauses, ddl_form, strip_comments, unquote
-from services.sink_worker.ddl.plan import _DROP_COLUMN, DdlAction
+from services.sink_worker.ddl.plan import _DROP_COLUMN, DdlAction, dropped_columns
 from services.sink_worker.sinks.base import TargetTable
 
 POLICY_STOP_PREFIX = "schema change stopped by schema_change_policy = stop"
@@ -126,3 +127,19 @@ def as_target_has(table: TargetTable, names: Sequence[str]) -> TargetTable:
         "unique_keys": [k for k in table.meta.unique_keys if set(k) <= kept]})
     return replace(table, meta=meta, leave_out_columns=True,
                    unique_keys=tuple(k for k in table.unique_keys if set(k) <= kept))
+
+
+def recopy_drops(ddl: DdlExecutedV1) -> tuple[str, ...]:
+    """The columns a re-copy after ``ddl`` removes from a target it keeps (an operator's, whose
+    own columns stay) when the source no longer has them: those the DDL drops or renames away,
+    and every column the source had right after it. The copy starts from the source as it is
+    when the copy begins, past any later DDL of the table, which the span then never sees; a
+    column such a DDL dropped was the source's, not the operator's, and must go too."""
+    after = ddl.meta_after.columns if ddl.meta_after is not None else ()
+    renamed_away = []
+    for clause in alter_clauses(strip_comments(ddl.statement)) or []:
+        m = _RENAME_COLUMN.fullmatch(clause.strip()) or _CHANGE_COLUMN.fullmatch(clause.strip())
+        if m is not None:
+            renamed_away.append(unquote(m.group("old")))
+    return tuple(dict.fromkeys((*dropped_columns(ddl.statement), *renamed_away,
+                                *(c.name for c in after))))

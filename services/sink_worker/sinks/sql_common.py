@@ -32,6 +32,7 @@ import hashlib
 import logging
 import operator
 import random
+import re
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -53,6 +54,7 @@ from services.sink_worker.sinks.write_fence import FENCE_TABLE, WriteFence, Writ
 log = logging.getLogger("sluice.sink")
 
 _KEY_PREFIX = "sluice_key__"
+_CREATE_TABLE = re.compile(r"\s*CREATE\s+TABLE\b", re.IGNORECASE)
 MADE_TABLE = "sluice_made_targets"
 """Per downstream schema: the targets Sluice created (``SqlSink.made_by_sluice``)."""
 
@@ -229,13 +231,20 @@ class SqlSink(Sink):
                            meta=TableMetaV1(columns=[], primary_key=[]), key=())
 
     def _create_marked(self, cur: Any, table: TargetTable, statements: Sequence[str]) -> list[str]:
-        """Run ``statements`` (the CREATE ... IF NOT EXISTS of ``table``) and, when they made
+        """Run ``statements`` (the CREATE ... IF NOT EXISTS of ``table``) and, when they make
         the table, record it in ``sluice_made_targets``: a target without that record existed
-        before (an operator's own) and is used as it is (``made_by_sluice``). A crash between
-        the CREATE and the record leaves a Sluice table that counts as an operator's: kept as it
-        is, never wrong."""
+        before (an operator's own) and is used as it is (``made_by_sluice``).
+
+        The record is written first. MySQL commits before every DDL statement, so the CREATE
+        commits the record ahead of itself: a worker killed at any point leaves either no table
+        (a record of a missing table is harmless: the next CREATE writes it again) or a table
+        with its record. The other order left, after a kill between the two, a Sluice table that
+        counted as an operator's, and a re-copy keeps an operator's columns the source no
+        longer has. PostgreSQL and SQLite run it all in one transaction."""
         new = not self._current(cur, table)
-        for sql in statements:
+        # The schema's statements (CREATE DATABASE / SCHEMA) go first: the record lives there.
+        at = next((i for i, sql in enumerate(statements) if _CREATE_TABLE.match(sql)), len(statements))
+        for sql in statements[:at]:
             cur.execute(sql)
         if new:
             made = self._made_table(table)
@@ -244,6 +253,8 @@ class SqlSink(Sink):
             ref = self._table_ref(made, for_params=True)
             cur.execute(f"DELETE FROM {ref} WHERE table_name = {self.placeholder}", (table.name,))
             cur.execute(f"INSERT INTO {ref} (table_name) VALUES ({self.placeholder})", (table.name,))
+        for sql in statements[at:]:
+            cur.execute(sql)
         return list(statements)
 
     def _unmark(self, cur: Any, table: TargetTable) -> None:

@@ -233,8 +233,9 @@ class SnapshotRequest:
     case_insensitive: bool = False
     """The changefeed's ``text_comparison`` is ``case_insensitive`` (``span.target_for``)."""
     recopy_drops: tuple[str, ...] = ()
-    """A re-copy: the columns its DDL drops or renames away (an existing target kept as it is
-    loses only those: ``empty_for_recopy``)."""
+    """A re-copy: the columns its DDL drops or renames away and the source's columns right after
+    it (an existing target kept as it is loses only those the source no longer has, so a column
+    a later DDL dropped, which the copy jumps over, goes too: ``empty_for_recopy``)."""
     keep_target: bool = False
     """A re-copy under ``schema_change_policy = lenient``: the target is kept, with the columns
     the source no longer has and their values."""
