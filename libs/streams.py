@@ -100,6 +100,14 @@ def resolved_subject(source: str) -> str:
     return f"sluice.resolved.{token(source)}"
 
 
+QUIET_SINCE_HEADER = "Sluice-Quiet-Since"
+"""Header on resolved marks: the stream sequence of an earlier mark of the same capture session
+after which the session published nothing but marks. Absent when it did, and on a session's
+first mark (a session that died may have published after its last mark). A sink span that had
+read everything while that mark or a later one was the newest has nothing new to read
+(``services.sink_worker.round.quiet``) and need not ask its consumer."""
+
+
 ROWS_SUBJECTS = ["sluice.rows.>", "sluice.ddl.>", "sluice.resolved.>"]
 
 

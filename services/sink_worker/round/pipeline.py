@@ -31,6 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 from uuid import uuid4
 
@@ -55,7 +56,8 @@ from services.sink_worker.round.checkpoint_advance import CheckpointAdvance
 from services.sink_worker.round.large_txn import LargeTxnOptions, apply_large, large_head
 from services.sink_worker.round.overlap import AheadSpan, read_ahead, settle
 from services.sink_worker.round.plan import RoundPlanner, count_shards
-from services.sink_worker.round.pull import SpanReader, latest_resolved
+from services.sink_worker.round.pull import ResolvedMark, SpanReader, latest_resolved
+from services.sink_worker.round.quiet import follow_quietly, quiet_after_visit
 from services.sink_worker.round.routes import SpanRoutes
 from services.sink_worker.round.size import RoundSize
 from services.sink_worker.round.sort_job import SpanCut
@@ -322,6 +324,7 @@ class Pipeline:
             t_advance = time.monotonic()
             await settle([self.advance.finish(w, cuts.get(w.rt.span.kv_key), outcomes.get(w.rt.span.kv_key),
                                               report, self.validation) for w in works])
+            self._note_quiet(works)
             t_ahead = time.monotonic()
             report.advance_s = t_ahead - t_advance
             await self._ahead_done()
@@ -358,12 +361,16 @@ class Pipeline:
             for w in works if not w.refused and w.rt.incident is None])
 
     async def _pull_all(self, runtimes: list[SpanRuntime], report: RoundReport) -> list[SpanWork]:
+        now = time.monotonic()
+        recheck_s = self.options.quiet_recheck_s
         for rt in runtimes:
             if rt.checkpoint is None and rt.incident is not None:
                 continue  # its copy was refused for good: nothing to start until an operator acts
             if rt.checkpoint is None:
                 await self.starts.load(rt)
                 continue
+            if rt.quiet is not None and now - rt.quiet.visited_at < recheck_s:
+                continue  # quiet (``round.quiet``): read at its next full visit
             # One read per span and round: an operator's rewind (``CheckpointStore.reset``) or
             # another process' write must be seen even by a span that has nothing to advance.
             stored = await self.checkpoints.get(rt.span)
@@ -401,6 +408,11 @@ class Pipeline:
                 continue  # stopped until an operator acts; its checkpoint stays where it is
             start = rt.checkpoint
             mark = marks.get(rt.span.source)
+            followed = follow_quietly(rt.quiet, start, mark, caps.get(rt.span.changefeed), now, recheck_s)
+            if followed is not None and mark is not None:
+                self._follow(rt, followed, mark)
+                continue
+            rt.quiet = None
             rt.reader.stream_large = self._may_stream(rt)
             rt.reader.open_max = (self.options.large_txn_window_events, self.options.large_txn_window_bytes)
             try:
@@ -432,8 +444,31 @@ class Pipeline:
                 ceiling = capped(rt.resolved_ts, caps.get(rt.span.changefeed), start.ts)
                 work.large = large_head(pulled, start.ts, ceiling)
             report.events += len(work.fresh)
+            work.mark = mark
             works.append(work)
         return works
+
+    def _follow(self, rt: SpanRuntime, checkpoint: Checkpoint, mark: ResolvedMark) -> None:
+        """A quiet span follows the resolved ts (``round.quiet``); stored at its next full visit."""
+        rt.resolved_ts = mark.ts
+        if checkpoint != rt.checkpoint:
+            rt.checkpoint = checkpoint
+            assert rt.quiet is not None
+            rt.quiet = replace(rt.quiet, checkpoint=checkpoint)
+            m.CHECKPOINT_TIME.labels(rt.span.changefeed, rt.span.name).set(m.ts_seconds(checkpoint.ts))
+        m.CHECKPOINT_LAG.labels(rt.span.changefeed, rt.span.name).set(m.lag_seconds(checkpoint.ts))
+
+    def _note_quiet(self, works: list[SpanWork]) -> None:
+        """After the round: which visited spans are quiet (``round.quiet``)."""
+        now = time.monotonic()
+        for w in works:
+            rt = w.rt
+            rt.quiet = quiet_after_visit(
+                replicating=(rt.state is SpanState.REPLICATING and rt.incident is None
+                             and rt.span.members is None),
+                fresh=len(w.fresh), head=w.head is not None or w.large is not None or w.group is not None,
+                reached=w.pulled.reached, ghosts=len(w.pulled.ghosts), mark=w.mark,
+                checkpoint=rt.checkpoint if rt.checkpoint == rt.stored else None, now=now)
 
     def _may_stream(self, rt: SpanRuntime) -> bool:
         """Whether the span's transactions larger than its round are applied streamed

@@ -12,7 +12,7 @@ from libs.table_rules import TableRules
 from services.sink_worker.fk.table_group import GroupCut
 from services.sink_worker.round.apply_job import TargetPlan
 from services.sink_worker.round.large_txn import LargeHead
-from services.sink_worker.round.pull import PulledEvent, PullResult
+from services.sink_worker.round.pull import PulledEvent, PullResult, ResolvedMark
 from services.sink_worker.round.routes import SpanRoutes
 from services.sink_worker.span.checkpoints import Checkpoint
 from services.sink_worker.span.machine import Head, Refused
@@ -48,6 +48,8 @@ class SpanWork:
     fk_wait: tuple[str, str] | None = None
     """(event id, why): the barrier that changes the span's foreign-key group (``fk_barrier``);
     the span stops before it."""
+    mark: ResolvedMark | None = None
+    """The source's newest resolved mark when the round read it (``round.quiet``)."""
 
     @property
     def refused(self) -> bool:

@@ -26,6 +26,7 @@ from libs.scheduling.model import Span
 from libs.streams import token
 from services.sink_worker import metrics as m
 from services.sink_worker.round.pull import SpanReader
+from services.sink_worker.round.quiet import QuietSpan
 from services.sink_worker.sinks.unique_guard import UniqueConflictPolicy
 from services.sink_worker.span.checkpoints import Checkpoint
 from services.sink_worker.span.machine import SpanMachine
@@ -44,6 +45,8 @@ class PipelineOptions:
     apply_partitions: int = 4
     stop_grace_s: float = 4.0
     checkpoint_interval_s: float = 1.0
+    quiet_recheck_s: float = 15.0
+    """A quiet span is visited in full this often (``round.quiet``; 0: every round)."""
     stream_replicas: int = 1
     """Replicas and duplicate window of a stream the NATS sink creates."""
     dedup_window_s: float = 120.0
@@ -63,6 +66,8 @@ class PipelineOptions:
             min_events_per_round=settings.sink_min_events_per_round,
             round_max_bytes=settings.sink_round_max_bytes,
             apply_partitions=settings.sink_apply_partitions,
+            checkpoint_interval_s=settings.sink_checkpoint_interval_s,
+            quiet_recheck_s=settings.sink_quiet_recheck_s,
             stop_grace_s=settings.sink_stop_grace_s,
             stream_replicas=settings.stream_replicas,
             dedup_window_s=settings.dedup_window_s,
@@ -137,6 +142,8 @@ class SpanRuntime(SpanMachine):
     group_metas: dict[tuple[str, str], TableMetaV1] = field(default_factory=dict)
     """A table group's members (real names) -> their newest metadata seen (``table_group``)."""
     created_at: float = field(default_factory=time.monotonic)
+    quiet: QuietSpan | None = None
+    """Set by a full visit that found nothing to read or apply (``round.quiet``)."""
 
     def status(self) -> dict[str, Any]:
         cp = self.checkpoint
