@@ -194,8 +194,8 @@ USES: dict[str, list[Use]] = {
 PACKAGES = {CAPTURE: "capture", SINK_WORKER: "sink_worker", API: "api", MEMBER: "member",
             SCHEDULER: "scheduler", REPLICATION_MANAGER: "replication_manager", DDL_LOCK: "ddl_lock"}
 
-# Names that spell no subject of the Sluice NATS (a token of one; the NATS sink's own server).
-NOT_SUBJECTS = {"token"}
+# Names that spell no subject of the Sluice NATS (a token of one; a header of resolved marks).
+NOT_SUBJECTS = {"token", "QUIET_SINCE_HEADER"}
 
 
 def _refused(perms: Permissions, use: Use) -> list[str]:
