@@ -175,7 +175,8 @@ class LeaderLoop(Generic[T, A]):
     async def subscribe(self, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> None:
         self._subs.append(await self.nc.subscribe(subject, cb=cb))
 
-    def publish_status(self, body: dict[str, Any]) -> None:
+    def publish_status(self, body: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
+        """The leader's part of /healthz; a function is called when /healthz asks."""
         self.runtime.status[self.status_key] = body
 
     async def run(self, handle: Handle[T, A], tick: Tick, wait_s: Callable[[], float]) -> None:

@@ -93,8 +93,11 @@ class ServiceRuntime:
         # A service sets status["unhealthy"] to the reason when it cannot do its job and only
         # an operator can mend it (e.g. capture's source purged the binlog it needs).
         unhealthy = self.status.get("unhealthy")
+        # A value may be a function: a status that costs something to build (every span's) is
+        # built when asked for, not on every change.
+        status = {k: v() if callable(v) else v for k, v in self.status.items()}
         body = {"status": "unhealthy" if unhealthy else "ok", "service": self.name,
-                "instance": self.settings.instance_id, **self.status}
+                "instance": self.settings.instance_id, **status}
         return json_answer(body, 503 if unhealthy else 200)
 
     def _readyz(self) -> OpsAnswer:

@@ -54,3 +54,15 @@ def test_the_api_lists_the_ops_routes_in_its_openapi() -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/healthz", "/readyz", "/metrics"} <= set(paths)
     assert paths["/healthz"]["get"]["tags"] == ["ops"]
+
+
+def test_a_status_given_as_a_function_is_built_when_asked_for() -> None:
+    rt = ServiceRuntime("member", Settings(instance_id="ops-2"))
+    calls: list[int] = []
+    rt.status["spans"] = lambda: calls.append(1) or [{"span": "a"}]
+    assert calls == []  # setting it builds nothing
+    client = TestClient(rt.app)
+    assert client.get("/healthz").json()["spans"] == [{"span": "a"}]
+    assert client.get("/healthz").json()["spans"] == [{"span": "a"}]
+    assert calls == [1, 1]
+

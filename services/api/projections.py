@@ -77,6 +77,8 @@ class Projections:
             "changefeeds": self.changefeeds, "members": self.members,
             "replication": self.replication, "schedule": self.schedule}
         self._dirty: set[str] = set()
+        self._written: dict[str, list[dict[str, Any]]] = {}
+        """Per read-model table, the rows its last write put there (``flush`` skips equal ones)."""
         self._wake = asyncio.Event()
         self.last_event_seq: dict[str, int] = dict.fromkeys(PROJECTED_DOMAINS, 0)
         """Per domain, the stream sequence of the newest event folded (0: none yet)."""
@@ -100,6 +102,7 @@ class Projections:
                   for t in (ChangefeedRow, MemberRow, SpanRow, ProjectionPosition)]
         SQLModel.metadata.drop_all(self.engine, tables=tables)
         SQLModel.metadata.create_all(self.engine, tables=tables)
+        self._written.clear()
 
     async def load(self) -> None:
         """Replay every domain (newest snapshot plus the tail) and write the tables once."""
@@ -176,62 +179,66 @@ class Projections:
         if not dirty:
             return
         positions = {d: self.last_event_seq[d] for d in dirty}
-        rows = self._rows(dirty)
+        built = self._rows(dirty)
+        # Only the tables whose rows changed are rewritten: most events move only a changefeed's
+        # checkpoint, and rewriting every span's row for each (several times a second, 10,000 of
+        # them at many tables) was most of an idle api's CPU.
+        rows = {table: items for table, items in built.items() if self._written.get(table) != items}
         try:
             await asyncio.to_thread(self._write, dirty, rows, positions)
         except Exception:
             self._dirty |= dirty
             raise
+        self._written.update(rows)
         for d, seq in positions.items():
             self.flushed_seq[d] = max(self.flushed_seq[d], seq)
         self._flushed.set()
 
-    def _rows(self, dirty: set[str]) -> dict[str, list[SQLModel]]:
-        """Rows for each dirty domain, built on the loop (the folds are not thread-safe)."""
-        out: dict[str, list[SQLModel]] = {}
+    def _rows(self, dirty: set[str]) -> dict[str, list[dict[str, Any]]]:
+        """Rows (column -> value) for each dirty domain, built on the loop (the folds are not
+        thread-safe)."""
+        out: dict[str, list[dict[str, Any]]] = {}
         if "changefeeds" in dirty or "replication" in dirty:
             view = self.changefeeds.state
             checkpoints = self.replication.state.checkpoints
             out["changefeeds"] = [
-                ChangefeedRow(id=cf, state=view.states.get(cf, "running"),
-                              spec_json=json.dumps(redact_spec(spec)),
-                              failed_checks_json=json.dumps(
-                                  [c.model_dump() for c in view.failed_checks.get(cf, [])]),
-                              checkpoint_ts=checkpoints.get(cf, (0, 0))[0],
-                              resolved_ts=checkpoints.get(cf, (0, 0))[1])
+                {"id": cf, "state": view.states.get(cf, "running"),
+                 "spec_json": json.dumps(redact_spec(spec)),
+                 "failed_checks_json": json.dumps([c.model_dump() for c in view.failed_checks.get(cf, [])]),
+                 "checkpoint_ts": checkpoints.get(cf, (0, 0))[0],
+                 "resolved_ts": checkpoints.get(cf, (0, 0))[1]}
                 for cf, spec in sorted(view.specs.items())]
         if "members" in dirty:
-            out["members"] = [MemberRow(member_id=m, incarnation=r.incarnation, address=r.address,
-                                        draining=r.draining)
+            out["members"] = [{"member_id": m, "incarnation": r.incarnation, "address": r.address,
+                               "draining": r.draining}
                               for m, r in sorted(self.members.state.members.items())]
         if "replication" in dirty or "schedule" in dirty:
             sets = self.replication.state.sets
             wanted = self.schedule.state.wanted_spans()
-            spans: list[SQLModel] = []
+            spans: list[dict[str, Any]] = []
             for span in sorted(set(sets) | set(wanted)):
                 s = sets.get(span)
-                row = SpanRow(key=span_key(span), changefeed=span.changefeed, source=span.source,
-                              database=span.database, table=span.table, wanted=span in wanted)
+                row: dict[str, Any] = {"key": span_key(span), "changefeed": span.changefeed,
+                                       "source": span.source, "database": span.database,
+                                       "table": span.table, "wanted": span in wanted}
                 if s is not None:
-                    row.state = s.state.value
-                    row.primary = s.primary
-                    row.secondary = s.secondary
-                    row.members_json = json.dumps({m: r.value for m, r in sorted(s.members.items())})
-                    row.error = s.error.detail if s.error is not None else None
-                    row.checkpoint_ts = s.checkpoint_ts
-                    row.resolved_ts = s.resolved_ts
+                    row.update(state=s.state.value, primary=s.primary, secondary=s.secondary,
+                               members_json=json.dumps({m: r.value for m, r in sorted(s.members.items())}),
+                               error=s.error.detail if s.error is not None else None,
+                               checkpoint_ts=s.checkpoint_ts, resolved_ts=s.resolved_ts)
                 spans.append(row)
             out["spans"] = spans
         return out
 
-    def _write(self, dirty: set[str], rows: dict[str, list[SQLModel]],
+    def _write(self, dirty: set[str], rows: dict[str, list[dict[str, Any]]],
                positions: dict[str, int]) -> None:
         models: dict[str, type[SQLModel]] = {"changefeeds": ChangefeedRow, "members": MemberRow,
                                              "spans": SpanRow}
         with Session(self.engine) as session:
             for table, items in rows.items():
-                session.exec(delete(models[table]))
-                session.add_all(items)
+                model = models[table]
+                session.exec(delete(model))
+                session.add_all([model(**item) for item in items])
             for domain, seq in positions.items():
                 pos = session.get(ProjectionPosition, domain) or ProjectionPosition(domain=domain)
                 pos.seq = max(pos.seq, seq)

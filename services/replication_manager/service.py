@@ -207,7 +207,7 @@ class ReplicationHandlers:
     def __init__(self, leadership: LeaseView, domain_log: LeaderLog, settings: Settings,
                  members: MembersState, schedule: ScheduleState, *, started: float,
                  send: Callable[[Dispatch], None],
-                 publish_status: Callable[[dict[str, Any]], None],
+                 publish_status: Callable[[dict[str, Any] | Callable[[], dict[str, Any]]], None],
                  stopped: Callable[[], Collection[tuple[str, str, str, str]]] = tuple) -> None:
         recorded = domain_log.state
         assert isinstance(recorded, ReplicationState)
@@ -328,24 +328,30 @@ class ReplicationHandlers:
     def _publish_status(self) -> None:
         core = self.core
         by_state: dict[str, int] = {s.value: 0 for s in SetState}
-        placement: dict[str, str | None] = {}
-        for span, rs in core.manager.sets.items():
+        per_member: dict[str, int] = dict.fromkeys(core.incarnations, 0)
+        for rs in core.manager.sets.values():
             by_state[rs.state.value] += 1
-            placement[span.key] = rs.primary
+            if rs.primary is not None:
+                per_member[rs.primary] = per_member.get(rs.primary, 0) + 1
         for state, n in by_state.items():
             SETS.labels(state).set(n)
-        per_member: dict[str, int] = dict.fromkeys(core.incarnations, 0)
-        for primary in placement.values():
-            if primary is not None:
-                per_member[primary] = per_member.get(primary, 0) + 1
         MEMBER_SPANS.clear()  # members that left drop out
         for member, n in per_member.items():
             MEMBER_SPANS.labels(member).set(n)
         for cf, cp in core.tracker.changefeeds.items():
             CHECKPOINT_LAG.labels(cf).set(lag_seconds(cp.checkpoint_ts))
-        errors = core.manager.errors
-        CONFLICTS.set(len(errors))
-        self.publish_status({
+        CONFLICTS.set(len(core.manager.errors))
+        # Every span's placement: built when /healthz asks (libs.service), not every interval.
+        self.publish_status(self._status)
+
+    def _status(self) -> dict[str, Any]:
+        core = self.core
+        by_state: dict[str, int] = {s.value: 0 for s in SetState}
+        placement: dict[str, str | None] = {}
+        for span, rs in core.manager.sets.items():
+            by_state[rs.state.value] += 1
+            placement[span.key] = rs.primary
+        return {
             "epoch": self.epoch, "ready": core.ready,
             "awaiting_reports_from": sorted(core.manager.awaiting),
             "members": dict(sorted(core.incarnations.items())),
@@ -354,13 +360,13 @@ class ReplicationHandlers:
                             for cf, cp in core.tracker.changefeeds.items()},
             "checkpoint_blocked": core.blocked(),
             "syncpoints": self.syncpoints.status() if self.syncpoints is not None else {},
-            "conflicts": [str(e) for e in errors],
+            "conflicts": [str(e) for e in core.manager.errors],
             "ignored_reports": core.ignored_reports,
             "stale_reports": core.manager.stale_reports,
             "prepare_timeouts": core.manager.prepare_timeouts,
             "preparing": {span.key: {"member": member, "seconds_left": left} for span, (member, left)
                           in sorted(core.manager.prepare_deadlines(time.monotonic()).items())},
-        })
+        }
 
 
 class ResendGate:

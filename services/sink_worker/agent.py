@@ -313,7 +313,7 @@ class SinkAgent:
 
     def publish_status(self) -> None:
         if self.status_sink is not None:
-            self.status_sink["agent"] = self.status()
+            self.status_sink["agent"] = self.status  # built when /healthz asks (libs.service)
 
     # ------------------------------------------------------------------ NATS handlers
 
@@ -391,12 +391,15 @@ class SinkAgent:
         if changed:
             self._beat_now.set()
         wanted: dict[Span, SpanConfig] = {}
+        configs: dict[tuple[str, str], SpanConfig | None] = {}  # one per changefeed and source
         for span, table in self.state.tables.items():
             if table.state is not TableState.REPLICATING:
                 continue
             running = pipeline.spans.get(span)
-            config = (config_of(view, span.changefeed, span.source)
-                      or (running.config if running is not None else None))
+            of = (span.changefeed, span.source)
+            if of not in configs:
+                configs[of] = config_of(view, span.changefeed, span.source)
+            config = configs[of] or (running.config if running is not None else None)
             if config is not None:
                 wanted[span] = config
         return wanted

@@ -445,7 +445,7 @@ class SinkWorker:
         self.status["rows_stream_missing"] = self.rows_stream_missing
         self.status["spark_started"] = self.spark_started
         self.status["rounds"] = self.pipeline.rounds
-        self.status["spans"] = self.pipeline.status()
+        self.status["spans"] = self.pipeline.status  # built when /healthz asks (libs.service)
         if report is not None:
             self.status["last_round"] = {
                 "events": report.events, "batch_events": report.batch_events,

@@ -48,8 +48,10 @@ class RoundSize:
         """Each span's allowance for the next round, the round's bounds applied. A span seen
         for the first time starts at an equal share of the ceiling (what a fixed split gave)."""
         keys = list(dict.fromkeys(spans))
-        for gone in [k for k in self._spans if k not in keys]:
-            del self._spans[gone]
+        if len(self._spans) > len(keys) or any(k not in self._spans for k in keys):
+            present = set(keys)
+            for gone in [k for k in self._spans if k not in present]:
+                del self._spans[gone]
         if not keys:
             return {}
         share = max(self.floor, self.ceiling // len(keys))
