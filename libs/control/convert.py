@@ -26,8 +26,13 @@ def span_of(ref: SpanRefV1) -> Span:
 
 
 def status_ref(status: TableStatus) -> TableStatusV1:
-    return TableStatusV1(span=span_ref(status.span), state=status.state.value,
-                         checkpoint_ts=status.checkpoint_ts, resolved_ts=status.resolved_ts)
+    # Built for every span of every heartbeat (five a second): from typed domain values, so
+    # without validation; the receiver validates the heartbeat as it decodes it.
+    span = status.span
+    ref = SpanRefV1.model_construct(changefeed=span.changefeed, source=span.source,
+                                    database=span.database, table=span.table)
+    return TableStatusV1.model_construct(span=ref, state=status.state.value,
+                                         checkpoint_ts=status.checkpoint_ts, resolved_ts=status.resolved_ts)
 
 
 def status_of(ref: TableStatusV1) -> TableStatus:

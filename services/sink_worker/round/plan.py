@@ -205,7 +205,12 @@ def count_shards(spans: dict[Span, SpanRuntime], shard_ddl: ShardDdl | None) -> 
     targets: dict[tuple[str, Target], int] = {}
     routed = {}
     for span, rt in spans.items():
-        routed[span] = (span.changefeed, route_tokens(span, rt.config.router))
+        # Routing every span again each round was most of an idle round at a thousand spans:
+        # kept while the span's router is the same object (set_spans keeps an equal config).
+        cached = rt.routed
+        if cached is None or cached[0] is not rt.config.router:
+            cached = rt.routed = (rt.config.router, route_tokens(span, rt.config.router))
+        routed[span] = (span.changefeed, cached[1])
         targets[routed[span]] = targets.get(routed[span], 0) + 1
     for span, rt in spans.items():
         local = targets[routed[span]]

@@ -21,7 +21,7 @@ from contracts.events.changefeeds import (
 )
 from contracts.events.rows import SourcePositionV1, TableMetaV1
 from libs.config import Settings
-from libs.routing import Router, router_for
+from libs.routing import Router, Target, router_for
 from libs.scheduling.model import Span
 from libs.streams import token
 from services.sink_worker import metrics as m
@@ -142,6 +142,8 @@ class SpanRuntime(SpanMachine):
     group_metas: dict[tuple[str, str], TableMetaV1] = field(default_factory=dict)
     """A table group's members (real names) -> their newest metadata seen (``table_group``)."""
     created_at: float = field(default_factory=time.monotonic)
+    routed: tuple[Router | None, Target] | None = None
+    """The span's target by its tokens under ``config.router`` (``round.plan.count_shards``)."""
     quiet: QuietSpan | None = None
     """Set by a full visit that found nothing to read or apply (``round.quiet``)."""
 
