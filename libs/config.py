@@ -162,7 +162,7 @@ class Settings(BaseSettings):
         1.0, gt=0, description="The most often an idle span stores its resolved-following checkpoint."
     )
     sink_quiet_recheck_s: float = Field(
-        15.0, ge=0, description="How often a span with nothing to read is visited in full (its consumer "
+        5.0, ge=0, description="How often a span with nothing to read is visited in full (its consumer "
                                 "asked, its stored checkpoint read and written); between visits it follows "
                                 "the resolved ts without a request. 0: every round."
     )

@@ -11,7 +11,7 @@ everything and applied everything while mark M was the newest (``QuietSpan``), a
 source's newest mark says "quiet since Q" with Q <= M, has nothing new to read: no message of
 its source was published after M. Such a span only moves its checkpoint's ts to the mark's
 (under the changefeed's syncpoint cap), as a full visit would, and is visited in full again
-every ``recheck_s`` (``SLUICE_SINK_QUIET_RECHECK_S``), which also stores its checkpoint and
+every ``recheck_s`` (``SLUICE_SINK_QUIET_RECHECK_S``, 5 s), which also stores its checkpoint and
 reads the stored one. That recheck bounds what the shortcut cannot see: a message published on
 the span's subject by anything but capture, or an operator's rewind (a checkpoint store
 compares and sets, so a rewind is found at the latest then).
