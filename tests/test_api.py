@@ -355,6 +355,16 @@ def test_tables_members_sources(api_stack: ApiStack) -> None:
         assert c.get(f"{V1}/changefeeds/{CF}/tables/src1/shop/a").json()["key"] == a["key"]
         assert c.get(f"{V1}/changefeeds/{CF}/tables/src1/shop/zzz").status_code == 404
         assert c.get(f"{V1}/changefeeds/nope/tables").status_code == 404
+        # Paged: three tables in pages of two, by key; the cursor of the next page in a header.
+        first = c.get(f"{V1}/changefeeds/{CF}/tables", params={"limit": 2})
+        keys = sorted(t["key"] for t in tables.values())
+        assert [t["key"] for t in first.json()] == keys[:2]
+        assert first.headers["X-Next-After"] == keys[1] and 'rel="next"' in first.headers["Link"]
+        last = c.get(f"{V1}/changefeeds/{CF}/tables",
+                     params={"limit": 2, "after": first.headers["X-Next-After"]})
+        assert [t["key"] for t in last.json()] == keys[2:] and "X-Next-After" not in last.headers
+        assert "X-Next-After" not in c.get(f"{V1}/changefeeds/{CF}/tables").headers  # one page of 500
+        assert c.get(f"{V1}/changefeeds/{CF}/tables", params={"limit": 0}).status_code == 422
 
         cf = c.get(f"{V1}/changefeeds/{CF}").json()
         assert cf["checkpoint_ts"] == TS and cf["tables"] == 3

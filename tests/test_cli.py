@@ -107,6 +107,9 @@ def test_tables_snapshot_progress_and_move(api_stack: ApiStack) -> None:
     assert "500 of about 1,000 rows at 2,500 rows/s, ETA 2m05s" in out, out
     assert "UTC" in out and " behind" in out and "none yet" in out, out
     assert "waiting for" in out and "copied" in out, out
+    # Every table, however small the pages it reads them in.
+    paged = sluice_json(api_stack, "changefeed", "tables", CF, "--page-size", "2")
+    assert sorted(t["table"] for t in paged) == ["a", "b", "c"]
     progress = sluice_json(api_stack, "changefeed", "snapshot", CF)
     assert progress["src1/shop.a"] == {"rows_copied": 500, "rows_estimate": 1000, "state": "copying",
                                        "rows_per_s": 2500.0, "eta_s": 125.0}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -44,8 +44,19 @@ class Cli:
                 return self.client.get(path, **params)
             return self.client.call(method, path, body if body is not None or method != "POST" else {})
         except ApiError as exc:
-            render.console.print(f"[red]error[/red] {exc.status or ''} {exc.message}".replace("  ", " "))
-            raise typer.Exit(1) from None
+            self._failed(exc)
+
+    def pages(self, path: str, **params: Any) -> list[Any]:
+        """Every item of a paged list, page after page."""
+        try:
+            return self.client.pages(path, **params)
+        except ApiError as exc:
+            self._failed(exc)
+
+    @staticmethod
+    def _failed(exc: ApiError) -> NoReturn:
+        render.console.print(f"[red]error[/red] {exc.status or ''} {exc.message}".replace("  ", " "))
+        raise typer.Exit(1) from None
 
     def show(self, value: Any, human: Any = None) -> None:
         if self.json or human is None:
@@ -195,10 +206,14 @@ def changefeed_delete(ctx: typer.Context, changefeed: str) -> None:
 
 
 @changefeed_app.command("tables")
-def changefeed_tables(ctx: typer.Context, changefeed: str) -> None:
-    """Where each table runs, its state, checkpoint lag and initial-load progress."""
+def changefeed_tables(
+        ctx: typer.Context, changefeed: str,
+        page_size: Annotated[int, typer.Option(min=1, max=10_000, help="Tables per request.")] = 500,
+) -> None:
+    """Where each table runs, its state, checkpoint lag and initial-load progress (every table,
+    read a page at a time)."""
     cli = _cli(ctx)
-    cli.show(cli.run("GET", f"/changefeeds/{changefeed}/tables"), render.tables)
+    cli.show(cli.pages(f"/changefeeds/{changefeed}/tables", limit=page_size), render.tables)
 
 
 @changefeed_app.command("move")

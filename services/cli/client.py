@@ -37,14 +37,31 @@ class ApiClient:
     def close(self) -> None:
         self.http.close()
 
-    def call(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None) -> Any:
+    def _request(self, method: str, path: str, body: Any = None,
+                 params: dict[str, Any] | None = None) -> httpx.Response:
         try:
             resp = self.http.request(method, path, json=body, params=params)
         except httpx.HTTPError as exc:
             raise ApiError(0, f"cannot reach the api at {self.http.base_url}: {exc}") from None
         if resp.status_code >= 400:
             raise ApiError(resp.status_code, _message(resp))
+        return resp
+
+    def call(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None) -> Any:
+        resp = self._request(method, path, body, params)
         return resp.json() if resp.content else None
+
+    def pages(self, path: str, **params: Any) -> list[Any]:
+        """Every item of a paged list (``X-Next-After``: the cursor of the next page)."""
+        items: list[Any] = []
+        query = {k: v for k, v in params.items() if v is not None}
+        while True:
+            resp = self._request("GET", path, params=query)
+            items.extend(resp.json())
+            cursor = resp.headers.get("X-Next-After")
+            if not cursor:
+                return items
+            query["after"] = cursor
 
     def get(self, path: str, **params: Any) -> Any:
         return self.call("GET", path, params={k: v for k, v in params.items() if v is not None})

@@ -9,8 +9,9 @@ import json
 import time
 from collections import Counter
 from typing import Any
+from urllib.parse import quote, urlencode
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 from sqlmodel import Session, select
@@ -91,13 +92,33 @@ def _span_row(ctx: ApiContext, changefeed_id: str, source: str, database: str, t
     return row
 
 
+TABLES_PAGE = 500
+"""Tables per page of ``changefeed tables`` unless the request asks for another ``limit``."""
+
+
 @router.get("/changefeeds/{changefeed_id}/tables", response_model=list[TableOut],
             dependencies=[Depends(require_read)], responses={404: {"description": "Unknown changefeed"}})
-async def get_tables(changefeed_id: str, ctx: ApiContext = Depends(get_ctx)) -> list[TableOut]:
+async def get_tables(
+        changefeed_id: str, response: Response, ctx: ApiContext = Depends(get_ctx),
+        limit: int = Query(TABLES_PAGE, ge=1, le=10_000, description="Tables in this page."),
+        after: str | None = Query(None, description="Start after the table with this `key` (the last "
+                                                    "one of the previous page; `X-Next-After`)."),
+) -> list[TableOut]:
+    """The changefeed's tables ordered by `key`, a page at a time: each table's stored
+    checkpoint and initial-load progress are read for the page only. When more follow, the
+    `X-Next-After` header holds the `after` of the next page (and `Link` its URL)."""
     load_changefeed(ctx, changefeed_id)
+    query = select(SpanRow).where(SpanRow.changefeed == changefeed_id)
+    if after is not None:
+        query = query.where(SpanRow.key > after)
     with Session(projections_of(ctx).engine) as session:
-        rows = list(session.exec(select(SpanRow).where(SpanRow.changefeed == changefeed_id)
-                                 .order_by(SpanRow.key)))
+        rows = list(session.exec(query.order_by(SpanRow.key).limit(limit + 1)))
+    if len(rows) > limit:
+        rows = rows[:limit]
+        cursor = rows[-1].key
+        response.headers["X-Next-After"] = cursor
+        response.headers["Link"] = (f"</api/v1/changefeeds/{quote(changefeed_id, safe='')}/tables?"
+                                    f"{urlencode({'limit': limit, 'after': cursor})}>; rel=\"next\"")
     return list(await asyncio.gather(*(table_out(ctx, r) for r in rows)))
 
 

@@ -250,12 +250,25 @@ class SqlSink(Sink):
             made = self._made_table(table)
             cur.execute(f"CREATE TABLE IF NOT EXISTS {self._table_ref(made)}"
                         " (table_name VARCHAR(255) NOT NULL PRIMARY KEY)")
+            # One statement, no DELETE first: a DELETE of an absent key locks its gap, and
+            # creates of many tables at once (an initial load of thousands) then deadlocked.
             ref = self._table_ref(made, for_params=True)
-            cur.execute(f"DELETE FROM {ref} WHERE table_name = {self.placeholder}", (table.name,))
-            cur.execute(f"INSERT INTO {ref} (table_name) VALUES ({self.placeholder})", (table.name,))
+            cur.execute(self.insert_absent_sql(ref, ("table_name",), ("table_name",)), (table.name,))
         for sql in statements[at:]:
             cur.execute(sql)
         return list(statements)
+
+    def insert_absent_sql(self, ref: str, columns: Sequence[str], key: Sequence[str]) -> str:
+        """An INSERT of one row (``columns``' placeholders) that does nothing when a row with
+        the same ``key`` is there, in this dialect."""
+        names = ", ".join(self.ident(c) for c in columns)
+        values = ", ".join([self.placeholder] * len(columns))
+        if self.dialect == "mysql":
+            return f"INSERT IGNORE INTO {ref} ({names}) VALUES ({values})"
+        if self.dialect == "postgresql":
+            keys = ", ".join(self.ident(c) for c in key)
+            return f"INSERT INTO {ref} ({names}) VALUES ({values}) ON CONFLICT ({keys}) DO NOTHING"
+        return f"INSERT OR IGNORE INTO {ref} ({names}) VALUES ({values})"
 
     def _unmark(self, cur: Any, table: TargetTable) -> None:
         if self._current(cur, self._made_table(table)):

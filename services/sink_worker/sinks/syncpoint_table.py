@@ -34,14 +34,8 @@ def write_syncpoint(sink: SqlSink, changefeed: str, ts: int, now: datetime | Non
     create = (f"CREATE TABLE IF NOT EXISTS {table} (changefeed VARCHAR(255) NOT NULL, "
               "syncpoint_ts BIGINT NOT NULL, upstream_time VARCHAR(40) NOT NULL, "
               "commit_time VARCHAR(40) NOT NULL, PRIMARY KEY (changefeed, syncpoint_ts))")
-    columns = "(changefeed, syncpoint_ts, upstream_time, commit_time)"
-    values = f"VALUES ({p}, {p}, {p}, {p})"
-    if sink.dialect == "mysql":
-        insert = f"INSERT IGNORE INTO {table} {columns} {values}"
-    elif sink.dialect == "postgresql":
-        insert = f"INSERT INTO {table} {columns} {values} ON CONFLICT (changefeed, syncpoint_ts) DO NOTHING"
-    else:
-        insert = f"INSERT OR IGNORE INTO {table} {columns} {values}"
+    insert = sink.insert_absent_sql(table, ("changefeed", "syncpoint_ts", "upstream_time", "commit_time"),
+                                    ("changefeed", "syncpoint_ts"))
     select = f"SELECT commit_time FROM {table} WHERE changefeed = {p} AND syncpoint_ts = {p}"
 
     if sink.dialect == "mysql" and not sink.db.database:
