@@ -3,6 +3,7 @@ whole system as processes with 3 sink-workers (issue 33, item 1).
 
     .venv/bin/python -m benchmarks.bench_tables [--tables 10000] [--per-schema 100] [--rows 3]
         [--workers 3] [--control-replicas 2] [--settle-s 20] [--idle-s 30] [--timeout-s 900]
+        [--write-rows-s 2000] [--write-s 30] [--kill-timeout-s 300]
         [--dir .sluice/bench-tables] [--json PATH]
 
 ``LocalSystem`` as ``bench_e2e`` starts it (control plane on, the api, capture of one MariaDB
@@ -20,10 +21,19 @@ load (``snapshot``: every table is a span at once, from the source's catalog). F
    RSS then, and the peak RSS of each through the whole run; nats-server and the databases
    beside them, not judged;
 4. where it goes: consumers on the ROWS stream, metric series each service exports, the
-   processes' threads.
+   processes' threads;
+5. the operator's view: the api's answer for the first page (500) of ``changefeed tables`` and
+   for every page, and the CLI's (``sluice --json changefeed tables``, a process) for the list;
+6. lag under writes: single-row INSERT transactions at ``--write-rows-s`` over tables drawn
+   uniformly from all of them for ``--write-s`` (4 connections, paced), the changefeed
+   checkpoint's lag (the replication-manager leader's) sampled every 0.5 s: p50/p99/max, and
+   the catch-up after the writes end;
+7. kill -9 of the worker holding the most spans: the time until every span replicates on
+   another member.
 
 Targets (issue 33, this 2-core machine): every span replicating < 60 s after create (at 10,000
-tables); idle CPU of the whole system < 10 % of one core; capture < 300 MiB; each worker < 1 GiB.
+tables); idle CPU of the whole system < 10 % of one core; capture < 300 MiB; each worker < 1 GiB;
+lag p99 < 2 s at 2,000 rows/s; a killed worker's spans replicating elsewhere < 5 s.
 The load average is printed with every figure: other work on the machine shares its 2 cores.
 """
 
@@ -36,8 +46,11 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,12 +63,14 @@ import nats  # noqa: E402
 from nats.js.errors import BucketNotFoundError, NotFoundError  # noqa: E402
 
 from benchmarks.bench_e2e import _start_healthy  # noqa: E402
+from benchmarks.e2e_figures import pct  # noqa: E402
 from benchmarks.memory import MemorySampler, children_by_parent, cpu_seconds, descendants, rss  # noqa: E402
 from benchmarks.output import Figures, add_json_option  # noqa: E402
 from contracts.events.members import MemberJoinedV2  # noqa: E402
 from libs.localservers.mariadb import MariaDB  # noqa: E402
 from libs.localservers.system import LocalSystem  # noqa: E402
 from libs.streams import ROWS_STREAM, SNAPSHOT_BUCKET  # noqa: E402
+from libs.ts import ts_seconds  # noqa: E402
 from tests.helpers.control_plane import Recorder, eventually  # noqa: E402
 
 CF = "tables"
@@ -222,6 +237,162 @@ def service_of(name: str) -> str:
     return name.rsplit("-", 1)[0]
 
 
+# ----------------------------------------------------------------------------- operator, kill
+
+
+def time_tables_listing(system: LocalSystem, out: Figures, tag: str, tables: int) -> bool:
+    """The api's answer for the first page of ``changefeed tables`` and for every page, and the
+    CLI's for the whole list (a process, as an operator runs it); True when each listed every
+    table."""
+    api = system.processes["api-1"]
+    base = f"http://127.0.0.1:{api.port}/api/v1/changefeeds/{CF}/tables"
+    auth = {"Authorization": f"Bearer {system.api_token}"}
+
+    def page(after: str | None) -> tuple[list[Any], str | None]:
+        query = f"?limit=500&after={urllib.parse.quote(after)}" if after else "?limit=500"
+        req = urllib.request.Request(base + query, headers=auth)
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return json.loads(resp.read()), resp.headers.get("X-Next-After")
+
+    t0 = time.perf_counter()
+    rows, cursor = page(None)
+    first_s = time.perf_counter() - t0
+    pages = 1
+    while cursor:
+        more, cursor = page(cursor)
+        rows += more
+        pages += 1
+    all_s = time.perf_counter() - t0
+    env = {**os.environ, "SLUICE_API_URL": f"http://127.0.0.1:{api.port}",
+           "SLUICE_API_TOKEN": system.api_token}
+    t0 = time.perf_counter()
+    done = subprocess.run([str(Path(sys.executable).parent / "sluice"), "--json", "changefeed", "tables", CF],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    cli_s = time.perf_counter() - t0
+    cli_rows = len(json.loads(done.stdout)) if done.returncode == 0 else -1
+    _say(f"changefeed tables: api first page (500) {first_s:.2f} s, all {pages} pages {all_s:.2f} s "
+         f"({len(rows):,} tables); CLI --json {cli_s:.2f} s ({cli_rows:,} tables) (load {_load()})")
+    out.add(f"api GET changefeed tables, first page of 500 ({tag}; load {_load()})", first_s, "s")
+    out.add(f"api GET changefeed tables, all {pages} pages ({tag})", all_s, "s")
+    out.add(f"CLI `sluice --json changefeed tables` as a process ({tag})", cli_s, "s")
+    return len(rows) == tables and cli_rows == tables
+
+
+def _checkpoint_s(system: LocalSystem) -> float | None:
+    """The changefeed's checkpoint (Unix seconds) as the replication-manager leader has it."""
+    found = (replication_status(system).get("checkpoints") or {}).get(CF) or {}
+    ts = found.get("checkpoint_ts")
+    return ts_seconds(int(ts)) if ts else None
+
+
+async def lag_under_writes(system: LocalSystem, out: Figures, tag: str, names: list[tuple[str, str]],
+                           rate: float, seconds: float) -> None:
+    """Single-row INSERT transactions at ``rate`` rows/s, each into a table drawn uniformly from
+    every table, for ``seconds``: the changefeed checkpoint's lag sampled every 0.5 s, and the
+    catch-up once the writes end."""
+    source = system.source_dbs[0]
+    threads = 4
+    stop = threading.Event()
+    written = [0] * threads
+
+    def write(n: int) -> None:
+        rng = random.Random(n)
+        conn = source.connect()
+        next_id = 1_000_000 * (n + 1)
+        interval = threads / rate
+        due = time.perf_counter()
+        try:
+            with conn.cursor() as cur:
+                while not stop.is_set():
+                    schema, table = rng.choice(names)
+                    next_id += 1
+                    cur.execute(f"INSERT INTO `{schema}`.`{table}` VALUES (%s, 'w')", (next_id,))
+                    conn.commit()
+                    written[n] += 1
+                    due += interval
+                    pause = due - time.perf_counter()
+                    if pause > 0:
+                        time.sleep(pause)  # pacing the writer to its rate
+        finally:
+            conn.close()
+
+    pool = [threading.Thread(target=write, args=(n,), daemon=True) for n in range(threads)]
+    load_at_start = _load()
+    started = time.time()
+    for t in pool:
+        t.start()
+    lags: list[float] = []
+    while time.time() - started < seconds:
+        checkpoint = await asyncio.to_thread(_checkpoint_s, system)
+        if checkpoint is not None:
+            lags.append(max(0.0, time.time() - checkpoint))
+        await asyncio.sleep(0.5)  # the sampling interval
+    stop.set()
+    ended = time.time()
+    for t in pool:
+        await asyncio.to_thread(t.join, 30)
+    achieved = sum(written) / (ended - started)
+    caught = None
+    while time.time() - ended < 120:
+        checkpoint = await asyncio.to_thread(_checkpoint_s, system)
+        if checkpoint is not None and checkpoint >= ended:
+            caught = time.time() - ended
+            break
+        await asyncio.sleep(0.2)  # polling the leader's checkpoint for the catch-up
+    what = (f"{tag}; single-row transactions at {achieved:,.0f} rows/s (asked {rate:,.0f}) over every table, "
+            f"{seconds:.0f} s; load {load_at_start} -> {_load()}")
+    if lags:
+        p50, p99 = pct(lags, 0.5), pct(lags, 0.99)
+        out.add(f"changefeed checkpoint lag p50 ({what})", p50, "s")
+        out.add(f"changefeed checkpoint lag p99 ({what})", p99, "s", target="< 2 s", met=p99 < 2)
+    else:
+        p50 = p99 = float("nan")
+    if caught is None:
+        out.not_measured(f"catch-up after the writes ({what})", "s", "not within 120 s")
+    else:
+        out.add(f"catch-up after the writes ({what})", caught, "s")
+    _say(f"under writes ({what}): lag p50 {p50:.2f} s, p99 {p99:.2f} s, max "
+         f"{max(lags, default=float('nan')):.2f} s over {len(lags)} samples; caught up "
+         f"{'not within 120 s' if caught is None else f'{caught:.1f} s'} after")
+
+
+async def kill_busiest_worker(system: LocalSystem, rec: Recorder, out: Figures, tag: str, tables: int,
+                              timeout_s: float) -> bool:
+    """SIGKILL the worker that holds the most spans; the time until every span replicates on
+    another member (the member service finds it gone, the scheduler and replication-manager
+    place its spans elsewhere, those workers prepare and start them)."""
+    loads = rec.loads()
+    if len(loads) < 2:
+        _say("kill: fewer than two workers hold spans; not measured")
+        return True
+    victim = max(loads, key=lambda m: loads[m])
+    proc = system.processes.get(victim)
+    if proc is None:
+        _say(f"kill: no process named {victim}; not measured")
+        return True
+    held = loads[victim]
+    killed = time.perf_counter()
+    proc.kill()
+
+    def moved() -> bool:
+        placement = rec.placement()
+        return rec.all_replicating(tables) and victim not in placement.values()
+
+    try:
+        await eventually(moved, timeout_s, f"every span of {victim} replicating elsewhere")
+    except AssertionError:
+        out.not_measured(f"kill -9 of {victim} holding {held:,} spans -> all replicating elsewhere ({tag})",
+                         "s", f"not within {timeout_s:.0f} s", target="< 5 s")
+        _say(f"kill -9 of {victim} ({held:,} spans): NOT all replicating elsewhere within {timeout_s:.0f} s")
+        return False
+    took = time.perf_counter() - killed
+    _say(f"kill -9 of {victim} ({held:,} spans): every span replicating elsewhere {took:.1f} s later "
+         f"{rec.loads()} (load {_load()})")
+    out.add(f"kill -9 of the worker holding the most spans ({held:,}) -> all replicating elsewhere "
+            f"({tag}; load {_load()})", took, "s", target="< 5 s", met=took < 5)
+    return True
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -377,7 +548,18 @@ async def main_async(args: argparse.Namespace) -> int:
                 target="< 10 %", met=sluice_cpu < 10 if judged else None)
         out.extra["rows_stream_consumers"] = consumers
         out.write(args.json)
-        return 0 if replicating_s is not None and loaded_s is not None and not wrong else 1
+
+        # --- the operator's view of every table -----------------------------------------------
+        listed = await asyncio.to_thread(time_tables_listing, system, out, tag, args.tables)
+
+        # --- lag under writes spread over every table -----------------------------------------
+        await lag_under_writes(system, out, tag, names, args.write_rows_s, args.write_s)
+
+        # --- kill -9 of the worker holding the most spans --------------------------------------
+        moved = await kill_busiest_worker(system, rec, out, tag, args.tables, args.kill_timeout_s)
+        out.write(args.json)
+        return 0 if (replicating_s is not None and loaded_s is not None and not wrong and listed
+                     and moved) else 1
     finally:
         memory.done.set()
         await watch.stop()
@@ -399,6 +581,11 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=30.0)
     parser.add_argument("--timeout-s", type=float, default=900.0,
                         help="time box for every span replicating and every initial load done")
+    parser.add_argument("--write-rows-s", type=float, default=2000.0,
+                        help="rows/s of single-row transactions over every table for the lag figures")
+    parser.add_argument("--write-s", type=float, default=30.0)
+    parser.add_argument("--kill-timeout-s", type=float, default=300.0,
+                        help="time box for a killed worker's spans to replicate elsewhere")
     parser.add_argument("--dir", type=Path, default=ROOT / ".sluice" / "bench-tables")
     add_json_option(parser)
     sys.exit(asyncio.run(main_async(parser.parse_args())))
