@@ -161,6 +161,11 @@ class Settings(BaseSettings):
     sink_checkpoint_interval_s: float = Field(
         1.0, gt=0, description="The most often an idle span stores its resolved-following checkpoint."
     )
+    rows_max_consumers: int = Field(
+        100_000, ge=1_000,
+        description="Consumers the ROWS stream takes (one per table a worker runs, and one per "
+                    "table being prepared); nats-server 2.15 allows 1,000 to a stream that names none."
+    )
     sink_quiet_recheck_s: float = Field(
         5.0, ge=0, description="How often a span with nothing to read is visited in full (its consumer "
                                 "asked, its stored checkpoint read and written); between visits it follows "

@@ -24,6 +24,10 @@ def rows_stream_config(settings: Settings) -> api.StreamConfig:
         duplicate_window=settings.dedup_window_s,
         allow_rollup_hdrs=True,
         num_replicas=settings.stream_replicas,
+        # Every span reads through its own consumer: nats-server 2.15 caps a stream that names
+        # no limit at 1,000 consumers, which a changefeed of 1,000 tables passed (its spans'
+        # pulls and prepares then failed, "maximum consumers limit reached", and lag grew).
+        max_consumers=settings.rows_max_consumers,
     )
 
 
