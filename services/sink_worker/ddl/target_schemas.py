@@ -43,10 +43,13 @@ class TargetSchemas:
         meta_json = table.meta.model_dump_json()
         if cache_key in self._known and (self._known[cache_key] == meta_json or not reconcile):
             return
-        sink.ensure_table(table)
         if reconcile:
+            # Creates the table when it is missing too: one connection, not two, for each table
+            # a round meets first (a thousand of them after a start, each a new connection).
             sink.reconcile_schema(table, sorted(self._drops.get(cache_key, ())))
             self._drops.pop(cache_key, None)
+        else:
+            sink.ensure_table(table)
         self._known[cache_key] = meta_json
 
     def fixed(self, sink: SqlSink, sink_url: str, table: TargetTable) -> TargetTable:

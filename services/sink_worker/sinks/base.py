@@ -95,8 +95,9 @@ class Sink(ABC):
 
     @abstractmethod
     def reconcile_schema(self, table: TargetTable, drop: Collection[str] = ()) -> list[str]:
-        """Bring the target's columns to ``table.meta``: add the missing ones, drop those of
-        ``drop`` (the columns a DDL dropped) it no longer has; return the SQL run. Other
+        """Bring the target's columns to ``table.meta`` (creating the table when it is missing,
+        as ``ensure_table``): add the missing ones, drop those of ``drop`` (the columns a DDL
+        dropped) it no longer has; return the SQL run. Other
         columns the target has beyond the metadata are its own (an operator's extra columns)
         and stay.
 
