@@ -40,7 +40,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -57,6 +57,7 @@ from contracts.events.scheduling import (
     DispatchResponseV1,
     MemberHeartbeatV1,
     ReplicationAnnounceV1,
+    TableStatusV1,
 )
 from libs.changefeeds import ChangefeedView
 from libs.control.convert import dispatch_of, status_ref
@@ -160,6 +161,8 @@ class SinkAgent:
         self.leaving = False
         self.writer_log = WriterLog(writer_log, member_id, self.incarnation)
         self._beat_now = asyncio.Event()
+        self._refs: dict[Span, tuple[tuple[object, ...], TableStatusV1]] = {}
+        """Each span's last heartbeat entry and the status it was made of (``_status_refs``)."""
         self._subs: list[Subscription] = []
         self._heartbeat: asyncio.Task[None] | None = None
         self._preparing: dict[Span, asyncio.Task[None]] = {}
@@ -234,7 +237,22 @@ class SinkAgent:
         report = self.state.collect_report()
         return MemberHeartbeatV1(member_id=self.member_id, incarnation=self.incarnation, address=self.address,
                                  draining=self.draining, leaving=self.leaving, epoch=report.epoch,
-                                 seq=report.seq or 0, tables=[status_ref(t) for t in report.tables])
+                                 seq=report.seq or 0, tables=self._status_refs(report.tables))
+
+    def _status_refs(self, tables: Iterable[TableStatus]) -> list[TableStatusV1]:
+        """Each span's heartbeat entry, kept from the last heartbeat while its status is the
+        same: five heartbeats a second of every span, most of them unchanged since the last."""
+        fresh: dict[Span, tuple[tuple[object, ...], TableStatusV1]] = {}
+        out: list[TableStatusV1] = []
+        for t in tables:
+            key = (t.state, t.checkpoint_ts, t.resolved_ts)
+            kept = self._refs.get(t.span)
+            if kept is None or kept[0] != key:
+                kept = (key, status_ref(t))
+            fresh[t.span] = kept
+            out.append(kept[1])
+        self._refs = fresh
+        return out
 
     async def _send_heartbeat(self) -> None:
         hb = self.heartbeat()
