@@ -55,6 +55,13 @@ _CHANGE_COLUMN = re.compile(r"CHANGE\s+(COLUMN\s+)?(IF\s+EXISTS\s+)?(?P<old>" + 
                             + IDENT + r")\s+.+", re.IGNORECASE | re.DOTALL)
 
 
+def _renamed(clause: str) -> tuple[str, str] | None:
+    """(old, new) of one ALTER clause that names a column anew (``RENAME COLUMN a TO b``,
+    ``CHANGE a b ...``; ``CHANGE a a ...`` too, with old == new), else None."""
+    m = _RENAME_COLUMN.fullmatch(clause.strip()) or _CHANGE_COLUMN.fullmatch(clause.strip())
+    return (unquote(m.group("old")), unquote(m.group("new"))) if m is not None else None
+
+
 def column_renames(statement: str) -> tuple[tuple[str, str], ...] | None:
     """The (old, new) column pairs of an ALTER TABLE whose every clause renames a column, or
     None when it does anything else (or renames nothing)."""
@@ -63,16 +70,10 @@ def column_renames(statement: str) -> tuple[tuple[str, str], ...] | None:
         return None
     pairs: list[tuple[str, str]] = []
     for clause in clauses:
-        m = _RENAME_COLUMN.fullmatch(clause.strip()) or _CHANGE_COLUMN.fullmatch(clause.strip())
-        if m is None:
-            return None
-        old, new = unquote(m.group("old")), unquote(m.group("new"))
-        if old.casefold() != new.casefold():
-            pairs.append((old, new))
-        elif m.re is _RENAME_COLUMN:
-            return None
-        else:
-            return None  # CHANGE a a <type>: a MODIFY, which re-copies
+        pair = _renamed(clause)
+        if pair is None or pair[0].casefold() == pair[1].casefold():
+            return None  # not a rename; or CHANGE a a <type>: a MODIFY, which re-copies
+        pairs.append(pair)
     return tuple(pairs) or None
 
 
@@ -136,10 +137,6 @@ def recopy_drops(ddl: DdlExecutedV1) -> tuple[str, ...]:
     when the copy begins, past any later DDL of the table, which the span then never sees; a
     column such a DDL dropped was the source's, not the operator's, and must go too."""
     after = ddl.meta_after.columns if ddl.meta_after is not None else ()
-    renamed_away = []
-    for clause in alter_clauses(strip_comments(ddl.statement)) or []:
-        m = _RENAME_COLUMN.fullmatch(clause.strip()) or _CHANGE_COLUMN.fullmatch(clause.strip())
-        if m is not None:
-            renamed_away.append(unquote(m.group("old")))
-    return tuple(dict.fromkeys((*dropped_columns(ddl.statement), *renamed_away,
+    renamed = (_renamed(c) for c in alter_clauses(strip_comments(ddl.statement)) or [])
+    return tuple(dict.fromkeys((*dropped_columns(ddl.statement), *(p[0] for p in renamed if p),
                                 *(c.name for c in after))))
