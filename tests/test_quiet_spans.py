@@ -61,3 +61,14 @@ def test_a_quiet_span_stops_at_its_changefeeds_syncpoint_cap_and_never_goes_back
     assert follow_quietly(quiet, CP, mark, 500, 101.0, 15.0) == CP  # already past T: stays
     older = ResolvedMark(ts=900, stream_seq=51, quiet_since=50)
     assert follow_quietly(quiet, CP, older, None, 101.0, 15.0) == CP
+
+
+def test_the_shortcut_is_off_unless_asked_for() -> None:
+    # It trusts capture's word: a row another publisher put on the subject would be skipped.
+    from libs.config import Settings
+    from services.sink_worker.span.runtime import PipelineOptions
+
+    assert Settings().sink_quiet_recheck_s == 0 and PipelineOptions().quiet_recheck_s == 0
+    quiet = QuietSpan(mark_seq=50, checkpoint=CP, visited_at=100.0)
+    mark = ResolvedMark(ts=2_000, stream_seq=51, quiet_since=50)
+    assert follow_quietly(quiet, CP, mark, None, 100.5, PipelineOptions().quiet_recheck_s) is None

@@ -11,10 +11,14 @@ everything and applied everything while mark M was the newest (``QuietSpan``), a
 source's newest mark says "quiet since Q" with Q <= M, has nothing new to read: no message of
 its source was published after M. Such a span only moves its checkpoint's ts to the mark's
 (under the changefeed's syncpoint cap), as a full visit would, and is visited in full again
-every ``recheck_s`` (``SLUICE_SINK_QUIET_RECHECK_S``, 5 s), which also stores its checkpoint and
-reads the stored one. That recheck bounds what the shortcut cannot see: a message published on
-the span's subject by anything but capture, or an operator's rewind (a checkpoint store
-compares and sets, so a rewind is found at the latest then).
+every ``recheck_s`` (``SLUICE_SINK_QUIET_RECHECK_S``), which also stores its checkpoint and
+reads the stored one, so an operator's rewind is found then (a checkpoint store compares and
+sets, too).
+
+Off by default (``recheck_s`` 0): a message published on the span's subject by anything but
+this capture session is not covered by the header, and by the recheck the followed checkpoint
+ts has passed that message's ts, so the full visit drops it as applied. The worker must check
+the stream itself before this can be on by default.
 """
 
 from __future__ import annotations
