@@ -100,12 +100,12 @@ def resolved_subject(source: str) -> str:
     return f"sluice.resolved.{token(source)}"
 
 
-QUIET_SINCE_HEADER = "Sluice-Quiet-Since"
-"""Header on resolved marks: the stream sequence of an earlier mark of the same capture session
-after which the session published nothing but marks. Absent when it did, and on a session's
-first mark (a session that died may have published after its last mark). A sink span that had
-read everything while that mark or a later one was the newest has nothing new to read
-(``services.sink_worker.round.quiet``) and need not ask its consumer."""
+def source_data_subjects(source: str) -> str:
+    """Every data subject of a source in the ROWS stream (its tables' rows and DDL, its
+    rejections), but not its resolved marks (``sluice.resolved.<source>`` has no token after the
+    source). The stream's last message on it is the newest thing a sink may have to read for the
+    source, whoever published it (``services.sink_worker.round.quiet``)."""
+    return f"sluice.*.{token(source)}.>"
 
 
 ROWS_SUBJECTS = ["sluice.rows.>", "sluice.ddl.>", "sluice.resolved.>"]

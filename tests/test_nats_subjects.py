@@ -60,6 +60,7 @@ from libs.streams import (
     resolved_subject,
     rows_subject,
     shard_ddl_ops_subject,
+    source_data_subjects,
     table_incidents_subject,
 )
 
@@ -140,6 +141,8 @@ USES: dict[str, list[Use]] = {
         Use("rows_subject", reads=ROWS_READ.reads[:1]),
         Use("ddl_subject", reads=ROWS_READ.reads[1:2]),
         Use("resolved_subject", reads=ROWS_READ.reads[2:]),
+        # The last message of a source's data subjects (round.quiet): a get by a wildcard subject.
+        Use("source_data_subjects", reads=((ROWS_STREAM, source_data_subjects(SOURCE)),)),
         Use("domain_stream"), *_folds("changefeeds"),
         Use("table_incidents_subject", publish=(table_incidents_subject(),)),
         _kv_write(CHECKPOINT_BUCKET, "cf.src1.db.t"), _kv_write(SNAPSHOT_BUCKET, "cf.src1.db.t"),
@@ -194,8 +197,8 @@ USES: dict[str, list[Use]] = {
 PACKAGES = {CAPTURE: "capture", SINK_WORKER: "sink_worker", API: "api", MEMBER: "member",
             SCHEDULER: "scheduler", REPLICATION_MANAGER: "replication_manager", DDL_LOCK: "ddl_lock"}
 
-# Names that spell no subject of the Sluice NATS (a token of one; a header of resolved marks).
-NOT_SUBJECTS = {"token", "QUIET_SINCE_HEADER"}
+# Names that spell no subject of the Sluice NATS (a token of one).
+NOT_SUBJECTS = {"token"}
 
 
 def _refused(perms: Permissions, use: Use) -> list[str]:

@@ -11,6 +11,8 @@ from services.sink_worker.span.checkpoints import Checkpoint
 
 CP = Checkpoint(stream_seq=40, ts=1_000)
 MARK = ResolvedMark(ts=1_000, stream_seq=50)
+QUIET = QuietSpan(mark_seq=50, checkpoint=CP, visited_at=100.0)
+LATER = ResolvedMark(ts=2_000, stream_seq=60)
 
 
 def _visit(**changes: object) -> QuietSpan | None:
@@ -21,7 +23,7 @@ def _visit(**changes: object) -> QuietSpan | None:
 
 
 def test_a_visit_that_found_nothing_makes_the_span_quiet_at_its_mark() -> None:
-    assert _visit() == QuietSpan(mark_seq=50, checkpoint=CP, visited_at=100.0)
+    assert _visit() == QUIET
 
 
 @pytest.mark.parametrize("change", [
@@ -32,43 +34,35 @@ def test_anything_left_to_read_or_do_keeps_the_span_visited(change: dict[str, ob
     assert _visit(**change) is None
 
 
-def test_a_quiet_span_follows_a_mark_that_says_nothing_was_published_after_its_own() -> None:
-    quiet = QuietSpan(mark_seq=50, checkpoint=CP, visited_at=100.0)
-    for since in (50, 12):  # quiet since its mark, or since an earlier one
-        later = ResolvedMark(ts=2_000, stream_seq=51, quiet_since=since)
-        assert follow_quietly(quiet, CP, later, None, 101.0, 15.0) == Checkpoint(40, 2_000)
+def test_a_quiet_span_follows_while_the_stream_holds_no_data_after_its_mark() -> None:
+    for last_data in (50, 12, 0):  # the newest data message is at or before the span's mark, or none
+        assert follow_quietly(QUIET, CP, LATER, last_data, None, 101.0, 15.0) == Checkpoint(40, 2_000)
 
 
-@pytest.mark.parametrize("mark, checkpoint, now, recheck_s", [
-    (ResolvedMark(ts=2_000, stream_seq=60, quiet_since=55), CP, 101.0, 15.0),  # data after the span's mark
-    (ResolvedMark(ts=2_000, stream_seq=60), CP, 101.0, 15.0),  # capture says nothing (a session's first)
-    (None, CP, 101.0, 15.0),
-    (ResolvedMark(ts=2_000, stream_seq=60, quiet_since=50), Checkpoint(30, 900), 101.0, 15.0),  # rewound
-    (ResolvedMark(ts=2_000, stream_seq=60, quiet_since=50), CP, 115.0, 15.0),  # recheck due
-    (ResolvedMark(ts=2_000, stream_seq=60, quiet_since=50), CP, 101.0, 0.0),  # shortcut off
+@pytest.mark.parametrize("mark, last_data, checkpoint, now, recheck_s", [
+    (LATER, 51, CP, 101.0, 15.0),  # a data message after the span's mark, whoever published it
+    (LATER, None, CP, 101.0, 15.0),  # the stream could not be asked
+    (None, 0, CP, 101.0, 15.0),
+    (LATER, 50, Checkpoint(30, 900), 101.0, 15.0),  # rewound or reloaded
+    (LATER, 50, CP, 115.0, 15.0),  # recheck due
+    (LATER, 50, CP, 101.0, 0.0),  # shortcut off
 ])
 def test_a_quiet_span_is_visited_when_the_shortcut_cannot_know(
-        mark: ResolvedMark | None, checkpoint: Checkpoint, now: float, recheck_s: float) -> None:
-    quiet = QuietSpan(mark_seq=50, checkpoint=CP, visited_at=100.0)
-    assert follow_quietly(quiet, checkpoint, mark, None, now, recheck_s) is None
-    assert follow_quietly(None, CP, mark, None, 101.0, 15.0) is None
+        mark: ResolvedMark | None, last_data: int | None, checkpoint: Checkpoint, now: float,
+        recheck_s: float) -> None:
+    assert follow_quietly(QUIET, checkpoint, mark, last_data, None, now, recheck_s) is None
+    assert follow_quietly(None, CP, mark, 0, None, 101.0, 15.0) is None
 
 
 def test_a_quiet_span_stops_at_its_changefeeds_syncpoint_cap_and_never_goes_back() -> None:
-    quiet = QuietSpan(mark_seq=50, checkpoint=CP, visited_at=100.0)
-    mark = ResolvedMark(ts=2_000, stream_seq=51, quiet_since=50)
-    assert follow_quietly(quiet, CP, mark, 1_500, 101.0, 15.0) == Checkpoint(40, 1_500)
-    assert follow_quietly(quiet, CP, mark, 500, 101.0, 15.0) == CP  # already past T: stays
-    older = ResolvedMark(ts=900, stream_seq=51, quiet_since=50)
-    assert follow_quietly(quiet, CP, older, None, 101.0, 15.0) == CP
+    assert follow_quietly(QUIET, CP, LATER, 50, 1_500, 101.0, 15.0) == Checkpoint(40, 1_500)
+    assert follow_quietly(QUIET, CP, LATER, 50, 500, 101.0, 15.0) == CP  # already past T: stays
+    older = ResolvedMark(ts=900, stream_seq=61)
+    assert follow_quietly(QUIET, CP, older, 50, None, 101.0, 15.0) == CP
 
 
-def test_the_shortcut_is_off_unless_asked_for() -> None:
-    # It trusts capture's word: a row another publisher put on the subject would be skipped.
+def test_the_shortcut_is_on_by_default_with_a_recheck() -> None:
     from libs.config import Settings
     from services.sink_worker.span.runtime import PipelineOptions
 
-    assert Settings().sink_quiet_recheck_s == 0 and PipelineOptions().quiet_recheck_s == 0
-    quiet = QuietSpan(mark_seq=50, checkpoint=CP, visited_at=100.0)
-    mark = ResolvedMark(ts=2_000, stream_seq=51, quiet_since=50)
-    assert follow_quietly(quiet, CP, mark, None, 100.5, PipelineOptions().quiet_recheck_s) is None
+    assert Settings().sink_quiet_recheck_s == PipelineOptions().quiet_recheck_s == 5.0

@@ -50,7 +50,7 @@ from contracts.events.rows import ResolvedAdvancedV1, RowsChangedV2, RowsChanged
 from contracts.registry import REGISTRY
 from libs.chunks import chunk_size_for, digest_of, needs_chunks, split
 from libs.stream_origin import STREAM_ORIGIN_HEADER, StreamOrigin
-from libs.streams import QUIET_SINCE_HEADER, ROWS_STREAM, resolved_subject
+from libs.streams import ROWS_STREAM, resolved_subject
 from libs.telemetry.tracing import publish_span, start_publish_span
 from libs.ts import ts_seconds
 from services.capture import metrics
@@ -244,10 +244,6 @@ class Publisher:
         self.origin: StreamOrigin | None = None
         """Where the source's stream begins: every mark says so (``libs.stream_origin``)."""
         self.resolved_stream_seq = 0  # stream sequence of the last resolved mark of the source
-        # QUIET_SINCE_HEADER: whether this session published anything but marks since its last
-        # mark (True until its first one), and the quiet run's first mark.
-        self._published_since_mark = True
-        self._quiet_since: int | None = None
         self._resolved_subject = resolved_subject(source)
         self._latency = metrics.PUBLISH_LATENCY.labels(source)
         # The server's max_payload, as its INFO told the client (nats-py keeps it current).
@@ -352,7 +348,6 @@ class Publisher:
 
     async def _publish_message(self, subject: str, payload: bytes, msg_id: str) -> None:
         """One message (not a chunk): framed here when nats-py would frame it the same way."""
-        self._published_since_mark = True
         batch = self._batch_span(subject)
         if batch.block and _plain_header_value(msg_id) and self._acks.can_frame(payload):
             block = b"".join((batch.block, _MSG_ID_LINE, msg_id.encode(), b"\r\n\r\n"))
@@ -362,7 +357,6 @@ class Publisher:
             await self._publish_one(subject, payload, {api.Header.MSG_ID.value: msg_id})
 
     async def _publish_one(self, subject: str, payload: bytes, headers: dict[str, str]) -> None:
-        self._published_since_mark = True
         traced = {**self._span_headers(subject), **headers,
                   api.Header.EXPECTED_STREAM.value: ROWS_STREAM}
         future = await self._acks.publish(subject, payload, traced)
@@ -417,7 +411,6 @@ class Publisher:
         for item in self._in_flight:
             item.future.cancel()
         self._in_flight.clear()
-        self._published_since_mark = True  # what was in flight may be stored after the last mark
 
     async def close(self) -> None:
         """``discard``, and stop listening for acks."""
@@ -443,11 +436,6 @@ class Publisher:
             headers[SOURCE_SERVER_HEADER] = server
         if self.origin is not None:
             headers[STREAM_ORIGIN_HEADER] = self.origin.header()
-        quiet = not self._published_since_mark
-        if quiet:
-            if self._quiet_since is None:
-                self._quiet_since = self.resolved_stream_seq
-            headers[QUIET_SINCE_HEADER] = str(self._quiet_since)
         started = time.perf_counter()
         with publish_span(self._resolved_subject, headers) as (_span, traced):
             try:
@@ -461,8 +449,5 @@ class Publisher:
                 raise PublishFailed("no ack for the resolved mark") from None
         self._latency.observe(time.perf_counter() - started)
         self.resolved_stream_seq = int(ack.seq)
-        if not quiet:
-            self._quiet_since = None  # the next quiet run starts at this mark
-        self._published_since_mark = False
         self._counter(type_).inc()
         metrics.RESOLVED_TIME.labels(self.source).set(ts_seconds(event.ts))

@@ -56,7 +56,7 @@ from services.sink_worker.round.checkpoint_advance import CheckpointAdvance
 from services.sink_worker.round.large_txn import LargeTxnOptions, apply_large, large_head
 from services.sink_worker.round.overlap import AheadSpan, read_ahead, settle
 from services.sink_worker.round.plan import RoundPlanner, count_shards
-from services.sink_worker.round.pull import ResolvedMark, SpanReader, latest_resolved
+from services.sink_worker.round.pull import ResolvedMark, SpanReader, last_data_seq, latest_resolved
 from services.sink_worker.round.quiet import follow_quietly, quiet_after_visit
 from services.sink_worker.round.routes import SpanRoutes
 from services.sink_worker.round.size import RoundSize
@@ -389,6 +389,7 @@ class Pipeline:
         marks = {}
         for source in sorted({rt.span.source for rt in runtimes}):
             marks[source] = await latest_resolved(self.js, source, self.rows_stream)
+        last_data = await self._last_data(runtimes)
         # After the marks, never before: a mark this round acts on is then older than the cap it
         # reads, and the leader abandons a T some mark passed before its cap was out.
         try:
@@ -408,7 +409,8 @@ class Pipeline:
                 continue  # stopped until an operator acts; its checkpoint stays where it is
             start = rt.checkpoint
             mark = marks.get(rt.span.source)
-            followed = follow_quietly(rt.quiet, start, mark, caps.get(rt.span.changefeed), now, recheck_s)
+            followed = follow_quietly(rt.quiet, start, mark, last_data.get(rt.span.source),
+                                      caps.get(rt.span.changefeed), now, recheck_s)
             if followed is not None and mark is not None:
                 self._follow(rt, followed, mark)
                 continue
@@ -447,6 +449,19 @@ class Pipeline:
             work.mark = mark
             works.append(work)
         return works
+
+    async def _last_data(self, runtimes: list[SpanRuntime]) -> dict[str, int]:
+        """Each source's newest data message in the stream (``round.quiet``), for the sources
+        with a quiet span; read after the marks, never before. A source that cannot be asked is
+        left out, and its quiet spans are visited in full."""
+        found: dict[str, int] = {}
+        for source in sorted({rt.span.source for rt in runtimes if rt.quiet is not None}):
+            try:
+                found[source] = await last_data_seq(self.js, source, self.rows_stream)
+            except Exception:
+                log.warning("cannot read the source's last data message; its quiet spans are visited",
+                            exc_info=True, extra={"source": source})
+        return found
 
     def _follow(self, rt: SpanRuntime, checkpoint: Checkpoint, mark: ResolvedMark) -> None:
         """A quiet span follows the resolved ts (``round.quiet``); stored at its next full visit."""

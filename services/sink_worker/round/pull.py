@@ -66,7 +66,7 @@ from libs.chunks import ChunkError, ChunkInfo, ChunkJoiner, Joined, chunk_info
 from libs.eventstore.deadletter import dead_letter
 from libs.gc_pause import gc_paused
 from libs.scheduling.model import Span
-from libs.streams import QUIET_SINCE_HEADER, ROWS_STREAM, resolved_subject, token
+from libs.streams import ROWS_STREAM, resolved_subject, source_data_subjects, token
 from libs.telemetry.tracing import process_span
 from services.sink_worker import metrics as m
 
@@ -901,8 +901,6 @@ class _Parked:
 class ResolvedMark:
     ts: int
     stream_seq: int
-    quiet_since: int | None = None
-    """The mark's ``QUIET_SINCE_HEADER``: capture published nothing but marks after that mark."""
 
 
 async def latest_resolved(js: JetStreamContext, source: str,
@@ -921,6 +919,14 @@ async def latest_resolved(js: JetStreamContext, source: str,
         log.warning("unexpected event on the resolved subject",
                     extra={"source": source, "type": decoded.envelope.type})
         return None
-    quiet = (raw.headers or {}).get(QUIET_SINCE_HEADER)
-    return ResolvedMark(ts=decoded.event.ts, stream_seq=int(raw.seq or 0),
-                        quiet_since=int(quiet) if quiet and quiet.isdigit() else None)
+    return ResolvedMark(ts=decoded.event.ts, stream_seq=int(raw.seq or 0))
+
+
+async def last_data_seq(js: JetStreamContext, source: str, rows_stream: str = ROWS_STREAM) -> int:
+    """The stream sequence of the source's newest data message (a table's rows or DDL, a
+    rejection), whoever published it; 0 when it has none. One request, however many tables."""
+    try:
+        raw = await js.get_last_msg(rows_stream, source_data_subjects(source))
+    except NotFoundError:
+        return 0
+    return int(raw.seq or 0)

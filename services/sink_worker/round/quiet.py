@@ -1,24 +1,26 @@
-"""Quiet spans: an idle span follows its source's resolved ts without asking NATS anything.
+"""Quiet spans: an idle span follows its source's resolved ts without asking its consumer.
 
 A round visits every span: it reads the span's stored checkpoint (to see an operator's
 rewind), asks its consumer how much is pending, plans and advances it. For a span with nothing
 to read that is two requests and a plan a round, about 0.15 % of a core a span at one round a
 second, which at thousands of tables is most of an idle worker (``bench_tables``).
 
-Capture says on each resolved mark since which earlier mark of its session it has published
-nothing but marks (``QUIET_SINCE_HEADER``). A span whose last full visit found it had read
-everything and applied everything while mark M was the newest (``QuietSpan``), and whose
-source's newest mark says "quiet since Q" with Q <= M, has nothing new to read: no message of
-its source was published after M. Such a span only moves its checkpoint's ts to the mark's
-(under the changefeed's syncpoint cap), as a full visit would, and is visited in full again
-every ``recheck_s`` (``SLUICE_SINK_QUIET_RECHECK_S``), which also stores its checkpoint and
-reads the stored one, so an operator's rewind is found then (a checkpoint store compares and
-sets, too).
+A span whose last full visit found it had read everything and applied everything while mark M
+was its source's newest (``QuietSpan``) has nothing new to read while the stream holds no data
+message of its source after M: the round asks the stream once per source for the sequence of
+the source's newest data message L (``pull.last_data_seq``, a get by the wildcard subject of
+every table's rows and DDL), after reading the marks. While L <= M the span only moves its
+checkpoint's ts to the newest mark's (under the changefeed's syncpoint cap), as a full visit
+would. The stream is asked, not capture: a message any publisher stored (a stale capture
+session, an operator's replay) has a sequence above M and ends the shortcut; one stored after
+the get has a sequence above the mark the span follows, so its ts is above that mark's if
+capture published it (a mark covers what was stored before it) and the span's next full visit
+reads it as new. The check is per source, so a write to any table of a source sends all its
+spans to a full visit that round.
 
-Off by default (``recheck_s`` 0): a message published on the span's subject by anything but
-this capture session is not covered by the header, and by the recheck the followed checkpoint
-ts has passed that message's ts, so the full visit drops it as applied. The worker must check
-the stream itself before this can be on by default.
+A quiet span is visited in full again every ``recheck_s`` (``SLUICE_SINK_QUIET_RECHECK_S``;
+0 turns the shortcut off), which also stores its checkpoint and reads the stored one, so an
+operator's rewind is found then (a checkpoint store compares and sets, too).
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ def quiet_after_visit(*, replicating: bool, fresh: int, head: bool, reached: boo
 
 
 def follow_quietly(quiet: QuietSpan | None, checkpoint: Checkpoint | None, mark: ResolvedMark | None,
-                   cap: int | None, now: float, recheck_s: float) -> Checkpoint | None:
+                   last_data: int | None, cap: int | None, now: float, recheck_s: float) -> Checkpoint | None:
     """The checkpoint a quiet span moves to without a visit, or None when it needs a full one:
-    not quiet, its checkpoint changed since (a reload, a rewind), its source published after
-    the span's mark, or its recheck is due."""
-    if (quiet is None or checkpoint is None or mark is None or mark.quiet_since is None
-            or recheck_s <= 0 or checkpoint != quiet.checkpoint or mark.quiet_since > quiet.mark_seq
+    not quiet, its checkpoint changed since (a reload, a rewind), the stream holds a data
+    message of its source after the span's mark (``last_data``, read after ``mark``; None when
+    the stream could not say), or its recheck is due."""
+    if (quiet is None or checkpoint is None or mark is None or last_data is None
+            or recheck_s <= 0 or checkpoint != quiet.checkpoint or last_data > quiet.mark_seq
             or now - quiet.visited_at >= recheck_s):
         return None
     ts = capped(max(mark.ts, checkpoint.ts), cap, checkpoint.ts)

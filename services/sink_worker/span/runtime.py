@@ -45,7 +45,7 @@ class PipelineOptions:
     apply_partitions: int = 4
     stop_grace_s: float = 4.0
     checkpoint_interval_s: float = 1.0
-    quiet_recheck_s: float = 0.0
+    quiet_recheck_s: float = 5.0
     """A quiet span is visited in full this often (``round.quiet``; 0: every round)."""
     stream_replicas: int = 1
     """Replicas and duplicate window of a stream the NATS sink creates."""
