@@ -164,8 +164,13 @@ class LocalSystem:
         return pids
 
     def wait_healthy(self, timeout: float = 90) -> None:
+        """Until every process is healthy, and the api ready too: a healthy api that is still
+        rebuilding its read models answers requests with 503."""
         for proc in self.processes.values():
-            proc.wait_healthy(timeout)
+            if proc.module == "services.api":
+                proc.wait_ready(timeout)
+            else:
+                proc.wait_healthy(timeout)
 
     def stop(self) -> None:
         # All at once: each process and server gets its own grace period, and a dozen of them
