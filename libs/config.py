@@ -72,6 +72,10 @@ class Settings(BaseSettings):
     lease_ttl_s: float = Field(3.0, gt=0.2, description="Leader lease TTL in seconds.")
     member_ttl_s: float = Field(3.0, gt=0.2, description="A sink-worker is gone after this silence.")
     heartbeat_interval_s: float = Field(0.2, gt=0, description="How often a sink-worker sends its heartbeat.")
+    heartbeat_complete_interval_s: float = Field(
+        1.0, ge=0, description="How often a sink-worker's heartbeat is its complete report; the ones between "
+                               "carry only the spans whose status changed since (0: every one complete)."
+    )
     member_fence_s: float = Field(
         1.0, gt=0, description="A sink-worker stops writing when no heartbeat was confirmed for this long."
     )

@@ -108,6 +108,12 @@ def source_data_subjects(source: str) -> str:
     return f"sluice.*.{token(source)}.>"
 
 
+HEARTBEAT_PARTIAL_HEADER = "Sluice-Partial-Report"
+"""Header of a heartbeat that is a partial report (``member.heartbeat`` v2 ``complete`` false),
+so the replication-manager can tell which waiting heartbeat a new one supersedes without
+decoding it (``LatestHeartbeats``)."""
+
+
 ROWS_SUBJECTS = ["sluice.rows.>", "sluice.ddl.>", "sluice.resolved.>"]
 
 

@@ -181,3 +181,13 @@ def test_latest_version_follows_registration_in_any_order() -> None:
     assert registry.decode_envelope(registry.envelope(V2(n=1), producer="p")).event == V2(n=1)
     assert REGISTRY.latest_version("member.joined") == max(
         v for t, v, _m in REGISTRY.contracts() if t == "member.joined")
+
+
+def test_member_heartbeat_v1_upcasts_as_a_complete_report() -> None:
+    from contracts.events.scheduling import MemberHeartbeatV2
+
+    decoded = REGISTRY.decode((FIXTURES / "member.heartbeat.v1.json").read_bytes())
+    assert isinstance(decoded.event, MemberHeartbeatV2) and decoded.event.complete
+    assert decoded.event.tables[0].span.table == "orders"
+    partial = REGISTRY.decode((FIXTURES / "member.heartbeat.v2.json").read_bytes()).event
+    assert isinstance(partial, MemberHeartbeatV2) and not partial.complete

@@ -17,7 +17,7 @@ from contracts.events.leadership import LeaderElectedV1
 from contracts.events.members import MemberJoinedV2, MemberLeftV1
 from contracts.events.scheduling import (
     AddTableV1,
-    MemberHeartbeatV1,
+    MemberHeartbeatV2,
     RebuiltV1,
     ScheduleRequestAnsweredV1,
     ScheduleRequestV1,
@@ -27,7 +27,7 @@ from contracts.events.scheduling import (
 from contracts.events.snapshots import SnapshotTakenV2
 from libs.config import Settings
 from libs.control.changefeeds_state import ChangefeedView
-from libs.control.convert import span_ref
+from libs.control.convert import span_ref, status_ref
 from libs.control.ddl_state import DdlState, ddl_fold
 from libs.control.members import MembersState, members_fold
 from libs.control.replication_state import ReplicationState, replication_fold
@@ -35,7 +35,7 @@ from libs.control.schedule_state import ScheduleState, schedule_fold
 from libs.eventstore import Fenced, LeaseLost, MemoryDomainLog, MemoryStream
 from libs.leader_service import Entry, Inbox
 from libs.routing import TableRef, Target
-from libs.scheduling import ChangefeedId, Span
+from libs.scheduling import ChangefeedId, Span, TableState, TableStatus
 from libs.shard_ddl.lock import LockKeeper, LockKey
 from services.ddl_lock.service import CommandError, DdlLockHandlers, decode_command
 from services.member.service import MemberHandlers
@@ -186,7 +186,7 @@ async def test_replication_handlers_rebuild_and_follow_members() -> None:
                             send=sent.append, publish_status=lambda _s: None)
     await h.start()
     assert not h.core.ready and h.core.manager.awaiting == {"w1"}
-    await h.handle(Entry(MemberHeartbeatV1(member_id="w1", incarnation="inc-w1", epoch=EPOCH, seq=1)))
+    await h.handle(Entry(MemberHeartbeatV2(member_id="w1", incarnation="inc-w1", epoch=EPOCH, seq=1)))
     assert h.core.ready
     assert any(isinstance(e, RebuiltV1) for e in log.events())
     await h.handle(Entry(MemberJoinedV2(member_id="w2", incarnation="inc-w2")))
@@ -208,7 +208,7 @@ async def test_member_handlers_join_and_expire() -> None:
     probed: list[tuple[str, str]] = []
     h = MemberHandlers(Lease(), log, Settings(member_ttl_s=5.0), probe=lambda m, i: probed.append((m, i)),
                        reconnects=lambda: 0, publish_status=status.update)
-    await h.handle(Entry(MemberHeartbeatV1(member_id="w1", incarnation="a", seq=1)))
+    await h.handle(Entry(MemberHeartbeatV2(member_id="w1", incarnation="a", seq=1)))
     await h.tick()
     assert sorted(log.state.members) == ["w1"] and status["w1"]["incarnation"] == "a"
     h.tracker.last_seen["w1"] -= 60  # silent for longer than the TTL
@@ -344,7 +344,7 @@ async def test_only_the_newest_waiting_heartbeat_of_a_member_is_handled() -> Non
     queued: list[HeartbeatWaiting] = []
 
     def arrive(member: str, seq: int) -> None:
-        raw = REGISTRY.encode(MemberHeartbeatV1(member_id=member, incarnation=f"inc-{member}", epoch=EPOCH,
+        raw = REGISTRY.encode(MemberHeartbeatV2(member_id=member, incarnation=f"inc-{member}", epoch=EPOCH,
                                                 seq=seq), producer=f"sink-worker/{member}")
         if h.heartbeats.offer(f"sluice.hb.{member}", raw):
             queued.append(HeartbeatWaiting(f"sluice.hb.{member}"))
@@ -362,3 +362,39 @@ async def test_only_the_newest_waiting_heartbeat_of_a_member_is_handled() -> Non
     assert len(queued) == 3
     h.heartbeats.offer("sluice.hb.w9", b"garbage")
     await h.handle(Entry(HeartbeatWaiting("sluice.hb.w9")))  # ignored here (the member service dead-letters)
+
+
+async def test_a_partial_heartbeat_never_replaces_a_waiting_complete_one_nor_ends_a_rebuild() -> None:
+    log = await _opened("replication", replication_fold, ReplicationState(),
+                        restore=ReplicationState.restore, dump=ReplicationState.dump)
+    h = ReplicationHandlers(Lease(), log, Settings(), _members("w1"), ScheduleState(), started=0.0,
+                            send=lambda _d: None, publish_status=lambda _s: None)
+    await h.start()
+    subject = "sluice.hb.w1"
+
+    def raw(seq: int, complete: bool, *spans: Span) -> bytes:
+        tables = [status_ref(TableStatus(s, TableState.REPLICATING, 100 + seq, 100 + seq)) for s in spans]
+        return REGISTRY.encode(MemberHeartbeatV2(member_id="w1", incarnation="inc-w1", epoch=EPOCH, seq=seq,
+                                                 complete=complete, tables=tables), producer="sink-worker/w1")
+
+    # Only partial reports: the new leader keeps waiting for the member's complete one.
+    assert h.heartbeats.offer(subject, raw(1, False, SPANS[0]), partial=True)
+    await h.handle(Entry(HeartbeatWaiting(subject)))
+    assert not h.core.ready and h.core.manager.awaiting == {"w1"}
+    # A complete report, then partial ones while it waits: the complete one is handled first,
+    # then the newest partial one (cumulative since the complete one); the older partial is gone.
+    assert h.heartbeats.offer(subject, raw(2, True, SPANS[0], SPANS[1]))
+    assert not h.heartbeats.offer(subject, raw(3, False, SPANS[1]), partial=True)
+    assert not h.heartbeats.offer(subject, raw(4, False, SPANS[0], SPANS[1]), partial=True)
+    await h.handle(Entry(HeartbeatWaiting(subject)))
+    assert h.core.ready and len(h.heartbeats) == 0
+    assert h.core.manager._last_seq["w1"] == 4
+    assert {s: rs.checkpoint_ts for s, rs in h.core.manager.sets.items()} == {SPANS[0]: 104, SPANS[1]: 104}
+    # A partial report leaves the spans it does not name as they were; a complete one that
+    # leaves a span out says the member no longer holds it.
+    assert h.heartbeats.offer(subject, raw(5, False, SPANS[1]), partial=True)
+    await h.handle(Entry(HeartbeatWaiting(subject)))
+    assert set(h.core.manager.index.holders["w1"]) == {SPANS[0], SPANS[1]}
+    assert h.heartbeats.offer(subject, raw(6, True, SPANS[1]))
+    await h.handle(Entry(HeartbeatWaiting(subject)))
+    assert set(h.core.manager.index.holders.get("w1", ())) == {SPANS[1]}

@@ -197,8 +197,8 @@ USES: dict[str, list[Use]] = {
 PACKAGES = {CAPTURE: "capture", SINK_WORKER: "sink_worker", API: "api", MEMBER: "member",
             SCHEDULER: "scheduler", REPLICATION_MANAGER: "replication_manager", DDL_LOCK: "ddl_lock"}
 
-# Names that spell no subject of the Sluice NATS (a token of one).
-NOT_SUBJECTS = {"token"}
+# Names that spell no subject of the Sluice NATS (a token of one; a header of heartbeats).
+NOT_SUBJECTS = {"token", "HEARTBEAT_PARTIAL_HEADER"}
 
 
 def _refused(perms: Permissions, use: Use) -> list[str]:

@@ -3,8 +3,9 @@
 Who writes what (TiCDC scheduler v3 over NATS):
 
 - ``member.heartbeat`` (core NATS, ``heartbeat_subject(member)``): a sink-worker's table
-  report, every second. The member service turns it into liveness events; the
-  replication-manager reads it as the member's complete report (TiCDC HeartbeatResponse).
+  report, several times a second. The member service turns it into liveness events; the
+  replication-manager reads it as the member's report (TiCDC HeartbeatResponse): complete about
+  once a second, and in between only the spans whose status changed since the last complete one.
 - ``replication.announce`` (core NATS, ``announce_subject("replication")``): the
   replication-manager leader's epoch, so members learn about a new leader and report to it
   (TiCDC Announce). Members reject dispatches of older epochs from then on.
@@ -23,11 +24,11 @@ its stream so the next leader carries them on.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.registry import register
+from contracts.registry import register, upcaster
 
 TableStateName = Literal["absent", "preparing", "prepared", "replicating", "stopping", "stopped"]
 SetStateName = Literal["absent", "prepare", "commit", "replicating", "removing"]
@@ -60,7 +61,7 @@ class TableStatusV1(BaseModel):
 
 @register("member.heartbeat", 1)
 class MemberHeartbeatV1(BaseModel):
-    """A sink-worker's liveness and its complete table report."""
+    """First version: every heartbeat was the member's complete report."""
 
     model_config = ConfigDict(extra="forbid", defer_build=True)
     member_id: str = Field(min_length=1)
@@ -73,6 +74,33 @@ class MemberHeartbeatV1(BaseModel):
                                        "dispatch answers), across restarts under the same id.")
     tables: list[TableStatusV1] = Field(default_factory=list,
                                         description="Every span the member holds.")
+
+
+@register("member.heartbeat", 2)
+class MemberHeartbeatV2(BaseModel):
+    """A sink-worker's liveness and its table report: complete (every span it holds) or, between
+    complete ones, partial (``HEARTBEAT_PARTIAL_HEADER``; ``libs.scheduling.report_delta``)."""
+
+    model_config = ConfigDict(extra="forbid", defer_build=True)
+    member_id: str = Field(min_length=1)
+    incarnation: str = Field(min_length=1, description="Fresh per process start.")
+    address: str = Field("", description="Where the member serves health and metrics.")
+    draining: bool = Field(False, description="The member is shutting down: move its spans away.")
+    leaving: bool = Field(False, description="Last heartbeat of a clean exit: the member is gone now.")
+    epoch: int = Field(0, ge=0, description="Newest replication-manager epoch the member has seen.")
+    seq: int = Field(ge=0, description="Increases with every report of this member (heartbeats and "
+                                       "dispatch answers), across restarts under the same id.")
+    complete: bool = Field(True, description="True: ``tables`` is every span the member holds (one it "
+                                             "leaves out is absent there). False: only the spans whose "
+                                             "status changed since the member's last complete report; "
+                                             "the others are as that report said.")
+    tables: list[TableStatusV1] = Field(default_factory=list,
+                                        description="The spans the report covers (see ``complete``).")
+
+
+@upcaster("member.heartbeat", 1)
+def _member_heartbeat_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "complete": True}  # every v1 heartbeat was a complete report
 
 
 @register("replication.announce", 1)

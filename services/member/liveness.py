@@ -16,14 +16,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from contracts import REGISTRY
-from contracts.events.scheduling import MemberHeartbeatV1
+from contracts.events.scheduling import MemberHeartbeatV2
 
-_TYPE, _VERSION = REGISTRY.key_of(MemberHeartbeatV1)
+_TYPE, _VERSION = REGISTRY.key_of(MemberHeartbeatV2)
 
 # The heartbeat's fields but ``tables``, with their definitions (types, bounds, defaults).
 _Fields: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "HeartbeatLivenessFields", __config__=ConfigDict(extra="ignore"),
-    **{name: (info.annotation, info) for name, info in MemberHeartbeatV1.model_fields.items()
+    **{name: (info.annotation, info) for name, info in MemberHeartbeatV2.model_fields.items()
        if name != "tables"},
 )
 
@@ -36,7 +36,7 @@ class _Envelope(BaseModel):
     data: _Fields
 
 
-def decode_liveness(data: bytes) -> MemberHeartbeatV1:
+def decode_liveness(data: bytes) -> MemberHeartbeatV2:
     """The heartbeat in ``data`` with its fields validated and ``tables`` left empty.
 
     Raises ``ContractError`` (from the registry) for anything that is not a valid heartbeat of
@@ -49,4 +49,4 @@ def decode_liveness(data: bytes) -> MemberHeartbeatV1:
         event: Any = REGISTRY.decode(data).event
         return event
     fields = env.data.model_dump()
-    return MemberHeartbeatV1.model_construct(**fields, tables=[])
+    return MemberHeartbeatV2.model_construct(**fields, tables=[])

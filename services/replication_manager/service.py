@@ -44,7 +44,7 @@ from contracts.events.members import MemberJoinedV2, MemberLeftV1
 from contracts.events.scheduling import (
     AddTableV1,
     DispatchResponseV1,
-    MemberHeartbeatV1,
+    MemberHeartbeatV2,
     MoveTableV1,
     RemoveTableV1,
     ReplicationAnnounceV1,
@@ -62,7 +62,7 @@ from libs.eventstore import DomainLog, Fenced, LeaderLog, LeaseView, StoredEvent
 from libs.leader_service import Entry, LeaderLoop
 from libs.scheduling import Dispatch, SetState
 from libs.service import ServiceRuntime
-from libs.streams import HEARTBEAT_SUBJECTS, announce_subject, dispatch_subject
+from libs.streams import HEARTBEAT_PARTIAL_HEADER, HEARTBEAT_SUBJECTS, announce_subject, dispatch_subject
 from libs.telemetry.tracing import extract_context, publish_span, tracer
 from libs.ts import lag_seconds, ts_seconds
 from services.replication_manager.core import Output, ReplicationCore
@@ -132,7 +132,8 @@ class ReplicationService:
             async def on_heartbeat(msg: Msg) -> None:
                 # Decoded when its turn comes, and only the newest of each member: see
                 # ``LatestHeartbeats``.
-                if handlers.heartbeats.offer(msg.subject, msg.data):
+                partial = bool(msg.headers and msg.headers.get(HEARTBEAT_PARTIAL_HEADER))
+                if handlers.heartbeats.offer(msg.subject, msg.data, partial):
                     loop.inbox.put(HeartbeatWaiting(msg.subject))
 
             loop.spawn(self._announce(leadership), name="rm-announce")
@@ -158,42 +159,60 @@ class HeartbeatWaiting:
 
 
 class LatestHeartbeats:
-    """The newest heartbeat of each member not handled yet, as it arrived (bytes).
+    """The newest heartbeats of each member not handled yet, as they arrived (bytes).
 
-    A heartbeat is its member's complete report, so a newer one from the same member makes an
-    older one waiting in the inbox worthless: only the newest is decoded and handled, at the
-    place of the first one in the inbox. Heartbeats travel on core NATS (at most once), so the
-    replication-manager never relied on seeing every one; what changes is that a leader with a
-    backlog (thousands of spans, five heartbeats a second per member, a busy machine) works
-    through one report per member instead of all of them, and its loop gets back to its lease."""
+    A complete heartbeat is its member's whole report, and a partial one is cumulative since
+    the member's last complete one (``libs.scheduling.report_delta``), so a newer complete one
+    makes everything of the member waiting in the inbox worthless, and a newer partial one an
+    older partial one: at most one of each waits per member, decoded and handled (complete
+    first) at the place of the first one in the inbox. A partial one never replaces a waiting
+    complete one: a rebuild takes only complete reports, and the complete one says which spans
+    the member no longer holds. Which one a heartbeat is, its header says
+    (``HEARTBEAT_PARTIAL_HEADER``), so nothing is decoded to decide. Heartbeats travel on core
+    NATS (at most once), so the replication-manager never relied on seeing every one; what
+    this changes is that a leader with a backlog (thousands of spans, five heartbeats a second
+    per member, a busy machine) works through at most two reports per member instead of all of
+    them, and its loop gets back to its lease."""
 
     def __init__(self) -> None:
-        self._waiting: dict[str, bytes] = {}
+        self._waiting: dict[str, tuple[bytes | None, bytes | None]] = {}
 
-    def offer(self, subject: str, data: bytes) -> bool:
-        """Keep ``data`` as the newest of ``subject``; True when nothing of it was waiting (the
-        caller then queues one ``HeartbeatWaiting``)."""
-        fresh = subject not in self._waiting
-        if not fresh:
-            HEARTBEATS_SUPERSEDED.inc()
-        self._waiting[subject] = data
-        return fresh
+    def offer(self, subject: str, data: bytes, partial: bool = False) -> bool:
+        """Keep ``data`` as the newest complete or partial heartbeat of ``subject``; True when
+        nothing of it was waiting (the caller then queues one ``HeartbeatWaiting``)."""
+        waiting = self._waiting.get(subject)
+        if waiting is None:
+            self._waiting[subject] = (None, data) if partial else (data, None)
+            return True
+        complete, older = waiting
+        if partial:
+            if older is not None:
+                HEARTBEATS_SUPERSEDED.inc()
+            self._waiting[subject] = (complete, data)
+        else:
+            HEARTBEATS_SUPERSEDED.inc((complete is not None) + (older is not None))
+            self._waiting[subject] = (data, None)
+        return False
 
-    def take(self, subject: str) -> MemberHeartbeatV1 | None:
-        data = self._waiting.pop(subject, None)
-        if data is None:
-            return None
-        try:
-            event = REGISTRY.decode(data).event
-        except ContractError:
-            return None  # the member service dead-letters bad heartbeats; one place is enough
-        return event if isinstance(event, MemberHeartbeatV1) else None
+    def take(self, subject: str) -> list[MemberHeartbeatV2]:
+        """What waits of ``subject``, decoded, complete first; the undecodable left out."""
+        out = []
+        for data in self._waiting.pop(subject, (None, None)):
+            if data is None:
+                continue
+            try:
+                event = REGISTRY.decode(data).event
+            except ContractError:
+                continue  # the member service dead-letters bad heartbeats; one place is enough
+            if isinstance(event, MemberHeartbeatV2):
+                out.append(event)
+        return out
 
     def __len__(self) -> int:
         return len(self._waiting)
 
 
-Input = (MemberHeartbeatV1 | HeartbeatWaiting | DispatchResponseV1 | MemberJoinedV2 | MemberLeftV1
+Input = (MemberHeartbeatV2 | HeartbeatWaiting | DispatchResponseV1 | MemberJoinedV2 | MemberLeftV1
          | SpansChangedV1 | AddTableV1 | MoveTableV1 | RemoveTableV1)
 """What the manager's loop takes, one at a time and in order: heartbeats (core NATS; the newest
 of each member, ``LatestHeartbeats``), dispatch answers, member joined/left (members stream),
@@ -284,9 +303,11 @@ class ReplicationHandlers:
     def _handle(self, item: Input, now: float) -> Output:
         core = self.core
         if isinstance(item, HeartbeatWaiting):
-            heartbeat = self.heartbeats.take(item.subject)
-            return core.on_heartbeat(heartbeat, now) if heartbeat is not None else Output()
-        if isinstance(item, MemberHeartbeatV1):
+            out = Output()
+            for heartbeat in self.heartbeats.take(item.subject):
+                out.extend(core.on_heartbeat(heartbeat, now))
+            return out
+        if isinstance(item, MemberHeartbeatV2):
             return core.on_heartbeat(item, now)
         if isinstance(item, DispatchResponseV1):
             return core.on_answer(item, now)

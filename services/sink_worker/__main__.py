@@ -56,7 +56,8 @@ async def run(runtime: ServiceRuntime) -> None:
                           address=f"http://{settings.http_host}:{runtime.port}",
                           heartbeat_interval_s=settings.heartbeat_interval_s,
                           writer_log=settings.sink_writer_log, producer=runtime.producer,
-                          fence_s=settings.member_fence_s)
+                          fence_s=settings.member_fence_s,
+                          heartbeat_complete_s=settings.heartbeat_complete_interval_s)
         runtime.add_ready_check("heartbeats", lambda: agent is not None and agent.heartbeats_sent > 0)
     shard_ddl = ShardDdl(runtime.nc, producer=runtime.producer,
                          info_resend_s=settings.shard_ddl_info_resend_s,

@@ -55,7 +55,7 @@ from contracts import REGISTRY, ContractError
 from contracts.events.scheduling import (
     DispatchRequestV1,
     DispatchResponseV1,
-    MemberHeartbeatV1,
+    MemberHeartbeatV2,
     ReplicationAnnounceV1,
     TableStatusV1,
 )
@@ -64,7 +64,9 @@ from libs.control.convert import dispatch_of, status_ref
 from libs.nats_client import flush_within
 from libs.scheduling import AgentOutcome, AgentVerdict, MemberAgentState, TableState, TableStatus
 from libs.scheduling.model import Span
+from libs.scheduling.report_delta import ReportDelta
 from libs.streams import (
+    HEARTBEAT_PARTIAL_HEADER,
     LEADER_BUCKET,
     announce_subject,
     dispatch_subject,
@@ -145,7 +147,7 @@ class WriterLog:
 class SinkAgent:
     def __init__(self, nc: Client, *, member_id: str, address: str, heartbeat_interval_s: float,
                  wake: asyncio.Event | None = None, writer_log: str | None = None,
-                 producer: str = "", fence_s: float | None = None) -> None:
+                 producer: str = "", fence_s: float | None = None, heartbeat_complete_s: float = 1.0) -> None:
         self.nc = nc
         self.member_id = member_id
         self.incarnation = uuid4().hex
@@ -161,6 +163,9 @@ class SinkAgent:
         self.leaving = False
         self.writer_log = WriterLog(writer_log, member_id, self.incarnation)
         self._beat_now = asyncio.Event()
+        self.delta = ReportDelta(heartbeat_complete_s)
+        self.table_counts: dict[str, int] = {}
+        """Spans held by state, as of the last heartbeat (its report may be partial)."""
         self._refs: dict[Span, tuple[tuple[object, ...], TableStatusV1]] = {}
         """Each span's last heartbeat entry and the status it was made of (``_status_refs``)."""
         self._subs: list[Subscription] = []
@@ -233,16 +238,27 @@ class SinkAgent:
 
     # ------------------------------------------------------------------ heartbeats
 
-    def heartbeat(self) -> MemberHeartbeatV1:
+    def heartbeat(self, now: float | None = None) -> MemberHeartbeatV2:
+        """The next heartbeat: the complete report, or what changed since the last complete one
+        (``libs.scheduling.report_delta``); a draining or leaving member always sends it whole."""
         report = self.state.collect_report()
-        return MemberHeartbeatV1(member_id=self.member_id, incarnation=self.incarnation, address=self.address,
+        counts: dict[str, int] = {}
+        for t in report.tables:
+            counts[t.state.value] = counts.get(t.state.value, 0) + 1
+        self.table_counts = counts
+        complete, tables = self.delta.cut(report.tables, report.epoch,
+                                          time.monotonic() if now is None else now,
+                                          force=self.draining or self.leaving)
+        return MemberHeartbeatV2(member_id=self.member_id, incarnation=self.incarnation, address=self.address,
                                  draining=self.draining, leaving=self.leaving, epoch=report.epoch,
-                                 seq=report.seq or 0, tables=self._status_refs(report.tables))
+                                 seq=report.seq or 0, complete=complete,
+                                 tables=self._status_refs(tables, every_span=complete))
 
-    def _status_refs(self, tables: Iterable[TableStatus]) -> list[TableStatusV1]:
+    def _status_refs(self, tables: Iterable[TableStatus], every_span: bool = True) -> list[TableStatusV1]:
         """Each span's heartbeat entry, kept from the last heartbeat while its status is the
-        same: five heartbeats a second of every span, most of them unchanged since the last."""
-        fresh: dict[Span, tuple[tuple[object, ...], TableStatusV1]] = {}
+        same: five heartbeats a second of every span, most of them unchanged since the last.
+        ``every_span``: ``tables`` are all the spans held, and the kept entries of the others go."""
+        fresh: dict[Span, tuple[tuple[object, ...], TableStatusV1]] = {} if every_span else self._refs
         out: list[TableStatusV1] = []
         for t in tables:
             key = (t.state, t.checkpoint_ts, t.resolved_ts)
@@ -257,7 +273,8 @@ class SinkAgent:
     async def _send_heartbeat(self) -> None:
         hb = self.heartbeat()
         sent_at = time.monotonic()
-        await self.nc.publish(heartbeat_subject(self.member_id), REGISTRY.encode(hb, producer=self.producer))
+        await self.nc.publish(heartbeat_subject(self.member_id), REGISTRY.encode(hb, producer=self.producer),
+                              headers=None if hb.complete else {HEARTBEAT_PARTIAL_HEADER: "1"})
         if self.fence is not None:
             # Confirmed once the server answered the flush's PING: it has the heartbeat. Only on
             # the connection this incarnation started with (see services/sink_worker/fence.py).
@@ -267,11 +284,8 @@ class SinkAgent:
             self.fence.confirm(sent_at)
         self.heartbeats_sent += 1
         self.publish_status()
-        counts: dict[str, int] = {s.value: 0 for s in TableState}
-        for t in hb.tables:
-            counts[t.state] += 1
-        for state, n in counts.items():
-            AGENT_TABLES.labels(state).set(n)
+        for state in TableState:
+            AGENT_TABLES.labels(state.value).set(self.table_counts.get(state.value, 0))
 
     async def _heartbeats(self) -> None:
         while True:

@@ -1,0 +1,55 @@
+"""Which heartbeat a member sends: its complete report, or only what changed since the last one.
+
+A heartbeat listed every span the member holds, five times a second: at a few hundred idle
+spans that was half of an idle sink-worker's CPU to build and encode and all of an idle
+replication-manager leader's to decode and handle (BENCHMARKS.md, "Quiet spans"), while a span's
+status changes about once a round (a second when idle). So a member sends its complete report
+about once a ``complete_every_s`` and, in between, a partial one: the spans whose status differs
+from the last complete report, and every span an earlier partial one named since. Partial
+reports are cumulative since that complete one, so the newest supersedes the older ones, and a
+complete one supersedes everything before it (the replication-manager keeps one of each per
+member waiting, ``LatestHeartbeats``).
+
+A complete report is due, besides the interval, on the first heartbeat, when the epoch the
+member has seen changed (a new leader rebuilds from complete reports only), when a span of the
+last complete report, or one a partial report named since, is gone (a stopped span is reported
+once and then forgotten; a partial report cannot say "absent"), and when the caller forces one
+(draining, leaving). A lost partial or complete heartbeat (core NATS) delays what it said by at
+most the interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from libs.scheduling.model import Span, TableState, TableStatus
+
+_Key = tuple[TableState, int, int]
+
+
+@dataclass
+class ReportDelta:
+    complete_every_s: float = 1.0
+    _base: dict[Span, _Key] | None = field(default=None, init=False)
+    _base_epoch: int = field(default=-1, init=False)
+    _base_at: float = field(default=0.0, init=False)
+    _named: set[Span] = field(default_factory=set, init=False)
+    """Spans a partial report named since the last complete one: named in every later partial
+    one too, so the newest partial one overrides whatever an older one said (a status that
+    changed and changed back)."""
+
+    def cut(self, tables: Sequence[TableStatus], epoch: int, now: float,
+            force: bool = False) -> tuple[bool, list[TableStatus]]:
+        """``(complete, the statuses to send)`` for a heartbeat of ``tables`` (every span held)."""
+        current = {t.span: (t.state, t.checkpoint_ts, t.resolved_ts) for t in tables}
+        base = self._base
+        if (force or base is None or epoch != self._base_epoch or self.complete_every_s <= 0
+                or now - self._base_at >= self.complete_every_s
+                or any(s not in current for s in base) or any(s not in current for s in self._named)):
+            self._base, self._base_epoch, self._base_at = current, epoch, now
+            self._named = set()
+            return True, list(tables)
+        changed = [t for t in tables if t.span in self._named or base.get(t.span) != current[t.span]]
+        self._named.update(t.span for t in changed)
+        return False, changed
