@@ -33,18 +33,18 @@ EXCLUSIVE_MODULES = frozenset({
     # the neighbour, and its busy processes would be in the neighbours' timing bounds.
     "tests/test_capture_lease_under_load.py",
 })
-# The shared modules that take longest on two cores with three workers, longest first (measured
-# with `--durations`); the rest follow in collection order. A module missing here is only
+# The shared modules that take longest on two cores, longest first (measured with
+# `--durations`); the rest follow in collection order. A module missing here is only
 # scheduled later, never skipped.
 LONGEST_FIRST = (
-    "tests/test_e2e_large_rows.py", "tests/test_chaos.py", "tests/test_spark_cluster.py",
-    "tests/test_ddl_matrix.py", "tests/test_nats_cluster.py", "tests/test_shard_ddl_process.py",
-    "tests/test_initial_load.py", "tests/test_e2e_replication.py", "tests/test_large_txn_process.py",
-    "tests/test_syncpoints_process.py", "tests/test_table_rules_process.py", "tests/test_xa_process.py",
-    "tests/test_api.py", "tests/test_type_matrix.py", "tests/test_observability.py",
-    "tests/test_fk_cascades_process.py", "tests/test_nats_auth.py", "tests/test_unreplicable_tables.py",
-    "tests/test_source_failover.py", "tests/test_capture_faults.py",
+    "tests/test_e2e_large_rows.py", "tests/test_chaos.py", "tests/test_ddl_matrix.py",
+    "tests/test_large_txn_process.py", "tests/test_initial_load.py", "tests/test_nats_cluster.py",
+    "tests/test_shard_ddl_process.py", "tests/test_spark_cluster.py", "tests/test_source_failover.py",
+    "tests/test_e2e_replication.py", "tests/test_observability.py", "tests/test_table_rules_process.py",
+    "tests/test_type_matrix.py", "tests/test_capture_faults.py", "tests/test_fk_cascades_process.py",
     "tests/test_schema_at_position_process.py",
+    "tests/test_xa_process.py", "tests/test_unreplicable_tables.py",
+    "tests/test_syncpoints_process.py",
 )
 _EXCLUSIVE = "exclusive:"
 
