@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     # Scheduling (scheduler and replication-manager)
     scheduler_interval_s: float = Field(1.0, gt=0, description="Scheduler round period ; also on changes.")
     scheduler_balance_interval_s: float = Field(60.0, gt=0, description="Automatic balance period.")
+    scheduler_operator_pin_s: float = Field(
+        600.0, ge=0, description="The automatic balance leaves a table an operator moved there this long."
+    )
     scheduler_max_task_concurrency: int = Field(10, ge=1, description="Moves in flight at most.")
     scheduler_add_batch_size: int = Field(50, ge=1, description="Spans added per scheduler round at most.")
     scheduler_max_adds_per_member: int = Field(

@@ -246,6 +246,29 @@ def test_operator_move_runs_next_round_or_fails_with_a_reason() -> None:
     assert coordinator.schedule(view) == []
 
 
+def test_the_automatic_balance_leaves_an_operators_move_where_it_is_for_a_while() -> None:
+    # Four members with two spans each; an operator moves span 0 from a to b, so b holds three.
+    placement = {span(i): "abcd"[i // 2] for i in range(8)}
+    coordinator = Coordinator(rng=random.Random(1), balance_interval_s=1.0, operator_pin_s=100.0)
+    coordinator.request_move(view_of(placement, ("a", "b", "c", "d")), span(0), "b")
+    assert coordinator.schedule(view_of(placement, ("a", "b", "c", "d")), now=0.0) == [
+        MoveTable(span(0), "b", "operator")]
+    moved = {**placement, span(0): "b"}
+    for seed in range(20):  # whichever victims the rng draws, never the pinned span
+        coordinator.rng = random.Random(seed)
+        coordinator.balance._last = -math.inf
+        tasks = coordinator.schedule(view_of(moved, ("a", "b", "c", "d")), now=50.0)
+        assert [(t.dest, t.reason) for t in tasks if isinstance(t, MoveTable)] == [("a", "balance")]
+        assert all(t.span in (span(2), span(3)) for t in tasks)
+    # Past the pin it is a span like any other again.
+    drawn = set()
+    for seed in range(20):
+        coordinator.rng = random.Random(seed)
+        coordinator.balance._last = -math.inf
+        drawn.update(t.span for t in coordinator.schedule(view_of(moved, ("a", "b", "c", "d")), now=150.0))
+    assert span(0) in drawn
+
+
 # -- balance, rebalance, caps ---------------------------------------------------------------------
 
 def test_balance_moves_random_victims_to_least_loaded_within_the_cap() -> None:

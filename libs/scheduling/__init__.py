@@ -32,6 +32,7 @@ from libs.scheduling.model import (
 from libs.scheduling.replication_set import ReplicationSet, Role, SetIndex, SetLike, SetState
 from libs.scheduling.schedulers import (
     DEFAULT_MAX_ADDS_PER_MEMBER,
+    DEFAULT_OPERATOR_PIN_S,
     BalanceScheduler,
     BasicScheduler,
     Coordinator,
@@ -46,6 +47,7 @@ from libs.scheduling.tasks import AddTable, Dispatch, DispatchAction, MoveTable,
 
 __all__ = [
     "DEFAULT_MAX_ADDS_PER_MEMBER",
+    "DEFAULT_OPERATOR_PIN_S",
     "AddTable",
     "AgentOutcome",
     "AgentTable",

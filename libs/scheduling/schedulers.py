@@ -33,6 +33,8 @@ DEFAULT_ADD_BATCH_SIZE = 50
 DEFAULT_MAX_ADDS_PER_MEMBER = 100
 DEFAULT_MAX_TASK_CONCURRENCY = 10
 DEFAULT_BALANCE_INTERVAL_S = 60.0
+DEFAULT_OPERATOR_PIN_S = 600.0
+"""How long the automatic balance leaves a span an operator moved where the operator put it."""
 
 
 class WantedSpans(Mapping[Span, int]):
@@ -126,6 +128,8 @@ class ScheduleContext:
     rng: random.Random
     now: float = 0.0
     rejected: list[tuple[ScheduleTask, str]] = field(default_factory=list)
+    pinned: Collection[Span] = ()
+    """Spans an operator moved lately: the automatic balance does not pick them."""
 
 
 def _least_loaded(loads: Mapping[MemberId, int], rng: random.Random, capacity: int | None = None,
@@ -365,9 +369,20 @@ def validate_move(view: SchedulingView, span: Span, dest: MemberId) -> str | Non
 class OperatorMoveScheduler:
     """Operator-requested moves: validated when asked, re-validated when carried out."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin_s: float = DEFAULT_OPERATOR_PIN_S) -> None:
         self.pending: dict[Span, MoveTable] = {}
         self.failed: list[tuple[MoveTable, str]] = []
+        self.pin_s = pin_s
+        self.moved_at: dict[Span, float] = {}
+        """When each span's operator move was handed out (``pinned``)."""
+
+    def pinned(self, now: float) -> set[Span]:
+        """Spans an operator moved less than ``pin_s`` ago: an operator who moves a table means
+        it to stay, so the automatic balance evens the load with the other spans (it moved one
+        straight back within a second in the control-plane test)."""
+        for span in [s for s, at in self.moved_at.items() if now - at >= self.pin_s]:
+            del self.moved_at[span]
+        return set(self.moved_at)
 
     def request(self, view: SchedulingView, span: Span, dest: MemberId) -> MoveTable:
         reason = validate_move(view, span, dest)
@@ -391,6 +406,7 @@ class OperatorMoveScheduler:
                 ctx.rejected.append((task, reason))
                 continue
             tasks.append(task)
+            self.moved_at[span] = ctx.now
             ctx.taken.add(span)
             ctx.budget -= 1
         return tasks
@@ -419,7 +435,7 @@ def plan_balance_moves(
         if excess <= 0:
             continue
         candidates = [s for s in view.index.assigned.get(member, {})
-                      if _movable(view, s, member, ctx.taken)]
+                      if s not in ctx.pinned and _movable(view, s, member, ctx.taken)]
         victims.extend((member, s) for s in ctx.rng.sample(candidates, min(excess, len(candidates))))
     ctx.rng.shuffle(victims)
     moves: list[MoveTable] = []
@@ -496,12 +512,13 @@ class Coordinator:
         balance_enabled: bool = True,
         rng: random.Random | None = None,
         max_adds_per_member: int = DEFAULT_MAX_ADDS_PER_MEMBER,
+        operator_pin_s: float = DEFAULT_OPERATOR_PIN_S,
     ) -> None:
         self.max_task_concurrency = max_task_concurrency
         self.rng = rng if rng is not None else random.Random()
         self.basic = BasicScheduler(add_batch_size, max_adds_per_member)
         self.drain = DrainScheduler()
-        self.operator = OperatorMoveScheduler()
+        self.operator = OperatorMoveScheduler(operator_pin_s)
         self.rebalance = RebalanceScheduler()
         self.balance = BalanceScheduler(balance_interval_s, balance_enabled)
         self.last_rejected: list[tuple[ScheduleTask, str]] = []
@@ -524,6 +541,8 @@ class Coordinator:
         for scheduler in (self.drain, self.operator, self.rebalance, self.balance):
             if ctx.budget <= 0:
                 break
+            if scheduler is self.balance:
+                ctx.pinned = self.operator.pinned(now)
             tasks.extend(scheduler.schedule(view, ctx))
         self.last_rejected = ctx.rejected
         return tasks

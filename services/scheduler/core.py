@@ -47,6 +47,7 @@ from libs.control.replication_state import ReplicationState
 from libs.control.schedule_state import ScheduleState
 from libs.scheduling import (
     DEFAULT_MAX_ADDS_PER_MEMBER,
+    DEFAULT_OPERATOR_PIN_S,
     AddTable,
     ChangefeedId,
     Coordinator,
@@ -74,12 +75,14 @@ class SchedulerCore:
     def __init__(self, state: ScheduleState, *, add_batch_size: int = 50, max_task_concurrency: int = 10,
                  balance_interval_s: float = 60.0, task_timeout_s: float = 30.0,
                  rng: random.Random | None = None,
-                 max_adds_per_member: int = DEFAULT_MAX_ADDS_PER_MEMBER) -> None:
+                 max_adds_per_member: int = DEFAULT_MAX_ADDS_PER_MEMBER,
+                 operator_pin_s: float = DEFAULT_OPERATOR_PIN_S) -> None:
         self.state = state
         self.coordinator = Coordinator(add_batch_size=add_batch_size,
                                        max_task_concurrency=max_task_concurrency,
                                        balance_interval_s=balance_interval_s, rng=rng,
-                                       max_adds_per_member=max_adds_per_member)
+                                       max_adds_per_member=max_adds_per_member,
+                                       operator_pin_s=operator_pin_s)
         self.task_timeout_s = task_timeout_s
         self.pending: dict[Span, Pending] = {}
         self._by_id: dict[str, Span] = {}

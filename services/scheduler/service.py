@@ -164,6 +164,7 @@ class SchedulerHandlers:
                                   max_task_concurrency=settings.scheduler_max_task_concurrency,
                                   max_adds_per_member=settings.scheduler_max_adds_per_member,
                                   balance_interval_s=settings.scheduler_balance_interval_s,
+                                  operator_pin_s=settings.scheduler_operator_pin_s,
                                   task_timeout_s=settings.scheduler_task_timeout_s)
         self.core.replication_epoch = replication.state.epoch
         self.policy = SnapshotPolicy(settings.control_snapshot_every)
