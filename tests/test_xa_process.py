@@ -20,6 +20,7 @@ from nats.js import JetStreamContext
 
 from contracts.events.changefeeds import ChangefeedSpecV2, SourceRefV1, TableFilterV1
 from libs.changefeeds import record_changefeed
+from libs.localservers.common import wait_until
 from libs.localservers.mariadb import MariaDB
 from libs.localservers.nats_server import NatsServer
 from libs.localservers.postgres import PostgreSQL
@@ -66,6 +67,7 @@ def _prepare(source: MariaDB, xid: str, *statements: str, rows: list[tuple[Any, 
     """XA START .. XA PREPARE on a connection of its own, closed afterwards: the transaction
     stays prepared, and its decision comes from another session."""
     conn = source.connect(DB)
+    thread = conn.thread_id()
     try:
         with conn.cursor() as cur:
             cur.execute(f"XA START {xid}")
@@ -77,6 +79,11 @@ def _prepare(source: MariaDB, xid: str, *statements: str, rows: list[tuple[Any, 
             cur.execute(f"XA PREPARE {xid}")
     finally:
         conn.close()
+    # The server detaches the prepared transaction when it has handled the disconnect, which it
+    # does on its own time: an XA COMMIT from another session before that finds no such XID
+    # (XAER_NOTA, seen on a loaded machine).
+    gone = f"SELECT 1 FROM information_schema.PROCESSLIST WHERE ID = {thread}"
+    wait_until(lambda: not source.execute(gone), 30, f"the session that prepared {xid} to be gone")
 
 
 def _wait_equal(source: MariaDB, sinks: list[str], procs: list[ServiceProcess], timeout: float) -> None:
