@@ -125,7 +125,7 @@ case "${1:-}" in
     # SLUICE_TEST_WORKERS=N runs the suite on N pytest-xdist workers (tests/helpers/xdist_modules.py
     # keeps each module on one worker and runs the timing-bound modules alone at the end); three by
     # default: most of a process test is waiting, and on two cores three workers took the suite
-    # from 12.6 to 11.5-12.3 minutes (two: a quarter less than serially). 1 runs it serially. An
+    # from 12.6 to 11.5-12.4 minutes (two: a quarter less than serially). 1 runs it serially. An
     # -n in the arguments wins.
     workers=()
     if [ "${SLUICE_TEST_WORKERS:-3}" -gt 1 ]; then workers=(-n "${SLUICE_TEST_WORKERS:-3}" --dist loadgroup); fi
