@@ -474,7 +474,10 @@ class Pipeline:
         m.CHECKPOINT_LAG.labels(rt.span.changefeed, rt.span.name).set(m.lag_seconds(checkpoint.ts))
 
     def _note_quiet(self, works: list[SpanWork]) -> None:
-        """After the round: which visited spans are quiet (``round.quiet``)."""
+        """After the round: which visited spans are quiet (``round.quiet``). None while the
+        shortcut is off, so no round asks the stream for what only the shortcut needs."""
+        if self.options.quiet_recheck_s <= 0:
+            return
         now = time.monotonic()
         for w in works:
             rt = w.rt
