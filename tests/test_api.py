@@ -599,7 +599,13 @@ def test_leader_resign(api_stack: ApiStack) -> None:
             return now.status_code == 200 and now.json()["epoch"] > before["epoch"]
 
         # The only replica sits out one TTL and then wins again with a higher epoch.
-        wait_until(new_term, 30, "a new scheduler term")
+        try:
+            wait_until(new_term, 30, "a new scheduler term")
+        except TimeoutError as exc:
+            # Seen once in a fresh-clone run and never reproduced: keep what the scheduler said.
+            raise AssertionError(f"{exc}; leaders: {c.get(f'{V1}/leaders').text}\n"
+                                 f"scheduler health: {api_stack.scheduler.health()}\n"
+                                 f"{api_stack.scheduler.tail_log(40)}") from exc
     resigned = [e for e in _events(api_stack, "schedule") if e["type"] == "leader.resigned"]
     assert resigned and "operator" in resigned[-1]["data"]["reason"]
     assert resigned[-1]["data"]["epoch"] == before["epoch"]
