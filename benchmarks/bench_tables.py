@@ -554,6 +554,11 @@ async def main_async(args: argparse.Namespace) -> int:
 
         # --- lag under writes spread over every table -----------------------------------------
         await lag_under_writes(system, out, tag, names, args.write_rows_s, args.write_s)
+        for name in sorted(n for n in memory.peaks if service_of(n) == "sink-worker"):
+            peak = memory.peaks[name]
+            _say(f"  {name}: peak RSS through the run, writes included, {peak / MIB:,.0f} MiB")
+            out.add(f"peak RSS of {name} through the run, writes included ({tag})", peak / MIB, "MiB",
+                    target="< 1 GiB", met=peak < GIB)
 
         # --- kill -9 of the worker holding the most spans --------------------------------------
         moved = await kill_busiest_worker(system, rec, out, tag, args.tables, args.kill_timeout_s)

@@ -145,9 +145,14 @@ class Settings(BaseSettings):
     )
 
     # Sink-worker data path
+    # With hundreds of tables each behind by a few single-row transactions, 2,000 gave every span
+    # a handful of events a round: at 300 tables a worker applied ~500 of 2,000 rows/s and the lag
+    # grew without end (BENCHMARKS.md, "A round's event ceiling"). The byte budget below is what
+    # bounds a round of large events.
     sink_max_events_per_round: int = Field(
-        2000, ge=1, description="Events a sink-worker pulls per round, all its spans together (bounds "
-                                "driver memory); a span's share grows while it is behind."
+        20000, ge=1, description="Events a sink-worker pulls per round, all its spans together (bounds "
+                                 "driver memory with sink_round_max_bytes); a span's share grows while "
+                                 "it is behind."
     )
     sink_min_events_per_round: int = Field(
         100, ge=1, description="The least a caught-up span's per-round event allowance shrinks to."

@@ -63,7 +63,7 @@ def _worker(env: dict[str, str], logs: Path) -> ServiceProcess:
     return ServiceProcess("services.sink_worker", {
         **env, **STANDALONE_WORKER_ENV,
         "SLUICE_SNAPSHOT_CHUNK_ROWS": "100", "SLUICE_SNAPSHOT_PARALLELISM": "2",
-        "SLUICE_SNAPSHOT_RETRY_S": "1", "SLUICE_SINK_MAX_EVENTS_PER_ROUND": "20000",
+        "SLUICE_SNAPSHOT_RETRY_S": "1",
     }, logs, instance_id="worker-ddlm").start()
 
 

@@ -35,7 +35,12 @@ from libs.streams import (
 )
 from libs.telemetry.tracing import setup_tracing
 from services.sink_worker.round.pull import PullResult, SpanReader, latest_resolved
-from services.sink_worker.span.checkpoints import Checkpoint, CheckpointRegression, CheckpointStore
+from services.sink_worker.span.checkpoints import (
+    Checkpoint,
+    CheckpointMoved,
+    CheckpointRegression,
+    CheckpointStore,
+)
 from tests.helpers.harness import (
     _POS,
     PEOPLE,
@@ -463,3 +468,39 @@ async def test_checkpoint_never_goes_backwards(checkpoints: CheckpointStore) -> 
         with pytest.raises(CheckpointRegression):
             await checkpoints.advance(span, behind)
     assert await checkpoints.get(span) == Checkpoint(12, 150)
+
+
+async def test_a_compare_and_set_from_the_last_seen_entry_is_one_write_and_sees_every_other_writer(
+    checkpoints: CheckpointStore, rows_js: JetStreamContext, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    span = Span.of("cf", f"s{uuid4().hex[:8]}", "db", "t")
+    other = await CheckpointStore(rows_js).open()  # another process' store
+    reads = 0
+    real_get = checkpoints.kv.get
+
+    async def counting_get(*args: Any, **kwargs: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        return await real_get(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoints.kv, "get", counting_get)
+    assert await checkpoints.advance(span, Checkpoint(1, 10), expected=None) == Checkpoint(1, 10)
+    assert reads == 1  # nothing known yet: read, then create
+    assert await checkpoints.advance(span, Checkpoint(2, 20), expected=Checkpoint(1, 10)) == Checkpoint(2, 20)
+    assert reads == 1  # from the entry it wrote: the update at its revision, no read
+    with pytest.raises(CheckpointRegression):
+        await checkpoints.advance(span, Checkpoint(1, 30), expected=Checkpoint(2, 20))
+    # Another writer moves it: the remembered revision is stale, so the update is refused and the
+    # store reads what they wrote.
+    assert await other.advance(span, Checkpoint(3, 30)) == Checkpoint(3, 30)
+    with pytest.raises(CheckpointMoved):
+        await checkpoints.advance(span, Checkpoint(4, 40), expected=Checkpoint(2, 20))
+    assert await checkpoints.advance(span, Checkpoint(4, 40), expected=Checkpoint(3, 30)) == Checkpoint(4, 40)
+    # The same value written again by another writer is a new revision: refused, read, accepted.
+    await other.reset(span, Checkpoint(4, 40))
+    assert await checkpoints.advance(span, Checkpoint(5, 50), expected=Checkpoint(4, 40)) == Checkpoint(5, 50)
+    await other.reset(span)  # deleted by an operator
+    with pytest.raises(CheckpointMoved):
+        await checkpoints.advance(span, Checkpoint(6, 60), expected=Checkpoint(5, 50))
+    assert await checkpoints.get(span) is None
+    assert await other.get(span) is None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -38,6 +39,7 @@ from uuid import uuid4
 from nats.js import JetStreamContext
 from pyspark.sql import SparkSession
 
+from libs.concurrency import gather_bounded
 from libs.gc_pause import gc_paused
 from libs.scheduling.model import Span
 from libs.spark import spark_gone
@@ -56,7 +58,13 @@ from services.sink_worker.round.checkpoint_advance import CheckpointAdvance
 from services.sink_worker.round.large_txn import LargeTxnOptions, apply_large, large_head
 from services.sink_worker.round.overlap import AheadSpan, read_ahead, settle
 from services.sink_worker.round.plan import RoundPlanner, count_shards
-from services.sink_worker.round.pull import ResolvedMark, SpanReader, last_data_seq, latest_resolved
+from services.sink_worker.round.pull import (
+    PullResult,
+    ResolvedMark,
+    SpanReader,
+    last_data_seq,
+    latest_resolved,
+)
 from services.sink_worker.round.quiet import follow_quietly, quiet_after_visit
 from services.sink_worker.round.routes import SpanRoutes
 from services.sink_worker.round.size import RoundSize
@@ -74,6 +82,11 @@ from services.sink_worker.span.start import SpanStarts
 from services.sink_worker.validation.validator import Validator
 
 log = logging.getLogger(__name__)
+
+# Spans whose stored checkpoint is read, or whose pull runs, at once in a round: each mostly
+# waits on a request (and a pull on its decode in a thread), so a few dozen overlap well; more
+# would only queue on the server and the default thread pool.
+PULL_CONCURRENCY = 16
 
 
 class Pipeline:
@@ -363,6 +376,7 @@ class Pipeline:
     async def _pull_all(self, runtimes: list[SpanRuntime], report: RoundReport) -> list[SpanWork]:
         now = time.monotonic()
         recheck_s = self.options.quiet_recheck_s
+        checked: list[SpanRuntime] = []
         for rt in runtimes:
             if rt.checkpoint is None and rt.incident is not None:
                 continue  # its copy was refused for good: nothing to start until an operator acts
@@ -371,9 +385,14 @@ class Pipeline:
                 continue
             if rt.quiet is not None and now - rt.quiet.visited_at < recheck_s:
                 continue  # quiet (``round.quiet``): read at its next full visit
-            # One read per span and round: an operator's rewind (``CheckpointStore.reset``) or
-            # another process' write must be seen even by a span that has nothing to advance.
-            stored = await self.checkpoints.get(rt.span)
+            checked.append(rt)
+        # One read per span and round: an operator's rewind (``CheckpointStore.reset``) or
+        # another process' write must be seen even by a span that has nothing to advance.
+        found = await gather_bounded((functools.partial(self.checkpoints.get, rt.span) for rt in checked),
+                                     PULL_CONCURRENCY)
+        for rt, stored in zip(checked, found, strict=True):
+            if isinstance(stored, Exception):
+                raise stored
             if stored != rt.stored:
                 log.warning("checkpoint changed outside this worker; reloading",
                             extra={"span": rt.span.name, "found": str(stored), "had": str(rt.stored)})
@@ -401,7 +420,7 @@ class Pipeline:
             runtimes = [rt for rt in runtimes if not rt.config.syncpoints]
             caps = {}
         limits = self.round_size.limits(rt.span for rt in runtimes)
-        works: list[SpanWork] = []
+        visits: list[tuple[SpanRuntime, Checkpoint, ResolvedMark | None]] = []
         for rt in runtimes:
             if rt.checkpoint is None or rt.state is SpanState.DONE:
                 continue  # copying its initial load (or copied, snapshot-only): nothing to stream
@@ -417,14 +436,25 @@ class Pipeline:
             rt.quiet = None
             rt.reader.stream_large = self._may_stream(rt)
             rt.reader.open_max = (self.options.large_txn_window_events, self.options.large_txn_window_bytes)
+            visits.append((rt, start, mark))
+
+        async def pull(rt: SpanRuntime, start: Checkpoint, mark: ResolvedMark | None) -> PullResult:
+            return await rt.reader.pull((start.stream_seq, start.ts), limits[rt.span],
+                                        mark.stream_seq if mark else None)
+
+        # A pull mostly waits (its consumer's answer, a fetch, the decode in a thread): the spans'
+        # pulls overlap, each on its own reader. What follows (plans, barriers) stays in order.
+        pulls = await gather_bounded((functools.partial(pull, *v) for v in visits), PULL_CONCURRENCY)
+        works: list[SpanWork] = []
+        for (rt, start, mark), pulled in zip(visits, pulls, strict=True):
             try:
-                limit = limits[rt.span]
-                pulled = await rt.reader.pull((start.stream_seq, start.ts), limit,
-                                              mark.stream_seq if mark else None)
-                self.round_size.observe(rt.span, limit, len(pulled.events), pulled.event_bytes,
+                if isinstance(pulled, Exception):
+                    raise pulled
+                self.round_size.observe(rt.span, limits[rt.span], len(pulled.events), pulled.event_bytes,
                                         behind=bool(pulled.ghosts) or not pulled.reached)
             except Exception as exc:
-                log.warning("pull failed", exc_info=True, extra={"span": rt.span.name})
+                log.warning("pull failed", exc_info=(type(exc), exc, exc.__traceback__),
+                            extra={"span": rt.span.name})
                 rt.pull_failed(f"pull failed: {exc!r}")
                 report.errors.append(f"{rt.span.name}: pull: {exc!r}")
                 m.ROUND_ERRORS.labels("pull").inc()

@@ -11,6 +11,12 @@ interleave a read-check-write; a write that would lower either field is refused 
 ``CheckpointRegression``: a checkpoint going backwards would make the replication-manager
 report progress that was later taken back. Rewinding on purpose (an operator replaying a span)
 is ``reset``.
+
+The store remembers the revision of every checkpoint it read or wrote, so a compare-and-set
+from the checkpoint it last saw is one request (the ``update`` at that revision) instead of a
+read and an update: the update succeeds only while the stored entry is still that revision, so
+the read would have found what we remember. Any other write (a reset, another process) bumps the
+revision, the update is refused, and the store reads and checks as before.
 """
 
 from __future__ import annotations
@@ -84,6 +90,8 @@ class CheckpointStore:
         self.bucket = bucket
         self.replicas = replicas
         self._kv: KeyValue | None = None
+        # kv key -> (checkpoint, revision) as this store last read or wrote it.
+        self._known: dict[str, tuple[Checkpoint | None, int]] = {}
 
     async def open(self) -> CheckpointStore:
         try:
@@ -103,13 +111,27 @@ class CheckpointStore:
 
     async def _read(self, span: Span) -> tuple[Checkpoint | None, int]:
         """The stored checkpoint and its revision; (None, revision or 0) when absent/deleted."""
+        found: tuple[Checkpoint | None, int]
         try:
             entry = await self.kv.get(span.kv_key)
         except KeyDeletedError as exc:
-            return None, int(exc.entry.revision or 0) if exc.entry is not None else 0
+            found = None, int(exc.entry.revision or 0) if exc.entry is not None else 0
         except KeyNotFoundError:
-            return None, 0
-        return Checkpoint.from_json(entry.value), int(entry.revision or 0)
+            found = None, 0
+        else:
+            found = Checkpoint.from_json(entry.value), int(entry.revision or 0)
+        self._known[span.kv_key] = found
+        return found
+
+    async def _write(self, span: Span, proposed: Checkpoint, current: Checkpoint | None,
+                     revision: int) -> None:
+        """Store ``proposed`` over ``current`` at ``revision``; KeyWrongLastSequenceError when
+        the stored entry is not that revision any more."""
+        if current is None and revision == 0:
+            written = await self.kv.create(span.kv_key, proposed.to_json())
+        else:
+            written = await self.kv.update(span.kv_key, proposed.to_json(), last=revision)
+        self._known[span.kv_key] = proposed, int(written)
 
     async def group_spans(self, changefeed: str, source: str) -> list[Span]:
         """The table-group spans of ``changefeed`` on ``source`` (a token) that hold a
@@ -136,6 +158,19 @@ class CheckpointStore:
         meanwhile (an operator ``reset``), ``CheckpointMoved`` is raised instead of silently
         overwriting their rewind.
         """
+        known = self._known.get(span.kv_key)
+        if expected != "any" and known is not None and known[0] == expected:
+            # The entry we last saw is the one the caller started from: the update at its
+            # revision is the compare-and-set (see the module's docstring).
+            if expected is not None and not proposed.covers(expected):
+                raise CheckpointRegression(span, expected, proposed)
+            if proposed == expected:
+                return proposed
+            try:
+                await self._write(span, proposed, expected, known[1])
+                return proposed
+            except KeyWrongLastSequenceError:
+                pass  # somebody else wrote: read it and check against what they wrote
         for _ in range(_UPDATE_ATTEMPTS):
             current, revision = await self._read(span)
             if expected != "any" and current != expected:
@@ -146,10 +181,7 @@ class CheckpointStore:
                 if proposed == current:
                     return current
             try:
-                if current is None and revision == 0:
-                    await self.kv.create(span.kv_key, proposed.to_json())
-                else:
-                    await self.kv.update(span.kv_key, proposed.to_json(), last=revision)
+                await self._write(span, proposed, current, revision)
             except KeyWrongLastSequenceError:
                 # Someone wrote in between: read again and re-check against what they wrote.
                 continue
@@ -160,6 +192,7 @@ class CheckpointStore:
         """Operator rewind: set the span back (or delete it) on purpose, bypassing the guard.
 
         The worker running the span must re-read it (``Pipeline`` does at the next round)."""
+        self._known.pop(span.kv_key, None)
         if checkpoint is None:
             try:
                 await self.kv.delete(span.kv_key)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    max_events_per_round: int = 2000
+    max_events_per_round: int = 20000
     """The most events a round pulls, all spans together (``round_size``)."""
     min_events_per_round: int = 100
     round_max_bytes: int = 32 * 1024 * 1024
