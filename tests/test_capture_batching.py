@@ -13,7 +13,17 @@ from contracts.events.rows import RowsChangedV2, RowsChangedV3, RowsChangedV4, p
 from services.capture.binlog_reader import BinlogReader, Commit, Heartbeat, Position
 from services.capture.pipeline import SourcePipeline, StartState
 from services.capture.rows_encode import encode_rows
-from tests.test_capture_xa_units import Binlog, Event, Recorder, Tables, _published
+from tests.helpers.capture_pipeline import (
+    FULL_IMAGE,
+    INFO,
+    NULL_IMAGE,
+    Binlog,
+    Event,
+    Recorder,
+    Tables,
+    published_parts,
+    xa_workload,
+)
 
 START = StartState(Position("binlog.000001", 4), 1, 0)
 
@@ -68,26 +78,26 @@ async def test_a_backlog_is_resolved_on_the_cadence_and_once_caught_up() -> None
     assert len(every.marks) > 20
     # Not caught up at the end: no mark for the tail yet (the next batch or heartbeat brings it).
     open_tail = await _drain(items, START, 7, resolve_every_s=3600, caught_up_at_end=False)
-    assert open_tail.marks == [] and _published(open_tail) == _published(slow)
+    assert open_tail.marks == [] and published_parts(open_tail) == published_parts(slow)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 50, 1000])
 async def test_batching_does_not_change_what_is_published(batch: int) -> None:
     items = _backlog().items
-    one_by_one = _published(await _drain(items, START, 1, resolve_every_s=0))
-    assert _published(await _drain(items, START, batch, resolve_every_s=0.0005)) == one_by_one
+    one_by_one = published_parts(await _drain(items, START, 1, resolve_every_s=0))
+    assert published_parts(await _drain(items, START, batch, resolve_every_s=0.0005)) == one_by_one
 
 
 async def test_a_restart_from_any_cadence_mark_republishes_the_rest_identically() -> None:
     items = _backlog().items
     first = await _drain(items, START, 4, resolve_every_s=0)
-    published = _published(first)
+    published = published_parts(first)
     assert len(first.marks) >= 10
     for mark, next_seq, _xa in first.marks:
         start = StartState(Position(mark.position.binlog_file, mark.position.binlog_pos), mark.ts, next_seq)
         rest = [i for i in items if i.position.pos > mark.position.binlog_pos]
         again = await _drain(rest, start, 9, resolve_every_s=3600)
-        assert _published(again) == [p for p in published if p[2] >= next_seq]
+        assert published_parts(again) == [p for p in published if p[2] >= next_seq]
 
 
 def test_the_reader_hands_over_what_is_queued_in_one_batch() -> None:
@@ -107,8 +117,6 @@ def test_the_fast_rows_encoding_decodes_to_the_same_event() -> None:
     from contracts.events.rows import RowImageV2, RowsChangedV4, SourcePositionV1
     from contracts.registry import REGISTRY
     from services.capture.rows_encode import encode_rows
-    from tests.test_capture_rows import FULL_IMAGE, NULL_IMAGE
-    from tests.test_capture_xa_units import INFO
 
     event = RowsChangedV4.model_construct(
         source="src", database="d", table="t", ts=(1_800_000_000_000 << 18) | 7, seq=41, part=2,
@@ -233,7 +241,7 @@ async def test_several_transactions_a_message_carry_each_ones_boundary(window: i
     single = await _drain(items, GSTART, 1, resolve_every_s=0)
     batched = await _drain_batched(items, GSTART, 5, window=window, resolve_every_s=0)
     # Each transaction part as the message of its own it was: same id, ts, seq, part, rows.
-    assert _parts(batched) == _published(single)
+    assert _parts(batched) == published_parts(single)
     assert len(batched.sent) < len(single.sent)
     for s in batched.sent:
         ids = [i for i, _ in parts_of(s.event, s.msg_id)]  # type: ignore[arg-type]
@@ -253,7 +261,7 @@ async def test_several_transactions_a_message_carry_each_ones_boundary(window: i
 async def test_part_limits_end_a_batch_where_the_binlog_says() -> None:
     items = _backlog().items
     batched = await _drain_batched(items, GSTART, 5, window=64, part_rows=5, resolve_every_s=3600)
-    assert _parts(batched) == _published(await _drain(items, GSTART, 1, resolve_every_s=0))
+    assert _parts(batched) == published_parts(await _drain(items, GSTART, 1, resolve_every_s=0))
     sizes = [sum(len(p.rows) for _, p in parts_of(s.event, s.msg_id))  # type: ignore[arg-type]
              for s in batched.sent]
     assert max(sizes) <= 5 and len(batched.sent) > 1
@@ -300,11 +308,10 @@ async def test_another_server_of_the_topology_cuts_the_same_batches() -> None:
 
 
 async def test_xa_and_batches_publish_every_part_once_in_seq_order() -> None:
-    from tests.test_capture_xa_units import _workload
-    items = _workload().items
+    items = xa_workload().items
     single = await _drain(items, GSTART, 1, resolve_every_s=0)
     batched = await _drain_batched(items, GSTART, 3, window=4, part_rows=5, resolve_every_s=0)
-    assert _parts(batched) == _published(single)
+    assert _parts(batched) == published_parts(single)
     seqs = [p[2] for p in _parts(batched)]
     assert seqs == sorted(seqs)
 

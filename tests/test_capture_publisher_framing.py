@@ -13,7 +13,7 @@ from libs.config import Settings
 from libs.streams import ROWS_STREAM, rows_subject
 from libs.streams_setup import ensure_rows_stream
 from services.capture.publisher import Publisher
-from tests.test_capture_xa_units import INFO
+from tests.helpers.capture_pipeline import INFO
 
 
 def _event(seq: int) -> RowsChangedV2:

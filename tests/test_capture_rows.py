@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-from typing import Any
 
 import pytest
 from nats.js import JetStreamContext
@@ -30,6 +29,7 @@ from tests.helpers.capture import (
     wait_reading,
     wait_resolved_past,
 )
+from tests.helpers.capture_pipeline import FULL_IMAGE, NULL_IMAGE
 
 pytestmark = pytest.mark.integration
 
@@ -47,15 +47,6 @@ FULL_ROW = ("INSERT INTO types VALUES (18446744073709551615, -2147483648, 65535,
             "2.25, 'héllo 😀', 'long text ✓', x'00ff10', x'deadbeef', '2024-02-29', "
             "'2024-02-29 23:59:58.123456', '2024-03-01 01:02:03.456', '-12:34:56.78', "
             "'{\"k\": [1, \"ü\"]}', 'large', 'c,a', b'1000000001', 2024)")
-
-FULL_IMAGE: dict[str, Any] = {
-    "id": 18446744073709551615, "i": -2147483648, "si": 65535, "d": "-123456789.125", "f": 1.5,
-    "dbl": 2.25, "s": "héllo 😀", "tx": "long text ✓", "b": base64.b64encode(b"\x00\xff\x10").decode(),
-    "vb": base64.b64encode(b"\xde\xad\xbe\xef").decode(), "dt": "2024-02-29",
-    "dtt": "2024-02-29T23:59:58.123456", "ts": "2024-03-01T01:02:03.456000", "tm": "-12:34:56.780000",
-    "j": '{"k": [1, "ü"]}', "e": "large", "st": "a,c", "bt": 513, "yr": 2024,
-}
-NULL_IMAGE = {**dict.fromkeys(FULL_IMAGE, None), "id": 2, "st": ""}
 
 KINDS = {"id": "int", "i": "int", "si": "int", "d": "decimal", "f": "float", "dbl": "float",
          "s": "string", "tx": "string", "b": "bytes", "vb": "bytes", "dt": "date", "dtt": "datetime",

@@ -4,18 +4,13 @@ exactly what the first reading did after it (same ids, ts, seq and rows)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import pytest
-from pydantic import BaseModel
 
-from contracts.events.rows import ResolvedAdvancedV1, RowImageV2, RowsChangedV2
-from libs.codec.table_meta import BinlogColumn, ColumnSpec, TableInfo
-from libs.foreign_keys import ForeignKey
-from services.capture.binlog_reader import Begin, Commit, Position, Query, RowImage, Rows, XaPrepare
-from services.capture.pipeline import MetaStore, SourcePipeline, StartState, TableKey
+from contracts.events.rows import RowImageV2
+from services.capture.binlog_reader import Position, Query
+from services.capture.pipeline import StartState
 from services.capture.xa import XaBook, XaResume, canonical_xid, parse_xa
+from tests.helpers.capture_pipeline import INFO, KEY, published_parts, read_items, xa_workload
 
 # ------------------------------------------------------------------ XIDs
 
@@ -57,11 +52,6 @@ def test_canonical_xid_is_what_the_server_writes() -> None:
 
 
 # ------------------------------------------------------------------ the book
-
-INFO = TableInfo("d", "t", (ColumnSpec("id", "int", "int", False), ColumnSpec("v", "string", "text")),
-                 primary_key=("id",), declared_primary_key=True)
-KEY: TableKey = ("d", "t")
-
 
 def _rows(start: int, n: int) -> list[RowImageV2]:
     return [RowImageV2.model_construct(op="update", before={"id": i, "v": None},
@@ -109,145 +99,10 @@ def test_resume_names_the_oldest_group_and_every_waiting_xid() -> None:
 
 # ------------------------------------------------------------------ the pipeline
 
-@dataclass
-class Sent:
-    subject: str
-    msg_id: str
-    event: BaseModel
-
-
-class Recorder:
-    """Stands in for the NATS publisher: what the pipeline publishes, in order."""
-
-    def __init__(self) -> None:
-        self.sent: list[Sent] = []
-        self.marks: list[tuple[ResolvedAdvancedV1, int, XaResume | None]] = []
-
-    async def send(self, subject: str, event: BaseModel, msg_id: str, *, rows: int = 0,
-                   size_bound: int | None = None) -> None:
-        self.sent.append(Sent(subject, msg_id, event))
-
-    async def resolved(self, event: ResolvedAdvancedV1, msg_id: str, next_seq: int, *,
-                       xa: XaResume | None = None, server: str | None = None) -> None:
-        self.marks.append((event, next_seq, xa))
-
-
-class Tables(MetaStore):
-    """information_schema as one fixed table."""
-
-    def __init__(self) -> None:
-        super().__init__(lambda: None)
-
-    async def catalog_at(self, key: TableKey, position: Position) -> TableInfo | None:
-        return INFO if key == KEY else None
-
-    def cached(self, key: TableKey) -> TableInfo | None:
-        return INFO if key == KEY else None
-
-    async def foreign_keys(self, database: str) -> list[ForeignKey]:
-        return []
-
-
-COLUMNS = (BinlogColumn("id", 3, is_primary=True), BinlogColumn("v", 252, "utf8mb4"))
-
-
-Event = Begin | Rows | Commit | XaPrepare | Query
-
-
-class Binlog:
-    """Builds binlog items with increasing positions (each an event's end, as the reader gives)."""
-
-    def __init__(self) -> None:
-        self.items: list[Event] = []
-        self.pos = 4
-        self.seqno = 0
-
-    def _at(self) -> Position:
-        self.pos += 100
-        return Position("binlog.000001", self.pos)
-
-    def begin(self, xa: bool = False) -> None:
-        self.seqno += 1
-        self.items.append(Begin(self._at(), 1_800_000_000 + self.seqno, f"0-1-{self.seqno}", xa=xa))
-
-    def insert(self, *ids: int) -> None:
-        images = tuple(RowImage(None, {"id": i, "v": f"v{i}"}, {}, {}) for i in ids)
-        self.items.append(Rows(self._at(), 0, "d", "t", "insert", COLUMNS, images))
-
-    def query(self, sql: str) -> None:
-        self.items.append(Query(self._at(), 0, "d", sql))
-
-    def commit(self) -> None:
-        self.items.append(Commit(self._at(), 0))
-
-    def prepare(self, gtrid: bytes) -> None:
-        self.items.append(XaPrepare(self._at(), 0, gtrid, b"", 1, False))
-
-    def txn(self, *ids: int) -> None:
-        self.begin()
-        self.insert(*ids)
-        self.commit()
-
-    def xa(self, gtrid: bytes, *ids: int) -> None:
-        """A MariaDB prepared group: GTID with FL_PREPARED_XA, rows, XA END, XA_PREPARE."""
-        self.begin(xa=True)
-        for i in range(0, len(ids), 7):
-            self.insert(*ids[i:i + 7])
-        self.query(f"XA END X'{gtrid.hex()}',X'',1")
-        self.prepare(gtrid)
-
-    def decide(self, verb: str, gtrid: bytes) -> None:
-        self.begin()
-        self.query(f"XA {verb} X'{gtrid.hex()}',X'',1")
-
-
-async def _read(start: StartState, items: list[Event], **kwargs: Any) -> Recorder:
-    recorder = Recorder()
-    pipeline = SourcePipeline("src", recorder, Tables(), start, part_rows=5,  # type: ignore[arg-type]
-                              **kwargs)
-    try:
-        for item in items:
-            await pipeline.handle(item)
-            await pipeline.publish_resolved()  # a mark after every item: every restart point
-    finally:
-        pipeline.xa.close()
-    return recorder
-
-
-def _published(recorder: Recorder) -> list[tuple[str, int, int, int, bool, list[int]]]:
-    out = []
-    for s in recorder.sent:
-        event = s.event
-        assert isinstance(event, RowsChangedV2)
-        out.append((s.msg_id, event.ts, event.seq, event.part, event.last_part,
-                    [(r.after or {})["id"] for r in event.rows]))
-    return out
-
-
-def _workload() -> Binlog:
-    b = Binlog()
-    b.txn(1)
-    b.xa(b"a", *range(100, 123))  # 23 rows: parts of 5, spilled past the tiny budget
-    b.txn(2)
-    b.xa(b"b", 200, 201)
-    b.xa(b"c", 300)
-    b.txn(3)
-    b.decide("ROLLBACK", b"b")
-    b.decide("COMMIT", b"a")
-    b.begin()  # XA COMMIT ... ONE PHASE on MariaDB: an ordinary group
-    b.insert(400)
-    b.commit()
-    b.txn(4)
-    b.decide("COMMIT", b"c")
-    b.decide("COMMIT", b"zz")  # never seen prepared: nothing to publish, no failure
-    b.xa(b"d", 500)  # still undecided at the end
-    return b
-
-
 async def test_xa_transactions_are_published_at_their_commit() -> None:
-    b = _workload()
-    recorder = await _read(StartState(Position("binlog.000001", 4), 1, 0), b.items, xa_memory_bytes=300)
-    published = _published(recorder)
+    b = xa_workload()
+    recorder = await read_items(StartState(Position("binlog.000001", 4), 1, 0), b.items, xa_memory_bytes=300)
+    published = published_parts(recorder)
     ids = [row for *_, rows in published for row in rows]
     # In commit order; b rolled back, d not decided yet.
     assert ids == [1, 2, 3, *range(100, 123), 400, 4, 300]
@@ -269,17 +124,17 @@ async def test_xa_transactions_are_published_at_their_commit() -> None:
 
 
 async def test_a_restart_from_any_mark_publishes_what_the_first_reading_did() -> None:
-    b = _workload()
-    first = await _read(StartState(Position("binlog.000001", 4), 1, 0), b.items, xa_memory_bytes=300)
-    published = _published(first)
+    b = xa_workload()
+    first = await read_items(StartState(Position("binlog.000001", 4), 1, 0), b.items, xa_memory_bytes=300)
+    published = published_parts(first)
     restarts = 0
     for mark, next_seq, xa in first.marks:
         at = Position(mark.position.binlog_file, mark.position.binlog_pos)
         start = StartState(at, mark.ts, next_seq, xa)
         read_from = (xa.begin if xa else start.position).pos
-        again = await _read(start, [i for i in b.items if i.position.pos > read_from],
+        again = await read_items(start, [i for i in b.items if i.position.pos > read_from],
                             xa_memory_bytes=300 if restarts % 2 else 10**9)  # spilled or not
-        assert _published(again) == [p for p in published if p[2] >= next_seq], (mark, xa)
+        assert published_parts(again) == [p for p in published if p[2] >= next_seq], (mark, xa)
         assert [m[0] for m in again.marks] == [m[0] for m in first.marks if
                                                m[0].position.binlog_pos > mark.position.binlog_pos]
         restarts += xa is not None

@@ -14,7 +14,7 @@ from libs.gtid import Gtid, GtidError, GtidState, judge_move, move_refusal, pars
 from services.capture.binlog_reader import Begin, Commit, Position, RowImage, Rows
 from services.capture.pipeline import SourcePipeline, StartState
 from services.capture.service import placed_stops
-from tests.test_capture_xa_units import COLUMNS, Recorder, Tables
+from tests.helpers.capture_pipeline import COLUMNS, Recorder, Tables
 
 # ------------------------------------------------------------------ arithmetic
 
