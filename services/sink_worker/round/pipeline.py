@@ -373,9 +373,9 @@ class Pipeline:
             AheadSpan(w.rt.reader, w.rt.span.source, limits.get(w.rt.span, 0))
             for w in works if not w.refused and w.rt.incident is None])
 
-    async def _pull_all(self, runtimes: list[SpanRuntime], report: RoundReport) -> list[SpanWork]:
-        now = time.monotonic()
-        recheck_s = self.options.quiet_recheck_s
+    async def _check_stored(self, runtimes: list[SpanRuntime], now: float, recheck_s: float) -> None:
+        """Start the spans without a checkpoint, and reload those whose stored checkpoint is not
+        the one this worker stored last."""
         checked: list[SpanRuntime] = []
         for rt in runtimes:
             if rt.checkpoint is None and rt.incident is not None:
@@ -397,6 +397,11 @@ class Pipeline:
                 log.warning("checkpoint changed outside this worker; reloading",
                             extra={"span": rt.span.name, "found": str(stored), "had": str(rt.stored)})
                 await self.starts.load(rt)
+
+    async def _pull_all(self, runtimes: list[SpanRuntime], report: RoundReport) -> list[SpanWork]:
+        now = time.monotonic()
+        recheck_s = self.options.quiet_recheck_s
+        await self._check_stored(runtimes, now, recheck_s)
         if self.shard_ddl is not None:
             try:
                 await self.shard_ddl.refresh_if_due()
@@ -459,26 +464,32 @@ class Pipeline:
                 report.errors.append(f"{rt.span.name}: pull: {exc!r}")
                 m.ROUND_ERRORS.labels("pull").inc()
                 continue
-            rt.dead_lettered += pulled.dead_lettered
-            rt.resolved_ts = mark.ts if mark else None
-            horizon = capped(pulled.horizon(start.ts, rt.resolved_ts), caps.get(rt.span.changefeed), start.ts)
-            work = SpanWork(rt, start, pulled, horizon,
-                            [e for e in pulled.events if e.ts > start.ts], SpanRoutes(rt.span, rt.config))
-            if rt.span.members is not None:
-                await self.planner.plan_group(work)
-            else:
-                await self.planner.plan(work)
-                await self.barrier.at_head(work)
-            await self.fk_barrier.check(work)
-            if (rt.reader.stream_large and rt.resolved_ts is not None and work.head is None
-                    and work.fk_wait is None and work.plan is not None and work.rules is None
-                    and not needs_guard(work)):
-                ceiling = capped(rt.resolved_ts, caps.get(rt.span.changefeed), start.ts)
-                work.large = large_head(pulled, start.ts, ceiling)
+            work = await self._plan(rt, start, mark, pulled, caps.get(rt.span.changefeed))
             report.events += len(work.fresh)
-            work.mark = mark
             works.append(work)
         return works
+
+    async def _plan(self, rt: SpanRuntime, start: Checkpoint, mark: ResolvedMark | None, pulled: PullResult,
+                    cap: int | None) -> SpanWork:
+        """A span's work for this round from what its pull brought: its horizon, its plan (or
+        its group's), its DDL and foreign-key barriers, and a large transaction at its head."""
+        rt.dead_lettered += pulled.dead_lettered
+        rt.resolved_ts = mark.ts if mark else None
+        horizon = capped(pulled.horizon(start.ts, rt.resolved_ts), cap, start.ts)
+        work = SpanWork(rt, start, pulled, horizon,
+                        [e for e in pulled.events if e.ts > start.ts], SpanRoutes(rt.span, rt.config))
+        if rt.span.members is not None:
+            await self.planner.plan_group(work)
+        else:
+            await self.planner.plan(work)
+            await self.barrier.at_head(work)
+        await self.fk_barrier.check(work)
+        if (rt.reader.stream_large and rt.resolved_ts is not None and work.head is None
+                and work.fk_wait is None and work.plan is not None and work.rules is None
+                and not needs_guard(work)):
+            work.large = large_head(pulled, start.ts, capped(rt.resolved_ts, cap, start.ts))
+        work.mark = mark
+        return work
 
     async def _last_data(self, runtimes: list[SpanRuntime]) -> dict[str, int]:
         """Each source's newest data message in the stream (``round.quiet``), for the sources
