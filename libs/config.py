@@ -179,8 +179,9 @@ class Settings(BaseSettings):
                     "table being prepared); nats-server 2.15 allows 1,000 to a stream that names none."
     )
     sink_quiet_recheck_s: float = Field(
-        5.0, ge=0, description="How often a span with nothing to read is visited in full; between visits "
-                                "it follows the resolved ts after one request per source (0: every round)."
+        5.0, ge=0, description="How often a span with nothing to read stores its checkpoint (a compare-and-"
+                                "set); it follows the resolved ts after one request per source and is "
+                                "visited in full when its source has new data (0: every round)."
     )
     sink_round_interval_s: float = Field(
         0.5, gt=0, description="Longest wait after a round that found nothing (a new resolved mark ends it)."

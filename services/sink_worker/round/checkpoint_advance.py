@@ -72,7 +72,7 @@ class CheckpointAdvance:
         # Written batches are recorded at once; an idle span following the resolved ts only
         # every checkpoint_interval_s (a restart then re-reads a little, which is harmless).
         due = decided.store_now or time.monotonic() - rt.stored_at >= self.options.checkpoint_interval_s
-        if proposed != rt.stored and due and not await self._store(rt, proposed):
+        if proposed != rt.stored and due and not await self.store(rt, proposed):
             return
         if decided.recopy_key is not None and rt.stored == proposed and self.initial_loads is not None:
             with contextlib.suppress(Exception):  # a leftover record is only clutter
@@ -97,7 +97,7 @@ class CheckpointAdvance:
         log.error("span stopped: %s", incident.failure.describe(),
                   extra={"span": rt.span.name, **incident.status()})
 
-    async def _store(self, rt: SpanRuntime, checkpoint: Checkpoint) -> bool:
+    async def store(self, rt: SpanRuntime, checkpoint: Checkpoint) -> bool:
         """Write ``checkpoint`` over the one this worker last stored; False when it may not."""
         try:
             await self.checkpoints.advance(rt.span, checkpoint, expected=rt.stored)
@@ -122,7 +122,7 @@ class CheckpointAdvance:
         final = rt.stored
         if rt.checkpoint is not None and rt.checkpoint != rt.stored:
             try:
-                if await self._store(rt, rt.checkpoint):
+                if await self.store(rt, rt.checkpoint):
                     final = rt.checkpoint
             except Exception:
                 log.warning("could not store the final checkpoint", exc_info=True,
@@ -134,7 +134,7 @@ class CheckpointAdvance:
         for rt in spans:
             if rt.checkpoint is not None and rt.checkpoint != rt.stored:
                 with contextlib.suppress(Exception):
-                    await self._store(rt, rt.checkpoint)
+                    await self.store(rt, rt.checkpoint)
 
     @staticmethod
     def forget_gauges(span: Span) -> None:

@@ -65,7 +65,7 @@ from services.sink_worker.round.pull import (
     last_data_seq,
     latest_resolved,
 )
-from services.sink_worker.round.quiet import follow_quietly, quiet_after_visit
+from services.sink_worker.round.quiet import follow_quietly, quiet_after_visit, recheck_quietly
 from services.sink_worker.round.routes import SpanRoutes
 from services.sink_worker.round.size import RoundSize
 from services.sink_worker.round.sort_job import SpanCut
@@ -426,6 +426,7 @@ class Pipeline:
             caps = {}
         limits = self.round_size.limits(rt.span for rt in runtimes)
         visits: list[tuple[SpanRuntime, Checkpoint, ResolvedMark | None]] = []
+        rechecks: list[SpanRuntime] = []
         for rt in runtimes:
             if rt.checkpoint is None or rt.state is SpanState.DONE:
                 continue  # copying its initial load (or copied, snapshot-only): nothing to stream
@@ -438,6 +439,12 @@ class Pipeline:
             if followed is not None and mark is not None:
                 self._follow(rt, followed, mark)
                 continue
+            due = recheck_quietly(rt.quiet, start, mark, last_data.get(rt.span.source),
+                                  caps.get(rt.span.changefeed), now, recheck_s)
+            if due is not None and mark is not None:
+                self._follow(rt, due, mark)
+                rechecks.append(rt)
+                continue
             rt.quiet = None
             rt.reader.stream_large = self._may_stream(rt)
             rt.reader.open_max = (self.options.large_txn_window_events, self.options.large_txn_window_bytes)
@@ -447,6 +454,7 @@ class Pipeline:
             return await rt.reader.pull((start.stream_seq, start.ts), limits[rt.span],
                                         mark.stream_seq if mark else None)
 
+        await self._recheck_quiet(rechecks, now)
         # A pull mostly waits (its consumer's answer, a fetch, the decode in a thread): the spans'
         # pulls overlap, each on its own reader. What follows (plans, barriers) stays in order.
         pulls = await gather_bounded((functools.partial(pull, *v) for v in visits), PULL_CONCURRENCY)
@@ -505,7 +513,7 @@ class Pipeline:
         return found
 
     def _follow(self, rt: SpanRuntime, checkpoint: Checkpoint, mark: ResolvedMark) -> None:
-        """A quiet span follows the resolved ts (``round.quiet``); stored at its next full visit."""
+        """A quiet span follows the resolved ts (``round.quiet``); stored at its recheck."""
         rt.resolved_ts = mark.ts
         if checkpoint != rt.checkpoint:
             rt.checkpoint = checkpoint
@@ -513,6 +521,26 @@ class Pipeline:
             rt.quiet = replace(rt.quiet, checkpoint=checkpoint)
             m.CHECKPOINT_TIME.labels(rt.span.changefeed, rt.span.name).set(m.ts_seconds(checkpoint.ts))
         m.CHECKPOINT_LAG.labels(rt.span.changefeed, rt.span.name).set(m.lag_seconds(checkpoint.ts))
+
+    async def _recheck_quiet(self, rechecks: list[SpanRuntime], now: float) -> None:
+        """The recheck of quiet spans with nothing new to read (``round.quiet``): each stores
+        its followed checkpoint, side by side. One whose store is refused (moved under us) is
+        visited next round and reloaded; one whose store failed is rechecked next round."""
+
+        async def store(rt: SpanRuntime) -> bool:
+            assert rt.checkpoint is not None
+            return rt.checkpoint == rt.stored or await self.advance.store(rt, rt.checkpoint)
+
+        results = await gather_bounded((functools.partial(store, rt) for rt in rechecks), PULL_CONCURRENCY)
+        for rt, stored in zip(rechecks, results, strict=True):
+            if isinstance(stored, Exception):
+                log.warning("storing a quiet span's checkpoint failed; rechecked next round",
+                            exc_info=(type(stored), stored, stored.__traceback__),
+                            extra={"span": rt.span.name})
+            elif stored and rt.quiet is not None:
+                rt.quiet = replace(rt.quiet, visited_at=now)
+            else:
+                rt.quiet = None
 
     def _note_quiet(self, works: list[SpanWork]) -> None:
         """After the round: which visited spans are quiet (``round.quiet``). None while the

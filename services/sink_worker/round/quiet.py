@@ -18,9 +18,12 @@ capture published it (a mark covers what was stored before it) and the span's ne
 reads it as new. The check is per source, so a write to any table of a source sends all its
 spans to a full visit that round.
 
-A quiet span is visited in full again every ``recheck_s`` (``SLUICE_SINK_QUIET_RECHECK_S``;
-0 turns the shortcut off), which also stores its checkpoint and reads the stored one, so an
-operator's rewind is found then (a checkpoint store compares and sets, too).
+Every ``recheck_s`` (``SLUICE_SINK_QUIET_RECHECK_S``; 0 turns the shortcut off) a quiet span's
+stored checkpoint is read and the followed one stored (``recheck_quietly``): a compare-and-set at
+the revision the worker last saw, so an operator's rewind or another writer is found then, as a
+full visit would find it. While the stream holds no data after its mark that is all the recheck
+does; a visit of its consumer would only find again that there is nothing to read. (Its consumer
+may then expire on the server, and the next full visit makes a new one from the checkpoint.)
 """
 
 from __future__ import annotations
@@ -59,10 +62,27 @@ def follow_quietly(quiet: QuietSpan | None, checkpoint: Checkpoint | None, mark:
     """The checkpoint a quiet span moves to without a visit, or None when it needs a full one:
     not quiet, its checkpoint changed since (a reload, a rewind), the stream holds a data
     message of its source after the span's mark (``last_data``, read after ``mark``; None when
-    the stream could not say), or its recheck is due."""
-    if (quiet is None or checkpoint is None or mark is None or last_data is None
-            or recheck_s <= 0 or checkpoint != quiet.checkpoint or last_data > quiet.mark_seq
-            or now - quiet.visited_at >= recheck_s):
+    the stream could not say), or its recheck is due (``recheck_quietly``)."""
+    if quiet is None or recheck_s <= 0 or now - quiet.visited_at >= recheck_s:
+        return None
+    return _followed(quiet, checkpoint, mark, last_data, cap)
+
+
+def recheck_quietly(quiet: QuietSpan | None, checkpoint: Checkpoint | None, mark: ResolvedMark | None,
+                    last_data: int | None, cap: int | None, now: float,
+                    recheck_s: float) -> Checkpoint | None:
+    """The checkpoint a quiet span whose recheck is due moves to and stores (the store's
+    compare-and-set is the recheck), or None when it is not due or the span needs a full visit
+    for any of ``follow_quietly``'s other reasons."""
+    if quiet is None or recheck_s <= 0 or now - quiet.visited_at < recheck_s:
+        return None
+    return _followed(quiet, checkpoint, mark, last_data, cap)
+
+
+def _followed(quiet: QuietSpan, checkpoint: Checkpoint | None, mark: ResolvedMark | None,
+              last_data: int | None, cap: int | None) -> Checkpoint | None:
+    if (checkpoint is None or mark is None or last_data is None or checkpoint != quiet.checkpoint
+            or last_data > quiet.mark_seq):
         return None
     ts = capped(max(mark.ts, checkpoint.ts), cap, checkpoint.ts)
     return Checkpoint(stream_seq=checkpoint.stream_seq, ts=max(ts, checkpoint.ts))
