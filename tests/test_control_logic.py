@@ -36,7 +36,7 @@ from contracts.events.scheduling import (
     SpansChangedV1,
     TaskResultV1,
 )
-from libs.control.convert import span_ref, status_ref
+from libs.control.convert import span_of, span_ref, status_ref
 from libs.control.follow import DomainFollower
 from libs.control.members import MembersState, MemberTracker, members_fold
 from libs.control.replication_state import ReplicationState
@@ -222,6 +222,35 @@ def test_scheduler_counts_its_own_tasks_in_flight_when_balancing() -> None:
     assert core.pending == {}
     assert core.round(members, rep, 12.0) == []
     assert sorted(rep.index.load(m) for m in ("w1", "w2")) == [2, 2]
+
+
+def test_a_new_scheduler_leader_keeps_the_pins_of_the_operator_moves_it_replayed() -> None:
+    """The automatic balance leaves an operator's move where the operator put it for a while
+    (``OperatorMoveScheduler.pinned``): a leader elected after the move knows it from the
+    stream (a control-plane test's new leader moved the span straight back)."""
+    moved_at = 1_000_000.0
+    state = ScheduleState()
+    for e in SchedulerCore(state).spans_changes({"cf": SPANS}):
+        state.apply(e)
+    state.apply(MoveTableV1(task_id="x", span=span_ref(SPANS[0]), dest="w1", reason="operator"),
+                at=moved_at)
+    assert ScheduleState.restore(state.dump()) == state
+    members = _members("w1", "w2")
+    rep = _ready_replication({"w1": "inc-w1", "w2": "inc-w2"})
+    for s in SPANS[:3]:
+        rep.apply(_set_changed(s, "replicating", "w1"))
+    rep.apply(_set_changed(SPANS[3], "replicating", "w2"))
+
+    def balance_moves(seed: int, wall: float) -> list[Span]:
+        leader = SchedulerCore(state, balance_interval_s=0.0, rng=random.Random(seed))  # just elected
+        return [span_of(t.span) for t in leader.round(members, rep, 5.0, wall=wall)
+                if isinstance(t, MoveTableV1)]
+
+    for seed in range(20):  # whichever victim the rng draws, never the pinned span
+        moves = balance_moves(seed, moved_at + 60)
+        assert len(moves) == 1 and moves[0] != SPANS[0], moves
+    # Past the pin it is a span like any other again.
+    assert SPANS[0] in {s for seed in range(20) for s in balance_moves(seed, moved_at + 700)}
 
 
 def test_scheduler_does_not_count_a_span_where_it_only_prepares() -> None:

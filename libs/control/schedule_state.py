@@ -32,8 +32,13 @@ class ScheduleState:
     drains: dict[MemberId, str] = field(default_factory=dict)
     """Operator drains: member id -> the incarnation to drain."""
     epoch: int = 0
+    operator_moved: dict[Span, float] = field(default_factory=dict)
+    """When each span's latest operator move was handed out (Unix seconds, its event's time): the
+    automatic balance leaves it where the operator put it for a while (``pinned``), and a new
+    scheduler leader knows that from the stream, not only the leader that handed it out."""
 
-    def apply(self, event: BaseModel) -> ScheduleState:
+    def apply(self, event: BaseModel, at: float | None = None) -> ScheduleState:
+        """Fold ``event``; ``at`` is when it was recorded (Unix seconds), if known."""
         if isinstance(event, SpansChangedV1):
             if event.spans:
                 self.wanted[event.changefeed] = sorted(span_of(s) for s in event.spans)
@@ -44,6 +49,8 @@ class ScheduleState:
         elif isinstance(event, MoveTableV1):
             if event.reason == "operator":
                 self.moves.pop(span_of(event.span), None)
+                if at is not None:
+                    self.operator_moved[span_of(event.span)] = at
         elif isinstance(event, RequestDoneV1):
             if event.kind == "move" and event.span is not None:
                 self.moves.pop(span_of(event.span), None)
@@ -67,16 +74,18 @@ class ScheduleState:
             "rebalance": self.rebalance,
             "drains": dict(self.drains),
             "epoch": self.epoch,
+            "operator_moved": [[*span, at] for span, at in self.operator_moved.items()],
         }
 
     @classmethod
     def restore(cls, data: dict[str, Any]) -> ScheduleState:
         wanted = {cf: [Span(*s) for s in spans] for cf, spans in (data.get("wanted") or {}).items()}
         moves = {Span(*m[:4]): str(m[4]) for m in data.get("moves") or []}
+        moved = {Span(*m[:4]): float(m[4]) for m in data.get("operator_moved") or []}
         return cls(wanted, moves, bool(data.get("rebalance")),
                    {str(k): str(v) for k, v in (data.get("drains") or {}).items()},
-                   int(data.get("epoch") or 0))
+                   int(data.get("epoch") or 0), moved)
 
 
 def schedule_fold(state: ScheduleState, stored: StoredEvent) -> ScheduleState:
-    return state.apply(stored.event)
+    return state.apply(stored.event, at=stored.envelope.time.timestamp())

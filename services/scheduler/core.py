@@ -22,6 +22,7 @@ What it adds to ``libs.scheduling.Coordinator``:
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from uuid import uuid4
@@ -168,8 +169,10 @@ class SchedulerCore:
                 out.append(SpansChangedV1(changefeed=cf, spans=[span_ref(s) for s in now]))
         return out
 
-    def round(self, members: MembersState, replication: ReplicationState, now: float) -> list[BaseModel]:
-        """One scheduling round over the current view; returns the events to record."""
+    def round(self, members: MembersState, replication: ReplicationState, now: float,
+              wall: float | None = None) -> list[BaseModel]:
+        """One scheduling round over the current view; returns the events to record. ``now``
+        is monotonic, ``wall`` the Unix time (the stream's event times are in it)."""
         for span, p in list(self.pending.items()):
             if now - p.emitted_at > self.task_timeout_s:
                 self.tasks_timed_out += 1
@@ -180,6 +183,12 @@ class SchedulerCore:
                                         for span, dest in self.state.moves.items()}
         coordinator.rebalance.requested = self.state.rebalance
         coordinator.operator.failed.clear()  # reported as request_done events instead
+        # Pins of operator moves handed out by an earlier leader too (in this leader's clock).
+        wall = time.time() if wall is None else wall
+        for span, at in self.state.operator_moved.items():
+            since = max(0.0, wall - at)
+            if since < coordinator.operator.pin_s:
+                coordinator.operator.moved_at.setdefault(span, now - since)
         view = self.view(members, replication)
         tasks = coordinator.schedule(view, now)
         out: list[BaseModel] = []
