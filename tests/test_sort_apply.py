@@ -504,3 +504,7 @@ async def test_a_compare_and_set_from_the_last_seen_entry_is_one_write_and_sees_
         await checkpoints.advance(span, Checkpoint(6, 60), expected=Checkpoint(5, 50))
     assert await checkpoints.get(span) is None
     assert await other.get(span) is None
+    checkpoints.forget(span)  # it ran elsewhere meanwhile: the next store reads the entry first
+    before = reads
+    assert await checkpoints.advance(span, Checkpoint(7, 70), expected=None) == Checkpoint(7, 70)
+    assert reads == before + 1 and await other.get(span) == Checkpoint(7, 70)

@@ -122,7 +122,6 @@ def process_span(subject: str, headers: Mapping[str, str] | None) -> Iterator[Sp
     ctx = extract_context(headers)
     with tracer().start_as_current_span(
         f"process {subject}", context=ctx, kind=SpanKind.CONSUMER,
-        attributes={"messaging.system": "nats", "messaging.destination.name": subject,
-                    "messaging.operation.type": "process"},
+        attributes={**_PROCESS, "messaging.destination.name": subject},
     ) as span:
         yield span

@@ -162,7 +162,7 @@ class Pipeline:
             if self.initial_loads is not None:
                 await self.initial_loads.stop(span)
             self.advance.forget_gauges(span)
-            self._forget_fences(span)
+            self._forget(span)
         for span, config in wanted.items():
             rt = self.spans.get(span)
             if rt is None and span in self.prepared:
@@ -253,13 +253,16 @@ class Pipeline:
         final = await self.advance.store_final(rt)
         await rt.reader.close()
         self.advance.forget_gauges(span)
-        self._forget_fences(span)
+        self._forget(span)
         return final
 
-    def _forget_fences(self, span: Span) -> None:
-        # Taken again (bumped) if the span comes back: another owner may have written meanwhile.
+    def _forget(self, span: Span) -> None:
+        """What this worker kept about a span it let go. Its write fences are taken again
+        (bumped) if the span comes back, and its checkpoint read again: another owner may have
+        written meanwhile, and the remembered revisions would only grow with every span held."""
         for key in {span.kv_key, *(s.kv_key for s in copied_spans(span))}:
             self.fences.forget(key)
+        self.checkpoints.forget(span)
 
     def status(self) -> list[dict[str, Any]]:
         out = []
@@ -466,8 +469,7 @@ class Pipeline:
                 self.round_size.observe(rt.span, limits[rt.span], len(pulled.events), pulled.event_bytes,
                                         behind=bool(pulled.ghosts) or not pulled.reached)
             except Exception as exc:
-                log.warning("pull failed", exc_info=(type(exc), exc, exc.__traceback__),
-                            extra={"span": rt.span.name})
+                log.warning("pull failed", exc_info=True, extra={"span": rt.span.name})
                 rt.pull_failed(f"pull failed: {exc!r}")
                 report.errors.append(f"{rt.span.name}: pull: {exc!r}")
                 m.ROUND_ERRORS.labels("pull").inc()
@@ -535,8 +537,7 @@ class Pipeline:
         for rt, stored in zip(rechecks, results, strict=True):
             if isinstance(stored, Exception):
                 log.warning("storing a quiet span's checkpoint failed; rechecked next round",
-                            exc_info=(type(stored), stored, stored.__traceback__),
-                            extra={"span": rt.span.name})
+                            exc_info=stored, extra={"span": rt.span.name})
             elif stored and rt.quiet is not None:
                 rt.quiet = replace(rt.quiet, visited_at=now)
             else:

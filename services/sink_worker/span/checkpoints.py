@@ -188,11 +188,16 @@ class CheckpointStore:
             return proposed
         raise RuntimeError(f"checkpoint of {span.name}: too many concurrent writers")
 
+    def forget(self, span: Span) -> None:
+        """Drop what this store remembers of the span's entry (it ran elsewhere now); the next
+        compare-and-set reads the entry first."""
+        self._known.pop(span.kv_key, None)
+
     async def reset(self, span: Span, checkpoint: Checkpoint | None = None) -> None:
         """Operator rewind: set the span back (or delete it) on purpose, bypassing the guard.
 
         The worker running the span must re-read it (``Pipeline`` does at the next round)."""
-        self._known.pop(span.kv_key, None)
+        self.forget(span)
         if checkpoint is None:
             try:
                 await self.kv.delete(span.kv_key)
