@@ -37,7 +37,7 @@ from contracts import REGISTRY
 from contracts.events.leadership import LeaderElectedV1
 from contracts.events.scheduling import (
     CheckpointAdvancedV1,
-    MemberHeartbeatV2,
+    MemberHeartbeatV3,
     RebuiltV1,
     SetChangedV1,
     TableStatusV1,
@@ -188,7 +188,7 @@ async def main_async(args: argparse.Namespace) -> None:
         for m in members:
             tables = [TableStatusV1(span=span_ref(s), state="replicating", checkpoint_ts=1 << 41,
                                     resolved_ts=1 << 41) for s, owner in placement.items() if owner == m]
-            heartbeats.append(MemberHeartbeatV2(member_id=m, incarnation="inc", epoch=epoch, seq=1,
+            heartbeats.append(MemberHeartbeatV3(member_id=m, incarnation="inc", epoch=epoch, seq=1,
                                                 tables=tables))
         leader: DomainLog[ReplicationState] = DomainLog(
             js, DOMAIN, producer=PRODUCER, fold=replication_fold, initial=ReplicationState(),

@@ -57,7 +57,7 @@ from contracts.events.leadership import LeaderElectedV1
 from contracts.events.members import MemberJoinedV2
 from contracts.events.scheduling import (
     CheckpointAdvancedV1,
-    MemberHeartbeatV2,
+    MemberHeartbeatV3,
     RebuiltV1,
     SpansChangedV1,
     TableStatusV1,
@@ -253,7 +253,7 @@ async def take_over(make_leader: LeaderFactory, placement: dict[Span, str], memb
     t_handlers = time.perf_counter()
     for raw in heartbeats:
         hb = REGISTRY.decode(raw).event  # as the service's heartbeat subscription does
-        assert isinstance(hb, MemberHeartbeatV2)
+        assert isinstance(hb, MemberHeartbeatV3)
         await handlers.handle(Entry(hb))
     t_ready, cpu = time.perf_counter(), time.process_time() - cpu
     core = handlers.core
@@ -292,7 +292,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
     def heartbeats_at(seq: int) -> list[bytes]:
         return [
-            REGISTRY.encode(MemberHeartbeatV2(
+            REGISTRY.encode(MemberHeartbeatV3(
                 member_id=m, incarnation=f"inc-{m}", epoch=epoch, seq=seq,
                 tables=[TableStatusV1(span=span_ref(s), state="replicating", checkpoint_ts=own_ts[s] + seq,
                                       resolved_ts=own_ts[s] + seq)

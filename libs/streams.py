@@ -113,6 +113,11 @@ HEARTBEAT_PARTIAL_HEADER = "Sluice-Partial-Report"
 so the replication-manager can tell which waiting heartbeat a new one supersedes without
 decoding it (``LatestHeartbeats``)."""
 
+HEARTBEAT_PART_HEADER = "Sluice-Report-Part"
+"""Header of a heartbeat message that is one part of a report cut in several
+(``member.heartbeat`` v3): ``<seq>/<part>/<parts>``, so the replication-manager collects a
+report's parts without decoding them (``libs.control.heartbeat_parts``)."""
+
 
 ROWS_SUBJECTS = ["sluice.rows.>", "sluice.ddl.>", "sluice.resolved.>"]
 

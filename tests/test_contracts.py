@@ -184,10 +184,10 @@ def test_latest_version_follows_registration_in_any_order() -> None:
 
 
 def test_member_heartbeat_v1_upcasts_as_a_complete_report() -> None:
-    from contracts.events.scheduling import MemberHeartbeatV2
+    from contracts.events.scheduling import MemberHeartbeatV3
 
     decoded = REGISTRY.decode((FIXTURES / "member.heartbeat.v1.json").read_bytes())
-    assert isinstance(decoded.event, MemberHeartbeatV2) and decoded.event.complete
+    assert isinstance(decoded.event, MemberHeartbeatV3) and decoded.event.complete
     assert decoded.event.tables[0].span.table == "orders"
     partial = REGISTRY.decode((FIXTURES / "member.heartbeat.v2.json").read_bytes()).event
-    assert isinstance(partial, MemberHeartbeatV2) and not partial.complete
+    assert isinstance(partial, MemberHeartbeatV3) and not partial.complete

@@ -23,7 +23,7 @@ from contracts.events.scheduling import (
     CheckpointAdvancedV1,
     DispatchRequestV1,
     DispatchResponseV1,
-    MemberHeartbeatV2,
+    MemberHeartbeatV3,
     MemberReadyV1,
     MoveRequestedV1,
     MoveTableV1,
@@ -54,8 +54,8 @@ SPANS = [Span("cf", "src", "db", f"t{i}") for i in range(4)]
 
 
 def hb(member: str, incarnation: str = "i1", *, seq: int = 1, epoch: int = EPOCH, draining: bool = False,
-       leaving: bool = False, tables: list[TableStatus] | None = None) -> MemberHeartbeatV2:
-    return MemberHeartbeatV2(member_id=member, incarnation=incarnation, draining=draining, leaving=leaving,
+       leaving: bool = False, tables: list[TableStatus] | None = None) -> MemberHeartbeatV3:
+    return MemberHeartbeatV3(member_id=member, incarnation=incarnation, draining=draining, leaving=leaving,
                              epoch=epoch, seq=seq, tables=[status_ref(t) for t in tables or []])
 
 
@@ -445,11 +445,11 @@ async def test_domain_follower_replays_snapshot_then_follows(js: JetStreamContex
 
 async def test_agent_answers_dispatches_fences_old_epochs_and_heartbeats(nc: Client) -> None:
     member = f"agent-{uuid4().hex[:6]}"
-    beats: list[MemberHeartbeatV2] = []
+    beats: list[MemberHeartbeatV3] = []
 
     async def on_beat(msg: Msg) -> None:
         event = REGISTRY.decode(msg.data).event
-        assert isinstance(event, MemberHeartbeatV2)
+        assert isinstance(event, MemberHeartbeatV3)
         beats.append(event)
 
     await nc.subscribe(heartbeat_subject(member), cb=on_beat)

@@ -17,7 +17,7 @@ from contracts.events.leadership import LeaderElectedV1
 from contracts.events.members import MemberJoinedV2, MemberLeftV1
 from contracts.events.scheduling import (
     AddTableV1,
-    MemberHeartbeatV2,
+    MemberHeartbeatV3,
     RebuiltV1,
     ScheduleRequestAnsweredV1,
     ScheduleRequestV1,
@@ -186,7 +186,7 @@ async def test_replication_handlers_rebuild_and_follow_members() -> None:
                             send=sent.append, publish_status=lambda _s: None)
     await h.start()
     assert not h.core.ready and h.core.manager.awaiting == {"w1"}
-    await h.handle(Entry(MemberHeartbeatV2(member_id="w1", incarnation="inc-w1", epoch=EPOCH, seq=1)))
+    await h.handle(Entry(MemberHeartbeatV3(member_id="w1", incarnation="inc-w1", epoch=EPOCH, seq=1)))
     assert h.core.ready
     assert any(isinstance(e, RebuiltV1) for e in log.events())
     await h.handle(Entry(MemberJoinedV2(member_id="w2", incarnation="inc-w2")))
@@ -208,7 +208,7 @@ async def test_member_handlers_join_and_expire() -> None:
     probed: list[tuple[str, str]] = []
     h = MemberHandlers(Lease(), log, Settings(member_ttl_s=5.0), probe=lambda m, i: probed.append((m, i)),
                        reconnects=lambda: 0, publish_status=status.update)
-    await h.handle(Entry(MemberHeartbeatV2(member_id="w1", incarnation="a", seq=1)))
+    await h.handle(Entry(MemberHeartbeatV3(member_id="w1", incarnation="a", seq=1)))
     await h.tick()
     assert sorted(log.state.members) == ["w1"] and status["w1"]["incarnation"] == "a"
     h.tracker.last_seen["w1"] -= 60  # silent for longer than the TTL
@@ -344,7 +344,7 @@ async def test_only_the_newest_waiting_heartbeat_of_a_member_is_handled() -> Non
     queued: list[HeartbeatWaiting] = []
 
     def arrive(member: str, seq: int) -> None:
-        raw = REGISTRY.encode(MemberHeartbeatV2(member_id=member, incarnation=f"inc-{member}", epoch=EPOCH,
+        raw = REGISTRY.encode(MemberHeartbeatV3(member_id=member, incarnation=f"inc-{member}", epoch=EPOCH,
                                                 seq=seq), producer=f"sink-worker/{member}")
         if h.heartbeats.offer(f"sluice.hb.{member}", raw):
             queued.append(HeartbeatWaiting(f"sluice.hb.{member}"))
@@ -374,7 +374,7 @@ async def test_a_partial_heartbeat_never_replaces_a_waiting_complete_one_nor_end
 
     def raw(seq: int, complete: bool, *spans: Span) -> bytes:
         tables = [status_ref(TableStatus(s, TableState.REPLICATING, 100 + seq, 100 + seq)) for s in spans]
-        return REGISTRY.encode(MemberHeartbeatV2(member_id="w1", incarnation="inc-w1", epoch=EPOCH, seq=seq,
+        return REGISTRY.encode(MemberHeartbeatV3(member_id="w1", incarnation="inc-w1", epoch=EPOCH, seq=seq,
                                                  complete=complete, tables=tables), producer="sink-worker/w1")
 
     # Only partial reports: the new leader keeps waiting for the member's complete one.

@@ -9,26 +9,26 @@ import pytest
 
 from contracts import REGISTRY, ContractError
 from contracts.events.members import MemberLeftV1
-from contracts.events.scheduling import MemberHeartbeatV2, SpanRefV1, TableStatusV1
+from contracts.events.scheduling import MemberHeartbeatV3, SpanRefV1, TableStatusV1
 from services.member.liveness import decode_liveness
 
 
-def heartbeat(tables: int, **kw: object) -> MemberHeartbeatV2:
+def heartbeat(tables: int, **kw: object) -> MemberHeartbeatV3:
     statuses = [TableStatusV1(span=SpanRefV1(changefeed="cf", source="s", database="d", table=f"t{i}"),
                               state="replicating", checkpoint_ts=10 + i, resolved_ts=20 + i)
                 for i in range(tables)]
     fields: dict[str, object] = {"member_id": "w1", "incarnation": "i1", "address": "h:1", "epoch": 7,
                                  "seq": 41, "tables": statuses, **kw}
-    return MemberHeartbeatV2(**fields)  # type: ignore[arg-type]
+    return MemberHeartbeatV3(**fields)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("flags", [{}, {"draining": True}, {"leaving": True}])
 def test_liveness_has_every_field_of_the_full_decode_but_the_tables(flags: dict[str, bool]) -> None:
     raw = REGISTRY.encode(heartbeat(500, **flags), producer="sink-worker/w1")
     full = REGISTRY.decode(raw).event
-    assert isinstance(full, MemberHeartbeatV2) and len(full.tables) == 500
+    assert isinstance(full, MemberHeartbeatV3) and len(full.tables) == 500
     light = decode_liveness(raw)
-    assert isinstance(light, MemberHeartbeatV2) and light.tables == []
+    assert isinstance(light, MemberHeartbeatV3) and light.tables == []
     assert light.model_dump(exclude={"tables"}) == full.model_dump(exclude={"tables"})
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from contracts.registry import register, upcaster
 
@@ -101,6 +101,44 @@ class MemberHeartbeatV2(BaseModel):
 @upcaster("member.heartbeat", 1)
 def _member_heartbeat_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "complete": True}  # every v1 heartbeat was a complete report
+
+
+@register("member.heartbeat", 3)
+class MemberHeartbeatV3(BaseModel):
+    """v2 that may come in several messages: a report larger than the server's max_payload
+    (a member with thousands of spans) is cut into ``parts`` messages of the same ``seq``, each
+    with a slice of ``tables`` (``libs.control.heartbeat_parts``). A reader takes such a report
+    only once every part of it arrived; the other fields are the same in each part. A report of
+    one message is still written as v2, which older readers read."""
+
+    model_config = ConfigDict(extra="forbid", defer_build=True)
+    member_id: str = Field(min_length=1)
+    incarnation: str = Field(min_length=1, description="Fresh per process start.")
+    address: str = Field("", description="Where the member serves health and metrics.")
+    draining: bool = Field(False, description="The member is shutting down: move its spans away.")
+    leaving: bool = Field(False, description="Last heartbeat of a clean exit: the member is gone now.")
+    epoch: int = Field(0, ge=0, description="Newest replication-manager epoch the member has seen.")
+    seq: int = Field(ge=0, description="Increases with every report of this member (heartbeats and "
+                                       "dispatch answers), across restarts under the same id; the "
+                                       "parts of one report share it.")
+    complete: bool = Field(True, description="True: ``tables`` (of every part together) is every span "
+                                             "the member holds. False: only the spans whose status "
+                                             "changed since the member's last complete report.")
+    part: int = Field(0, ge=0, description="Which message of the report this is, from 0.")
+    parts: int = Field(1, ge=1, description="How many messages the report was cut into.")
+    tables: list[TableStatusV1] = Field(default_factory=list,
+                                        description="This part's slice of the report's spans.")
+
+    @model_validator(mode="after")
+    def _part_in_range(self) -> MemberHeartbeatV3:
+        if self.part >= self.parts:
+            raise ValueError(f"part {self.part} of a report of {self.parts} parts")
+        return self
+
+
+@upcaster("member.heartbeat", 2)
+def _member_heartbeat_v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "part": 0, "parts": 1}  # every v2 heartbeat was one message
 
 
 @register("replication.announce", 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from contracts.events.scheduling import (
     DispatchRequestV1,
     DispatchResponseV1,
-    MemberHeartbeatV2,
+    MemberHeartbeatV3,
     SpanRefV1,
     TableStatusV1,
 )
@@ -40,7 +40,7 @@ def status_of(ref: TableStatusV1) -> TableStatus:
     return TableStatus(span_of(ref.span), state, ref.checkpoint_ts, ref.resolved_ts)
 
 
-def heartbeat_report(hb: MemberHeartbeatV2) -> MemberReport:
+def heartbeat_report(hb: MemberHeartbeatV3) -> MemberReport:
     """A heartbeat is the member's complete report (every span it holds) or a partial one (the
     spans whose status changed since its last complete one)."""
     return MemberReport(hb.member_id, hb.epoch, tuple(status_of(t) for t in hb.tables),

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from contracts.events.leadership import LeaderElectedV1
 from contracts.events.members import MemberDrainingV1, MemberJoinedV2, MemberLeftV1
-from contracts.events.scheduling import MemberHeartbeatV2
+from contracts.events.scheduling import MemberHeartbeatV3
 from libs.eventstore import StoredEvent
 
 _RETIRED_PER_MEMBER = 8
@@ -101,7 +101,7 @@ class MemberTracker:
         self.last_seen: dict[str, float] = dict.fromkeys(state.members, now)
         self.ignored = 0
 
-    def on_heartbeat(self, hb: MemberHeartbeatV2, now: float) -> list[BaseModel]:
+    def on_heartbeat(self, hb: MemberHeartbeatV3, now: float) -> list[BaseModel]:
         member, incarnation = hb.member_id, hb.incarnation
         if incarnation in self.state.retired.get(member, ()):
             self.ignored += 1  # a late heartbeat of a process that has left

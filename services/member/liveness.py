@@ -16,14 +16,17 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from contracts import REGISTRY
-from contracts.events.scheduling import MemberHeartbeatV2
+from contracts.events.scheduling import MemberHeartbeatV3
 
-_TYPE, _VERSION = REGISTRY.key_of(MemberHeartbeatV2)
+_TYPE, _VERSION = REGISTRY.key_of(MemberHeartbeatV3)
+# v2 is v3 without ``part``/``parts`` (a report in one message, still written as v2): the same
+# fields with those at their defaults.
+_AS_IS = frozenset({2, _VERSION})
 
 # The heartbeat's fields but ``tables``, with their definitions (types, bounds, defaults).
 _Fields: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "HeartbeatLivenessFields", __config__=ConfigDict(extra="ignore"),
-    **{name: (info.annotation, info) for name, info in MemberHeartbeatV2.model_fields.items()
+    **{name: (info.annotation, info) for name, info in MemberHeartbeatV3.model_fields.items()
        if name != "tables"},
 )
 
@@ -36,17 +39,18 @@ class _Envelope(BaseModel):
     data: _Fields
 
 
-def decode_liveness(data: bytes) -> MemberHeartbeatV2:
+def decode_liveness(data: bytes) -> MemberHeartbeatV3:
     """The heartbeat in ``data`` with its fields validated and ``tables`` left empty.
 
     Raises ``ContractError`` (from the registry) for anything that is not a valid heartbeat of
-    the current version; other versions are decoded in full (and upcast)."""
+    the current version or v2; other versions are decoded in full (and upcast)."""
     try:
         env = _Envelope.model_validate_json(data)
     except ValidationError:
         env = None
-    if env is None or env.type != _TYPE or env.version != _VERSION:
+    fields = env.data.model_dump() if env is not None else {}
+    if (env is None or env.type != _TYPE or env.version not in _AS_IS
+            or fields["part"] >= fields["parts"]):  # the contract's own check, said by the registry
         event: Any = REGISTRY.decode(data).event
         return event
-    fields = env.data.model_dump()
-    return MemberHeartbeatV2.model_construct(**fields, tables=[])
+    return MemberHeartbeatV3.model_construct(**fields, tables=[])

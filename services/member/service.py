@@ -24,7 +24,7 @@ from prometheus_client import Counter, Gauge
 from pydantic import BaseModel
 
 from contracts import REGISTRY, ContractError
-from contracts.events.scheduling import MemberHeartbeatV2
+from contracts.events.scheduling import MemberHeartbeatV3
 from libs.config import Settings
 from libs.control.members import MembersState, MemberTracker, members_fold
 from libs.control.snapshots import SnapshotPolicy
@@ -59,7 +59,7 @@ class MemberService:
 
     async def lead(self, leadership: Leadership, domain_log: DomainLog[Any]) -> None:
         nc = self.runtime.nc
-        async with LeaderLoop[MemberHeartbeatV2, None](self.runtime, status_key=DOMAIN) as loop:
+        async with LeaderLoop[MemberHeartbeatV3, None](self.runtime, status_key=DOMAIN) as loop:
             handlers = MemberHandlers(leadership, domain_log, self.settings,
                                       probe=lambda member, incarnation: loop.spawn(
                                           self._probe(handlers.probes, member, incarnation)),
@@ -71,7 +71,7 @@ class MemberService:
                 try:
                     # Liveness only: the tables (most of a heartbeat) are not read here.
                     heartbeat = decode_liveness(msg.data)
-                    if not isinstance(heartbeat, MemberHeartbeatV2):
+                    if not isinstance(heartbeat, MemberHeartbeatV3):
                         raise ContractError("unknown_type",
                                             f"{type(heartbeat).__name__} on a heartbeat subject")
                 except ContractError as exc:
@@ -122,7 +122,7 @@ class MemberHandlers:
         self.policy.opened(domain_log)
         self.check_every = max(0.02, min(0.1, settings.member_ttl_s / 10))
 
-    async def handle(self, entry: Entry[MemberHeartbeatV2, None]) -> None:
+    async def handle(self, entry: Entry[MemberHeartbeatV3, None]) -> None:
         hb = entry.item
         self.probes.heard(hb.member_id)
         await self._append(self.tracker.on_heartbeat(hb, time.monotonic()))

@@ -31,7 +31,7 @@ from contracts.events.scheduling import (
     AddTableV1,
     CheckpointAdvancedV1,
     DispatchResponseV1,
-    MemberHeartbeatV2,
+    MemberHeartbeatV3,
     MemberReadyV1,
     MoveTableV1,
     RebuiltV1,
@@ -169,7 +169,7 @@ class ReplicationCore:
 
     # -- inputs -------------------------------------------------------------------------------
 
-    def on_heartbeat(self, hb: MemberHeartbeatV2, now: float) -> Output:
+    def on_heartbeat(self, hb: MemberHeartbeatV3, now: float) -> Output:
         if self.incarnations.get(hb.member_id) != hb.incarnation:
             self.ignored_reports += 1  # not the process the member service vouches for
             return Output()

@@ -44,7 +44,7 @@ from contracts.events.members import MemberJoinedV2, MemberLeftV1
 from contracts.events.scheduling import (
     AddTableV1,
     DispatchResponseV1,
-    MemberHeartbeatV2,
+    MemberHeartbeatV3,
     MoveTableV1,
     RemoveTableV1,
     ReplicationAnnounceV1,
@@ -53,6 +53,7 @@ from contracts.events.scheduling import (
 from libs.config import Settings
 from libs.control.changefeeds_state import ChangefeedView, changefeeds_fold
 from libs.control.convert import dispatch_request, span_of
+from libs.control.heartbeat_parts import ReportParts, joined
 from libs.control.members import MembersState, members_fold
 from libs.control.replication_state import ReplicationState, replication_fold
 from libs.control.schedule_state import ScheduleState, schedule_fold
@@ -62,7 +63,13 @@ from libs.eventstore import DomainLog, Fenced, LeaderLog, LeaseView, StoredEvent
 from libs.leader_service import Entry, LeaderLoop
 from libs.scheduling import Dispatch, SetState
 from libs.service import ServiceRuntime
-from libs.streams import HEARTBEAT_PARTIAL_HEADER, HEARTBEAT_SUBJECTS, announce_subject, dispatch_subject
+from libs.streams import (
+    HEARTBEAT_PART_HEADER,
+    HEARTBEAT_PARTIAL_HEADER,
+    HEARTBEAT_SUBJECTS,
+    announce_subject,
+    dispatch_subject,
+)
 from libs.telemetry.tracing import extract_context, publish_span, tracer
 from libs.ts import lag_seconds, ts_seconds
 from services.replication_manager.core import Output, ReplicationCore
@@ -132,8 +139,10 @@ class ReplicationService:
             async def on_heartbeat(msg: Msg) -> None:
                 # Decoded when its turn comes, and only the newest of each member: see
                 # ``LatestHeartbeats``.
-                partial = bool(msg.headers and msg.headers.get(HEARTBEAT_PARTIAL_HEADER))
-                if handlers.heartbeats.offer(msg.subject, msg.data, partial):
+                headers = msg.headers or {}
+                partial = bool(headers.get(HEARTBEAT_PARTIAL_HEADER))
+                part = headers.get(HEARTBEAT_PART_HEADER)
+                if handlers.heartbeats.offer(msg.subject, msg.data, partial, part):
                     loop.inbox.put(HeartbeatWaiting(msg.subject))
 
             loop.spawn(self._announce(leadership), name="rm-announce")
@@ -175,44 +184,64 @@ class LatestHeartbeats:
     them, and its loop gets back to its lease."""
 
     def __init__(self) -> None:
-        self._waiting: dict[str, tuple[bytes | None, bytes | None]] = {}
+        self._waiting: dict[str, tuple[list[bytes] | None, list[bytes] | None]] = {}
+        self.parts = ReportParts()
+        """Reports cut into several messages (``libs.control.heartbeat_parts``): one waits here
+        as a whole once all of its parts arrived."""
 
-    def offer(self, subject: str, data: bytes, partial: bool = False) -> bool:
+    def offer(self, subject: str, data: bytes, partial: bool = False, part: str | None = None) -> bool:
         """Keep ``data`` as the newest complete or partial heartbeat of ``subject``; True when
-        nothing of it was waiting (the caller then queues one ``HeartbeatWaiting``)."""
+        nothing of it was waiting (the caller then queues one ``HeartbeatWaiting``). ``part``:
+        its ``HEARTBEAT_PART_HEADER``, a part of a report that waits only once it is whole."""
+        if part is None:
+            self.parts.single(subject)
+            report = [data]
+        else:
+            whole = self.parts.add(subject, data, partial, part)
+            if whole is None:
+                return False
+            report = whole
         waiting = self._waiting.get(subject)
         if waiting is None:
-            self._waiting[subject] = (None, data) if partial else (data, None)
+            self._waiting[subject] = (None, report) if partial else (report, None)
             return True
         complete, older = waiting
         if partial:
             if older is not None:
                 HEARTBEATS_SUPERSEDED.inc()
-            self._waiting[subject] = (complete, data)
+            self._waiting[subject] = (complete, report)
         else:
             HEARTBEATS_SUPERSEDED.inc((complete is not None) + (older is not None))
-            self._waiting[subject] = (data, None)
+            self._waiting[subject] = (report, None)
         return False
 
-    def take(self, subject: str) -> list[MemberHeartbeatV2]:
-        """What waits of ``subject``, decoded, complete first; the undecodable left out."""
+    def take(self, subject: str) -> list[MemberHeartbeatV3]:
+        """What waits of ``subject``, decoded, complete first; the undecodable left out (a report
+        in parts as one heartbeat, left out whole if any part is)."""
         out = []
-        for data in self._waiting.pop(subject, (None, None)):
-            if data is None:
+        for report in self._waiting.pop(subject, (None, None)):
+            if report is None:
                 continue
-            try:
-                event = REGISTRY.decode(data).event
-            except ContractError:
-                continue  # the member service dead-letters bad heartbeats; one place is enough
-            if isinstance(event, MemberHeartbeatV2):
-                out.append(event)
+            events = []
+            for data in report:
+                try:
+                    event = REGISTRY.decode(data).event
+                except ContractError:
+                    break  # the member service dead-letters bad heartbeats; one place is enough
+                if not isinstance(event, MemberHeartbeatV3):
+                    break
+                events.append(event)
+            else:
+                hb = joined(events)
+                if hb is not None:
+                    out.append(hb)
         return out
 
     def __len__(self) -> int:
         return len(self._waiting)
 
 
-Input = (MemberHeartbeatV2 | HeartbeatWaiting | DispatchResponseV1 | MemberJoinedV2 | MemberLeftV1
+Input = (MemberHeartbeatV3 | HeartbeatWaiting | DispatchResponseV1 | MemberJoinedV2 | MemberLeftV1
          | SpansChangedV1 | AddTableV1 | MoveTableV1 | RemoveTableV1)
 """What the manager's loop takes, one at a time and in order: heartbeats (core NATS; the newest
 of each member, ``LatestHeartbeats``), dispatch answers, member joined/left (members stream),
@@ -307,7 +336,7 @@ class ReplicationHandlers:
             for heartbeat in self.heartbeats.take(item.subject):
                 out.extend(core.on_heartbeat(heartbeat, now))
             return out
-        if isinstance(item, MemberHeartbeatV2):
+        if isinstance(item, MemberHeartbeatV3):
             return core.on_heartbeat(item, now)
         if isinstance(item, DispatchResponseV1):
             return core.on_answer(item, now)

@@ -55,18 +55,18 @@ from contracts import REGISTRY, ContractError
 from contracts.events.scheduling import (
     DispatchRequestV1,
     DispatchResponseV1,
-    MemberHeartbeatV2,
+    MemberHeartbeatV3,
     ReplicationAnnounceV1,
     TableStatusV1,
 )
 from libs.changefeeds import ChangefeedView
 from libs.control.convert import dispatch_of, status_ref
+from libs.control.heartbeat_parts import heartbeat_messages
 from libs.nats_client import flush_within
 from libs.scheduling import AgentOutcome, AgentVerdict, MemberAgentState, TableState, TableStatus
 from libs.scheduling.model import Span
 from libs.scheduling.report_delta import ReportDelta
 from libs.streams import (
-    HEARTBEAT_PARTIAL_HEADER,
     LEADER_BUCKET,
     announce_subject,
     dispatch_subject,
@@ -238,7 +238,7 @@ class SinkAgent:
 
     # ------------------------------------------------------------------ heartbeats
 
-    def heartbeat(self, now: float | None = None) -> MemberHeartbeatV2:
+    def heartbeat(self, now: float | None = None) -> MemberHeartbeatV3:
         """The next heartbeat: the complete report, or what changed since the last complete one
         (``libs.scheduling.report_delta``); a draining or leaving member always sends it whole."""
         report = self.state.collect_report()
@@ -249,7 +249,7 @@ class SinkAgent:
         complete, tables = self.delta.cut(report.tables, report.epoch,
                                           time.monotonic() if now is None else now,
                                           force=self.draining or self.leaving)
-        return MemberHeartbeatV2(member_id=self.member_id, incarnation=self.incarnation, address=self.address,
+        return MemberHeartbeatV3(member_id=self.member_id, incarnation=self.incarnation, address=self.address,
                                  draining=self.draining, leaving=self.leaving, epoch=report.epoch,
                                  seq=report.seq or 0, complete=complete,
                                  tables=self._status_refs(tables, every_span=complete))
@@ -273,8 +273,10 @@ class SinkAgent:
     async def _send_heartbeat(self) -> None:
         hb = self.heartbeat()
         sent_at = time.monotonic()
-        await self.nc.publish(heartbeat_subject(self.member_id), REGISTRY.encode(hb, producer=self.producer),
-                              headers=None if hb.complete else {HEARTBEAT_PARTIAL_HEADER: "1"})
+        # Several messages when the report is larger than the server takes (thousands of spans).
+        for data, headers in heartbeat_messages(hb, max_payload=self.nc.max_payload,
+                                                producer=self.producer):
+            await self.nc.publish(heartbeat_subject(self.member_id), data, headers=headers)
         if self.fence is not None:
             # Confirmed once the server answered the flush's PING: it has the heartbeat. Only on
             # the connection this incarnation started with (see services/sink_worker/fence.py).
