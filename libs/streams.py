@@ -113,6 +113,10 @@ HEARTBEAT_PARTIAL_HEADER = "Sluice-Partial-Report"
 so the replication-manager can tell which waiting heartbeat a new one supersedes without
 decoding it (``LatestHeartbeats``)."""
 
+HEARTBEAT_UNCHANGED_HEADER = "Sluice-Report-Unchanged"
+"""Header of a heartbeat that is liveness only (``member.heartbeat`` v3 ``unchanged``): the
+member's last partial report again, which the replication-manager does not handle again."""
+
 HEARTBEAT_PART_HEADER = "Sluice-Report-Part"
 """Header of a heartbeat message that is one part of a report cut in several
 (``member.heartbeat`` v3): ``<seq>/<part>/<parts>``, so the replication-manager collects a

@@ -27,7 +27,12 @@ from libs.control.heartbeat_parts import (
 )
 from libs.scheduling import Span
 from libs.scheduling.tasks import Dispatch, DispatchAction
-from libs.streams import HEARTBEAT_PART_HEADER, HEARTBEAT_PARTIAL_HEADER, heartbeat_subject
+from libs.streams import (
+    HEARTBEAT_PART_HEADER,
+    HEARTBEAT_PARTIAL_HEADER,
+    HEARTBEAT_UNCHANGED_HEADER,
+    heartbeat_subject,
+)
 from services.member.liveness import decode_liveness
 from services.replication_manager.service import LatestHeartbeats
 from services.sink_worker.agent import SinkAgent
@@ -49,12 +54,7 @@ def _hb(n: int, *, complete: bool = True, seq: int = 7, **kw: object) -> MemberH
 
 
 def _offer_all(latest: LatestHeartbeats, messages: list[tuple[bytes, dict[str, str] | None]]) -> list[bool]:
-    out = []
-    for data, headers in messages:
-        headers = headers or {}
-        out.append(latest.offer(SUBJECT, data, bool(headers.get(HEARTBEAT_PARTIAL_HEADER)),
-                                headers.get(HEARTBEAT_PART_HEADER)))
-    return out
+    return [latest.offer_message(SUBJECT, data, headers) for data, headers in messages]
 
 
 @pytest.mark.parametrize("complete", [True, False])
@@ -179,10 +179,8 @@ async def test_a_worker_with_8000_spans_heartbeats_past_max_payload(nc: Client) 
     whole = asyncio.Event()
 
     async def on_msg(msg: Msg) -> None:
-        headers = msg.headers or {}
         sizes.append(len(msg.data))
-        if latest.offer(msg.subject, msg.data, bool(headers.get(HEARTBEAT_PARTIAL_HEADER)),
-                        headers.get(HEARTBEAT_PART_HEADER)):
+        if latest.offer_message(msg.subject, msg.data, msg.headers):
             whole.set()
 
     sub = await nc.subscribe(heartbeat_subject("w-big"), cb=on_msg)
@@ -202,3 +200,37 @@ async def test_a_worker_with_8000_spans_heartbeats_past_max_payload(nc: Client) 
     assert hb.complete and len(hb.tables) == 8000
     assert {t.span.table for t in hb.tables} == {f"table_{i:05d}" for i in range(8000)}
     assert all(t.state == "preparing" for t in hb.tables)
+
+
+def test_an_unchanged_heartbeat_is_liveness_only() -> None:
+    """The member's last partial report again: one v3 message, not a report for the
+    replication-manager (it must not replace a partial report still waiting there)."""
+    latest = LatestHeartbeats()
+    partial = heartbeat_messages(_hb(3, seq=20, complete=False), max_payload=1 << 20, producer="p")
+    same = MemberHeartbeatV3(member_id="w1", incarnation="inc", epoch=3, seq=21, complete=False,
+                             unchanged=True)
+    [(data, headers)] = heartbeat_messages(same, max_payload=1 << 20, producer="p")
+    assert json.loads(data)["version"] == 3 and headers is not None
+    assert headers[HEARTBEAT_UNCHANGED_HEADER] == "1" and headers[HEARTBEAT_PARTIAL_HEADER] == "1"
+    assert _offer_all(latest, partial) == [True]
+    assert latest.offer_message(SUBJECT, data, headers) is False
+    assert [(hb.seq, len(hb.tables)) for hb in latest.take(SUBJECT)] == [(20, 3)]
+    assert latest.offer_message(SUBJECT, data, headers) is False and latest.take(SUBJECT) == []
+    light = decode_liveness(data)
+    assert (light.seq, light.unchanged) == (21, True)
+    # Even offered as a report (no header), it is left out.
+    assert latest.offer(SUBJECT, data, True) and latest.take(SUBJECT) == []
+
+
+@pytest.mark.parametrize("update", [{"complete": True}, {"parts": 2}, {"tables": _statuses(1)}])
+def test_an_unchanged_heartbeat_that_says_more_is_refused(update: dict[str, object]) -> None:
+    same = MemberHeartbeatV3(member_id="w1", incarnation="inc", seq=1, complete=False, unchanged=True)
+    raw = json.loads(heartbeat_messages(same, max_payload=1 << 20, producer="p")[0][0])
+    raw["data"].update({k: [t.model_dump() for t in v] if k == "tables" else v  # type: ignore[attr-defined]
+                        for k, v in update.items()})
+    data = json.dumps(raw).encode()
+    with pytest.raises(ContractError):
+        REGISTRY.decode(data)
+    if "tables" not in update:  # the liveness read leaves the tables unread
+        with pytest.raises(ContractError):
+            decode_liveness(data)

@@ -198,7 +198,7 @@ PACKAGES = {CAPTURE: "capture", SINK_WORKER: "sink_worker", API: "api", MEMBER: 
             SCHEDULER: "scheduler", REPLICATION_MANAGER: "replication_manager", DDL_LOCK: "ddl_lock"}
 
 # Names that spell no subject of the Sluice NATS (a token of one; a header of heartbeats).
-NOT_SUBJECTS = {"token", "HEARTBEAT_PARTIAL_HEADER", "HEARTBEAT_PART_HEADER"}
+NOT_SUBJECTS = {"token", "HEARTBEAT_PARTIAL_HEADER", "HEARTBEAT_PART_HEADER", "HEARTBEAT_UNCHANGED_HEADER"}
 
 
 def _refused(perms: Permissions, use: Use) -> list[str]:

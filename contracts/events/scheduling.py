@@ -109,7 +109,8 @@ class MemberHeartbeatV3(BaseModel):
     (a member with thousands of spans) is cut into ``parts`` messages of the same ``seq``, each
     with a slice of ``tables`` (``libs.control.heartbeat_parts``). A reader takes such a report
     only once every part of it arrived; the other fields are the same in each part. A report of
-    one message is still written as v2, which older readers read."""
+    one message is still written as v2, which older readers read. ``unchanged`` came with v3
+    too (``libs.scheduling.report_delta``)."""
 
     model_config = ConfigDict(extra="forbid", defer_build=True)
     member_id: str = Field(min_length=1)
@@ -126,19 +127,24 @@ class MemberHeartbeatV3(BaseModel):
                                              "changed since the member's last complete report.")
     part: int = Field(0, ge=0, description="Which message of the report this is, from 0.")
     parts: int = Field(1, ge=1, description="How many messages the report was cut into.")
+    unchanged: bool = Field(False, description="The member's last partial report again (nothing "
+                                               "changed since): ``tables`` is empty and the "
+                                               "heartbeat is liveness only, not a report.")
     tables: list[TableStatusV1] = Field(default_factory=list,
                                         description="This part's slice of the report's spans.")
 
     @model_validator(mode="after")
-    def _part_in_range(self) -> MemberHeartbeatV3:
+    def _consistent(self) -> MemberHeartbeatV3:
         if self.part >= self.parts:
             raise ValueError(f"part {self.part} of a report of {self.parts} parts")
+        if self.unchanged and (self.complete or self.tables or self.parts > 1):
+            raise ValueError("an unchanged heartbeat is partial, in one message, without tables")
         return self
 
 
 @upcaster("member.heartbeat", 2)
 def _member_heartbeat_v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
-    return {**data, "part": 0, "parts": 1}  # every v2 heartbeat was one message
+    return {**data, "part": 0, "parts": 1, "unchanged": False}  # every v2 heartbeat was one report
 
 
 @register("replication.announce", 1)

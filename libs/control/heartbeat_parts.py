@@ -13,7 +13,8 @@ once all of its parts arrived. Heartbeats are core NATS (at most once): a report
 lost is dropped whole when a newer report of the member begins, as a lost heartbeat always was;
 the next complete one (about a second later) says everything again.
 
-A report that fits in one message is written as v2, as before, which older readers read.
+A report that fits in one message is written as v2, as before, which older readers read; an
+``unchanged`` heartbeat (liveness only) is v3, which an older replication-manager leaves out.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import TypeVar
 from contracts import REGISTRY
 from contracts.events.scheduling import MemberHeartbeatV2, MemberHeartbeatV3
 from libs.eventstore.snapshot_chunks import DEFAULT_MAX_PAYLOAD
-from libs.streams import HEARTBEAT_PART_HEADER, HEARTBEAT_PARTIAL_HEADER
+from libs.streams import HEARTBEAT_PART_HEADER, HEARTBEAT_PARTIAL_HEADER, HEARTBEAT_UNCHANGED_HEADER
 
 T = TypeVar("T")
 
@@ -47,9 +48,11 @@ def heartbeat_messages(hb: MemberHeartbeatV3, *, max_payload: int | None, produc
     """``hb`` encoded as the messages to publish, in order, each with its headers;
     ``max_payload``: the server's (None or 0: not known yet, NATS' default)."""
     flags = {} if hb.complete else {HEARTBEAT_PARTIAL_HEADER: "1"}
+    if hb.unchanged:
+        flags[HEARTBEAT_UNCHANGED_HEADER] = "1"
     max_payload = max_payload or DEFAULT_MAX_PAYLOAD
     budget = max_payload - ENVELOPE_MARGIN
-    whole = REGISTRY.encode(_as_v2(hb), producer=producer)
+    whole = REGISTRY.encode(hb if hb.unchanged else _as_v2(hb), producer=producer)
     tables = hb.tables
     if len(whole) <= budget:
         return [(whole, flags or None)]

@@ -16,6 +16,12 @@ last complete report, or one a partial report named since, is gone (a stopped sp
 once and then forgotten; a partial report cannot say "absent"), and when the caller forces one
 (draining, leaving). A lost partial or complete heartbeat (core NATS) delays what it said by at
 most the interval.
+
+A partial report equal to the last one sent (nothing changed since: most heartbeats of an idle
+member, whose quiet spans move once a round) is not sent again: ``cut`` gives ``None`` for the
+tables and the heartbeat is liveness only (``HEARTBEAT_SAME_REPORT``), which the
+replication-manager does not handle as a report. What it last handled already says all of it;
+had that one been lost, the next complete report says it, as for any lost heartbeat.
 """
 
 from __future__ import annotations
@@ -34,14 +40,18 @@ class ReportDelta:
     _base: dict[Span, _Key] | None = field(default=None, init=False)
     _base_epoch: int = field(default=-1, init=False)
     _base_at: float = field(default=0.0, init=False)
+    _last_partial: dict[Span, _Key] = field(default_factory=dict, init=False)
+    """What the last partial report sent said (empty after a complete one: a partial report
+    naming nothing says nothing new either)."""
     _named: set[Span] = field(default_factory=set, init=False)
     """Spans a partial report named since the last complete one: named in every later partial
     one too, so the newest partial one overrides whatever an older one said (a status that
     changed and changed back)."""
 
     def cut(self, tables: Sequence[TableStatus], epoch: int, now: float,
-            force: bool = False) -> tuple[bool, list[TableStatus]]:
-        """``(complete, the statuses to send)`` for a heartbeat of ``tables`` (every span held)."""
+            force: bool = False) -> tuple[bool, list[TableStatus] | None]:
+        """``(complete, the statuses to send)`` for a heartbeat of ``tables`` (every span held);
+        ``(False, None)``: the partial report would be the last one sent again."""
         current = {t.span: (t.state, t.checkpoint_ts, t.resolved_ts) for t in tables}
         base = self._base
         if (force or base is None or epoch != self._base_epoch or self.complete_every_s <= 0
@@ -49,7 +59,12 @@ class ReportDelta:
                 or any(s not in current for s in base) or any(s not in current for s in self._named)):
             self._base, self._base_epoch, self._base_at = current, epoch, now
             self._named = set()
+            self._last_partial = {}
             return True, list(tables)
         changed = [t for t in tables if t.span in self._named or base.get(t.span) != current[t.span]]
-        self._named.update(t.span for t in changed)
+        said = {t.span: current[t.span] for t in changed}
+        if said == self._last_partial:
+            return False, None
+        self._named.update(said)
+        self._last_partial = said
         return False, changed

@@ -39,6 +39,12 @@ class _Envelope(BaseModel):
     data: _Fields
 
 
+def _consistent(fields: dict[str, Any]) -> bool:
+    """The contract's own checks but those of the tables (the registry says what fails)."""
+    return fields["part"] < fields["parts"] and not (
+        fields["unchanged"] and (fields["complete"] or fields["parts"] > 1))
+
+
 def decode_liveness(data: bytes) -> MemberHeartbeatV3:
     """The heartbeat in ``data`` with its fields validated and ``tables`` left empty.
 
@@ -49,8 +55,7 @@ def decode_liveness(data: bytes) -> MemberHeartbeatV3:
     except ValidationError:
         env = None
     fields = env.data.model_dump() if env is not None else {}
-    if (env is None or env.type != _TYPE or env.version not in _AS_IS
-            or fields["part"] >= fields["parts"]):  # the contract's own check, said by the registry
+    if env is None or env.type != _TYPE or env.version not in _AS_IS or not _consistent(fields):
         event: Any = REGISTRY.decode(data).event
         return event
     return MemberHeartbeatV3.model_construct(**fields, tables=[])

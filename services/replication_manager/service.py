@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,7 @@ from libs.streams import (
     HEARTBEAT_PART_HEADER,
     HEARTBEAT_PARTIAL_HEADER,
     HEARTBEAT_SUBJECTS,
+    HEARTBEAT_UNCHANGED_HEADER,
     announce_subject,
     dispatch_subject,
 )
@@ -139,10 +140,7 @@ class ReplicationService:
             async def on_heartbeat(msg: Msg) -> None:
                 # Decoded when its turn comes, and only the newest of each member: see
                 # ``LatestHeartbeats``.
-                headers = msg.headers or {}
-                partial = bool(headers.get(HEARTBEAT_PARTIAL_HEADER))
-                part = headers.get(HEARTBEAT_PART_HEADER)
-                if handlers.heartbeats.offer(msg.subject, msg.data, partial, part):
+                if handlers.heartbeats.offer_message(msg.subject, msg.data, msg.headers):
                     loop.inbox.put(HeartbeatWaiting(msg.subject))
 
             loop.spawn(self._announce(leadership), name="rm-announce")
@@ -189,6 +187,15 @@ class LatestHeartbeats:
         """Reports cut into several messages (``libs.control.heartbeat_parts``): one waits here
         as a whole once all of its parts arrived."""
 
+    def offer_message(self, subject: str, data: bytes, headers: Mapping[str, str] | None) -> bool:
+        """``offer`` of a heartbeat message as it arrived; an unchanged one (liveness only, the
+        member's last partial report again) is not a report and is left out."""
+        headers = headers or {}
+        if headers.get(HEARTBEAT_UNCHANGED_HEADER):
+            return False
+        return self.offer(subject, data, bool(headers.get(HEARTBEAT_PARTIAL_HEADER)),
+                          headers.get(HEARTBEAT_PART_HEADER))
+
     def offer(self, subject: str, data: bytes, partial: bool = False, part: str | None = None) -> bool:
         """Keep ``data`` as the newest complete or partial heartbeat of ``subject``; True when
         nothing of it was waiting (the caller then queues one ``HeartbeatWaiting``). ``part``:
@@ -233,7 +240,7 @@ class LatestHeartbeats:
                 events.append(event)
             else:
                 hb = joined(events)
-                if hb is not None:
+                if hb is not None and not hb.unchanged:
                     out.append(hb)
         return out
 

@@ -240,7 +240,8 @@ class SinkAgent:
 
     def heartbeat(self, now: float | None = None) -> MemberHeartbeatV3:
         """The next heartbeat: the complete report, or what changed since the last complete one
-        (``libs.scheduling.report_delta``); a draining or leaving member always sends it whole."""
+        (``libs.scheduling.report_delta``), or liveness only when that is what the last one
+        said; a draining or leaving member always sends it whole."""
         report = self.state.collect_report()
         counts: dict[str, int] = {}
         for t in report.tables:
@@ -249,10 +250,11 @@ class SinkAgent:
         complete, tables = self.delta.cut(report.tables, report.epoch,
                                           time.monotonic() if now is None else now,
                                           force=self.draining or self.leaving)
+        refs = [] if tables is None else self._status_refs(tables, every_span=complete)
         return MemberHeartbeatV3(member_id=self.member_id, incarnation=self.incarnation, address=self.address,
                                  draining=self.draining, leaving=self.leaving, epoch=report.epoch,
-                                 seq=report.seq or 0, complete=complete,
-                                 tables=self._status_refs(tables, every_span=complete))
+                                 seq=report.seq or 0, complete=complete, unchanged=tables is None,
+                                 tables=refs)
 
     def _status_refs(self, tables: Iterable[TableStatus], every_span: bool = True) -> list[TableStatusV1]:
         """Each span's heartbeat entry, kept from the last heartbeat while its status is the
