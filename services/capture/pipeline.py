@@ -57,7 +57,7 @@ from contracts.events.rows import (
     SourcePositionV1,
     TableMetaV1,
 )
-from libs.codec.encode import UnsupportedValue, encode_value
+from libs.codec.encode import UnsupportedValue
 from libs.codec.table_meta import BinlogColumn, TableInfo, agrees, describe, load_table_info
 from libs.foreign_keys import ForeignKey, ddl_may_change_keys, load_foreign_keys, referenced_tables
 from libs.gtid import Gtid, GtidError, GtidState
@@ -78,6 +78,7 @@ from services.capture.binlog_reader import (
 )
 from services.capture.ddl_lookahead import AheadDdl, DdlIndex, list_ddl
 from services.capture.publisher import MessageTooLarge, Publisher
+from services.capture.row_values import encode_row
 from services.capture.rows_encode import has_geometry
 from services.capture.source import current_position
 from services.capture.ts_clock import TsClock, wall_ms
@@ -549,10 +550,10 @@ class SourcePipeline:
         size = 32
         before = after = None
         if image.before is not None:
-            before, more = _encode_row(info, columns, image.before, image.before_none)
+            before, more = encode_row(info, columns, image.before, image.before_none)
             size += more
         if image.after is not None:
-            after, more = _encode_row(info, columns, image.after, image.after_none)
+            after, more = encode_row(info, columns, image.after, image.after_none)
             size += more
         return _construct(RowImageV2, {"op": op, "before": before, "after": after, "ordinal": ordinal}), size
 
@@ -560,9 +561,14 @@ class SourcePipeline:
                           position: Position) -> TableInfo | None:
         known = self._infos.get(key)
         # The reader's batches share one columns tuple per table map: identity first, the
-        # field by field comparison only across batches.
-        if known is not None and (known[0] is columns or known[0] == columns):
-            return known[1]
+        # field by field comparison only across batches (each batch from the reader's process
+        # is a new tuple), after which the batch's tuple is the one compared by identity.
+        if known is not None:
+            if known[0] is columns:
+                return known[1]
+            if known[0] == columns:
+                self._infos[key] = (columns, known[1])
+                return known[1]
         self.meta.passed(position)
         catalog = await self.meta.catalog_at(key, position)
         if key[0] not in self._fk_databases:
@@ -1091,31 +1097,6 @@ def _id_base(txn: _Txn | None, position: Position) -> str:
 
 def _before(a: Position, b: Position) -> bool:
     return (a.file, a.pos) < (b.file, b.pos)
-
-
-# Kinds whose value, when the reader gives exactly this type, is already its JSON encoding
-# (encode_value would return it unchanged): most columns of most rows, without the call.
-_AS_IS: dict[str | None, type] = {"int": int, "string": str}
-
-
-def _encode_row(info: TableInfo, columns: tuple[BinlogColumn, ...], values: dict[str, Any],
-                none_sources: dict[str, str]) -> tuple[dict[str, Any], int]:
-    """The row's values encoded, and their part of ``_approx_size`` (made in the same pass)."""
-    out: dict[str, Any] = {}
-    size = 0
-    for spec, col in zip(info.columns, columns, strict=True):
-        name = spec.name
-        value = values.get(name)
-        if type(value) is not _AS_IS.get(spec.kind):
-            assert spec.kind is not None
-            try:
-                value = encode_value(spec.kind, value, none_source=none_sources.get(name),
-                                     set_values=col.set_values)
-            except UnsupportedValue as exc:
-                raise UnsupportedValue(f"column {name} ({spec.sql_type}): {exc}") from None
-        out[name] = value
-        size += len(name) + 6 + (len(value) if isinstance(value, str) else 8)
-    return out, size
 
 
 _LARGE_RAW = 1024 * 1024
