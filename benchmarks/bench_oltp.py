@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import sysbench  # noqa: E402
+from benchmarks.memory import children_by_parent, cpu_seconds, descendants  # noqa: E402
 from benchmarks.output import Figures, add_json_option  # noqa: E402
 from libs.localservers.common import wait_until  # noqa: E402
 from libs.localservers.mariadb import MariaDB  # noqa: E402
@@ -79,6 +80,8 @@ class Phase:
     replica_lags: list[float]
     catch_up: float | None
     replica_catch_up: float | None
+    cpu: dict[str, float]
+    """% of one core over the load, by process tree (``cpu_split``)."""
 
 
 class Run:
@@ -113,13 +116,27 @@ class Run:
         have = str(self.replica.execute("SELECT @@gtid_slave_pos")[0][0])
         return want == have
 
+    def cpu_roots(self, sysbench_pid: int) -> dict[str, int]:
+        roots = self.system.process_pids()
+        roots["sysbench"] = sysbench_pid
+        if self.replica.proc is not None:
+            roots["native replica"] = self.replica.proc.pid
+        if isinstance(self.system.downstream_db, PostgreSQL) and self.system.downstream_db.proc is not None:
+            roots["PostgreSQL downstream"] = self.system.downstream_db.proc.pid
+        return roots
+
     async def load(self, script: str, threads: int, seconds: int) -> Phase:
         lags: list[float] = []
         capture_lags: list[float] = []
         replica_lags: list[float] = []
         proc = sysbench.start_run(self.source, script, tables=self.args.tables,
                                   table_size=self.args.table_size, threads=threads, seconds=seconds)
+        roots = self.cpu_roots(proc.pid)
+        cpu_start, cpu_t0 = tree_cpus(roots), time.monotonic()
+        cpu_end, cpu_t1 = cpu_start, cpu_t0
         while proc.poll() is None:
+            # The last sample before sysbench exits: its own CPU is lost with it after that.
+            cpu_end, cpu_t1 = tree_cpus(roots), time.monotonic()
             lag = self.lag()
             if lag is not None:
                 lags.append(lag)
@@ -146,8 +163,17 @@ class Run:
             if replica_at is None and await asyncio.to_thread(self.replica_caught_up):
                 replica_at = time.time() - ended
             await asyncio.sleep(0.1)
+        wall = max(cpu_t1 - cpu_t0, 1e-9)
+        cpu = {name: 100 * (cpu_end.get(name, 0.0) - cpu_start.get(name, 0.0)) / wall for name in roots}
         return Phase(script, threads, seconds, result, lags, capture_lags, replica_lags, sluice_at,
-                     replica_at)
+                     replica_at, cpu)
+
+
+def tree_cpus(roots: dict[str, int]) -> dict[str, float]:
+    """CPU seconds of each root's process tree (a process that exited meanwhile counts 0)."""
+    children = children_by_parent()
+    return {name: sum(cpu_seconds(pid) for pid in descendants(root, children))
+            for name, root in roots.items()}
 
 
 def table_digests(rows_of: Any, tables: int) -> dict[str, dict[int, str]]:
@@ -226,6 +252,9 @@ async def one_downstream(downstream: str, args: argparse.Namespace, out: Figures
                  f"{_pct(phase.lags, .99):.2f} max {max(phase.lags, default=float('nan')):.2f} s; catch-up "
                  f"{phase.catch_up}; replica lag max {max(phase.replica_lags, default=float('nan'))}, "
                  f"catch-up {phase.replica_catch_up}")
+            by_cpu = sorted(phase.cpu.items(), key=lambda kv: -kv[1])
+            _say(f"[{downstream}]   CPU during it, % of one core by process tree (2 cores = 200): "
+                 + ", ".join(f"{name} {pct:.0f}" for name, pct in by_cpu))
             write_only = phase.script == "oltp_write_only"
             native = (f"native GTID replica, same run: Seconds_Behind_Master p50 "
                       f"{_pct(phase.replica_lags, .5):.0f} s, p99 {_pct(phase.replica_lags, .99):.0f} s, "
@@ -262,7 +291,7 @@ async def one_downstream(downstream: str, args: argparse.Namespace, out: Figures
         out.add(f"verdict into {into}: ordered row hash of every table, source against downstream "
                 f"({said})", 1.0 if equal else 0.0, "equal", target="EQUAL", met=equal)
         out.extra.setdefault("phases", {})[downstream] = [
-            {"script": p.script, "threads": p.threads, "tps": p.result.tps, "lags": p.lags,
+            {"script": p.script, "threads": p.threads, "tps": p.result.tps, "lags": p.lags, "cpu": p.cpu,
              "capture_lags": p.capture_lags,
              "replica_lags": p.replica_lags, "catch_up": p.catch_up, "replica_catch_up": p.replica_catch_up}
             for p in phases]
