@@ -249,8 +249,10 @@ def test_a_new_scheduler_leader_keeps_the_pins_of_the_operator_moves_it_replayed
     for seed in range(20):  # whichever victim the rng draws, never the pinned span
         moves = balance_moves(seed, moved_at + 60)
         assert len(moves) == 1 and moves[0] != SPANS[0], moves
-    # Past the pin it is a span like any other again.
+    # Past the pin it is a span like any other again, and the state forgets the move (else it
+    # kept every operator move ever made, in every snapshot).
     assert SPANS[0] in {s for seed in range(20) for s in balance_moves(seed, moved_at + 700)}
+    assert state.operator_moved == {} and state.dump()["operator_moved"] == []
 
 
 def test_scheduler_does_not_count_a_span_where_it_only_prepares() -> None:

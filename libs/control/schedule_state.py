@@ -35,7 +35,8 @@ class ScheduleState:
     operator_moved: dict[Span, float] = field(default_factory=dict)
     """When each span's latest operator move was handed out (Unix seconds, its event's time): the
     automatic balance leaves it where the operator put it for a while (``pinned``), and a new
-    scheduler leader knows that from the stream, not only the leader that handed it out."""
+    scheduler leader knows that from the stream, not only the leader that handed it out. The
+    leader's round forgets a move once its pin has run out (``SchedulerCore.round``)."""
 
     def apply(self, event: BaseModel, at: float | None = None) -> ScheduleState:
         """Fold ``event``; ``at`` is when it was recorded (Unix seconds), if known."""

@@ -184,11 +184,15 @@ class SchedulerCore:
         coordinator.rebalance.requested = self.state.rebalance
         coordinator.operator.failed.clear()  # reported as request_done events instead
         # Pins of operator moves handed out by an earlier leader too (in this leader's clock).
+        # A pin that has run out is forgotten: what the state keeps (and every snapshot of it
+        # carries) is the operator moves of the last pin's length, not every one ever made.
         wall = time.time() if wall is None else wall
-        for span, at in self.state.operator_moved.items():
+        for span, at in list(self.state.operator_moved.items()):
             since = max(0.0, wall - at)
             if since < coordinator.operator.pin_s:
                 coordinator.operator.moved_at.setdefault(span, now - since)
+            else:
+                del self.state.operator_moved[span]
         view = self.view(members, replication)
         tasks = coordinator.schedule(view, now)
         out: list[BaseModel] = []
