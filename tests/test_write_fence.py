@@ -179,3 +179,37 @@ def test_the_apply_job_tasks_refuse_a_stale_token(spark: SparkSession, tmp_path:
     assert not result.failures
     written = {name: sorted(sink.fetch_rows(t), key=lambda r: r["id"]) for name, t in tables.items()}
     assert written == spark_workload.expected()
+
+
+def test_kept_writes_share_one_connection_and_a_failed_one_is_not_kept(target: Target) -> None:
+    """The apply job writes a partition's targets over one connection (``keep``), a transaction
+    each: the fence is checked in every one, and a connection whose transaction failed is
+    closed, never handed to the next write."""
+    sink = target.sink
+    assert isinstance(sink, SqlSink)
+    table = target.table("items", META)
+    old = WriteFences("worker-old").take(sink, "url", target.schema, [SPAN])
+    new = WriteFences("worker-new").take(sink, "url", target.schema, [SPAN])
+    assert old is not None and new is not None
+    opened: list[Any] = []
+    connect = sink._connect
+
+    def counting() -> Any:
+        opened.append(connect())
+        return opened[-1]
+
+    sink._connect = counting  # type: ignore[method-assign]
+    try:
+        for i in range(5):
+            sink.apply_partition(replace(table, fence=new), [_upsert(i, "new")], keep=True)
+        assert len(opened) == 1 and sink._kept is opened[0]
+        with pytest.raises(WriteFenceLost):
+            sink.apply_partition(replace(table, fence=old), [_upsert(9, "old")], keep=True)
+        assert sink._kept is None  # the failed transaction's connection was closed, not kept
+        sink.apply_partition(replace(table, fence=new), [_upsert(5, "new")], keep=True)
+        assert len(opened) == 2 and sink._kept is opened[1]
+    finally:
+        sink.close()
+        sink._connect = connect  # type: ignore[method-assign]
+    assert sink._kept is None
+    assert _rows(target, table) == {i: "new" for i in range(6)}

@@ -382,10 +382,11 @@ def _guard(plan: TargetPlan, spec: GuardPlan | None) -> ConflictGuard | None:
 
 
 def _write(sink: Any, plan: TargetPlan, changes: list[Change], keys: list[str],
-           guard: ConflictGuard | None) -> PartitionResult | RowFailure:
-    """Write one target's changes; the refused change when the downstream refuses for good."""
+           guard: ConflictGuard | None, *, keep: bool = False) -> PartitionResult | RowFailure:
+    """Write one target's changes; the refused change when the downstream refuses for good.
+    ``keep``: the sink's connection stays open for the next write (``Sink.apply_partition``)."""
     try:
-        result: PartitionResult = sink.apply_partition(plan.table, changes, guard)
+        result: PartitionResult = sink.apply_partition(plan.table, changes, guard, keep=keep)
         return result
     except Exception as exc:
         refused = _refusal(sink, plan.table, changes, keys, exc, guard)
@@ -697,26 +698,33 @@ def write_finals(plan: ApplyPlan, finals: Iterable[Sequence[Any]]) -> Iterator[P
         else:
             changes[target].append(Delete(key=key_decoders[target](key_json_)))
         keys[target].append(key_json_)
+    # One connection per downstream for the partition's targets, one transaction each (a
+    # partition of a round over hundreds of small tables opened a connection per table).
     sinks: dict[str, Any] = {}
-    for index, (target_plan, target_changes, target_keys) in enumerate(
-            zip(plans, changes, keys, strict=True)):
-        if not target_changes:
-            if deferred[index]:
-                yield (target_plan.target_id, 0, 0, 0, None, [], deferred[index])
-            continue
-        sink = sinks.get(target_plan.sink_url)
-        if sink is None:
-            sink = sinks[target_plan.sink_url] = open_sink(target_plan.sink_url)
-        spec = plan.guards.get(index)
-        if spec is not None and plan.local_owners:
-            spec = GuardPlan(spec.policy, owners.get(index, {}), spec.shard_names, spec.target)
-        result = _write(sink, target_plan, target_changes, target_keys, _guard(target_plan, spec))
-        if isinstance(result, RowFailure):
-            # Refused for good: the target stops, so its large upserts are not written either.
-            yield (target_plan.target_id, 0, 0, 0, result.to_json(), [], [])
-            continue
-        yield (target_plan.target_id, result.deleted, result.upserted, result.conflicts_removed, None,
-               result.overwritten, deferred[index])
+    try:
+        for index, (target_plan, target_changes, target_keys) in enumerate(
+                zip(plans, changes, keys, strict=True)):
+            if not target_changes:
+                if deferred[index]:
+                    yield (target_plan.target_id, 0, 0, 0, None, [], deferred[index])
+                continue
+            sink = sinks.get(target_plan.sink_url)
+            if sink is None:
+                sink = sinks[target_plan.sink_url] = open_sink(target_plan.sink_url)
+            spec = plan.guards.get(index)
+            if spec is not None and plan.local_owners:
+                spec = GuardPlan(spec.policy, owners.get(index, {}), spec.shard_names, spec.target)
+            result = _write(sink, target_plan, target_changes, target_keys, _guard(target_plan, spec),
+                            keep=True)
+            if isinstance(result, RowFailure):
+                # Refused for good: the target stops, so its large upserts are not written either.
+                yield (target_plan.target_id, 0, 0, 0, result.to_json(), [], [])
+                continue
+            yield (target_plan.target_id, result.deleted, result.upserted, result.conflicts_removed, None,
+                   result.overwritten, deferred[index])
+    finally:
+        for sink in sinks.values():
+            sink.close()
 
 
 def _report_rows(reports: Iterable[PartitionReport]) -> Iterator[tuple[Any, ...]]:

@@ -410,7 +410,7 @@ class SqlSink(Sink):
     """The connection ``_run(keep=True)`` left open for the next bulk load (``close``)."""
 
     def close(self) -> None:
-        """Close the connection kept between bulk loads, if any (the sink stays usable)."""
+        """Close the connection kept between bulk loads or writes, if any (the sink stays usable)."""
         conn, self._kept = self._kept, None
         if conn is not None:
             try:
@@ -532,7 +532,7 @@ class SqlSink(Sink):
     # ------------------------------------------------------------------ apply
 
     def apply_partition(self, table: TargetTable, changes: Iterable[Change],
-                        guard: ConflictGuard | None = None) -> PartitionResult:
+                        guard: ConflictGuard | None = None, *, keep: bool = False) -> PartitionResult:
         if not table.key:
             raise ValueError(f"table {table.name!r} has no key: the apply path needs one")
         colmap = self._columns(table)
@@ -573,7 +573,7 @@ class SqlSink(Sink):
                 return self._apply(cur, table, colmap, deletes, upserts, _Guarded(guard, shards))
             return self._apply(cur, table, colmap, deletes, upserts)
 
-        return self._run(work, f"apply partition of {table.name!r}", fence=table.fence)
+        return self._run(work, f"apply partition of {table.name!r}", keep=keep, fence=table.fence)
 
     def _apply(self, cur: Any, table: TargetTable, colmap: Mapping[str, ColumnV1],
                deletes: Sequence[tuple[Any, ...]],
