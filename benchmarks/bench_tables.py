@@ -45,6 +45,7 @@ import http.client
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -193,6 +194,35 @@ def tree_rss(root: int, children: dict[int, list[int]]) -> tuple[int, int]:
     return total, threads
 
 
+_STAGE = re.compile(r'^sluice_sink_round_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$')
+
+
+def round_stages(port: int) -> dict[tuple[str, str], float]:
+    """A sink-worker's round stage seconds so far: ``(stage, "sum"|"count") -> value``."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        m = _STAGE.match(line)
+        if m:
+            out[(m.group(2), m.group(1))] = float(m.group(3))
+    return out
+
+
+def stage_means(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> str:
+    """Rounds between two ``round_stages`` and each stage's mean seconds a round."""
+    stages = sorted({stage for stage, _ in after})
+    rounds = after.get((stages[0], "count"), 0.0) - before.get((stages[0], "count"), 0.0) if stages else 0
+    if not rounds:
+        return "no round"
+    means = ", ".join(f"{stage} {(after[(stage, 'sum')] - before.get((stage, 'sum'), 0.0)) / rounds:.2f} s"
+                      for stage in stages)
+    return f"{rounds:.0f} rounds, a round's mean: {means}"
+
+
 def metric_series(port: int) -> int:
     """Sample lines a service's /metrics exports (one per label set): its label cardinality."""
     try:
@@ -317,6 +347,8 @@ async def lag_under_writes(system: LocalSystem, out: Figures, tag: str, names: l
             conn.close()
 
     pool = [threading.Thread(target=write, args=(n,), daemon=True) for n in range(threads)]
+    workers = {n: p.port for n, p in system.processes.items() if n.startswith("sink-worker")}
+    stages_before = {n: await asyncio.to_thread(round_stages, port) for n, port in workers.items()}
     load_at_start = _load()
     started = time.time()
     for t in pool:
@@ -331,6 +363,9 @@ async def lag_under_writes(system: LocalSystem, out: Figures, tag: str, names: l
     ended = time.time()
     for t in pool:
         await asyncio.to_thread(t.join, 30)
+    for n, port in workers.items():  # where a round's time goes under the writes
+        _say(f"  {n} under the writes: "
+             f"{stage_means(stages_before[n], await asyncio.to_thread(round_stages, port))}")
     achieved = sum(written) / (ended - started)
     caught = None
     while time.time() - ended < 120:
