@@ -13,7 +13,8 @@ files holding them (``groups_to_reports``, ``libs.spark_handoff``).
    sub-order)``: the image the source had at the end of the batch.
 3. Write: each partition writes its final images through the sink (``Sink.apply_partition``:
    delete by key, all deletes before any upsert; upsert that first removes rows holding the
-   same unique-key values under another key). No lock spans partitions: the batch ends at a
+   same unique-key values under another key), a transaction per target over one connection per
+   downstream for the whole partition. No lock spans partitions: the batch ends at a
    consistent point of the source, so its final images satisfy every unique key together,
    and keys the downstream compares as equal are in one partition, so the order in which
    partitions land does not matter (the TDSQL "lucy" case needs no lock here). The driver
