@@ -234,3 +234,54 @@ def test_an_unchanged_heartbeat_that_says_more_is_refused(update: dict[str, obje
     if "tables" not in update:  # the liveness read leaves the tables unread
         with pytest.raises(ContractError):
             decode_liveness(data)
+
+
+def _v2_body(hb: MemberHeartbeatV3) -> bytes:
+    [(data, _)] = heartbeat_messages(hb, max_payload=1 << 20, producer="p")
+    assert json.loads(data)["version"] == 2
+    return data
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_the_leader_decodes_v2_and_v3_in_one_pass_as_the_registry_does(
+        complete: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report in one message is v2: the registry validates it, upcasts it and validates it
+    again, three passes over every span. ``decode_heartbeat`` reads v2 and v3 in one, to the
+    same heartbeat; anything else still goes the registry's way and fails as it does."""
+    from libs.control import heartbeat_parts
+
+    hb = _hb(300, complete=complete)
+    bodies = [_v2_body(hb)] + [data for data, _ in heartbeat_messages(hb, max_payload=16 << 10, producer="p")]
+    want = [REGISTRY.decode(b).event for b in bodies]
+    calls: list[bytes] = []
+    monkeypatch.setattr(heartbeat_parts.REGISTRY, "decode", lambda raw: calls.append(raw))
+    assert [heartbeat_parts.decode_heartbeat(b) for b in bodies] == want
+    assert calls == []  # every one in one pass
+
+
+@pytest.mark.parametrize("change", ["v2 with a part", "v1", "not a heartbeat", "a bad table", "garbage"])
+def test_what_the_one_pass_does_not_take_is_the_registrys(change: str) -> None:
+    from libs.control.heartbeat_parts import decode_heartbeat
+
+    raw = json.loads(_v2_body(_hb(2)))
+    if change == "v2 with a part":
+        raw["data"]["part"] = 0
+    elif change == "v1":
+        raw["version"] = 1
+        raw["data"].pop("complete")
+    elif change == "not a heartbeat":
+        raw["type"] = "member.joined"
+        raw["version"] = 2
+        raw["data"] = {"member_id": "w1", "incarnation": "i", "address": ""}
+    elif change == "a bad table":
+        raw["data"]["tables"][0]["state"] = "flying"
+    data = b"{not json" if change == "garbage" else json.dumps(raw).encode()
+    try:
+        want: object = REGISTRY.decode(data).event
+    except ContractError as exc:
+        want = exc
+    if isinstance(want, MemberHeartbeatV3):
+        assert decode_heartbeat(data) == want  # v1: upcast by the registry
+    else:
+        with pytest.raises(ContractError):
+            decode_heartbeat(data)

@@ -53,7 +53,7 @@ from contracts.events.scheduling import (
 from libs.config import Settings
 from libs.control.changefeeds_state import ChangefeedView, changefeeds_fold
 from libs.control.convert import dispatch_request, span_of
-from libs.control.heartbeat_parts import ReportParts, joined
+from libs.control.heartbeat_parts import ReportParts, decode_heartbeat, joined
 from libs.control.members import MembersState, members_fold
 from libs.control.replication_state import ReplicationState, replication_fold
 from libs.control.schedule_state import ScheduleState, schedule_fold
@@ -232,12 +232,9 @@ class LatestHeartbeats:
             events = []
             for data in report:
                 try:
-                    event = REGISTRY.decode(data).event
+                    events.append(decode_heartbeat(data))
                 except ContractError:
                     break  # the member service dead-letters bad heartbeats; one place is enough
-                if not isinstance(event, MemberHeartbeatV3):
-                    break
-                events.append(event)
             else:
                 hb = joined(events)
                 if hb is not None and not hb.unchanged:
