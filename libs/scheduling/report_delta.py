@@ -19,7 +19,7 @@ most the interval.
 
 A partial report equal to the last one sent (nothing changed since: most heartbeats of an idle
 member, whose quiet spans move once a round) is not sent again: ``cut`` gives ``None`` for the
-tables and the heartbeat is liveness only (``HEARTBEAT_SAME_REPORT``), which the
+tables and the heartbeat is liveness only (``HEARTBEAT_UNCHANGED_HEADER``), which the
 replication-manager does not handle as a report. What it last handled already says all of it;
 had that one been lost, the next complete report says it, as for any lost heartbeat.
 """
