@@ -104,34 +104,20 @@ def _member_heartbeat_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
 
 
 @register("member.heartbeat", 3)
-class MemberHeartbeatV3(BaseModel):
+class MemberHeartbeatV3(MemberHeartbeatV2):
     """v2 that may come in several messages: a report larger than the server's max_payload
     (a member with thousands of spans) is cut into ``parts`` messages of the same ``seq``, each
-    with a slice of ``tables`` (``libs.control.heartbeat_parts``). A reader takes such a report
-    only once every part of it arrived; the other fields are the same in each part. A report of
-    one message is still written as v2, which older readers read. ``unchanged`` came with v3
-    too (``libs.scheduling.report_delta``)."""
+    with a slice of ``tables`` (``libs.control.heartbeat_parts``); ``complete`` then speaks of
+    every part's tables together. A reader takes such a report only once every part of it
+    arrived; the other fields are the same in each part. A report of one message is still
+    written as v2, which older readers read. ``unchanged`` came with v3 too
+    (``libs.scheduling.report_delta``)."""
 
-    model_config = ConfigDict(extra="forbid", defer_build=True)
-    member_id: str = Field(min_length=1)
-    incarnation: str = Field(min_length=1, description="Fresh per process start.")
-    address: str = Field("", description="Where the member serves health and metrics.")
-    draining: bool = Field(False, description="The member is shutting down: move its spans away.")
-    leaving: bool = Field(False, description="Last heartbeat of a clean exit: the member is gone now.")
-    epoch: int = Field(0, ge=0, description="Newest replication-manager epoch the member has seen.")
-    seq: int = Field(ge=0, description="Increases with every report of this member (heartbeats and "
-                                       "dispatch answers), across restarts under the same id; the "
-                                       "parts of one report share it.")
-    complete: bool = Field(True, description="True: ``tables`` (of every part together) is every span "
-                                             "the member holds. False: only the spans whose status "
-                                             "changed since the member's last complete report.")
     part: int = Field(0, ge=0, description="Which message of the report this is, from 0.")
     parts: int = Field(1, ge=1, description="How many messages the report was cut into.")
     unchanged: bool = Field(False, description="The member's last partial report again (nothing "
                                                "changed since): ``tables`` is empty and the "
                                                "heartbeat is liveness only, not a report.")
-    tables: list[TableStatusV1] = Field(default_factory=list,
-                                        description="This part's slice of the report's spans.")
 
     @model_validator(mode="after")
     def _consistent(self) -> MemberHeartbeatV3:
