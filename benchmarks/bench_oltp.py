@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import sysbench  # noqa: E402
-from benchmarks.memory import children_by_parent, cpu_seconds, descendants  # noqa: E402
+from benchmarks.memory import children_by_parent, tree_cpu  # noqa: E402
 from benchmarks.output import Figures, add_json_option  # noqa: E402
 from libs.localservers.common import wait_until  # noqa: E402
 from libs.localservers.mariadb import MariaDB  # noqa: E402
@@ -172,8 +172,7 @@ class Run:
 def tree_cpus(roots: dict[str, int]) -> dict[str, float]:
     """CPU seconds of each root's process tree (a process that exited meanwhile counts 0)."""
     children = children_by_parent()
-    return {name: sum(cpu_seconds(pid) for pid in descendants(root, children))
-            for name, root in roots.items()}
+    return {name: tree_cpu(root, children) for name, root in roots.items()}
 
 
 def table_digests(rows_of: Any, tables: int) -> dict[str, dict[int, str]]:

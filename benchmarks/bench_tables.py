@@ -65,7 +65,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError  # noqa: E402
 
 from benchmarks.bench_e2e import _start_healthy  # noqa: E402
 from benchmarks.e2e_figures import pct  # noqa: E402
-from benchmarks.memory import MemorySampler, children_by_parent, cpu_seconds, descendants, rss  # noqa: E402
+from benchmarks.memory import MemorySampler, children_by_parent, descendants, rss, tree_cpu  # noqa: E402
 from benchmarks.output import Figures, add_json_option  # noqa: E402
 from contracts.events.members import MemberJoinedV2  # noqa: E402
 from libs.localservers.mariadb import MariaDB  # noqa: E402
@@ -178,10 +178,6 @@ class LoadWatch:
 # ----------------------------------------------------------------------------- idle figures
 
 
-def tree_cpu(root: int, children: dict[int, list[int]]) -> float:
-    return sum(cpu_seconds(pid) for pid in descendants(root, children))
-
-
 def tree_rss(root: int, children: dict[int, list[int]]) -> tuple[int, int]:
     """(summed RSS, threads) of a process tree."""
     total = threads = 0
@@ -197,15 +193,19 @@ def tree_rss(root: int, children: dict[int, list[int]]) -> tuple[int, int]:
 _STAGE = re.compile(r'^sluice_sink_round_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$')
 
 
-def round_stages(port: int) -> dict[tuple[str, str], float]:
-    """A sink-worker's round stage seconds so far: ``(stage, "sum"|"count") -> value``."""
+def _metrics(port: int) -> str | None:
+    """A service's /metrics text; None when it does not answer."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            text = r.read().decode()
+            return str(r.read().decode())
     except OSError:
-        return {}
+        return None
+
+
+def round_stages(port: int) -> dict[tuple[str, str], float]:
+    """A sink-worker's round stage seconds so far: ``(stage, "sum"|"count") -> value``."""
     out: dict[tuple[str, str], float] = {}
-    for line in text.splitlines():
+    for line in (_metrics(port) or "").splitlines():
         m = _STAGE.match(line)
         if m:
             out[(m.group(2), m.group(1))] = float(m.group(3))
@@ -225,10 +225,8 @@ def stage_means(before: dict[tuple[str, str], float], after: dict[tuple[str, str
 
 def metric_series(port: int) -> int:
     """Sample lines a service's /metrics exports (one per label set): its label cardinality."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-    except OSError:
+    text = _metrics(port)
+    if text is None:
         return -1
     return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
 

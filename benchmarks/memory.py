@@ -76,6 +76,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def tree_cpu(root: int, children: dict[int, list[int]] | None = None) -> float:
+    """CPU seconds of ``root``'s process tree so far (a process that has exited counts 0)."""
+    return sum(cpu_seconds(pid) for pid in descendants(root, children))
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds of a process' threads, by thread name with digits dropped ("GC Thread#")."""
     out: dict[str, float] = {}
