@@ -275,10 +275,17 @@ def test_schedule_task_trace_runs_from_scheduler_to_worker(system: ObsSystem) ->
     spans = system.wait(chain, 60, "scheduler -> replication-manager -> worker spans of one task")
     assert len({s.trace_id for s in spans}) == 1
     assert spans[2].name in ("dispatch add-prepare", "dispatch add-commit")
-    # Both phases of the two-phase dispatch of a span belong to the task's trace.
-    phases = {s.name for s in _spans(system, "replication-manager", lambda n: n.startswith("dispatch "))
-              if s.trace_id == spans[0].trace_id}
-    assert {"dispatch add-prepare", "dispatch add-commit"} <= phases
+    # Both phases of the two-phase dispatch of a span belong to the task's trace. The chain above
+    # may be found while the span still prepares: the commit comes once it reports Prepared.
+    both = {"dispatch add-prepare", "dispatch add-commit"}
+
+    def phases() -> set[str]:
+        return {s.name for s in _spans(system, "replication-manager", lambda n: n.startswith("dispatch "))
+                if s.trace_id == spans[0].trace_id}
+
+    system.wait(lambda: both <= phases(), 60, "the add-commit dispatch in the task's trace",
+                detail=lambda: f"phases in the trace: {sorted(phases())}")
+    assert both <= phases()
 
 
 def _metrics(proc: ServiceProcess) -> str:
