@@ -202,6 +202,36 @@ def test_scheduler_waits_for_a_ready_replication_manager_and_reported_members() 
     assert core.round(members, rep, 2.0) == []
 
 
+def test_the_scheduler_reuses_its_comparison_and_wanted_spans_until_something_changes() -> None:
+    """Rounds run on every input: the scheduler compares the discovered spans with the recorded
+    ones only when either list is new, keeps one ``WantedSpans`` while the recorded spans stay,
+    and reads an add's floor from the sets as they are when the add is planned."""
+    core, state = _scheduler()
+    discovered = {"cf": list(reversed(SPANS))}
+    assert core.spans_changes(discovered) == []  # the same spans, in another order
+    assert core.spans_changes(discovered) == []
+    assert core._same["cf"][0] is discovered["cf"]
+    rep = _ready_replication({"w1": "inc-w1"})
+    first = core.wanted(rep)
+    assert core.wanted(rep) is first and set(first) == set(SPANS) and first[SPANS[0]] == 0
+    rep.apply(_set_changed(SPANS[0], "absent", None, 77))
+    assert first[SPANS[0]] == 77  # the set's checkpoint now, not when the mapping was built
+    # A new discovery with a span more: one spans_changed, then a new WantedSpans once recorded.
+    extra = Span("cf", "src", "db", "t_new")
+    grown = {"cf": [*SPANS, extra]}
+    changes = core.spans_changes(grown)
+    assert len(changes) == 1 and isinstance(changes[0], SpansChangedV1)
+    state.apply(changes[0])
+    assert core.spans_changes(grown) == []
+    assert core.wanted(rep) is not first and extra in core.wanted(rep)
+    # The discovered list object kept, the recorded one replaced: compared again.
+    state.apply(SpansChangedV1(changefeed="cf", spans=[span_ref(s) for s in SPANS]))
+    assert [type(e) for e in core.spans_changes(grown)] == [SpansChangedV1]
+    # A changefeed gone from both: nothing kept for it.
+    state.apply(SpansChangedV1(changefeed="cf", spans=[]))
+    assert core.spans_changes({}) == [] and core._same == {}
+
+
 def test_scheduler_counts_its_own_tasks_in_flight_when_balancing() -> None:
     core, _ = _scheduler()
     members = _members("w1", "w2")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sqlite3
 import threading
 import time
 from datetime import UTC, datetime
@@ -332,3 +333,47 @@ async def test_the_open_last_chunk_is_cut_as_the_copy_reaches_it(
     assert stored is not None and stored.chunks_total == 5
     assert stored.pending(decode_key(meta, key))[2:] == pending
     await loads.store.delete(span)
+
+
+async def test_a_small_table_is_copied_by_the_worker_and_a_larger_one_by_spark(
+    js: JetStreamContext, mariadb: MariaDB, tmp_path: Path,
+) -> None:
+    """``inline_rows``: a table planned as one chunk is counted (exactly, up to the bound, since
+    InnoDB's estimate can read 0 for a filled table) and copied on a thread of the worker when
+    it is that small; one row more, or a plan of several chunks, and the copy is Spark's."""
+    db = "snap_inline"
+    mariadb.execute(f"DROP DATABASE IF EXISTS {db}", f"CREATE DATABASE {db}",
+                    f"CREATE TABLE {db}.t (id INT PRIMARY KEY, v VARCHAR(20))",
+                    f"INSERT INTO {db}.t SELECT seq, CONCAT('v', seq) FROM {db}.seq_1_to_10")
+    sink = f"sqlite:///{tmp_path / 'down.db'}"
+    span = Span.of("inline", "src", db, "t")
+
+    def prepared(options: SnapshotOptions) -> tuple[InitialLoads, SnapshotProgress, bool]:
+        loads = InitialLoads(js, _no_spark, options, bucket="sluice-snapshots-inline")
+        progress = SnapshotProgress(changefeed=span.changefeed, source=span.source, database=db, table="t")
+        req = SnapshotRequest(span=span, source_url=mariadb.url, sink_url=sink, key_policy="primary",
+                              mode="snapshot")
+        job, chunks, small = loads._prepare(req, progress)
+        assert job is not None and chunks
+        return loads, progress, small
+
+    assert not (await asyncio.to_thread(prepared, SnapshotOptions(inline_rows=9)))[2]
+    assert not (await asyncio.to_thread(prepared, SnapshotOptions(inline_rows=0)))[2]
+    assert not (await asyncio.to_thread(prepared, SnapshotOptions(inline_rows=100, chunk_rows=4)))[2]
+    loads, progress, small = await asyncio.to_thread(prepared, SnapshotOptions(inline_rows=10))
+    assert small and progress.chunks_total == 1
+    req = SnapshotRequest(span=span, source_url=mariadb.url, sink_url=sink, key_policy="primary",
+                          mode="snapshot")
+    job, chunks, _ = await asyncio.to_thread(loads._prepare, req, progress)
+    assert job is not None
+    await loads.store.delete(span)
+    revision = await loads.store.put(span, progress, 0)
+    # _no_spark fails the copy if anything asks for a Spark session.
+    await loads._copy_inline(req, job, progress, chunks[0], revision, time.time(), 0)
+    stored, _ = await loads.store.get(span)
+    assert stored is not None and stored.rows_copied == 10 and stored.chunks_done == 1
+    with sqlite3.connect(tmp_path / "down.db") as down:
+        got = down.execute("SELECT id, v FROM t ORDER BY id").fetchall()
+    assert got == [(i, f"v{i}") for i in range(1, 11)]
+    await loads.store.delete(span)
+    await loads.close()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Collection, Iterable, Iterator, KeysView, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, KeysView, Mapping
 from dataclasses import dataclass, field
 
 from libs.scheduling.model import InvalidTaskError, MemberId, MemberInfo, Span
@@ -47,13 +47,18 @@ class WantedSpans(Mapping[Span, int]):
     caller whose wanted spans change builds a new one; a plain mapping is scanned every round.
     """
 
-    __slots__ = ("_floors",)
+    __slots__ = ("_floor", "_floors")
 
-    def __init__(self, floors: Mapping[Span, int] | Iterable[tuple[Span, int]] = ()) -> None:
+    def __init__(self, floors: Mapping[Span, int] | Iterable[tuple[Span, int]] = (), *,
+                 floor: Callable[[Span], int] | None = None) -> None:
+        """``floor``: the checkpoint of a span is asked for when an add needs it (the sets'
+        checkpoints move all the time; the spans do not), and ``floors`` gives only the spans."""
         self._floors: dict[Span, int] = dict(floors)
+        self._floor = floor
 
     def __getitem__(self, span: Span) -> int:
-        return self._floors[span]
+        found = self._floors[span]
+        return found if self._floor is None else self._floor(span)
 
     def __iter__(self) -> Iterator[Span]:
         return iter(self._floors)

@@ -77,6 +77,8 @@ from services.replication_manager.core import Output, ReplicationCore
 from services.replication_manager.syncpoints import SyncpointDriver
 
 log = logging.getLogger(__name__)
+_EAGER_CHECKPOINT_S = 0.05
+"""Until a term first publishes a checkpoint: the shortest time between two looks at it."""
 
 DOMAIN = "replication"
 
@@ -287,6 +289,7 @@ class ReplicationHandlers:
         self.policy.opened(domain_log)
         self.last_tick = self.last_checkpoint = self.last_syncpoint = time.monotonic()
         self.advanced = False
+        self.last_eager = 0.0
         self.syncpoints: SyncpointDriver | None = None
         """Consistent points across each changefeed's tables (``syncpoint_interval``)."""
 
@@ -362,10 +365,14 @@ class ReplicationHandlers:
         if self.syncpoints is not None and now - self.last_syncpoint >= settings.replication_syncpoint_tick_s:
             self.last_syncpoint = now
             await self.syncpoints.tick()
-        # Until this term has published a checkpoint, look after every input (the first
-        # report that moves the slowest span); from then on at most every interval.
+        # Until this term has published a checkpoint, look soon after each input (the first
+        # report that moves the slowest span); from then on at most every interval. "Soon" is
+        # bounded too: the minimum runs over every span, and a changefeed's start (thousands of
+        # spans added, none checkpointed yet) sends an input every few milliseconds.
         due = now - self.last_checkpoint >= settings.replication_checkpoint_interval_s
-        if due or (core.ready and not self.advanced):
+        eager = core.ready and not self.advanced and now - self.last_eager >= _EAGER_CHECKPOINT_S
+        if due or eager:
+            self.last_eager = now
             events = core.checkpoint_events()
             for event in events:
                 await self.domain_log.append(event)

@@ -60,6 +60,7 @@ from libs.scheduling import (
     SchedulingView,
     SetState,
     Span,
+    WantedSpans,
     validate_move,
 )
 
@@ -90,6 +91,10 @@ class SchedulerCore:
         self.replication_epoch = 0
         self.tasks_emitted = 0
         self.tasks_timed_out = 0
+        # What the last round's view was built from (see ``view``), and per changefeed the
+        # discovered and recorded span lists last found equal (see ``spans_changes``).
+        self._wanted_of: tuple[tuple[list[Span], ...], ReplicationState, WantedSpans] | None = None
+        self._same: dict[ChangefeedId, tuple[Iterable[Span], list[Span]]] = {}
 
     # -- inputs from the replication stream ---------------------------------------------------
 
@@ -140,15 +145,27 @@ class SchedulerCore:
             out[m] = MemberInfo(m, draining)
         return out
 
-    @staticmethod
-    def wanted_with_floors(wanted: Iterable[Span], replication: ReplicationState) -> dict[Span, int]:
-        """Each wanted span with the checkpoint an add starts it from: its set's, else 0. (The
-        changefeed checkpoint does not cover a span that was never part of it.)"""
-        sets = replication.sets
-        return {s: (sets[s].checkpoint_ts if s in sets else 0) for s in wanted}
+    def wanted(self, replication: ReplicationState) -> WantedSpans:
+        """The wanted spans as one ``WantedSpans`` for as long as the recorded spans are the same
+        lists (each ``spans_changed`` replaces its changefeed's): the basic scheduler then keeps
+        its spans to add across rounds instead of comparing every wanted span with the sets each
+        round, and no round builds a mapping of every span. Floors are read when an add asks."""
+        lists = tuple(self.state.wanted.values())
+        cached = self._wanted_of
+        if (cached is None or cached[1] is not replication or len(cached[0]) != len(lists)
+                or any(a is not b for a, b in zip(cached[0], lists, strict=True))):
+            sets = replication.sets
+
+            def floor(span: Span) -> int:
+                found = sets.get(span)
+                return found.checkpoint_ts if found is not None else 0
+
+            spans = WantedSpans(dict.fromkeys(self.state.wanted_spans(), 0), floor=floor)
+            cached = self._wanted_of = (lists, replication, spans)
+        return cached[2]
 
     def view(self, members: MembersState, replication: ReplicationState) -> SchedulingView:
-        wanted = self.wanted_with_floors(self.state.wanted_spans(), replication)
+        wanted = self.wanted(replication)
         running: dict[Span, ScheduleTask] = {s: p.task for s, p in self.pending.items()}
         view = _PendingAwareView(self.usable_members(members, replication, self.state), wanted,
                                  replication.sets, running=running, index=replication.index,
@@ -164,9 +181,20 @@ class SchedulerCore:
         changefeed missing from it is not running any more and wants nothing."""
         out: list[BaseModel] = []
         for cf in sorted(set(discovered) | set(self.state.wanted)):
-            now = sorted(set(discovered.get(cf, ())))
-            if now != self.state.wanted.get(cf, []):
+            found, recorded = discovered.get(cf, ()), self.state.wanted.get(cf, [])
+            same = self._same.get(cf)
+            if same is not None and same[0] is found and same[1] is recorded:
+                # Compared already: sorting thousands of spans each round was most of the
+                # scheduler's CPU while a changefeed started.
+                continue
+            now = sorted(set(found))
+            if now != recorded:
+                self._same.pop(cf, None)
                 out.append(SpansChangedV1(changefeed=cf, spans=[span_ref(s) for s in now]))
+            else:
+                self._same[cf] = (found, recorded)
+        for cf in set(self._same) - set(discovered) - set(self.state.wanted):
+            del self._same[cf]
         return out
 
     def round(self, members: MembersState, replication: ReplicationState, now: float,

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal
@@ -50,6 +51,7 @@ from libs.table_rules import TableRulesError, rules_for
 from libs.target_fit import fit_problems
 from libs.ts import LOGICAL_BITS
 from services.sink_worker import metrics as m
+from services.sink_worker.ddl.target_schemas import TargetSchemas
 from services.sink_worker.round.pull import ResolvedMark, latest_resolved
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.factory import open_sink
@@ -60,6 +62,8 @@ from services.sink_worker.snapshot.job import (
     CopyPool,
     chunks_per_job,
     connect_source,
+    copy_chunk,
+    count_upto,
     decode_key,
     encode_key,
     estimate_rows,
@@ -144,13 +148,16 @@ class SnapshotOptions:
     write_rows: int = 5000
     job_rows: int = 1_000_000
     """At most this many rows' worth of chunks in one copy job (see ``chunks_per_job``)."""
+    inline_rows: int = 10_000
+    """A table planned as one chunk and holding at most this many rows is copied on a thread of
+    the worker (``copy_chunk`` as a Spark task runs it) instead of by a Spark job. 0: never."""
     watermark_timeout_s: float = 60.0
     retry_s: float = 10.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SnapshotOptions:
         return cls(chunk_rows=settings.snapshot_chunk_rows, parallelism=settings.snapshot_parallelism,
-                   write_rows=settings.snapshot_write_rows,
+                   write_rows=settings.snapshot_write_rows, inline_rows=settings.snapshot_inline_rows,
                    watermark_timeout_s=settings.snapshot_watermark_timeout_s,
                    retry_s=settings.snapshot_retry_s)
 
@@ -269,6 +276,15 @@ class InitialLoads:
         """Why a span's copy failed for good (``UNREPLICABLE``), with its ``unreplicable`` decision."""
         self.progress: dict[Span, SnapshotProgress] = {}
         """The latest progress this worker knows of each span it loads (status, metrics)."""
+        # Small tables' copies (``SnapshotOptions.inline_rows``), shared by every span: as many
+        # at once as one span's copy keeps Spark jobs in flight.
+        self.schemas: TargetSchemas | None = None
+        """The stream's memory of the targets' schemas (set by the pipeline): a target this copy
+        created and reconciled is not checked again by the span's first batch (one connection
+        and a few information_schema reads each, thousands of them in the first round after a
+        changefeed of thousands of tables started)."""
+        self._inline = ThreadPoolExecutor(max_workers=self.options.parallelism,
+                                          thread_name_prefix="snapshot-inline")
 
     async def decide(self, req: SnapshotRequest) -> tuple[Decision, Checkpoint | None]:
         """Where the span stands: still copying (a copy runs or was just started), ready to
@@ -323,6 +339,7 @@ class InitialLoads:
     async def close(self) -> None:
         for span in list(self._tasks):
             await self.stop(span)
+        self._inline.shutdown(wait=False, cancel_futures=True)
 
     def status(self, span: Span) -> dict[str, Any] | None:
         p = self.progress.get(span)
@@ -357,13 +374,16 @@ class InitialLoads:
                 mark, revision = await self._wait_mark(req, progress, revision, after_ms=0)
                 progress.low_watermark_ts, progress.low_watermark_seq = mark.ts, mark.stream_seq
             progress.state = "copying"
-            job, chunks = await asyncio.to_thread(self._prepare, req, progress)
+            job, chunks, small = await asyncio.to_thread(self._prepare, req, progress)
             revision = await self.store.put(span, progress, revision, req.progress_key)
             self._observe(span, progress)
             if progress.resumed_chunks:
                 log.info("snapshot resumes", extra={"span": span.name, "chunks_done": progress.chunks_done,
                                                     "chunks_total": progress.chunks_total})
-            if job is not None and chunks:
+            if job is not None and small and len(chunks) == 1:
+                revision = await self._copy_inline(req, job, progress, chunks[0], revision,
+                                                   run_started_at, rows_at_run_start)
+            elif job is not None and chunks:
                 revision = await self._copy(req, job, progress, chunks, revision,
                                             run_started_at, rows_at_run_start)
             mark, revision = await self._wait_mark(req, progress, revision,
@@ -393,9 +413,11 @@ class InitialLoads:
             raise
 
     def _prepare(self, req: SnapshotRequest,
-                 progress: SnapshotProgress) -> tuple[CopyJob | None, list[Chunk]]:
-        """Blocking (a thread): the table's metadata, the plan (first run only), the target.
-        (None, []) for a re-copy of a table the source no longer has: its target is dropped."""
+                 progress: SnapshotProgress) -> tuple[CopyJob | None, list[Chunk], bool]:
+        """Blocking (a thread): the table's metadata, the plan (first run only), the target,
+        and whether the table is small enough to copy without Spark (``inline_rows``).
+        (None, [], False) for a re-copy of a table the source no longer has: its target is
+        dropped."""
         span = req.span
         conn = connect_source(req.source_url)
         try:
@@ -415,7 +437,7 @@ class InitialLoads:
                     key=()))
                 log.info("re-copy: the table is gone upstream; its target is dropped",
                          extra={"span": span.name})
-                return None, []
+                return None, [], False
             if info is None:
                 raise LookupError(f"table {database}.{table} does not exist on source {span.source}")
             if suspect_columns(info):
@@ -451,6 +473,9 @@ class InitialLoads:
                                      progress.rows_estimate)
                 progress.set_plan(chunk_key, chunks, encode_key(meta, chunk_key))
                 progress.rows_copied = 0
+            inline = self.options.inline_rows
+            small = (inline > 0 and progress.chunks_total == 1
+                     and count_upto(conn, database, table, inline) <= inline)
         finally:
             conn.close()
         sink = open_sink(req.sink_url)
@@ -462,12 +487,14 @@ class InitialLoads:
         if req.shards == 1:
             # As the stream does for a single-shard target: columns follow the source's metadata.
             sink.reconcile_schema(target)
+            if self.schemas is not None:
+                self.schemas.brought_to(req.sink_url, target)
         # The copy's tasks write only while this worker holds the span's token.
         target = replace(target, fence=self.fences.take(sink, req.sink_url, target.schema, [req.span.kv_key]))
         job = CopyJob(source_url=req.source_url, database=database, table=table, chunk_key=chunk_key,
                       target=target, sink_url=req.sink_url, write_rows=self.options.write_rows,
                       origin=origin)
-        return job, progress.pending(decode_key(meta, chunk_key))
+        return job, progress.pending(decode_key(meta, chunk_key)), small
 
     async def _bound_open_chunk(self, req: SnapshotRequest, job: CopyJob, progress: SnapshotProgress,
                                 pending: list[Chunk], revision: int) -> tuple[list[Chunk], int]:
@@ -531,6 +558,29 @@ class InitialLoads:
         finally:
             pool.close()
 
+    async def _copy_inline(self, req: SnapshotRequest, job: CopyJob, progress: SnapshotProgress,
+                           chunk: Chunk, revision: int, run_started_at: float,
+                           rows_at_run_start: int) -> int:
+        """Copy a small table's one chunk on a thread of this process: the same ``copy_chunk``
+        a Spark task runs, without the job's fixed cost (scheduling, a Python worker's task),
+        which is most of a small table's copy and capped a changefeed of thousands of small
+        tables at the pace of Spark's task slots. The write fence guards it as it does a task."""
+        future = asyncio.wrap_future(self._inline.submit(copy_chunk, job, chunk))
+        try:
+            rows = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # ``stop`` promises nothing of this copy writes once it returns: a small table's
+            # copy ends soon, so it is waited for (bounded, as the Spark jobs' end is).
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(future, 60.0)
+            raise
+        progress.finish_chunk(chunk.id, rows)
+        m.SNAPSHOT_ROWS.labels(req.span.changefeed).inc(rows)
+        progress.measure(run_started_at, rows_at_run_start, time.time())
+        revision = await self.store.put(req.span, progress, revision, req.progress_key)
+        self._observe(req.span, progress)
+        return revision
+
     async def _wait_mark(self, req: SnapshotRequest, progress: SnapshotProgress, revision: int, *,
                          after_ms: int) -> tuple[ResolvedMark, int]:
         """The source's newest resolved mark, once there is one whose physical time is at or
@@ -568,8 +618,19 @@ class InitialLoads:
 
 
 def _real_names(conn: Any, span: Span) -> tuple[str, str]:
-    """The source's database and table names behind the span's subject tokens."""
+    """The source's database and table names behind the span's subject tokens.
+
+    The tokens are the names themselves unless a name has characters a subject cannot hold, so
+    the exact names are asked for first: with thousands of tables, listing every one for each
+    span's copy made a changefeed's start quadratic in its tables."""
     with conn.cursor() as cur:
+        cur.execute("SELECT TABLE_SCHEMA, TABLE_NAME FROM information_schema.TABLES"
+                    " WHERE TABLE_TYPE = 'BASE TABLE' AND TABLE_SCHEMA = %s AND TABLE_NAME = %s",
+                    (span.database, span.table))
+        exact = [(str(d), str(t)) for d, t in cur.fetchall()
+                 if (str(d), str(t)) == (span.database, span.table)]
+        if exact:
+            return exact[0]
         cur.execute("SELECT TABLE_SCHEMA, TABLE_NAME FROM information_schema.TABLES"
                     " WHERE TABLE_TYPE = 'BASE TABLE'")
         found = [(str(d), str(t)) for d, t in cur.fetchall()

@@ -89,6 +89,17 @@ def estimate_rows(conn: Any, database: str, table: str) -> int:
     return int(row[0] or 0) if row else 0
 
 
+def count_upto(conn: Any, database: str, table: str, limit: int) -> int:
+    """The table's rows, counted exactly up to ``limit + 1`` (reads at most that many index
+    entries): whether a table is small, which InnoDB's estimate cannot say (it reads 0 for a
+    table filled since its statistics were last taken)."""
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT COUNT(*) FROM (SELECT 1 FROM {table_ref(database, table)} LIMIT %s) AS t",
+                    (limit + 1,))
+        row = cur.fetchone()
+    return int(row[0] or 0) if row else 0
+
+
 def plan_chunks(conn: Any, database: str, table: str, key: Sequence[str], meta: TableMetaV1,
                 chunk_rows: int, estimate: int) -> list[Chunk]:
     """The chunks of a table (see the module doc)."""
