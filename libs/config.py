@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     http_host: str = Field("127.0.0.1", description="Bind address of the health/metrics/API server.")
     http_port: int = Field(0, ge=0, le=65535, description="HTTP port; 0 means the service's default.")
     log_level: str = Field("INFO", description="Python log level.")
+    loop_stall_log_s: float = Field(
+        0.5, ge=0, description="A service whose event loop ran no callback for this long logs where it was "
+                               "stuck and counts it in sluice_event_loop_stall_seconds (0: not watched).")
     log_json: bool = Field(True, description="Structured JSON logs with trace ids.")
 
     # Leadership

@@ -23,6 +23,7 @@ import uvicorn
 from nats.aio.client import Client
 
 from libs.config import Settings, get_settings
+from libs.loop_watch import LoopWatch
 from libs.nats_client import connect
 from libs.ops_http import OpsAnswer, OpsApp, json_answer
 from libs.telemetry.logs import setup_logging
@@ -117,6 +118,9 @@ class ServiceRuntime:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        watch = LoopWatch(loop, threshold_s=self.settings.loop_stall_log_s)
+        if self.settings.loop_stall_log_s > 0:
+            watch.start()
         self._nc = await connect(self.settings, name=self.producer, service=self.name)
         server = _Server(uvicorn.Config(self.app, host=self.settings.http_host, port=self.port,
                                         log_config=None, access_log=False, lifespan="off"))
@@ -152,6 +156,7 @@ class ServiceRuntime:
             await asyncio.wait_for(self._nc.flush(), timeout=5)
         with contextlib.suppress(Exception):
             await self._nc.close()
+        watch.stop()
         shutdown_tracing()
         log.info("service stopped", extra={"service": self.name})
         if failure is not None:

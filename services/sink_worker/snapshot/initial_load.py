@@ -276,15 +276,16 @@ class InitialLoads:
         """Why a span's copy failed for good (``UNREPLICABLE``), with its ``unreplicable`` decision."""
         self.progress: dict[Span, SnapshotProgress] = {}
         """The latest progress this worker knows of each span it loads (status, metrics)."""
-        # Small tables' copies (``SnapshotOptions.inline_rows``), shared by every span: as many
-        # at once as one span's copy keeps Spark jobs in flight.
         self.schemas: TargetSchemas | None = None
         """The stream's memory of the targets' schemas (set by the pipeline): a target this copy
         created and reconciled is not checked again by the span's first batch (one connection
         and a few information_schema reads each, thousands of them in the first round after a
         changefeed of thousands of tables started)."""
-        self._inline = ThreadPoolExecutor(max_workers=self.options.parallelism,
-                                          thread_name_prefix="snapshot-inline")
+        # Small tables' copies (``SnapshotOptions.inline_rows``), shared by every span, one at a
+        # time: a copy is mostly Python (connections, statements) and competes with the event
+        # loop for the GIL; with four at once the loop of a worker starting 3,000 spans fell
+        # behind its heartbeats for longer than the self-fence allows.
+        self._inline = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-inline")
 
     async def decide(self, req: SnapshotRequest) -> tuple[Decision, Checkpoint | None]:
         """Where the span stands: still copying (a copy runs or was just started), ready to
