@@ -39,6 +39,10 @@ class Decoded:
     original_version: int
 
 
+_EMPTY_DATA = '"data":{}}'
+"""How an envelope's JSON ends when its ``data`` is empty (``data`` is its last field)."""
+
+
 class Registry:
     def __init__(self) -> None:
         self._models: dict[tuple[str, int], type[BaseModel]] = {}
@@ -89,8 +93,18 @@ class Registry:
 
     def encode(self, event: BaseModel, *, producer: str, epoch: int = 0,
                event_id: str | None = None) -> bytes:
-        env = self.envelope(event, producer=producer, epoch=epoch, event_id=event_id)
-        return env.model_dump_json().encode()
+        """The envelope's JSON, with the event serialized once, straight to JSON, into its
+        ``data``: going through ``envelope`` (the event dumped to a dict, the dict dumped
+        again) was most of a sink-worker's heartbeat at thousands of spans."""
+        type_, version = self.key_of(type(event))
+        head = Envelope(type=type_, version=version, id=event_id or new_event_id(), time=utc_now(),
+                        producer=producer, epoch=epoch, data={}).model_dump_json()
+        if not head.endswith(_EMPTY_DATA):
+            # Not the shape this relies on (a field after ``data``): the plain way.
+            return self.envelope(event, producer=producer, epoch=epoch,
+                                 event_id=event_id).model_dump_json().encode()
+        body = event.model_dump_json().encode()
+        return b"".join((head[:-len(_EMPTY_DATA)].encode(), b'"data":', body, b"}"))
 
     def decode(self, raw: bytes | str) -> Decoded:
         try:
