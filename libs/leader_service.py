@@ -131,14 +131,15 @@ class LeaderLoop(Generic[T, A]):
     then ``await loop.run(handle, tick, wait_s)`` until the term is cancelled.
 
     A turn waits for an input, a ``wake()`` or ``wait_s()`` seconds, hands the inputs to
-    ``handle`` one at a time (only the oldest one per turn unless ``batch``), then runs
-    ``tick`` once. Leaving the ``async with`` stops the followers and background tasks,
-    unsubscribes, answers the requests still waiting with ``refuse(item)`` and removes the
-    service's ``/healthz`` entry.
+    ``handle`` one at a time (only the oldest one per turn unless ``batch``: then all of them,
+    or the oldest ``max_batch``), then runs ``tick`` once. Leaving the ``async with`` stops the
+    followers and background tasks, unsubscribes, answers the requests still waiting with
+    ``refuse(item)`` and removes the service's ``/healthz`` entry.
     """
 
     def __init__(self, runtime: ServiceRuntime, *, status_key: str,
-                 refuse: Callable[[T], A] | None = None, batch: bool = False) -> None:
+                 refuse: Callable[[T], A] | None = None, batch: bool = False,
+                 max_batch: int | None = None) -> None:
         self.runtime = runtime
         self.settings = runtime.settings
         self.nc = runtime.nc
@@ -147,6 +148,7 @@ class LeaderLoop(Generic[T, A]):
         self.inbox: Inbox[T, A] = Inbox()
         self._refuse = refuse
         self._batch = batch
+        self._max_batch = max_batch
         self._followers: list[DomainFollower[Any]] = []
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -184,7 +186,7 @@ class LeaderLoop(Generic[T, A]):
             self.spawn(follower.run(self._stop), name=f"follow-{follower.name}")
         while True:
             await self.inbox.wait(wait_s())
-            for entry in self.inbox.take(None if self._batch else 1):
+            for entry in self.inbox.take(self._max_batch if self._batch else 1):
                 await handle(entry)
             await tick()
 

@@ -270,3 +270,55 @@ async def test_member_service_failover(js: JetStreamContext, members: list[Servi
         for p in members:
             print(f"--- {p.instance_id}\n{p.tail_log(60)}")
         raise
+
+
+async def test_append_many_lands_in_order_and_a_writer_in_between_fences_it(js: JetStreamContext) -> None:
+    """``append_many`` pipelines its publishes, each fenced on the sequence right before it:
+    a burst lands in order with the fold following it, and a writer that got in between (a
+    deposed leader's rival) refuses the whole burst and fences the log, nothing of it stored."""
+    domain = unique("many")
+
+    def fold(state: dict[str, Any], ev: Any) -> dict[str, Any]:
+        if isinstance(ev.event, MemberJoinedV2):
+            return {**state, ev.event.member_id: ev.seq}
+        return state
+
+    empty: dict[str, Any] = {}
+    dlog = DomainLog(js, domain, producer="svc/1", fold=fold, initial=empty)
+    await dlog.open("svc", "one", epoch=1)
+    start = dlog.last_seq
+    names = [f"m{i:03d}" for i in range(200)]
+    seqs = await dlog.append_many([joined(n) for n in names])
+    assert seqs == list(range(start + 1, start + 201)) and dlog.last_seq == start + 200
+    assert dlog.state == {n: start + 1 + i for i, n in enumerate(names)}
+    stored = [ev async for ev in dlog.store.replay(dlog.events_subject)]
+    assert [ev.event.member_id for ev in stored if isinstance(ev.event, MemberJoinedV2)] == names
+
+    # A second writer appends behind this log's back: the next burst is refused as a whole.
+    rival = DomainLog(js, domain, producer="svc/2", fold=fold, initial=empty)
+    await rival.open("svc", "two", epoch=2)
+    before = await dlog.store.last_seq()
+    with pytest.raises(Fenced):
+        await dlog.append_many([joined("late1"), joined("late2"), joined("late3")])
+    assert dlog.fenced and await dlog.store.last_seq() == before
+    await js.delete_stream(domain_stream(domain))
+
+
+async def test_append_many_settles_an_event_that_landed_without_its_ack(js: JetStreamContext) -> None:
+    """An event of a burst stored while its ack went missing is found by its message id at the
+    next sequence (not published twice, not taken for a rival's write); the rest follow it."""
+    domain = unique("lost")
+    dlog = DomainLog[Any](js, domain, producer="svc/1")
+    await dlog.open("svc", "one", epoch=1)
+    start = dlog.last_seq
+    real = dlog.store.append_raw_pipelined
+
+    async def first_ack_lost(items: Any, *, expected_last_seq: int, ack_within_s: float) -> list[Any]:
+        results = await real(items, expected_last_seq=expected_last_seq, ack_within_s=ack_within_s)
+        return [TimeoutError("ack lost"), *results[1:]]
+
+    dlog.store.append_raw_pipelined = first_ack_lost  # type: ignore[method-assign]
+    seqs = await dlog.append_many([joined("a"), joined("b"), joined("c")])
+    assert seqs == [start + 1, start + 2, start + 3] and not dlog.fenced
+    assert await dlog.store.last_seq() == start + 3
+    await js.delete_stream(domain_stream(domain))

@@ -188,11 +188,17 @@ async def test_replication_handlers_rebuild_and_follow_members() -> None:
     assert not h.core.ready and h.core.manager.awaiting == {"w1"}
     await h.handle(Entry(MemberHeartbeatV3(member_id="w1", incarnation="inc-w1", epoch=EPOCH, seq=1)))
     assert h.core.ready
+    # A turn's inputs are recorded at its tick, in one burst.
+    assert not any(isinstance(e, RebuiltV1) for e in log.events())
+    await h.tick()
     assert any(isinstance(e, RebuiltV1) for e in log.events())
     await h.handle(Entry(MemberJoinedV2(member_id="w2", incarnation="inc-w2")))
     assert h.core.incarnations == {"w1": "inc-w1", "w2": "inc-w2"}
     await h.handle(Entry(SpansChangedV1(changefeed="cf", spans=[span_ref(s) for s in SPANS])))
     await h.handle(Entry(AddTableV1(span=span_ref(SPANS[0]), member_id="w1", task_id="t1", checkpoint_ts=1)))
+    # Nothing goes out before what it follows from is in the log.
+    assert sent == [] and not any(isinstance(e, TaskResultV1) for e in log.events())
+    await h.tick()
     assert [(d.member, d.action.value) for d in sent] == [("w1", "add-prepare")]
     results = [e for e in log.events() if isinstance(e, TaskResultV1)]
     assert [r.accepted for r in results] == [True]

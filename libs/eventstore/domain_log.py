@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -34,6 +34,8 @@ S = TypeVar("S")
 
 # A publish whose ack got lost is retried with the same Nats-Msg-Id; this many times at most.
 _APPEND_ATTEMPTS = 3
+_PIPELINE_TIMEOUT_S = 5.0
+"""How long ``append_many`` waits for its acks before settling the rest one by one."""
 
 
 class Fenced(AppendConflict):
@@ -67,6 +69,8 @@ class LeaderLog(Protocol):
 
     async def append(self, event: BaseModel, *, msg_id: str | None = None,
                      headers: Mapping[str, str] | None = None) -> int: ...
+
+    async def append_many(self, events: Sequence[BaseModel]) -> list[int]: ...
 
     async def snapshot(self, state: dict[str, Any] | None = None) -> int: ...
 
@@ -162,12 +166,51 @@ class DomainLog(Generic[S]):
             envelope = REGISTRY.envelope(event, producer=self.store.producer, epoch=self.epoch,
                                          event_id=msg_id or new_event_id())
             seq = await self._fenced_publish(self.events_subject, envelope, headers=headers)
-            if self._fold is not _keep:
-                stored = StoredEvent(seq=seq, subject=self.events_subject, headers=dict(headers or {}),
-                                     envelope=envelope, event=REGISTRY.decode_envelope(envelope).event,
-                                     original_version=envelope.version)
-                self.state = self._fold(self.state, stored)
+            self._folded(envelope, seq, headers)
             return seq
+
+    async def append_many(self, events: Sequence[BaseModel]) -> list[int]:
+        """Append ``events`` in order, as ``append`` would one by one, with their publishes
+        pipelined (``EventStore.append_raw_pipelined``): each is fenced on the sequence right
+        before it, so they land in this order right after the last sequence this log knows, or
+        not at all. Whatever did not land as planned (an ack lost or late, a refusal) is settled
+        one by one as ``append`` does: one that landed after all is found by its message id at
+        the next sequence; a writer in between fences this log."""
+        if len(events) <= 1:
+            return [await self.append(event) for event in events]
+        async with self._lock:
+            self._check_can_append()
+            envelopes = [REGISTRY.envelope(event, producer=self.store.producer, epoch=self.epoch,
+                                           event_id=new_event_id()) for event in events]
+            expected = self.last_seq
+            results = await self.store.append_raw_pipelined(
+                [(self.events_subject, env.model_dump_json().encode(), env.id) for env in envelopes],
+                expected_last_seq=expected, ack_within_s=_PIPELINE_TIMEOUT_S)
+            seqs: list[int] = []
+            for i, (env, result) in enumerate(zip(envelopes, results, strict=True)):
+                if result != expected + i + 1:
+                    break
+                self.last_seq = expected + i + 1
+                seqs.append(self.last_seq)
+                self._folded(env, self.last_seq)
+            for env in envelopes[len(seqs):]:
+                self._check_can_append()
+                if await self._landed(self.last_seq + 1, env.id):
+                    self.last_seq += 1
+                    seq = self.last_seq
+                else:
+                    seq = await self._fenced_publish(self.events_subject, env)
+                seqs.append(seq)
+                self._folded(env, seq)
+            return seqs
+
+    def _folded(self, envelope: Envelope, seq: int, headers: Mapping[str, str] | None = None) -> None:
+        if self._fold is not _keep:
+            stored = StoredEvent(seq=seq, subject=self.events_subject, headers=dict(headers or {}),
+                                 envelope=envelope,
+                                 event=REGISTRY.decode_envelope(envelope).event,
+                                 original_version=envelope.version)
+            self.state = self._fold(self.state, stored)
 
     async def snapshot(self, state: dict[str, Any] | None = None) -> int:
         """Write a snapshot covering everything up to the last sequence this log knows; returns

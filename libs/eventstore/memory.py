@@ -24,7 +24,7 @@ fails the test instead), the ``sluice_snapshots_unusable`` metric, stream config
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, cast
 
 from nats.errors import MaxPayloadError
@@ -244,6 +244,9 @@ class MemoryDomainLog(Generic[S]):
             raise Fenced(exc.stream, exc.subject, self.last_seq, exc.detail, exc.actual_last_seq) from None
         self.last_seq = seq
         return seq
+
+    async def append_many(self, events: Sequence[BaseModel]) -> list[int]:
+        return [await self.append(event) for event in events]
 
     async def append(self, event: BaseModel, *, msg_id: str | None = None,
                      headers: Mapping[str, str] | None = None) -> int:

@@ -195,6 +195,55 @@ class EventStore:
             EVENTS_APPENDED.labels(self.stream).inc()
         return int(ack.seq)
 
+    async def append_raw_pipelined(self, items: Sequence[tuple[str, bytes, str]], *, expected_last_seq: int,
+                                   ack_within_s: float) -> list[int | Exception]:
+        """Publish ``items`` (subject, payload, ``Nats-Msg-Id``) in order without waiting for
+        each ack before the next: the i-th expects the stream's last sequence to be
+        ``expected_last_seq + i`` and its last message to be the (i-1)-th, so the server stores
+        them only in this order, right after ``expected_last_seq``, and refuses each one that
+        would land anywhere else (a writer in between, or an earlier one of them refused). Each
+        result is the stored sequence, an ``AppendConflict`` or the error its ack came with
+        (``TimeoutError``: none came within ``ack_within_s``; it may have been stored all the
+        same). One ack round trip for the lot instead of one each: a leader recording a burst of
+        events waited for them one by one.
+        """
+        futures: list[asyncio.Future[api.PubAck]] = []
+        for i, (subject, payload, msg_id) in enumerate(items):
+            hdrs = {api.Header.MSG_ID.value: msg_id,
+                    api.Header.EXPECTED_LAST_SEQUENCE.value: str(expected_last_seq + i)}
+            if i:
+                # The sequence alone would let the i-th land after i messages of another writer
+                # (its expectation met by them, not by ours): it must also follow our previous one.
+                hdrs[api.Header.EXPECTED_LAST_MSG_ID.value] = items[i - 1][2]
+            with publish_span(subject, hdrs) as (_span, traced):
+                futures.append(await self.js.publish_async(subject, payload, headers=traced,
+                                                           stream=self.stream))
+        deadline = asyncio.get_running_loop().time() + ack_within_s
+        out: list[int | Exception] = []
+        for (subject, _payload, _id), future in zip(items, futures, strict=True):
+            try:
+                ack = await asyncio.wait_for(future, max(0.0, deadline - asyncio.get_running_loop().time()))
+            except APIError as exc:
+                if exc.err_code in _WRONG_LAST_CODES:
+                    APPEND_CONFLICTS.labels(self.stream).inc()
+                    detail = exc.description or "wrong last sequence"
+                    match = _LAST_SEQ_RE.search(detail)
+                    out.append(AppendConflict(self.stream, subject, expected_last_seq + len(out), detail,
+                                              int(match.group(1)) if match else None))
+                else:
+                    out.append(exc)
+                continue
+            except (TimeoutError, NatsTimeoutError) as exc:
+                out.append(exc)
+                continue
+            except Exception as exc:  # no responders, a connection lost: the caller decides
+                out.append(exc)
+                continue
+            if not ack.duplicate:
+                EVENTS_APPENDED.labels(self.stream).inc()
+            out.append(int(ack.seq))
+        return out
+
     async def get(self, seq: int) -> api.RawStreamMsg | None:
         """The raw message at ``seq``, or None when it does not exist (never was or removed)."""
         try:

@@ -77,6 +77,9 @@ from services.replication_manager.core import Output, ReplicationCore
 from services.replication_manager.syncpoints import SyncpointDriver
 
 log = logging.getLogger(__name__)
+_INPUTS_PER_TURN = 256
+"""Inputs a turn handles at most before its tick records them: bounds how long the loop runs
+without yielding, and how long a dispatch waits for the burst it follows from."""
 _EAGER_CHECKPOINT_S = 0.05
 """Until a term first publishes a checkpoint: the shortest time between two looks at it."""
 
@@ -115,7 +118,10 @@ class ReplicationService:
 
     async def lead(self, leadership: Leadership, domain_log: DomainLog[Any]) -> None:
         started = time.monotonic()
-        async with LeaderLoop[Input, None](self.runtime, status_key=DOMAIN) as loop:
+        # Inputs in batches: what their handling records is appended as one pipelined burst
+        # at the turn's tick (``ReplicationHandlers.handle``).
+        async with LeaderLoop[Input, None](self.runtime, status_key=DOMAIN, batch=True,
+                                           max_batch=_INPUTS_PER_TURN) as loop:
             members = loop.follow("members", members_fold, MembersState, restore=MembersState.restore,
                                   name="rm_members")
             schedule = loop.follow("schedule", schedule_fold, ScheduleState,
@@ -290,6 +296,8 @@ class ReplicationHandlers:
         self.last_tick = self.last_checkpoint = self.last_syncpoint = time.monotonic()
         self.advanced = False
         self.last_eager = 0.0
+        self.pending = Output()
+        """What the turn's inputs produced, recorded at its tick (``flush``)."""
         self.syncpoints: SyncpointDriver | None = None
         """Consistent points across each changefeed's tables (``syncpoint_interval``)."""
 
@@ -305,11 +313,18 @@ class ReplicationHandlers:
             self.put(stored.event)
 
     async def record(self, out: Output) -> None:
-        for event in out.events:
-            await self.domain_log.append(event)
+        """Append ``out``'s events (pipelined), then send its dispatches: an action is sent only
+        once what it follows from is in the log."""
+        await self.domain_log.append_many(out.events)
+        for _ in out.events:
             self.policy.appended()
         for d in out.dispatches:
             self.send(d)
+
+    async def flush(self) -> None:
+        """Record what the turn's inputs produced (``handle`` keeps it until here)."""
+        pending, self.pending = self.pending, Output()
+        await self.record(pending)
 
     async def start(self) -> None:
         await self.record(self.core.start(time.monotonic()))
@@ -329,7 +344,10 @@ class ReplicationHandlers:
         if core.manager.deposed:
             raise Fenced(domain_log.stream, domain_log.events_subject, domain_log.last_seq,
                          "a member has seen a newer replication-manager epoch")
-        await self.record(out)
+        # Recorded at the turn's tick with the other inputs' events, in one pipelined burst:
+        # appended one by one, each waiting for its ack, a changefeed's start of thousands of
+        # spans was paced by the round trips. A dispatch still goes out only after its events.
+        self.pending.extend(out)
         if core.ready and not was_ready:
             REBUILD_SECONDS.observe(now - self.started)
             log.info("rebuilt from the members' reports", extra={
@@ -357,6 +375,7 @@ class ReplicationHandlers:
         return core.on_task(item, now)
 
     async def tick(self) -> None:
+        await self.flush()  # before anything below appends or snapshots
         core, settings = self.core, self.settings
         now = time.monotonic()
         if now - self.last_tick >= settings.replication_tick_s:
