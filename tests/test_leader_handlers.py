@@ -174,6 +174,43 @@ async def test_scheduler_handlers_answer_requests_and_record_tasks() -> None:
     assert len(log.events()) == 5  # tasks in flight are not planned twice
 
 
+async def test_a_slow_discovery_does_not_hold_the_scheduler_rounds() -> None:
+    """Only the first discovery is waited for; later ones run beside the rounds (listing 10,000
+    tables and their foreign keys took seconds), and their result counts once it is there."""
+    log = await _opened("schedule", schedule_fold, ScheduleState(), restore=ScheduleState.restore,
+                        dump=ScheduleState.dump)
+    release = asyncio.Event()
+    calls = 0
+    woken: list[int] = []
+
+    async def discover(_view: ChangefeedView) -> dict[ChangefeedId, list[Span]] | None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return {"cf": SPANS[:2]}
+        await release.wait()
+        return {"cf": SPANS}
+
+    settings = Settings(scheduler_balance_interval_s=0.001, scheduler_discovery_interval_s=3600)
+    h = SchedulerHandlers(Lease(), log, settings, Fixed(_members("w1")),
+                          Fixed(_ready_replication({"w1": "inc-w1"})), Fixed(ChangefeedView()),
+                          discover=discover, wake=lambda: woken.append(1), publish_status=lambda _s: None)
+    await h.tick()
+    assert [len(e.spans) for e in log.events() if isinstance(e, SpansChangedV1)] == [2]
+    adds = sum(isinstance(e, AddTableV1) for e in log.events())
+    assert adds == 2
+    h.changefeeds_changed = True  # a discovery is due now, whatever the clock says
+    await asyncio.wait_for(h.tick(), 5)  # the second discovery waits on ``release``: the round does not
+    assert calls == 2 and [len(e.spans) for e in log.events() if isinstance(e, SpansChangedV1)] == [2]
+    release.set()
+    assert h._discovery is not None
+    await asyncio.wait_for(h._discovery, 5)
+    assert woken
+    await h.tick()
+    assert [len(e.spans) for e in log.events() if isinstance(e, SpansChangedV1)] == [2, 3]
+    assert sum(isinstance(e, AddTableV1) for e in log.events()) == 3
+
+
 # ---------------------------------------------------------------- replication-manager
 
 

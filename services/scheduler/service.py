@@ -15,10 +15,11 @@ is recorded in the schedule stream before the answer is sent, so it survives a l
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -93,7 +94,7 @@ class SchedulerService:
             await loop.load()
             handlers = SchedulerHandlers(leadership, domain_log, self.settings, members, replication,
                                          changefeeds, discover=self._discover, wake=loop.inbox.wake,
-                                         publish_status=loop.publish_status)
+                                         publish_status=loop.publish_status, spawn=loop.spawn)
             members.on_event = handlers.on_other
             replication.on_event = handlers.on_replication
             changefeeds.on_event = handlers.on_changefeed
@@ -150,7 +151,9 @@ class SchedulerHandlers:
     def __init__(self, leadership: LeaseView, domain_log: LeaderLog, settings: Settings,
                  members: Followed[MembersState], replication: Followed[ReplicationState],
                  changefeeds: Followed[ChangefeedView], *, discover: Discover,
-                 wake: Callable[[], None], publish_status: Callable[[dict[str, Any]], None]) -> None:
+                 wake: Callable[[], None], publish_status: Callable[[dict[str, Any]], None],
+                 spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[Any]] = asyncio.create_task,
+                 ) -> None:
         state = domain_log.state
         assert isinstance(state, ScheduleState)
         self.epoch = leadership.epoch
@@ -172,6 +175,8 @@ class SchedulerHandlers:
         self.changefeeds_changed = True
         self.discovered: dict[ChangefeedId, list[Span]] | None = None
         self.last_discovery = -1e9
+        self.spawn = spawn
+        self._discovery: asyncio.Task[Any] | None = None
         self.trace_of: dict[str, Context] = {}
         """The trace context of each changefeed's newest event (its api request)."""
 
@@ -221,12 +226,16 @@ class SchedulerHandlers:
         now = time.monotonic()
         events: list[BaseModel] = []
         due = now - self.last_discovery >= self.settings.scheduler_discovery_interval_s
-        if self.changefeeds_changed or due:
+        if (self.changefeeds_changed or due) and (self._discovery is None or self._discovery.done()):
             self.changefeeds_changed = False
             self.last_discovery = now
-            found = await self.discover(self.changefeeds.state)
-            if found is not None:
-                self.discovered = found
+            if self.discovered is None:
+                await self._discover_now()  # nothing to schedule from before the first one
+            else:
+                # In the background: listing a source's tables and foreign keys took seconds at
+                # 10,000 tables, and rounds waited for it every discovery interval (adds in
+                # bursts of one batch between discoveries).
+                self._discovery = self.spawn(self._discover_now())
         if self.discovered is not None:
             events.extend(core.spans_changes(self.discovered))
         for event in events:  # wanted spans first: the manager needs them before tasks
@@ -247,6 +256,12 @@ class SchedulerHandlers:
         await policy.maybe_snapshot(domain_log)
         PENDING.set(len(core.pending))
         self._publish_status()
+
+    async def _discover_now(self) -> None:
+        found = await self.discover(self.changefeeds.state)
+        if found is not None:
+            self.discovered = found
+            self.wake()
 
     def _publish_status(self) -> None:
         core, members, replication = self.core, self.members.state, self.replication.state
