@@ -48,6 +48,7 @@ from nats.js.kv import KeyValue
 
 from contracts.events.leadership import LeaderResignedV1
 from libs.eventstore.domain_log import DomainLog, Fenced
+from libs.gc_pause import gc_paused
 from libs.nats_client import flush_within
 from libs.streams import LEADER_BUCKET, leader_command_subject, token
 from libs.telemetry.metrics import IS_LEADER, LEADER_EPOCH, LEADER_STEPDOWNS
@@ -561,5 +562,6 @@ async def _until_lost(leadership: Leadership) -> None:
 
 
 async def _open_and_work(leadership: Leadership, domain_log: DomainLog[Any], work: Work) -> None:
-    await domain_log.open(leadership.service, leadership.candidate, leadership.epoch, leadership)
+    with gc_paused():  # the replay builds the leader's state (see ``LeaderLoop.run``)
+        await domain_log.open(leadership.service, leadership.candidate, leadership.epoch, leadership)
     await work(leadership, domain_log)

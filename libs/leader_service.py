@@ -27,6 +27,7 @@ from libs.control.follow import DomainFollower, OnEvent
 from libs.election import Leadership, run_leader_loop
 from libs.eventstore import DomainLog
 from libs.eventstore.snapshots import Fold, Restore
+from libs.gc_pause import gc_paused
 from libs.service import ServiceRuntime
 
 log = logging.getLogger(__name__)
@@ -164,8 +165,9 @@ class LeaderLoop(Generic[T, A]):
     async def load(self) -> None:
         """Load every follower (newest snapshot + events up to now), in the order declared.
         They follow from there once ``run`` starts, so ``on_event`` may be set until then."""
-        for follower in self._followers:
-            await follower.load()
+        with gc_paused():  # a replay builds the state: see ``run``
+            for follower in self._followers:
+                await follower.load()
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
         """A background task of this term, cancelled when the term ends."""
@@ -186,9 +188,15 @@ class LeaderLoop(Generic[T, A]):
             self.spawn(follower.run(self._stop), name=f"follow-{follower.name}")
         while True:
             await self.inbox.wait(wait_s())
-            for entry in self.inbox.take(self._max_batch if self._batch else 1):
-                await handle(entry)
-            await tick()
+            # A leader's state is tens of thousands of long-lived objects at 10,000 spans; with
+            # the collector on, every quarter of growth cost a full walk of all of them (1-3 s
+            # with the GIL held on a loaded machine: a replication-manager missed its lease
+            # renewals and lost its term). Paused per turn, the survivors are frozen at its end
+            # (``libs.gc_pause``), which collections skip.
+            with gc_paused():
+                for entry in self.inbox.take(self._max_batch if self._batch else 1):
+                    await handle(entry)
+                await tick()
 
     async def __aenter__(self) -> LeaderLoop[T, A]:
         return self
