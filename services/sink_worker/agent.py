@@ -62,6 +62,7 @@ from contracts.events.scheduling import (
 from libs.changefeeds import ChangefeedView
 from libs.control.convert import dispatch_of, status_ref
 from libs.control.heartbeat_parts import heartbeat_messages
+from libs.gc_pause import gc_paused
 from libs.nats_client import flush_within
 from libs.scheduling import AgentOutcome, AgentVerdict, MemberAgentState, TableState, TableStatus
 from libs.scheduling.model import Span
@@ -273,11 +274,16 @@ class SinkAgent:
         return out
 
     async def _send_heartbeat(self) -> None:
-        hb = self.heartbeat()
+        # Building a report of thousands of spans allocates as many objects five times a second:
+        # with the collector on, it walked the worker's whole heap from inside this build every
+        # few seconds (0.6-1.2 s each at 3,333 spans on a loaded machine), and a heartbeat not
+        # confirmed within the fence's bound drops every span. See ``libs.gc_pause``.
+        with gc_paused():
+            hb = self.heartbeat()
+            messages = heartbeat_messages(hb, max_payload=self.nc.max_payload, producer=self.producer)
         sent_at = time.monotonic()
         # Several messages when the report is larger than the server takes (thousands of spans).
-        for data, headers in heartbeat_messages(hb, max_payload=self.nc.max_payload,
-                                                producer=self.producer):
+        for data, headers in messages:
             await self.nc.publish(heartbeat_subject(self.member_id), data, headers=headers)
         if self.fence is not None:
             # Confirmed once the server answered the flush's PING: it has the heartbeat. Only on
@@ -391,7 +397,9 @@ class SinkAgent:
                 verdict, status = outcome.verdict, outcome.status
                 seq = self.state.reply(outcome).seq or 0
                 if outcome.transitions:
-                    self._start_preparing()
+                    # Only the dispatched span can have started preparing: looking at every span
+                    # held for each dispatch made a start of 3,000 spans quadratic.
+                    self._start_preparing([t.span for t in outcome.transitions])
                     self.wake.set()
             DISPATCHES.labels(req.action, verdict.value).inc()
             if verdict is AgentVerdict.STALE_EPOCH:
@@ -445,12 +453,15 @@ class SinkAgent:
         self._pipeline = pipeline
         self._view = view
 
-    def _start_preparing(self) -> None:
-        """Start preparing every Preparing span at once, not after the round in progress (which
-        can take seconds): preparing only reads, so it runs beside the round."""
+    def _start_preparing(self, spans: Iterable[Span] | None = None) -> None:
+        """Start preparing every Preparing span (of ``spans``; None: of all held) at once, not
+        after the round in progress (which can take seconds): preparing only reads, so it runs
+        beside the round."""
         if self._pipeline is None or self._view is None:
             return
-        for span, table in self.state.tables.items():
+        tables = self.state.tables
+        held = tables.items() if spans is None else [(s, tables[s]) for s in spans if s in tables]
+        for span, table in held:
             if table.state is TableState.PREPARING and span not in self._preparing:
                 config = config_of(self._view, span.changefeed, span.source)
                 if config is None:
