@@ -196,6 +196,9 @@ class LeaderLoop(Generic[T, A]):
             with gc_paused():
                 for entry in self.inbox.take(self._max_batch if self._batch else 1):
                     await handle(entry)
+                    # A handler may not wait for anything (its records go out at the tick): the
+                    # lease renewal and the subscriptions get the loop between two inputs.
+                    await asyncio.sleep(0)
                 await tick()
 
     async def __aenter__(self) -> LeaderLoop[T, A]:
