@@ -62,7 +62,6 @@ from contracts.events.scheduling import (
 from libs.changefeeds import ChangefeedView
 from libs.control.convert import dispatch_of, status_ref
 from libs.control.heartbeat_parts import heartbeat_messages
-from libs.gc_pause import gc_paused
 from libs.nats_client import flush_within
 from libs.scheduling import AgentOutcome, AgentVerdict, MemberAgentState, TableState, TableStatus
 from libs.scheduling.model import Span
@@ -274,13 +273,8 @@ class SinkAgent:
         return out
 
     async def _send_heartbeat(self) -> None:
-        # Building a report of thousands of spans allocates as many objects five times a second:
-        # with the collector on, it walked the worker's whole heap from inside this build every
-        # few seconds (0.6-1.2 s each at 3,333 spans on a loaded machine), and a heartbeat not
-        # confirmed within the fence's bound drops every span. See ``libs.gc_pause``.
-        with gc_paused():
-            hb = self.heartbeat()
-            messages = heartbeat_messages(hb, max_payload=self.nc.max_payload, producer=self.producer)
+        hb = self.heartbeat()
+        messages = heartbeat_messages(hb, max_payload=self.nc.max_payload, producer=self.producer)
         sent_at = time.monotonic()
         # Several messages when the report is larger than the server takes (thousands of spans).
         for data, headers in messages:
