@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -28,3 +28,20 @@ async def gather_bounded(steps: Iterable[Callable[[], Awaitable[T]]], limit: int
             raise result
         out.append(result)
     return out
+
+
+async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended, whatever it ended with, without swallowing a
+    cancellation of the caller itself: ``with suppress(BaseException): await task`` also ate the
+    CancelledError meant for the caller when both came at once, so a stopping service went on
+    with its shutdown (checkpoint stores against an unreachable NATS server, one timeout each)
+    and never exited. The caller's own cancellation is raised once the task has ended."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:  # the task's own failure: already its owner's to report
+        return

@@ -60,6 +60,7 @@ from contracts.events.scheduling import (
     TableStatusV1,
 )
 from libs.changefeeds import ChangefeedView
+from libs.concurrency import cancel_and_wait
 from libs.control.convert import dispatch_of, status_ref
 from libs.control.heartbeat_parts import heartbeat_messages
 from libs.nats_client import flush_within
@@ -218,9 +219,7 @@ class SinkAgent:
         for task in self._preparing.values():
             task.cancel()
         if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            with contextlib.suppress(BaseException):
-                await self._heartbeat
+            await cancel_and_wait(self._heartbeat)
         if self.started_at is None:
             return  # never joined: nobody to tell that it leaves
         with contextlib.suppress(Exception):
@@ -324,9 +323,7 @@ class SinkAgent:
         go on as a new incarnation, which the member service records as left + joined."""
         assert self.fence is not None
         for task in list(self._preparing.values()):
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+            await cancel_and_wait(task)
         self._preparing.clear()
         for span in list(self.state.tables):
             await pipeline.drop_prepared(span)
@@ -494,9 +491,7 @@ class SinkAgent:
     async def _stop(self, pipeline: Pipeline, span: Span) -> None:
         task = self._preparing.pop(span, None)
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+            await cancel_and_wait(task)
         await pipeline.drop_prepared(span)
         final = await pipeline.stop_span(span)
         self.state.stopped(span, final.ts if final is not None else None)

@@ -38,6 +38,7 @@ from pyspark.sql import SparkSession
 
 from contracts.events.table_incidents import TableActionRequestedV1
 from libs.changefeeds import ChangefeedView, discover_spans
+from libs.concurrency import cancel_and_wait
 from libs.config import Settings
 from libs.control.follow import DomainFollower
 from libs.eventstore import StoredEvent, ensure_deadletter_stream
@@ -220,9 +221,7 @@ class SinkWorker:
         finally:
             for task in (follower, join, drain, watch):
                 if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
+                    await cancel_and_wait(task)
             if self.agent is not None:
                 # Stop what did not move: checkpoints stored, then the last heartbeat says the
                 # member has left, so its spans are scheduled elsewhere without waiting a TTL.

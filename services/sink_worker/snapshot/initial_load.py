@@ -42,6 +42,7 @@ from pyspark.sql import SparkSession
 from contracts.events.rows import TableMetaV1
 from libs.codec.enum_members import resolve_members, suspect_columns
 from libs.codec.table_meta import load_table_info
+from libs.concurrency import cancel_and_wait
 from libs.config import Settings
 from libs.routing import Router
 from libs.scheduling.model import Span
@@ -329,9 +330,7 @@ class InitialLoads:
         task = self._tasks.pop(span, None)
         if task is None:
             return
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        await cancel_and_wait(task)
         for gauge in (m.SNAPSHOT_ROWS_ESTIMATE, m.SNAPSHOT_ROWS_COPIED, m.SNAPSHOT_CHUNKS_DONE,
                       m.SNAPSHOT_ROWS_PER_S, m.SNAPSHOT_ETA_S):
             with contextlib.suppress(KeyError):
