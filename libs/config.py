@@ -230,10 +230,10 @@ class Settings(BaseSettings):
         description="Copy jobs an initial load keeps in flight (a task of a few chunks each).",
     )
     snapshot_inline_rows: int = Field(
-        10_000, ge=0,
+        0, ge=0,
         description="A table of at most this many rows (counted, bounded) is copied by the worker "
                     "itself instead of a Spark job: a job's fixed cost is most of a small table's "
-                    "copy. 0: every copy is a Spark job.",
+                    "copy. 0 (the default): every copy is a Spark job.",
     )
     snapshot_write_rows: int = Field(
         5000, ge=1, description="Rows per write transaction of an initial load (bounds executor memory)."

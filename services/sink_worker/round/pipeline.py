@@ -129,8 +129,6 @@ class Pipeline:
         self.starts = SpanStarts(js, checkpoints, rows_stream, initial_loads, self.advance.stopped)
         self.planner = RoundPlanner(js, rows_stream, spark)
         schemas = TargetSchemas()
-        if initial_loads is not None:
-            initial_loads.schemas = schemas
         self.barrier = DdlBarrier(schemas, initial_loads)
         self.fk_barrier = ForeignKeyBarrier()
         self.caps = SyncpointCaps(js)

@@ -52,7 +52,6 @@ from libs.table_rules import TableRulesError, rules_for
 from libs.target_fit import fit_problems
 from libs.ts import LOGICAL_BITS
 from services.sink_worker import metrics as m
-from services.sink_worker.ddl.target_schemas import TargetSchemas
 from services.sink_worker.round.pull import ResolvedMark, latest_resolved
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.factory import open_sink
@@ -149,9 +148,10 @@ class SnapshotOptions:
     write_rows: int = 5000
     job_rows: int = 1_000_000
     """At most this many rows' worth of chunks in one copy job (see ``chunks_per_job``)."""
-    inline_rows: int = 10_000
+    inline_rows: int = 0
     """A table planned as one chunk and holding at most this many rows is copied on a thread of
-    the worker (``copy_chunk`` as a Spark task runs it) instead of by a Spark job. 0: never."""
+    the worker (``copy_chunk`` as a Spark task runs it) instead of by a Spark job. 0: never (the
+    default: a stop waits for such a copy to end, where a Spark job is interrupted)."""
     watermark_timeout_s: float = 60.0
     retry_s: float = 10.0
 
@@ -277,11 +277,6 @@ class InitialLoads:
         """Why a span's copy failed for good (``UNREPLICABLE``), with its ``unreplicable`` decision."""
         self.progress: dict[Span, SnapshotProgress] = {}
         """The latest progress this worker knows of each span it loads (status, metrics)."""
-        self.schemas: TargetSchemas | None = None
-        """The stream's memory of the targets' schemas (set by the pipeline): a target this copy
-        created and reconciled is not checked again by the span's first batch (one connection
-        and a few information_schema reads each, thousands of them in the first round after a
-        changefeed of thousands of tables started)."""
         # Small tables' copies (``SnapshotOptions.inline_rows``), shared by every span, one at a
         # time: a copy is mostly Python (connections, statements) and competes with the event
         # loop for the GIL; with four at once the loop of a worker starting 3,000 spans fell
@@ -487,8 +482,6 @@ class InitialLoads:
         if req.shards == 1:
             # As the stream does for a single-shard target: columns follow the source's metadata.
             sink.reconcile_schema(target)
-            if self.schemas is not None:
-                self.schemas.brought_to(req.sink_url, target)
         # The copy's tasks write only while this worker holds the span's token.
         target = replace(target, fence=self.fences.take(sink, req.sink_url, target.schema, [req.span.kv_key]))
         job = CopyJob(source_url=req.source_url, database=database, table=table, chunk_key=chunk_key,
