@@ -43,6 +43,21 @@ def test_a_new_epoch_a_span_gone_or_a_forced_one_is_complete_at_once() -> None:
     assert off.cut([_r(A, 1)], epoch=4, now=0.0)[0]  # 0: every heartbeat complete
 
 
+def test_a_quiet_spans_progress_waits_for_the_next_complete_report() -> None:
+    delta = ReportDelta(complete_every_s=1.0)
+    delta.cut([_r(A, 1), _r(B, 1)], epoch=3, now=0.0)
+    # B only followed its source's resolved ts; A applied something.
+    assert delta.cut([_r(A, 2), _r(B, 2)], epoch=3, now=0.2, quiet={B}) == (False, [_r(A, 2)])
+    assert delta.cut([_r(A, 2), _r(B, 3)], epoch=3, now=0.4, quiet={B}) == (False, None)
+    # A change of state goes out at once, quiet or not, and from then on with its progress.
+    stopping = _r(B, 3, TableState.STOPPING)
+    assert delta.cut([_r(A, 2), stopping], epoch=3, now=0.5, quiet={B}) == (False, [_r(A, 2), stopping])
+    # The complete report carries every span's progress.
+    assert delta.cut([_r(A, 2), _r(B, 4)], epoch=3, now=1.0, quiet={B}) == (True, [_r(A, 2), _r(B, 4)])
+    assert delta.cut([_r(A, 2), _r(B, 5)], epoch=3, now=1.2, quiet={B}) == (False, None)
+    assert delta.cut([_r(A, 2), _r(B, 5)], epoch=3, now=1.3) == (False, [_r(B, 5)])  # not quiet now
+
+
 _STATES = st.sampled_from([TableState.PREPARING, TableState.REPLICATING, TableState.STOPPING])
 
 

@@ -22,11 +22,19 @@ member, whose quiet spans move once a round) is not sent again: ``cut`` gives ``
 tables and the heartbeat is liveness only (``HEARTBEAT_UNCHANGED_HEADER``), which the
 replication-manager does not handle as a report. What it last handled already says all of it;
 had that one been lost, the next complete report says it, as for any lost heartbeat.
+
+Progress of a quiet span (``quiet``: one that only followed its source's resolved ts this
+round, with nothing to apply; ``services/sink_worker/round/quiet.py``) waits for the next
+complete report: at idle every span moves so once a round, and naming each one in the partial
+reports after every round was most of what an idle worker with thousands of spans sent and the
+replication-manager decoded. A changefeed's checkpoint over idle tables then moves with the
+complete reports, about once a ``complete_every_s``; a change of state, and the progress of a
+span that applied something, still goes out in the next heartbeat.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from libs.scheduling.model import Span, TableState, TableStatus
@@ -49,7 +57,7 @@ class ReportDelta:
     changed and changed back)."""
 
     def cut(self, tables: Sequence[TableStatus], epoch: int, now: float,
-            force: bool = False) -> tuple[bool, list[TableStatus] | None]:
+            force: bool = False, quiet: Collection[Span] = ()) -> tuple[bool, list[TableStatus] | None]:
         """``(complete, the statuses to send)`` for a heartbeat of ``tables`` (every span held);
         ``(False, None)``: the partial report would be the last one sent again."""
         current = {t.span: (t.state, t.checkpoint_ts, t.resolved_ts) for t in tables}
@@ -61,10 +69,19 @@ class ReportDelta:
             self._named = set()
             self._last_partial = {}
             return True, list(tables)
-        changed = [t for t in tables if t.span in self._named or base.get(t.span) != current[t.span]]
+        changed = [t for t in tables if t.span in self._named or _moved(base.get(t.span), current[t.span],
+                                                                          t.span in quiet)]
         said = {t.span: current[t.span] for t in changed}
         if said == self._last_partial:
             return False, None
         self._named.update(said)
         self._last_partial = said
         return False, changed
+
+
+def _moved(was: _Key | None, now: _Key, quiet: bool) -> bool:
+    """Whether a partial report names the span: its status changed since the complete report,
+    beyond a quiet span's progress (which waits for the next complete one)."""
+    if was == now:
+        return False
+    return not (quiet and was is not None and was[0] == now[0])

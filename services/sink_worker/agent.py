@@ -40,7 +40,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -168,6 +168,8 @@ class SinkAgent:
         self.table_counts: dict[str, int] = {}
         """Spans held by state, as of the last heartbeat (its report may be partial)."""
         self._refs: dict[Span, tuple[tuple[object, ...], TableStatusV1]] = {}
+        self.followed: Collection[Span] = frozenset()
+        """Spans that only followed their source's resolved ts in the last round (``round.quiet``)."""
         """Each span's last heartbeat entry and the status it was made of (``_status_refs``)."""
         self._subs: list[Subscription] = []
         self._heartbeat: asyncio.Task[None] | None = None
@@ -248,7 +250,7 @@ class SinkAgent:
         self.table_counts = counts
         complete, tables = self.delta.cut(report.tables, report.epoch,
                                           time.monotonic() if now is None else now,
-                                          force=self.draining or self.leaving)
+                                          force=self.draining or self.leaving, quiet=self.followed)
         refs = [] if tables is None else self._status_refs(tables, every_span=complete)
         return MemberHeartbeatV3(member_id=self.member_id, incarnation=self.incarnation, address=self.address,
                                  draining=self.draining, leaving=self.leaving, epoch=report.epoch,
@@ -519,9 +521,12 @@ class SinkAgent:
         """Progress of the spans that ran: reported in the next heartbeat, and written rounds
         go to the writer log. ``before``: each span's (checkpoint ts, rows written) before."""
         moved = False
+        followed = self.followed = pipeline.followed
         for span, rt in pipeline.spans.items():
             if rt.checkpoint is not None:
-                moved = moved or rt.checkpoint.ts != before.get(span, (0, 0))[0]
+                # A span that only followed its source's resolved ts is reported with the next
+                # complete report (``report_delta``), not at once.
+                moved = moved or (rt.checkpoint.ts != before.get(span, (0, 0))[0] and span not in followed)
                 self.state.update_progress(span, rt.checkpoint.ts, rt.resolved_ts)
             prev_ts, prev_rows = before.get(span, (0, rt.rows_written))
             if rt.rows_written > prev_rows and rt.checkpoint is not None:

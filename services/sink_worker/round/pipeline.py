@@ -109,6 +109,12 @@ class Pipeline:
         self._ahead: asyncio.Future[None] | None = None
         """The running round's read-ahead (``round_overlap``); None or done between rounds."""
         self.spans: dict[Span, SpanRuntime] = {}
+        self._spans_changed = 0  # bumped whenever ``spans`` or a span's config changes
+        self._shards_counted: tuple[int, float | None] | None = None
+        self._groups_checked = -1  # ``_spans_changed`` when the groups were last checked for every span
+        self.followed: set[Span] = set()
+        """Spans that only followed their source's resolved ts in the last round (``round.quiet``):
+        their progress waits for the member's next complete report (``report_delta``)."""
         self.prepared: dict[Span, SpanRuntime] = {}
         """Spans loaded by ``prepare`` that do not run (write) yet."""
         self.fence: SelfFence | None = None
@@ -139,6 +145,7 @@ class Pipeline:
 
     def attach_shard_ddl(self, shard_ddl: ShardDdl) -> None:
         self.shard_ddl = self.barrier.shard_ddl = shard_ddl
+        self._spans_changed += 1  # counted again with the groups
 
         def passed(changefeed: str, ref: object) -> int | None:
             for span, rt in self.spans.items():
@@ -158,6 +165,7 @@ class Pipeline:
         the previous owner went on writing while it prepared."""
         await self._ahead_done()  # after a failed round: its read-ahead may still use the readers
         for span in [s for s in self.spans if s not in wanted]:
+            self._spans_changed += 1
             await self.spans.pop(span).reader.close()
             if self.initial_loads is not None:
                 await self.initial_loads.stop(span)
@@ -169,14 +177,27 @@ class Pipeline:
                 rt = self.spans[span] = self.prepared.pop(span)
                 rt.checkpoint = rt.stored = None
                 rt.config = config
+                self._spans_changed += 1
             if rt is None:
                 self.spans[span] = SpanRuntime(span, config, self._reader(span))
+                self._spans_changed += 1
             elif rt.config != config:
                 rt.config = config
-        for span in wanted:
-            self.spans[span].skips.update(self.known_skips.get(span, {}))
-        # Several upstream shards in one target: their DDL needs the ddl-lock, not this path.
-        count_shards(self.spans, self.shard_ddl)
+                self._spans_changed += 1
+        if self.known_skips:
+            for span in wanted:
+                self.spans[span].skips.update(self.known_skips.get(span, {}))
+        self._count_shards()
+
+    def _count_shards(self) -> None:
+        """Several upstream shards in one target: their DDL needs the ddl-lock, not this path.
+        Counted again only when the spans, their configs or the shard groups changed: counting
+        every span each round was a tenth of an idle worker's CPU at 3,000 spans."""
+        groups_at = self.shard_ddl.groups_at if self.shard_ddl is not None else None
+        key = (self._spans_changed, groups_at)
+        if key != self._shards_counted:
+            count_shards(self.spans, self.shard_ddl)
+            self._shards_counted = key
 
     async def close(self) -> None:
         await self._ahead_done()
@@ -245,6 +266,7 @@ class Pipeline:
         from the stored one, which is idempotent)."""
         await self._ahead_done()
         rt = self.spans.pop(span, None)
+        self._spans_changed += 1
         if self.initial_loads is not None:
             for copied in copied_spans(span):
                 await self.initial_loads.stop(copied)  # its finished chunks stay for the next owner
@@ -283,6 +305,7 @@ class Pipeline:
         if not runtimes:
             return report
         self.rounds += 1
+        self.followed = set()
         await self._ahead_done()  # a round that failed may have left its read-ahead running
         # A round holds its whole batch as live objects; collections in the middle of it only
         # walk them again and again (libs.gc_pause). The collector runs between rounds.
@@ -408,11 +431,14 @@ class Pipeline:
         if self.shard_ddl is not None:
             try:
                 await self.shard_ddl.refresh_if_due()
-                if any(self.shard_ddl.group_size(rt.span) is None for rt in runtimes):
-                    await self.shard_ddl.refresh_if_due(force=True)  # a span newer than the groups
+                # Looked at once per change of the spans: a span newer than the groups.
+                if (self._groups_checked != self._spans_changed
+                        and any(self.shard_ddl.group_size(rt.span) is None for rt in runtimes)):
+                    await self.shard_ddl.refresh_if_due(force=True)
+                self._groups_checked = self._spans_changed
             except Exception:
                 log.warning("shard group discovery failed", exc_info=True)
-            count_shards(self.spans, self.shard_ddl)
+            self._count_shards()
         marks = {}
         for source in sorted({rt.span.source for rt in runtimes}):
             marks[source] = await latest_resolved(self.js, source, self.rows_stream)
@@ -517,6 +543,7 @@ class Pipeline:
     def _follow(self, rt: SpanRuntime, checkpoint: Checkpoint, mark: ResolvedMark) -> None:
         """A quiet span follows the resolved ts (``round.quiet``); stored at its recheck."""
         rt.resolved_ts = mark.ts
+        self.followed.add(rt.span)
         if checkpoint != rt.checkpoint:
             rt.checkpoint = checkpoint
             assert rt.quiet is not None
