@@ -134,6 +134,8 @@ class SpanRuntime(SpanMachine):
     stored: Checkpoint | None = None
     """What the bucket holds as far as we know (None: nothing yet): the compare-and-set base."""
     stored_at: float = 0.0
+    checked_at: float = 0.0
+    """Monotonic time this worker last read the stored checkpoint (``Pipeline._check_stored``)."""
     resolved_ts: int | None = None
     rows_written: int = 0
     dead_lettered: int = 0
