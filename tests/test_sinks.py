@@ -14,6 +14,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -381,6 +382,38 @@ def test_reconcile_schema_adds_and_drops_columns(target: Target) -> None:
     with pytest.raises(ValueError, match="key"):
         target.sink.reconcile_schema(TargetTable(table.schema, table.name, keyless, key=("id",)))
     assert len(target.sink.fetch_rows(new_table)) == 3
+
+
+def test_targets_met_for_the_first_time_are_checked_in_bulk_and_each_unsettled_one_reconciled(
+        target: Target) -> None:
+    from contracts.events.rows import IndexPartV1, IndexV1, TableMetaV2, TableShapeV1
+    from services.sink_worker.ddl.target_schemas import TargetSchemas
+
+    grown = TableMetaV1(columns=[*SIMPLE.columns, col("email", "string", "varchar(255)")],
+                        primary_key=SIMPLE.primary_key, unique_keys=SIMPLE.unique_keys)
+    indexed = TableMetaV2(columns=SIMPLE.columns, primary_key=SIMPLE.primary_key,
+                          unique_keys=SIMPLE.unique_keys, shape=TableShapeV1(indexes=[
+                              IndexV1(name="by_age", unique=False, parts=[IndexPartV1(column="age")])]))
+    settled = [target.table(f"settled{n}", SIMPLE) for n in range(3)]
+    behind = target.table("behind", SIMPLE)  # created with the old columns; the batch has more
+    unindexed = target.table("unindexed", SIMPLE)
+    missing = target.table("missing", SIMPLE, create=False)
+    batch = [*settled, replace(behind, meta=grown), replace(unindexed, meta=indexed), missing]
+    found = target.sink.settled_schemas(batch)
+    if target.kind == "mariadb":
+        assert found == {(t.schema, t.name) for t in settled}
+    else:
+        assert found == set()  # checked one by one, as before
+    schemas = TargetSchemas()
+    schemas.settle(target.sink, "url", batch)
+    for table in batch:
+        schemas.ensure(target.sink, "url", table, reconcile=True)
+    assert "email" in (target.sink.target_columns(batch[3]) or [])
+    assert target.sink.target_columns(missing) == ["id", "name", "age"]
+    # Every one is now what reconcile_schema brings it to: nothing left to do on any.
+    assert all(target.sink.reconcile_schema(t) == [] for t in batch)
+    assert target.sink.settled_schemas(batch) == (
+        {(t.schema, t.name) for t in batch} if target.kind == "mariadb" else set())
 
 
 _USER_MADE = {

@@ -7,11 +7,14 @@ checks the target's schema again instead of trusting this memory.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from services.sink_worker.ddl.policy import as_target_has
 from services.sink_worker.sinks.base import Sink, TargetTable
 from services.sink_worker.sinks.sql_common import SqlSink
+
+log = logging.getLogger(__name__)
 
 
 class TargetSchemas:
@@ -51,6 +54,26 @@ class TargetSchemas:
         else:
             sink.ensure_table(table)
         self._known[cache_key] = meta_json
+
+    def settle(self, sink: Sink, sink_url: str, tables: Sequence[TargetTable]) -> None:
+        """Before a round's ``ensure`` of ``tables``: those this process does not know yet that
+        the sink finds settled in bulk (``Sink.settled_schemas``) are known from now on, so
+        their ``ensure`` does nothing. Worth it from two tables on (one connection either way);
+        a target with columns to drop is left to its own reconcile. A failed check only leaves
+        every table to its own ``ensure``."""
+        unknown = [t for t in tables if (sink_url, t.schema, t.name) not in self._drops
+                   and self._known.get((sink_url, t.schema, t.name)) != t.meta.model_dump_json()]
+        if len(unknown) < 2:
+            return
+        try:
+            settled = sink.settled_schemas(unknown)
+        except Exception:
+            log.warning("checking the targets' schemas in bulk failed; each is checked on its own",
+                        exc_info=True)
+            return
+        for t in unknown:
+            if (t.schema, t.name) in settled:
+                self._known[(sink_url, t.schema, t.name)] = t.meta.model_dump_json()
 
     def fixed(self, sink: SqlSink, sink_url: str, table: TargetTable) -> TargetTable:
         """``schema_change_policy = ignore``: create the target when missing, never alter it, and

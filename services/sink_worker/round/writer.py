@@ -109,6 +109,10 @@ class SqlWriter:
         batch_works = [w for w in works if sort.cuts[w.rt.span.kv_key].batch_events and w.plan]
         try:
             sink = open_sink(sink_url)
+            # Thousands of targets met for the first time (a changefeed's first writes): checked
+            # in bulk, not with a connection each.
+            self.schemas.settle(sink, sink_url, [w.plan.table for w in batch_works if w.plan is not None
+                                                 and w.rt.config.schema_change_policy != "ignore"])
             for w in batch_works:
                 assert w.plan is not None
                 if w.rt.config.schema_change_policy == "ignore" and isinstance(sink, SqlSink):

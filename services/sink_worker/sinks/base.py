@@ -105,6 +105,13 @@ class Sink(ABC):
         executing it and recording it re-runs it harmlessly.
         """
 
+    def settled_schemas(self, tables: Sequence[TargetTable]) -> set[tuple[str | None, str]]:
+        """``(schema, name)`` of those of ``tables`` on which ``reconcile_schema`` (with nothing
+        to drop) would change nothing now, found in bulk: a round that meets thousands of
+        targets for the first time checks them in a few reads instead of a connection each.
+        None of them by default: each is reconciled on its own."""
+        return set()
+
     @abstractmethod
     def drop_table(self, table: TargetTable) -> None: ...
 

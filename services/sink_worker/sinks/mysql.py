@@ -491,6 +491,56 @@ class MySQLSink(SqlSink):
 
         return self._run(work, f"reconcile {table.name!r}")
 
+    def settled_schemas(self, tables: Sequence[TargetTable]) -> set[tuple[str | None, str]]:
+        """Two reads of information_schema for every database of ``tables`` (its columns, and
+        its indexes when a table's metadata carries its shape), then ``reconcile_schema``'s
+        comparison for each table without a connection of its own."""
+        if not tables:
+            return set()
+        for table in tables:
+            self._validate(table)
+        databases = sorted({self._database(t) for t in tables})
+        marks = ", ".join(["%s"] * len(databases))
+        shaped = any(table_shape(t) is not None for t in tables)
+
+        Found = tuple[dict[tuple[str, str], list[str]], dict[tuple[str, str], list[tuple[Any, ...]]]]
+
+        def read(cur: Any) -> Found:
+            cur.execute("SELECT TABLE_SCHEMA, TABLE_NAME, COLUMN_NAME FROM information_schema.COLUMNS"
+                        f" WHERE TABLE_SCHEMA IN ({marks})"
+                        " ORDER BY TABLE_SCHEMA, TABLE_NAME, ORDINAL_POSITION", databases)
+            columns: dict[tuple[str, str], list[str]] = {}
+            for schema, name, column in cur.fetchall():
+                columns.setdefault((str(schema), str(name)), []).append(str(column))
+            indexes: dict[tuple[str, str], list[tuple[Any, ...]]] = {}
+            if shaped:
+                cur.execute("SELECT TABLE_SCHEMA, TABLE_NAME, INDEX_NAME, NON_UNIQUE, COLUMN_NAME, SUB_PART,"
+                            " INDEX_TYPE, COLLATION, INDEX_COMMENT FROM information_schema.STATISTICS"
+                            f" WHERE TABLE_SCHEMA IN ({marks})"
+                            " ORDER BY TABLE_SCHEMA, TABLE_NAME, INDEX_NAME, SEQ_IN_INDEX", databases)
+                for row in cur.fetchall():
+                    indexes.setdefault((str(row[0]), str(row[1])), []).append(tuple(row[2:]))
+            return columns, indexes
+
+        columns, indexes = self._run(read, "schema check")
+        settled: set[tuple[str | None, str]] = set()
+        for table in tables:
+            key = (self._database(table), table.name)
+            current = columns.get(key)
+            if not current:
+                continue  # missing (or named otherwise): reconciled on its own, which creates it
+            # As reconcile_schema: MySQL column names are case-insensitive.
+            have = {c.casefold() for c in current}
+            if any(c.name.casefold() not in have for c in table.meta.columns):
+                continue
+            if table_shape(table) is not None:
+                existing = shape_from_rows([], indexes.get(key, []), None, mariadb=True).indexes
+                drop, create = index_changes(target_indexes(table), existing)
+                if drop or create:
+                    continue
+            settled.add((table.schema, table.name))
+        return settled
+
     def widen_in_place(self, table: TargetTable, types: Mapping[str, str]) -> list[str]:
         self._validate(table)
 
