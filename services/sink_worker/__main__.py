@@ -9,6 +9,7 @@ id, incarnation, epoch seen, every dispatched span's state) and its Prometheus m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -44,6 +45,7 @@ def reexec_args(environ: dict[str, str], orig_argv: list[str], executable: str,
 
 
 async def run(runtime: ServiceRuntime) -> None:
+    from libs.nats_client import connect
     from libs.spark import get_spark, stop_spark
     from services.sink_worker.agent import SinkAgent
     from services.sink_worker.ddl.shard import ShardDdl
@@ -51,8 +53,11 @@ async def run(runtime: ServiceRuntime) -> None:
 
     settings = runtime.settings
     agent = None
+    heartbeat_nc = None
     if not settings.sink_standalone:
-        agent = SinkAgent(runtime.nc, member_id=settings.instance_id,
+        # Heartbeats on a connection of their own: see SinkAgent.hb_nc.
+        heartbeat_nc = await connect(settings, name=f"{runtime.producer}/heartbeats", service=runtime.name)
+        agent = SinkAgent(runtime.nc, member_id=settings.instance_id, heartbeat_nc=heartbeat_nc,
                           address=f"http://{settings.http_host}:{runtime.port}",
                           heartbeat_interval_s=settings.heartbeat_interval_s,
                           writer_log=settings.sink_writer_log, producer=runtime.producer,
@@ -71,6 +76,9 @@ async def run(runtime: ServiceRuntime) -> None:
     try:
         await worker.run()
     finally:
+        if heartbeat_nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(heartbeat_nc.close(), timeout=2.0)
         if worker.spark_started:
             # Bounded: the runtime's grace period is shared with the round that just ended.
             try:

@@ -148,8 +148,14 @@ class WriterLog:
 class SinkAgent:
     def __init__(self, nc: Client, *, member_id: str, address: str, heartbeat_interval_s: float,
                  wake: asyncio.Event | None = None, writer_log: str | None = None,
-                 producer: str = "", fence_s: float | None = None, heartbeat_complete_s: float = 1.0) -> None:
+                 producer: str = "", fence_s: float | None = None, heartbeat_complete_s: float = 1.0,
+                 heartbeat_nc: Client | None = None) -> None:
         self.nc = nc
+        self.hb_nc = heartbeat_nc or nc
+        """The connection heartbeats go on and the fence counts confirmations and reconnects of:
+        the worker's own by default; the service gives it one of its own, so that the server's
+        answer to a heartbeat's flush never waits behind a round's thousands of requests and
+        replies on the data connection (a worker writing to 3,000 tables fenced itself so)."""
         self.member_id = member_id
         self.incarnation = uuid4().hex
         self.address = address
@@ -201,7 +207,7 @@ class SinkAgent:
         SEEN_EPOCH.set(self.state.newest_epoch)
         self._subs.append(await self.nc.subscribe(dispatch_subject(self.member_id), cb=self._on_dispatch))
         self._subs.append(await self.nc.subscribe(announce_subject(REPLICATION), cb=self._on_announce))
-        self._reconnects = self.nc.stats.get("reconnects", 0)
+        self._reconnects = self.hb_nc.stats.get("reconnects", 0)
         await self._subscribe_probe()
         self._heartbeat = asyncio.create_task(self._heartbeats(), name="heartbeats")
         self.started_at = time.monotonic()
@@ -226,7 +232,7 @@ class SinkAgent:
             return  # never joined: nobody to tell that it leaves
         with contextlib.suppress(Exception):
             await self._send_heartbeat()
-            await self.nc.flush(timeout=2)
+            await self.hb_nc.flush(timeout=2)
 
     def start_draining(self) -> None:
         if not self.draining:
@@ -275,16 +281,16 @@ class SinkAgent:
 
     async def _send_heartbeat(self) -> None:
         hb = self.heartbeat()
-        messages = heartbeat_messages(hb, max_payload=self.nc.max_payload, producer=self.producer)
+        messages = heartbeat_messages(hb, max_payload=self.hb_nc.max_payload, producer=self.producer)
         sent_at = time.monotonic()
         # Several messages when the report is larger than the server takes (thousands of spans).
         for data, headers in messages:
-            await self.nc.publish(heartbeat_subject(self.member_id), data, headers=headers)
+            await self.hb_nc.publish(heartbeat_subject(self.member_id), data, headers=headers)
         if self.fence is not None:
             # Confirmed once the server answered the flush's PING: it has the heartbeat. Only on
             # the connection this incarnation started with (see services/sink_worker/fence.py).
-            await flush_within(self.nc, max(0.05, self.fence.bound_s))
-            if self.nc.stats.get("reconnects", 0) != self._reconnects:
+            await flush_within(self.hb_nc, max(0.05, self.fence.bound_s))
+            if self.hb_nc.stats.get("reconnects", 0) != self._reconnects:
                 self.fence.connection_lost()
             self.fence.confirm(sent_at)
         self.heartbeats_sent += 1
@@ -337,7 +343,7 @@ class SinkAgent:
         self.writer_log.incarnation = self.incarnation
         self.fence.fenced += 1
         self.fence.reset()
-        self._reconnects = self.nc.stats.get("reconnects", 0)
+        self._reconnects = self.hb_nc.stats.get("reconnects", 0)
         FENCED.inc()
         await self._subscribe_probe()
         self.span_stopped.set()
