@@ -467,6 +467,8 @@ class ResendGate:
         self.resend_s = resend_s
         self.inflight: set[Hashable] = set()
         self._accepted: dict[Hashable, float] = {}
+        self._clean_above = 1024
+        self.cleanups = 0
 
     def take(self, key: Hashable, now: float) -> bool:
         """Whether to send ``key`` now (then it is in flight until ``done``)."""
@@ -483,9 +485,14 @@ class ResendGate:
         self.inflight.discard(key)
         if verdict in self.ACCEPTED:
             self._accepted[key] = now
-            if len(self._accepted) > 1024 and len(self._accepted) > 4 * len(self.inflight):
-                # Amortised clean-up: entries past resend_s gate nothing any more.
+            if len(self._accepted) > self._clean_above:
+                # Entries past resend_s gate nothing any more. The next clean-up waits until the
+                # map has doubled: cleaning whenever it was large re-read all of it for every
+                # accept while 10,000 spans prepared at once (fresh entries stay), which stalled
+                # the leader's loop for seconds and cost it its lease.
                 self._accepted = {k: t for k, t in self._accepted.items() if now - t < self.resend_s}
+                self._clean_above = max(1024, 2 * len(self._accepted))
+                self.cleanups += 1
         else:
             self._accepted.pop(key, None)
 
