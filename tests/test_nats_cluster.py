@@ -167,18 +167,28 @@ async def test_cluster_loses_a_node_then_restarts_another_and_every_table_stays_
         upstream_txns = sum(w.txns for w in workloads)
         caught_up_from = time.monotonic()
         results: list[Verification] = []
+        last_error: list[str] = []
 
         def equal() -> bool:
             nonlocal results
             try:
                 results = [verify_target([ShardRef(db.url, DB, t) for db in system.source_dbs],
                                          system.sink_url, DB, t) for t in TABLES]
-            except Exception:  # a target the sink has not created yet
+            except Exception as exc:  # a target the sink has not created yet
+                last_error[:] = [repr(exc)]
                 return False
+            last_error.clear()
             return all(v.ok for v in results)
 
-        await wait(lambda: asyncio.to_thread(equal), 120,
-                   "every downstream table to equal the merged upstream")
+        try:
+            await wait(lambda: asyncio.to_thread(equal), 120,
+                       "every downstream table to equal the merged upstream")
+        except AssertionError as exc:
+            # What differs (or why it could not be compared), so a failure says whether rows are
+            # missing, extra or not comparable.
+            differ = [f"{v.target}: {v.diff}" for v in results if not v.ok]
+            raise AssertionError(f"{exc}\nlast comparison error: {last_error}\ndiffering: {differ}\n"
+                                 f"checkpoint {checkpoint_ms()} ms") from None
         caught_up = time.monotonic() - caught_up_from
         for v in results:
             assert v.ok, f"{v.target}: {v.diff}"
