@@ -9,7 +9,10 @@ unfinished transaction) stay in the reader for the next round instead of being f
 up to the batch size with their bodies, beyond it only as ``(stream_seq, ts)`` "ghosts" whose
 bodies are read again when their turn comes. Reading always goes on to the resolved mark's
 position, because only there is it known that every change up to the resolved ts has been
-seen (see ``PullResult.horizon``). The reader re-creates its consumer only when the checkpoint
+seen (see ``PullResult.horizon``); on a replicated stream a consumer's "nothing pending" short
+of the mark is confirmed with the stream's leader first (``_none_before``: a consumer on a
+replica behind the leader does not yet count what the leader stored before the mark). The
+reader re-creates its consumer only when the checkpoint
 moves outside the range it has read (a rewind, or a checkpoint another process advanced).
 
 Anything on a span's subjects that is not a valid event of that span goes to the dead-letter
@@ -500,6 +503,9 @@ class SpanReader:
         the whole transaction, as before."""
         self.open_max = (64, 32 * 1024 * 1024)
         self._open = (-1, 0, 0)  # the buffer's last transaction: (ts, events, body bytes)
+        self.confirm_reached: bool | None = None
+        """Whether a consumer's "nothing pending" before the mark is confirmed with the stream's
+        leader (``_none_before``); None: when the stream has replicas (``replicated``)."""
 
     def _config(self, name: str, start_seq: int) -> api.ConsumerConfig:
         return api.ConsumerConfig(
@@ -595,7 +601,7 @@ class SpanReader:
         try:
             with gc_paused():
                 await self._refill(limit)
-                _, dead = await self._scan(limit, self._base_ts, until_seq)
+                _, dead = await self._scan(limit, self._base_ts, until_seq, confirm=False)
                 await self._refill(limit)
         except BaseException as exc:
             self._stale = True  # e.g. messages fetched but not taken in: never pull after them
@@ -690,7 +696,8 @@ class SpanReader:
             self.ghosts.append(seq, ts)
         self._joiner.clear()
 
-    async def _scan(self, limit: int, checkpoint_ts: int, until_seq: int | None) -> tuple[bool, int]:
+    async def _scan(self, limit: int, checkpoint_ts: int, until_seq: int | None, *,
+                    confirm: bool = True) -> tuple[bool, int]:
         assert self._sub is not None
         dead = 0
         # Asking the consumer first avoids a fetch that waits out its timeout on an idle span.
@@ -751,8 +758,39 @@ class SpanReader:
                 else:
                     self._ghost(event.stream_seq, event.ts)
         self._spill_partial()
-        reached = pending == 0 or (until_seq is not None and self.read_upto >= until_seq)
+        if until_seq is not None and self.read_upto >= until_seq:
+            reached = True
+        elif pending == 0 and until_seq is not None and confirm and await self._must_confirm():
+            reached = await self._none_before(until_seq)
+        else:
+            reached = pending == 0
         return reached, dead
+
+    async def _must_confirm(self) -> bool:
+        if self.confirm_reached is None:
+            self.confirm_reached = await replicated(self.js, self.rows_stream)
+        return self.confirm_reached
+
+    async def _none_before(self, until_seq: int) -> bool:
+        """Whether the stream holds no message of the span's subjects after what was read and
+        at or before ``until_seq``, asked of the stream's leader. A consumer counts pending
+        messages in the store of the server that holds it, and in a cluster that may be a
+        replica still behind the leader (one that was catching up after a node was killed):
+        its "nothing pending" then passed over messages stored before the mark, the horizon
+        moved to the mark's ts, and those messages were dropped as applied when they came."""
+        for subject in self.span.subjects():
+            try:
+                raw = await self.js.get_msg(self.rows_stream, seq=self.read_upto + 1, subject=subject,
+                                            next=True)
+            except NotFoundError:
+                continue
+            if int(raw.seq or 0) <= until_seq:
+                log.info("the span's consumer said nothing pending before the mark, the stream's "
+                         "leader has more: read again next round",
+                         extra={"span": self.span.name, "read_upto": self.read_upto,
+                                "found_seq": raw.seq, "mark_seq": until_seq})
+                return False
+        return True
 
     async def _take_chunk(self, msg: Msg, info: ChunkInfo, checkpoint_ts: int,
                           limit: int) -> PulledEvent | None:
@@ -913,6 +951,19 @@ class _Parked:
 class ResolvedMark:
     ts: int
     stream_seq: int
+
+
+_REPLICATED: dict[tuple[int, str], bool] = {}
+
+
+async def replicated(js: JetStreamContext, stream: str) -> bool:
+    """Whether ``stream`` has more than one replica (read once per connection and stream)."""
+    key = (id(js), stream)
+    found = _REPLICATED.get(key)
+    if found is None:
+        info = await js.stream_info(stream)
+        found = _REPLICATED[key] = int(info.config.num_replicas or 1) > 1
+    return found
 
 
 async def latest_resolved(js: JetStreamContext, source: str,
