@@ -375,6 +375,23 @@ def test_resend_gate_forgets_old_accepts() -> None:
     assert len(gate) <= 1100
 
 
+def test_resend_gate_sends_a_step_again_at_once_after_another_step_of_the_span_was_accepted() -> None:
+    # A span moved away from w1 and back (prepare, commit, remove, then prepare again) within
+    # resend_s: the second prepare is a new step, not a repeat of the first.
+    gate = ResendGate(resend_s=10.0)
+    step = ("w1", "inc1", "span")
+    for action, t in (("add-prepare", 0.0), ("add-commit", 0.1), ("remove", 0.2)):
+        assert gate.take((*step, action), t)
+        gate.done((*step, action), t, "accepted")
+    assert not gate.take((*step, "remove"), 1.0)  # the remove itself is still held back
+    assert gate.take((*step, "add-prepare"), 1.7)  # it waited until 10.0 before
+    gate.done((*step, "add-prepare"), 1.8, "accepted")
+    assert not gate.take((*step, "add-prepare"), 2.0)
+    assert gate.take((*step, "remove"), 2.1)  # the remove after that prepare is new too
+    # Another span's accepts are its own.
+    assert gate.take(("w1", "inc1", "other", "add-prepare"), 2.2)
+
+
 def test_resend_gate_cleans_up_in_amortised_constant_time_when_every_accept_is_fresh() -> None:
     # A changefeed's start: 20,000 dispatches accepted within resend_s, none of them old.
     gate = ResendGate(resend_s=600.0)

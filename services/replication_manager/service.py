@@ -459,7 +459,12 @@ class ResendGate:
     at once that repetition was thousands of requests a tick, which kept the leader's loop too
     busy to renew its lease (BENCHMARKS.md, "10,000 tables"). A dispatch unanswered, timed out
     or refused is resent at the next tick as before; keys carry the member's incarnation, so a
-    restarted member gets the step at once."""
+    restarted member gets the step at once. Keys are tuples whose last item is the action: an
+    accepted action forgets the accepted others of the same key prefix (member, incarnation,
+    span), so a step taken again after another one (prepare, then remove, then prepare again:
+    a span moved back to the member it was leaving) goes out at once instead of waiting out
+    ``resend_s`` behind the first prepare's accept (a worker killed mid-move had a span wait
+    8.7 s for its new owner so)."""
 
     ACCEPTED = frozenset({"accepted", "duplicate"})
 
@@ -467,6 +472,8 @@ class ResendGate:
         self.resend_s = resend_s
         self.inflight: set[Hashable] = set()
         self._accepted: dict[Hashable, float] = {}
+        self._steps: dict[Hashable, set[Hashable]] = {}
+        """Key prefix (all but the action) -> the accepted keys with it."""
         self._clean_above = 1024
         self.cleanups = 0
 
@@ -484,6 +491,12 @@ class ResendGate:
         """``key``'s request ended with ``verdict`` (None: no answer)."""
         self.inflight.discard(key)
         if verdict in self.ACCEPTED:
+            if isinstance(key, tuple) and len(key) > 1:
+                step = self._steps.setdefault(key[:-1], set())
+                for other in step - {key}:
+                    self._accepted.pop(other, None)
+                step.intersection_update({key})
+                step.add(key)
             self._accepted[key] = now
             if len(self._accepted) > self._clean_above:
                 # Entries past resend_s gate nothing any more. The next clean-up waits until the
@@ -491,6 +504,10 @@ class ResendGate:
                 # accept while 10,000 spans prepared at once (fresh entries stay), which stalled
                 # the leader's loop for seconds and cost it its lease.
                 self._accepted = {k: t for k, t in self._accepted.items() if now - t < self.resend_s}
+                self._steps = {}
+                for k in self._accepted:
+                    if isinstance(k, tuple) and len(k) > 1:
+                        self._steps.setdefault(k[:-1], set()).add(k)
                 self._clean_above = max(1024, 2 * len(self._accepted))
                 self.cleanups += 1
         else:
