@@ -405,15 +405,16 @@ async def _anonymous_refused_and_member_lease(port: int, admin_password: str) ->
     admin = await nats.connect(f"nats://127.0.0.1:{port}", user="admin", password=admin_password,
                                allow_reconnect=False)
     try:
-        # The member took its lease, which only the member role may write.
-        kv = await admin.jetstream().key_value(LEADER_BUCKET)
+        # The member took its lease, which only the member role may write. Its bucket may not be
+        # there yet when the service reports ready (a fresh server that fsyncs every write).
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
+                kv = await admin.jetstream().key_value(LEADER_BUCKET)
                 await kv.get("member")
                 return
-            except nats.js.errors.KeyNotFoundError:
-                await asyncio.sleep(0.1)
+            except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
+                await asyncio.sleep(0.1)  # polling for the lease, within the deadline
         pytest.fail("the member never took its lease as its own role")
     finally:
         await admin.close()
