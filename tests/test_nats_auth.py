@@ -236,6 +236,10 @@ async def test_a_row_forged_with_another_services_credentials_never_reaches_the_
         processes.append(worker)
         capture.wait_healthy(60)
         worker.wait_healthy(60)
+        # A new source starts at the binlog's current position: the row goes in once capture has
+        # taken it (healthy came first once, and a row written before it was never read).
+        await asyncio.to_thread(wait_until, lambda: (capture.health() or {}).get("state") == "reading", 60,
+                                "capture reading")
         mariadb.execute(f"INSERT INTO {db}.{table} VALUES (1, 'real')")
         await asyncio.to_thread(wait_until, lambda: _downstream_ids(downstream, table) == {1}, 300,
                                 "the real row downstream")
