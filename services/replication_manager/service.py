@@ -473,7 +473,8 @@ class ResendGate:
         self.inflight: set[Hashable] = set()
         self._accepted: dict[Hashable, float] = {}
         self._steps: dict[Hashable, set[Hashable]] = {}
-        """Key prefix (all but the action) -> the accepted keys with it."""
+        """Key prefix (all but the action) -> its accepted key (one at a time; a set as the
+        clean-up rebuilds it)."""
         self._clean_above = 1024
         self.cleanups = 0
 
@@ -492,11 +493,9 @@ class ResendGate:
         self.inflight.discard(key)
         if verdict in self.ACCEPTED:
             if isinstance(key, tuple) and len(key) > 1:
-                step = self._steps.setdefault(key[:-1], set())
-                for other in step - {key}:
+                for other in self._steps.get(key[:-1], set()) - {key}:
                     self._accepted.pop(other, None)
-                step.intersection_update({key})
-                step.add(key)
+                self._steps[key[:-1]] = {key}
             self._accepted[key] = now
             if len(self._accepted) > self._clean_above:
                 # Entries past resend_s gate nothing any more. The next clean-up waits until the

@@ -174,9 +174,9 @@ class SinkAgent:
         self.table_counts: dict[str, int] = {}
         """Spans held by state, as of the last heartbeat (its report may be partial)."""
         self._refs: dict[Span, tuple[tuple[object, ...], TableStatusV1]] = {}
+        """Each span's last heartbeat entry and the status it was made of (``_status_refs``)."""
         self.followed: Collection[Span] = frozenset()
         """Spans that only followed their source's resolved ts in the last round (``round.quiet``)."""
-        """Each span's last heartbeat entry and the status it was made of (``_status_refs``)."""
         self._subs: list[Subscription] = []
         self._heartbeat: asyncio.Task[None] | None = None
         self._preparing: dict[Span, asyncio.Task[None]] = {}

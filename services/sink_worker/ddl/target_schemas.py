@@ -61,19 +61,22 @@ class TargetSchemas:
         their ``ensure`` does nothing. Worth it from two tables on (one connection either way);
         a target with columns to drop is left to its own reconcile. A failed check only leaves
         every table to its own ``ensure``."""
-        unknown = [t for t in tables if (sink_url, t.schema, t.name) not in self._drops
-                   and self._known.get((sink_url, t.schema, t.name)) != t.meta.model_dump_json()]
+        unknown: dict[tuple[str, str | None, str], tuple[TargetTable, str]] = {}
+        for t in tables:
+            key, meta_json = (sink_url, t.schema, t.name), t.meta.model_dump_json()
+            if key not in self._drops and self._known.get(key) != meta_json:
+                unknown[key] = (t, meta_json)
         if len(unknown) < 2:
             return
         try:
-            settled = sink.settled_schemas(unknown)
+            settled = sink.settled_schemas([t for t, _ in unknown.values()])
         except Exception:
             log.warning("checking the targets' schemas in bulk failed; each is checked on its own",
                         exc_info=True)
             return
-        for t in unknown:
+        for key, (t, meta_json) in unknown.items():
             if (t.schema, t.name) in settled:
-                self._known[(sink_url, t.schema, t.name)] = t.meta.model_dump_json()
+                self._known[key] = meta_json
 
     def fixed(self, sink: SqlSink, sink_url: str, table: TargetTable) -> TargetTable:
         """``schema_change_policy = ignore``: create the target when missing, never alter it, and
